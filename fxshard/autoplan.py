@@ -1,0 +1,148 @@
+"""Automatic Megatron pairing, used when no plan, decorator or shipped plan says anything.
+
+Within one module (an MLP, an attention block) a Linear whose input is computed only from other
+Linears of the same module — through elementwise ops, reshapes, attention — is row-parallel, and
+those Linears are column-parallel.  Values that carry no gradient (masks, rotary tables) may join
+on the way.  q/k/v then split on head boundaries because the reshapes to heads follow the column
+split; a fused projection split into equal parts afterwards is packed (GPT-2 ``c_attn``: 3).
+An unpaired Linear that feeds the loss is a column-parallel head with its output gathered, and an
+Embedding indexed by a user input is split over the vocabulary.  Every candidate is validated by
+propagating placements: a pair whose module would need a gather inside it is dropped.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxshard.capture import node_fqn
+from fxshard.layers import WeightOp, infer_packing, style_placements
+from fxshard.plan import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
+from fxshard.sharding import propagate, tensor_args
+
+
+def _within(fqn: str, scope: str) -> bool:
+    return fqn == scope or fqn.startswith(scope + ".")
+
+
+def _parent(fqn: str) -> str | None:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else None
+
+
+def _depends_on(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
+    out = set(sources)
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(a in out for a in tensor_args(n)):
+            out.add(n)
+    return out
+
+
+def _row_candidates(gm, ops: list[WeightOp], params: set[fx.Node]) -> list[tuple[WeightOp, list[WeightOp]]]:
+    by_node = {op.node: op for op in ops}
+    grad = _depends_on(gm, params)
+    pairs = []
+    for op in ops:
+        if op.kind == "embedding" or _parent(op.fqn) is None:
+            continue
+        scope = _parent(op.fqn)
+        x = op.node.args[0] if op.kind == "linear" else op.node.args[1]
+        stack, seen, ups, ok = [x], set(), {}, True
+        while stack and ok:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in by_node:
+                up = by_node[n]
+                ok = up.kind != "embedding" and _within(up.fqn, scope)
+                ups[up.node] = up
+            elif n not in grad or n.op == "placeholder":
+                continue
+            elif not _within(node_fqn(n), scope):
+                ok = False
+            else:
+                stack.extend(tensor_args(n))
+        if ok and ups:
+            pairs.append((op, sorted(ups.values(), key=lambda u: list(gm.graph.nodes).index(u.node))))
+    return pairs
+
+
+def _reaches_output(gm, op: WeightOp, weight_nodes: set[fx.Node]) -> bool:
+    stack, seen = [op.node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op == "output":
+                return True
+            if u not in weight_nodes:
+                stack.append(u)
+    return False
+
+
+def _from_user_input(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in user_inputs:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(tensor_args(n))
+    return False
+
+
+def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], user_inputs: set[fx.Node],
+              tp: int) -> ResolvedPlan:
+    """Choose styles for every splittable module; see the module docstring for the rules."""
+    plan = ResolvedPlan(source="auto")
+    pairs = _row_candidates(gm, ops, params)
+    role: dict[fx.Node, str] = {}
+    chosen = []
+    for row, cols in pairs:
+        if role.get(row.node) == "col" or any(role.get(c.node) == "row" for c in cols):
+            continue
+        role[row.node] = "row"
+        role.update({c.node: "col" for c in cols})
+        chosen.append((row, cols))
+
+    while True:
+        styles: dict[WeightOp, Style] = {}
+        for row, cols in chosen:
+            styles[row] = rowwise()
+            for c in cols:
+                styles[c] = colwise(packed=infer_packing(c))
+        weights = {}
+        for op, st in styles.items():
+            weights.update(style_placements(op, st))
+        prop = propagate(gm, weights, params)
+        bad = [(row, cols) for row, cols in chosen
+               if any(_within(node_fqn(f), _parent(row.fqn)) for f in prop.fallbacks)]
+        if not bad:
+            break
+        chosen = [pc for pc in chosen if pc not in bad]
+
+    paired = {op.node for op in styles}
+    weight_nodes = {op.node for op in ops}
+    heads = [op for op in ops if op.kind != "embedding" and op.node not in paired
+             and _reaches_output(gm, op, weight_nodes)
+             and op.node.meta["val"].shape[-1] % tp == 0]
+    for op in heads:
+        styles[op] = colwise(gather_output=True)
+    head_weights = {op.weight for op in heads}
+    for op in ops:
+        if op.kind != "embedding" or op.node in paired:
+            continue
+        rows = op.node.meta["val"].shape  # noqa: F841  (documenting: rows are the weight's dim 0)
+        vocab = op.weight.meta["val"].shape[0]
+        tied_elsewhere = any(o.weight is op.weight and o is not op for o in ops)
+        if vocab % tp == 0 and _from_user_input(op.node.args[1], user_inputs) and (
+            not tied_elsewhere or op.weight in head_weights
+        ):
+            styles[op] = vocab_parallel()
+    for op, st in styles.items():
+        plan.styles[op.fqn] = st
+        plan.sources[op.fqn] = "auto"
+    return plan

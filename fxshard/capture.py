@@ -1,0 +1,296 @@
+"""Capture an unmodified model as one flat ATen graph with its module provenance.
+
+``torch.export.export(strict=False)`` traces the user's Python as it runs, so Hugging Face
+models capture without rewrites (``torch.fx.symbolic_trace`` fails on every transformers-5
+model).  The loss is captured in the same graph, so the whole training forward — including the
+gather of vocabulary-sharded logits before the loss — is visible and shardable.
+
+The result is a :class:`Program`: the GraphModule, and for every placeholder what it is
+(parameter, buffer, constant, user input) and which FQN it came from::
+
+    program = capture(load_model_file("samples/gpt.py"))
+    program.gm.graph.print_tabular()
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from fxshard.errors import CaptureError, ModelFileError
+from fxshard.modelfile import ModelFile
+
+WRAPPED = "model"  # attribute of the capture wrapper holding the user's model; stripped from FQNs
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A parameter, buffer or constant: the graph placeholder and the source tensor it stands for."""
+
+    name: str  # placeholder name in the graph
+    fqn: str  # the tensor's name in the user's model state
+    kind: str  # "parameter" | "buffer" | "constant"
+    persistent: bool = True
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str  # placeholder name
+    path: str  # pytree key path into (args, kwargs), e.g. "[1]['input_ids']"
+    is_tensor: bool
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+
+
+@dataclass
+class Program:
+    """A captured training forward: ``gm(*state, *inputs) -> (loss, *model_outputs)``."""
+
+    gm: fx.GraphModule
+    state: list[StateSpec]
+    inputs: list[InputSpec]
+    output_paths: list[str]
+    module_types: dict[str, str]  # fqn -> class name, for comments and errors
+    tensors: dict[str, torch.Tensor]  # fqn -> initial value (real, or meta when captured without weights)
+    tied: dict[str, str]  # fqn -> the fqn export kept for the same tensor
+    model: torch.nn.Module
+    notes: list[str] = field(default_factory=list)
+
+    def state_by_name(self) -> dict[str, StateSpec]:
+        return {s.name: s for s in self.state}
+
+
+class _WithLoss(torch.nn.Module):
+    """Runs the user's model and its loss in one forward, so both land in one graph."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn, positional: bool):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.positional = positional
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        inputs = args if self.positional else kwargs
+        if self.loss_fn is not None:
+            loss = self.loss_fn(out, inputs)
+        elif isinstance(out, torch.Tensor):
+            loss = out
+        elif getattr(out, "loss", None) is not None:
+            loss = out.loss
+        else:
+            raise ModelFileError(
+                f"the model returned {type(out).__name__} without a loss: define loss_fn(output, inputs) in "
+                "the model file, return a scalar loss, or pass labels so the output carries .loss"
+            )
+        return loss, out
+
+
+def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None) -> Program:
+    """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`."""
+    model = model if model is not None else mf.build_model(seed)
+    inputs = inputs if inputs is not None else mf.build_inputs(seed)
+    model.train()
+    positional = not isinstance(inputs, dict)
+    wrapper = _WithLoss(model, mf.loss_fn, positional)
+    args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
+    try:
+        ep = torch.export.export(wrapper, args, kwargs, strict=False)
+    except ModelFileError:
+        raise
+    except Exception as e:
+        raise CaptureError(_explain_export_failure(e, mf.path)) from e
+    return _to_program(ep, model, args, kwargs)
+
+
+def _to_program(ep, model, args, kwargs) -> Program:
+    gm = ep.graph_module
+    prefix = WRAPPED + "."
+    state, inputs = [], []
+    non_persistent = set()
+    for mod_fqn, mod in model.named_modules():
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            non_persistent.add(f"{mod_fqn}.{b}" if mod_fqn else b)
+    leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+    user_inputs = iter(leaves)
+    kinds = {"PARAMETER": "parameter", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant"}
+    for spec in ep.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind in kinds:
+            fqn = spec.target[len(prefix):] if spec.target.startswith(prefix) else spec.target
+            state.append(StateSpec(spec.arg.name, fqn, kinds[kind], fqn not in non_persistent))
+        elif kind == "USER_INPUT":
+            path, leaf = next(user_inputs)
+            is_tensor = isinstance(leaf, torch.Tensor)
+            inputs.append(
+                InputSpec(
+                    spec.arg.name,
+                    pytree.keystr(path),
+                    is_tensor,
+                    tuple(leaf.shape) if is_tensor else (),
+                    str(leaf.dtype).removeprefix("torch.") if is_tensor else "",
+                )
+            )
+        else:
+            raise CaptureError(f"unsupported export input kind {kind} for {spec.arg.name}")
+    out_leaves = pytree.tree_flatten_with_path(
+        pytree.tree_unflatten([None] * ep.call_spec.out_spec.num_leaves, ep.call_spec.out_spec)
+    )[0]
+    output_paths = ["loss" if i == 0 else "out" + pytree.keystr(p[1:]) for i, (p, _) in enumerate(out_leaves)]
+
+    tensors = dict(model.state_dict(keep_vars=True))
+    for name, buf in model.named_buffers():
+        tensors.setdefault(name, buf)
+    for spec in state:
+        if spec.kind == "constant":
+            tensors[spec.fqn] = getattr(gm, spec.name, None) if hasattr(gm, spec.name) else ep.constants[spec.fqn]
+    tied = _tied_names(model)
+    module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
+
+    _strip_prefix(gm, WRAPPED)
+    _inline_wrappers(gm)
+    _drop_noise(gm)
+    return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model)
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Map every name of a shared parameter to the first name it has (the one export keeps)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def node_fqn(node: fx.Node) -> str:
+    """FQN of the innermost module a node came from ('' for the model itself)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return node.meta.get("fxshard_fqn", "")
+    return list(stack.values())[-1][0]
+
+
+def _strip_prefix(gm: fx.GraphModule, wrapped: str) -> None:
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        new = {}
+        for key, (path, cls) in stack.items():
+            if path == "" or path == "L__self__":
+                continue  # the capture wrapper itself
+            if path == wrapped:
+                path = ""
+            elif path.startswith(wrapped + "."):
+                path = path[len(wrapped) + 1:]
+            new[key] = (path, cls)
+        node.meta["nn_module_stack"] = new
+
+
+def _inline_wrappers(gm: fx.GraphModule) -> None:
+    """Inline ``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` bodies into the flat graph.
+
+    Hugging Face rotary embeddings run under ``torch.no_grad()`` and ``autocast(enabled=False)``;
+    export keeps those as sub-graphs.  A flat graph is what the passes and the generated code want.
+    Inputs of a no-grad region are detached so gradients stop there exactly as before.
+    """
+    hops = {torch.ops.higher_order.wrap_with_set_grad_enabled, torch.ops.higher_order.wrap_with_autocast}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in hops:
+            continue
+        if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            enable_grad, body_node, *operands = node.args
+        else:
+            device_type, dtype, enabled, _cache, body_node, *operands = node.args
+            if enabled:
+                raise CaptureError(
+                    f"{node_fqn(node) or 'model'}: torch.autocast regions inside the model are not supported; "
+                    "remove the autocast context (fxshard applies mixed precision itself)"
+                )
+            enable_grad = True
+        body = getattr(gm, body_node.target)
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        with gm.graph.inserting_before(node):
+            for ph, arg in zip(placeholders, operands, strict=True):
+                if not enable_grad and isinstance(arg, fx.Node) and _is_float(arg):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (arg,))
+                    detached.meta = dict(arg.meta)
+                    arg = detached
+                env[ph] = arg
+            result = None
+            for inner in body.graph.nodes:
+                if inner.op == "placeholder":
+                    continue
+                if inner.op == "output":
+                    result = pytree.tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, inner.args[0])
+                    continue
+                new = gm.graph.node_copy(inner, lambda a: env[a])
+                new.meta = dict(inner.meta)
+                if "nn_module_stack" not in new.meta:
+                    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+                env[inner] = new
+        for user in list(node.users):
+            assert user.target is __import__("operator").getitem, user
+            user.replace_all_uses_with(result[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not any(n.op == "get_attr" and n.target == body_node.target for n in gm.graph.nodes if n is not body_node):
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_float(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _drop_noise(gm: fx.GraphModule) -> None:
+    """Remove nodes that compute nothing: metadata asserts and aliases."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _explain_export_failure(e: Exception, model_path: Path) -> str:
+    """Say which construct failed and where in the user's source."""
+    frames = traceback.extract_tb(e.__traceback__)
+    site = "/site-packages/"
+    user = [f for f in frames if site not in f.filename and "/fxshard/" not in f.filename]
+    where = ""
+    if user:
+        f = user[-1]
+        line = (linecache.getline(f.filename, f.lineno) or "").strip()
+        where = f" at {f.filename}:{f.lineno} in {f.name}(): `{line}`"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    kind = type(e).__name__
+    if "data-dependent" in str(e) or "GuardOnDataDependent" in kind or "DataDependent" in kind:
+        hint = (
+            "Python control flow that depends on tensor values cannot be captured; "
+            "use torch.where / torch.cond, or make the condition depend only on shapes or config"
+        )
+        construct = "data-dependent control flow"
+    else:
+        hint = "make the forward traceable by torch.export (non-strict), or report the failing construct"
+        construct = f"{kind}: {text}"
+    return f"{model_path}: torch.export could not capture the model: {construct}{where}. {hint}."

@@ -1,0 +1,44 @@
+"""The one error family users can cause.
+
+Every message names where (module FQN, file, node), what was expected, what was found,
+and how to fix it.  ``assert`` is reserved for fxshard's own bugs.
+"""
+
+from __future__ import annotations
+
+
+class FxshardError(Exception):
+    """Base class of every error a user's input can cause."""
+
+
+class ModelFileError(FxshardError):
+    """The model file does not follow the convention (make_model, make_inputs, loss_fn)."""
+
+
+class CaptureError(FxshardError):
+    """torch.export could not capture the model."""
+
+
+class PlanError(FxshardError):
+    """A plan, decorator or layout flag is inconsistent with the model."""
+
+
+class ShardingError(FxshardError):
+    """A tensor cannot be split the way the plan asks (sizes, unsupported ops)."""
+
+
+class LayoutError(FxshardError):
+    """The parallel layout (tp, pp, dp, zero, schedule) is not valid or not supported."""
+
+
+class OutputFolderError(FxshardError):
+    """A folder given as compiled output is not one fxshard wrote, or is damaged."""
+
+
+class CheckError(FxshardError):
+    """A static check found a program that would compute wrongly or hang."""
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order, for 'use tp in {...}' hints."""
+    return [d for d in range(1, n + 1) if n % d == 0]

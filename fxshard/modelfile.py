@@ -1,0 +1,113 @@
+"""Load a user's model file: ``make_model()``, ``make_inputs()``, optional ``loss_fn`` and ``make_batches``.
+
+The file is imported as it is; nothing in it is rewritten.  Randomness is seeded before
+``make_model`` and before ``make_inputs`` so compile, run and the single-device reference all
+see the same initial weights and the same batch::
+
+    mf = load_model_file("samples/gpt.py")
+    model, inputs = mf.build(seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxshard.errors import ModelFileError
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    make_model: Callable[[], torch.nn.Module]
+    make_inputs: Callable[[], Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    make_batches: Callable[[], Any] | None
+    module: Any
+
+    def build_model(self, seed: int = 0) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = self.make_model()
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(
+                f"{self.path}: make_model() returned {type(model).__name__}; expected a torch.nn.Module. "
+                "Return the model instance, e.g. `return GPT(config)`."
+            )
+        return model
+
+    def build_inputs(self, seed: int = 0) -> Any:
+        torch.manual_seed(seed + 1)
+        inputs = self.make_inputs()
+        check_inputs(inputs, f"{self.path}: make_inputs()")
+        return inputs
+
+    def build(self, seed: int = 0) -> tuple[torch.nn.Module, Any]:
+        return self.build_model(seed), self.build_inputs(seed)
+
+    def batches(self, steps: int, seed: int = 0) -> list[Any]:
+        """The batches of ``steps`` training steps: ``make_batches()`` cycled, else the example batch."""
+        if self.make_batches is None:
+            batch = self.build_inputs(seed)
+            return [batch] * steps
+        torch.manual_seed(seed + 2)
+        batches = list(self.make_batches())
+        if not batches:
+            raise ModelFileError(f"{self.path}: make_batches() returned no batch; return a list of batches.")
+        for i, b in enumerate(batches):
+            check_inputs(b, f"{self.path}: make_batches()[{i}]")
+        return [batches[i % len(batches)] for i in range(steps)]
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
+
+def check_inputs(inputs: Any, where: str) -> None:
+    if not isinstance(inputs, (dict, tuple, list)):
+        raise ModelFileError(
+            f"{where} returned {type(inputs).__name__}; expected a dict of keyword arguments or a tuple of "
+            "positional arguments for the model's forward, e.g. `return {'input_ids': ids, 'labels': ids}`."
+        )
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """Call ``model`` with a batch in the model-file convention (dict = kwargs, tuple = args)."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def load_model_file(path: str | Path) -> ModelFile:
+    """Import ``path`` and check it follows the model-file convention."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file; expected a Python file defining make_model().")
+    name = "fxshard_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's import error, reported with its origin
+        del sys.modules[name]
+        raise ModelFileError(f"{path}: importing the model file failed: {type(e).__name__}: {e}") from e
+    missing = [f for f in ("make_model", "make_inputs") if not callable(getattr(module, f, None))]
+    if missing:
+        raise ModelFileError(
+            f"{path}: the model file defines no {' and no '.join(m + '()' for m in missing)}. "
+            "A model file defines make_model() returning the unmodified nn.Module and make_inputs() "
+            "returning one example batch (a dict of keyword arguments or a tuple); optionally "
+            "loss_fn(output, inputs) and make_batches()."
+        )
+    return ModelFile(
+        path=path,
+        make_model=module.make_model,
+        make_inputs=module.make_inputs,
+        loss_fn=getattr(module, "loss_fn", None),
+        make_batches=getattr(module, "make_batches", None),
+        module=module,
+    )

@@ -1,0 +1,38 @@
+"""Load a rank's tensors (parameters, buffers) from its safetensors shard into the generated module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fxshard.errors import OutputFolderError
+
+
+def load_state(module: torch.nn.Module, path: str | Path) -> None:
+    """Copy every tensor of ``path`` into the parameter or buffer of the same name, checking shapes."""
+    path = Path(path)
+    if not path.is_file():
+        raise OutputFolderError(f"{path}: weights file missing; recompile with `fxshard compile`")
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise OutputFolderError(f"{path}: cannot read weights ({type(e).__name__}: {e}); recompile") from e
+    own = dict(module.named_parameters()) | dict(module.named_buffers())
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    if missing or extra:
+        raise OutputFolderError(
+            f"{path}: tensors do not match the rank module: missing {missing[:5]}, unexpected {extra[:5]}; "
+            "the weights and the code come from different compiles — recompile"
+        )
+    with torch.no_grad():
+        for name, target in own.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(target.shape):
+                raise OutputFolderError(
+                    f"{path}: tensor {name} has shape {tuple(src.shape)}, the rank module expects "
+                    f"{tuple(target.shape)}; recompile"
+                )
+            target.copy_(src)

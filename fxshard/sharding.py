@@ -1,0 +1,466 @@
+"""Placement propagation over the tensor-parallel axis: one rule per ATen op family.
+
+Given the placements of the weights (from the plan), walk the graph in order and decide for every
+node the placement of its output and the placement each tensor input must have.  Where an input's
+placement differs from what the rule needs, the collectives pass inserts the redistribution.  An
+op without a rule runs replicated: its sharded inputs are gathered first (always correct, noted in
+``Propagation.fallbacks`` so the plan can be improved).
+
+This is analysis only; ``passes/tensor_parallel.py`` applies it.  Rules see global shapes
+(``node.meta["val"]``) and never look at the other ranks.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxshard.placement import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+@dataclass
+class Decision:
+    """What one node computes under tensor parallelism."""
+
+    out: Placement | tuple[Placement, ...]
+    inputs: tuple[Placement, ...]  # required placement of each tensor input, in ``tensor_args`` order
+    rewrite: str | None = None  # "vocab_embedding" | "bias_after_reduce"
+
+
+@dataclass
+class Propagation:
+    decisions: dict[fx.Node, Decision] = field(default_factory=dict)
+    fallbacks: list[fx.Node] = field(default_factory=list)
+    needs_grad: set[fx.Node] = field(default_factory=set)
+
+    def placement(self, node: fx.Node) -> Placement:
+        out = self.decisions[node].out
+        assert not isinstance(out, tuple), node
+        return out
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """Tensor-valued fx.Node arguments of ``node``, in argument order (lists flattened)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) if _is_tensor(a) else None)
+    return found
+
+
+def _is_tensor(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def shape(n: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in n.meta["val"].shape)
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def propagate(
+    gm: fx.GraphModule,
+    weights: dict[fx.Node, Placement],
+    trainable: set[fx.Node],
+    forced: dict[fx.Node, Placement] | None = None,
+) -> Propagation:
+    """Decide placements for every node, given placements of parameter placeholders.
+
+    ``trainable`` are the parameter placeholders (gradients flow from them).  ``forced`` makes
+    consumers of some nodes see another placement (a ``gather_output`` head computes S(-1) and its
+    consumers see R): the collectives pass then inserts the redistribution before the consumers.
+    """
+    prop = Propagation()
+    forced = forced or {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            prop.decisions[node] = Decision(weights.get(node, R), ())
+            if node in trainable:
+                prop.needs_grad.add(node)
+            continue
+        if node.op == "output":
+            args = tensor_args(node)
+            prop.decisions[node] = Decision(R, tuple(R for _ in args))
+            continue
+        if node.op != "call_function":
+            prop.decisions[node] = Decision(R, ())
+            continue
+        args = tensor_args(node)
+        if any(a in prop.needs_grad for a in args) and _is_differentiable(node):
+            prop.needs_grad.add(node)
+        if node.target is operator.getitem:
+            src = prop.decisions[node.args[0]].out
+            prop.decisions[node] = Decision(src[node.args[1]] if isinstance(src, tuple) else src, ())
+            continue
+        placements = [forced.get(a, prop.decisions[a].out) for a in args]
+        if all(p == R for p in placements):
+            decision = Decision(_replicated_out(node), tuple(R for _ in args))
+        else:
+            decision = _rule(node, args, placements)
+            if decision is None:
+                prop.fallbacks.append(node)
+                decision = Decision(_replicated_out(node), tuple(R for _ in args))
+        prop.decisions[node] = decision
+    return prop
+
+
+def _is_differentiable(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals) and (
+        node.target is not aten.detach.default
+    )
+
+
+def _replicated_out(node: fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return tuple(R for _ in val)
+    return R
+
+
+# ---------------------------------------------------------------- rules
+
+_RULES: dict = {}
+
+
+def _rule(node, args, placements) -> Decision | None:
+    packet = getattr(node.target, "overloadpacket", None)
+    fn = _RULES.get(node.target) or _RULES.get(packet)
+    if fn is None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        fn = _pointwise
+    if fn is None:
+        return None
+    return fn(node, args, placements)
+
+
+def rule(*ops):
+    def register(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return register
+
+
+@rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy, aten.type_as,
+      aten.masked_fill, aten.where, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.relu, aten.tanh,
+      aten.sigmoid)
+def _pointwise(node, args, placements):
+    out_shape = shape(node)
+    n = len(out_shape)
+    sharded = set()
+    for a, p in zip(args, placements, strict=True):
+        if isinstance(p, Partial):
+            return None
+        if isinstance(p, Shard):
+            s = shape(a)
+            od = p.dim + n - len(s)
+            if s[p.dim] != out_shape[od]:
+                return None
+            sharded.add((od, p.blocks))
+    if len(sharded) != 1:
+        return None
+    od, blocks = sharded.pop()
+    need = []
+    for a, p in zip(args, placements, strict=True):
+        s = shape(a)
+        ad = od - (n - len(s))
+        if isinstance(p, Shard) or ad < 0 or s[ad] == 1:
+            need.append(p)
+        else:
+            need.append(Shard(ad, blocks))
+    return Decision(Shard(od, blocks), tuple(need))
+
+
+@rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten)
+def _reshape(node, args, placements):
+    (p,) = placements[:1]
+    if not isinstance(p, Shard):
+        return None
+    out = reshape_dim(shape(args[0]), shape(node), p.dim)
+    if out is None or (p.blocks > 1 and shape(args[0])[p.dim] != shape(node)[out]):
+        return None
+    return Decision(Shard(out, p.blocks), (p,))
+
+
+def reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:
+    """Where a split of ``src`` along ``dim`` lands after reshaping to ``dst``.
+
+    Dimensions are grouped where running products agree; the split must be on the first non-unit
+    dimension of its group and lands on the first non-unit dimension of the matching group (e.g.
+    hidden 512 split over ranks -> heads 8 x head_dim 64 split on heads).  ``None`` if the split
+    would not stay contiguous.  Divisibility of the target size is checked by the pass.
+    """
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= src[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= dst[j]
+        # absorb trailing unit dims into this group
+        while i + 1 < len(src) and src[i + 1] == 1 and not (j + 1 < len(dst) and dst[j + 1] == 1):
+            i += 1
+            gi.append(i)
+        while j + 1 < len(dst) and dst[j + 1] == 1 and not (i + 1 < len(src) and src[i + 1] == 1):
+            j += 1
+            gj.append(j)
+        if dim in gi:
+            first_src = next((k for k in gi if src[k] != 1), gi[0])
+            if dim != first_src:
+                return None
+            return next((k for k in gj if dst[k] != 1), gj[0])
+        i += 1
+        j += 1
+    return None
+
+
+@rule(aten.expand)
+def _expand(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    od = p.dim + len(shape(node)) - len(shape(args[0]))
+    if shape(args[0])[p.dim] != shape(node)[od]:
+        return None
+    return Decision(Shard(od, p.blocks), (p,))
+
+
+@rule(aten.unsqueeze)
+def _unsqueeze(node, args, placements):
+    p = placements[0]
+    d = _norm(node.args[1], len(shape(node)))
+    return Decision(Shard(p.dim + (d <= p.dim), p.blocks), (p,)) if isinstance(p, Shard) else None
+
+
+@rule(aten.squeeze)
+def _squeeze(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    src = shape(args[0])
+    if len(node.args) > 1:
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        dims = {_norm(d, len(src)) for d in dims if src[_norm(d, len(src))] == 1}
+    else:
+        dims = {d for d, s in enumerate(src) if s == 1}
+    if p.dim in dims:
+        return None
+    return Decision(Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), (p,))
+
+
+@rule(aten.transpose)
+def _transpose(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    n = len(shape(node))
+    a, b = _norm(node.args[1], n), _norm(node.args[2], n)
+    d = b if p.dim == a else a if p.dim == b else p.dim
+    return Decision(Shard(d, p.blocks), (p,))
+
+
+@rule(aten.t)
+def _t(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard) or len(shape(node)) < 2:
+        return None
+    return Decision(Shard(1 - p.dim, p.blocks), (p,))
+
+
+@rule(aten.permute)
+def _permute(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    n = len(shape(node))
+    perm = [_norm(d, n) for d in node.args[1]]
+    return Decision(Shard(perm.index(p.dim), p.blocks), (p,))
+
+
+@rule(aten.slice, aten.select, aten.narrow)
+def _slice(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    n_in = len(shape(args[0]))
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, n_in)
+    if dim == p.dim:
+        return None
+    d = p.dim - (1 if node.target.overloadpacket is aten.select and dim < p.dim else 0)
+    return Decision(Shard(d, p.blocks), (p,))
+
+
+@rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
+def _split(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard):
+        return None
+    val = node.meta["val"]
+    n_in = len(shape(args[0]))
+    default_dim = 0
+    dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim)
+    if node.target.overloadpacket is aten.unbind:
+        dim_arg = node.args[1] if len(node.args) > 1 else 0
+    dim = _norm(dim_arg, n_in)
+    if dim != p.dim:
+        shift = node.target.overloadpacket is aten.unbind and dim < p.dim
+        return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in val), (p,))
+    sizes = {tuple(v.shape)[dim] for v in val}
+    if p.blocks == len(val) and len(sizes) == 1:
+        return Decision(tuple(Shard(dim) for _ in val), (p,))
+    return None
+
+
+@rule(aten.cat)
+def _cat(node, args, placements):
+    n = len(shape(node))
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, n)
+    if len(set(placements)) != 1 or not isinstance(placements[0], Shard) or placements[0].dim == dim:
+        return None
+    if any(len(shape(a)) != n for a in args):
+        return None
+    return Decision(placements[0], tuple(placements))
+
+
+@rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
+def _softmax(node, args, placements):
+    p = placements[0]
+    dim = _norm(node.args[1], len(shape(node)))
+    if not isinstance(p, Shard) or p.dim == dim:
+        return None
+    return Decision(p, (p,))
+
+
+@rule(aten.layer_norm, aten.rms_norm)
+def _norm_layer(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard) or any(not q == R for q in placements[1:]):
+        return None
+    n = len(shape(node))
+    if p.dim >= n - len(node.args[1]):
+        return None
+    return Decision(p, tuple(placements))
+
+
+@rule(aten.sum, aten.mean, aten.amax, aten.amin)
+def _reduce(node, args, placements):
+    p = placements[0]
+    if not isinstance(p, Shard) or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+        return None
+    n = len(shape(args[0]))
+    dims = {_norm(d, n) for d in node.args[1]}
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    if p.dim in dims or not dims:
+        return None
+    d = p.dim if keepdim else p.dim - sum(x < p.dim for x in dims)
+    return Decision(Shard(d, p.blocks), (p,))
+
+
+@rule(aten.linear)
+def _linear(node, args, placements):
+    x, w = placements[0], placements[1]
+    b = placements[2] if len(args) > 2 else None
+    n = len(shape(node))
+    if isinstance(w, Shard) and w.dim == 0 and x == R and b in (None, Shard(0, w.blocks)):
+        return Decision(Shard(n - 1, w.blocks), tuple(placements))
+    if isinstance(w, Shard) and w.dim == 1 and w.blocks == 1 and b in (None, R):
+        need_x = Shard(len(shape(args[0])) - 1)
+        return Decision(Partial(), (need_x, w) + ((R,) if b is not None else ()),
+                        "bias_after_reduce" if b is not None else None)
+    if w == R and b in (None, R) and isinstance(x, Shard) and x.dim < len(shape(args[0])) - 1:
+        return Decision(x, tuple(placements))
+    return None
+
+
+@rule(aten.addmm)
+def _addmm(node, args, placements):
+    b, x, w = placements
+    if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(0, w.blocks)):
+        need_b = b if isinstance(b, Shard) else Shard(0, w.blocks)
+        return Decision(Shard(1, w.blocks), (need_b, x, w))
+    if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and b == R:
+        return Decision(Partial(), (R, Shard(1), w), "bias_after_reduce")
+    if w == R and b == R and x == Shard(0):
+        return Decision(Shard(0), tuple(placements))
+    return None
+
+
+@rule(aten.mm, aten.bmm, aten.matmul)
+def _matmul(node, args, placements):
+    a, b = placements
+    sa, sb = shape(args[0]), shape(args[1])
+    if len(sa) < 2 or len(sb) < 2:
+        return None
+    n = len(shape(node))
+    if isinstance(a, Shard) and a.dim == len(sa) - 1 and b == Shard(len(sb) - 2):
+        return Decision(Partial(), (a, b))
+    if isinstance(a, Shard) and a.dim == len(sa) - 2 and b == R:
+        return Decision(Shard(n - 2, a.blocks), (a, b))
+    if isinstance(b, Shard) and b.dim == len(sb) - 1 and a == R:
+        return Decision(Shard(n - 1, b.blocks), (a, b))
+    # batch dimensions
+    batch = set()
+    for s, p in ((sa, a), (sb, b)):
+        if isinstance(p, Shard):
+            if p.dim >= len(s) - 2:
+                return None
+            batch.add(p.dim + n - len(s))
+    if len(batch) != 1:
+        return None
+    od = batch.pop()
+    need = []
+    for s, p in ((sa, a), (sb, b)):
+        ad = od - (n - len(s))
+        need.append(p if isinstance(p, Shard) or ad < 0 or s[ad] == 1 else Shard(ad))
+    return Decision(Shard(od), tuple(need))
+
+
+@rule(aten.scaled_dot_product_attention)
+def _sdpa(node, args, placements):
+    q, k, v = placements[:3]
+    if not (isinstance(q, Shard) and q == k == v and q.dim < len(shape(args[0])) - 2 and q.blocks == 1):
+        return None
+    need = [q, k, v]
+    n = len(shape(node))
+    for a, p in zip(args[3:], placements[3:], strict=True):  # attention mask
+        s = shape(a)
+        ad = q.dim - (n - len(s))
+        need.append(p if isinstance(p, Shard) or ad < 0 or s[ad] == 1 else Shard(ad))
+    if any(isinstance(p, Shard) and p.dim != q.dim - (n - len(shape(a))) for a, p in zip(args[3:], need[3:], strict=True)):
+        return None
+    return Decision(q, tuple(need))
+
+
+@rule(aten.embedding)
+def _embedding(node, args, placements):
+    w, ids = placements
+    n = len(shape(node))
+    if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and ids == R:
+        return Decision(Partial(), (w, ids), "vocab_embedding")
+    if isinstance(w, Shard) and w.dim == 1 and ids == R:
+        return Decision(Shard(n - 1, w.blocks), (w, ids))
+    if w == R and isinstance(ids, Shard):
+        return Decision(ids, (w, ids))
+    return None
+
+
+@rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like, aten.ones_like,
+      aten.empty_like, aten.full_like)
+def _factory_like(node, args, placements):
+    if node.target.overloadpacket in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like):
+        return Decision(placements[0], tuple(placements))
+    return Decision(R, tuple(placements))

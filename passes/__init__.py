@@ -1,0 +1,1 @@
+"""Compiler passes, one per file, run in order by ``fxshard.compiler``."""

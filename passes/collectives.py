@@ -1,0 +1,98 @@
+"""Insert the communication that makes every op see the placements it needs.
+
+For each tensor input, compare the placement it has with the placement its consumer requires
+(recorded by the tensor-parallel pass) and insert an explicit node:
+
+==========================  ==================  =============================================
+has -> needs                node                why
+==========================  ==================  =============================================
+P(sum) -> R                 ``all_reduce``      row-parallel output, vocab-parallel lookup
+S(d) -> R                   ``all_gather``      gathered head, op without a sharding rule
+R -> S(d), needs a grad     ``scatter``         slice forward, all-gather the gradient back
+R -> S(d), no grad          ``shard``           slice a mask/table, no communication
+R -> R into sharded compute ``copy_to``         Megatron's *f*: all-reduce the gradient back
+==========================  ==================  =============================================
+
+Each kind of redistribution of a value is inserted once and shared by all its consumers, so q, k
+and v share one ``copy_to`` — one backward all-reduce per attention block, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from fxshard.context import CompileContext, Group, NodeSpec, RankValue, spec
+from fxshard.placement import Partial, Placement, Replicate, Shard
+from fxshard.runtime import collectives as rtc
+from fxshard.sharding import tensor_args
+
+R = Replicate()
+GROUP = Group("tp")
+
+
+def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    tp = ctx.layout.tp
+    made: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "output"):
+            continue
+        required = node.meta.get("fxshard_inputs")
+        if required is None:
+            continue
+        args = tensor_args(node)
+        out = spec(node).placement
+        sharded_out = any(isinstance(p, (Shard, Partial)) for p in (out if isinstance(out, tuple) else (out,)))
+        replace = {}
+        for arg, need in zip(args, required, strict=True):
+            new = _redistribute(gm, arg, need, node, sharded_out, ctx, made, tp)
+            if new is not arg:
+                replace[arg] = new
+        if replace:
+            node.args = fx.node.map_arg(node.args, lambda a: replace.get(a, a))
+            node.kwargs = fx.node.map_arg(node.kwargs, lambda a: replace.get(a, a))
+    gm.graph.lint()
+    return gm
+
+
+def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_out: bool,
+                  ctx: CompileContext, made: dict, tp: int) -> fx.Node:
+    has = spec(arg).placement
+    grad = arg in ctx.needs_grad
+    if has == need:
+        if has == R and sharded_out and grad and consumer.op != "output":
+            return _make(gm, made, ("copy_to", arg), rtc.copy_to, (arg, GROUP), {}, R, consumer, consumer)
+        return arg
+    if isinstance(has, Partial):
+        reduced = _make(gm, made, ("all_reduce", arg), rtc.all_reduce, (arg, GROUP), {}, R, arg, None)
+        return _redistribute(gm, reduced, need, consumer, sharded_out, ctx, made, tp)
+    if isinstance(has, Shard):
+        gathered = _make(gm, made, ("all_gather", arg), rtc.all_gather, (arg, GROUP),
+                         {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
+        return _redistribute(gm, gathered, need, consumer, sharded_out, ctx, made, tp)
+    assert isinstance(need, Shard), (arg, has, need)
+    index = RankValue("tp", tuple(range(tp)))
+    if grad:
+        return _make(gm, made, ("scatter", arg, need), rtc.scatter, (arg, GROUP),
+                     {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
+    return _make(gm, made, ("shard", arg, need), rtc.shard, (arg,),
+                 {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
+
+
+def _make(gm, made, key, target, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:
+    """Create (once per key) a redistribution node; provenance (FQN, role) from ``owner``.
+
+    It goes before its first consumer ``before``, or right after the value it reduces when
+    ``before`` is None (a reduction belongs to the layer that made the partial sums).
+    """
+    if key in made:
+        return made[key]
+    src = args[0]
+    where = gm.graph.inserting_after(src) if before is None else gm.graph.inserting_before(before)
+    with where:
+        node = gm.graph.call_function(target, args, kwargs)
+    node.meta["val"] = src.meta.get("val")
+    node.meta["nn_module_stack"] = owner.meta.get("nn_module_stack", {})
+    node.meta["fxshard"] = NodeSpec(placement, spec(owner).fqn, spec(owner).role, target.__name__)
+    node.meta["fxshard_inputs"] = None
+    made[key] = node
+    return node

@@ -1,0 +1,187 @@
+"""Split weights column/row-wise over the ``tp`` axis and rewrite the graph to per-rank sizes.
+
+Reads the resolved plan (``ctx.plan``), gives each weight its placement, propagates placements
+through every op (``fxshard.sharding``), then makes the graph compute one rank's part:
+
+* shape constants baked in by export (``view``/``reshape``/``expand`` sizes, ``split`` sizes) become
+  per-rank values — e.g. ``view(q, [2, 8, 4, 16])`` becomes ``[2, 8, 2, 16]`` at tp=2;
+* a row-parallel bias is taken out of the matmul and added once, after the reduction;
+* a vocabulary-parallel embedding becomes a masked lookup of this rank's rows.
+
+Every split size is checked: a size the tp degree does not divide is a :class:`ShardingError`
+naming the module and the degrees that would work.  Inserting the communication is the next
+pass's job (``passes/collectives.py``); this pass records required input placements for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard.autoplan import auto_plan
+from fxshard.capture import node_fqn
+from fxshard.context import CompileContext, NodeSpec, RankValue
+from fxshard.errors import PlanError, ShardingError, divisors
+from fxshard.layers import WeightOp, style_placements, weight_ops
+from fxshard.placement import Partial, Placement, Replicate, Shard, local_shape
+from fxshard.runtime import tensor_parallel as rt_tp
+from fxshard.sharding import Decision, Propagation, propagate, shape
+
+aten = torch.ops.aten
+
+_SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads",
+               "num_kv_heads")
+
+
+def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    tp = ctx.layout.tp
+    ops = weight_ops(gm, ctx.params)
+    if ctx.plan.source == "auto":
+        ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
+    weights, forced, roles = _weight_placements(ops, ctx)
+    prop = propagate(gm, weights, ctx.params, forced)
+    ctx.needs_grad = prop.needs_grad
+    for node in prop.fallbacks:
+        if any(isinstance(prop.decisions[a].out, Shard) for a in node.all_input_nodes if a in prop.decisions):
+            ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule; its inputs are gathered")
+    _check_divisible(gm, prop, tp, ctx)
+    for node in gm.graph.nodes:
+        d = prop.decisions[node]
+        node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node, ""))
+        node.meta["fxshard_inputs"] = d.inputs
+    for node in list(gm.graph.nodes):
+        d = prop.decisions[node]
+        if node.op != "call_function":
+            continue
+        if node.target in _SIZED:
+            node.update_arg(1, list(local_shape(shape(node), d.out, tp)))
+        elif node.target is aten.split.Tensor and isinstance(d.inputs[0], Shard):
+            _localize_split(node, d, tp)
+        elif node.target is aten.split_with_sizes.default and isinstance(d.inputs[0], Shard):
+            _localize_split(node, d, tp)
+        if d.rewrite == "bias_after_reduce":
+            _bias_after_reduce(gm, node)
+        elif d.rewrite == "vocab_embedding":
+            _vocab_embedding(node, tp)
+    ctx.weight_placements = {n.name: p for n, p in weights.items()}
+    gm.graph.lint()
+    return gm
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target).replace("aten::", "aten.") if not callable(node.target) or hasattr(node.target, "_schema") else node.target.__name__
+
+
+def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
+    weights: dict[fx.Node, Placement] = {}
+    owner: dict[fx.Node, str] = {}
+    forced, roles = {}, {}
+    styled = set()
+    for op in ops:
+        style = ctx.plan.styles.get(op.fqn)
+        if style is None:
+            continue
+        styled.add(op.fqn)
+        if style.gather_output and style.kind != "colwise":
+            raise PlanError(f"{op.fqn}: gather_output applies to colwise(); got {style}")
+        for tensor, placement in style_placements(op, style).items():
+            if tensor in weights and weights[tensor] != placement:
+                raise PlanError(
+                    f"{op.fqn}: the plan gives its weight {placement} on tp, but the same tensor "
+                    f"(tied with {owner[tensor]}) is {weights[tensor]} there; give both modules styles that "
+                    "split the shared weight the same way (e.g. vocab_parallel() embedding with a "
+                    "colwise(gather_output=True) head)"
+                )
+            weights[tensor] = placement
+            owner[tensor] = op.fqn
+        if style.gather_output:
+            forced[op.node] = Replicate()
+        roles[op.node] = style.role
+    for fqn, style in ctx.plan.styles.items():
+        if fqn not in styled and style.kind != "replicate":
+            msg = (f"{ctx.plan.sources.get(fqn, 'plan')} plan entry for {fqn!r} ({style}): the module has no "
+                   "Linear/Conv1D/Embedding op of its own; name the layers inside it instead")
+            ctx.plan.warnings.append(msg)
+            ctx.notes.append(msg)
+    return weights, forced, roles
+
+
+def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext) -> None:
+    for node in gm.graph.nodes:
+        outs = prop.decisions[node].out
+        vals = node.meta.get("val")
+        pairs = zip(outs, vals, strict=False) if isinstance(outs, tuple) else [(outs, vals)]
+        for p, v in pairs:
+            if not isinstance(p, Shard) or not isinstance(v, torch.Tensor):
+                continue
+            size = int(v.shape[p.dim])
+            if size % (tp * p.blocks) == 0:
+                continue
+            per_block = size // p.blocks
+            raise ShardingError(_divisibility_message(node, p, size, per_block, tp, ctx))
+
+
+def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ctx: CompileContext) -> str:
+    fqn = node_fqn(node) or "model"
+    ok = sorted(d for d in divisors(per_block))
+    if node.op == "placeholder":
+        what = f"dimension {p.dim} of {ctx.program.state_by_name()[node.name].fqn} (size {size})"
+    else:
+        what = f"{_op_name(node)} output dimension {p.dim} (size {per_block}{' per packed block' if p.blocks > 1 else ''})"
+        module = dict(ctx.program.model.named_modules()).get(fqn)
+        config = getattr(ctx.program.model, "config", None)
+        for holder in (module, config):
+            for attr in _HEAD_ATTRS:
+                if holder is not None and getattr(holder, attr, None) == per_block and node.target in _SIZED:
+                    label = "key/value heads" if "kv" in attr or "key_value" in attr else "heads"
+                    what = f"{per_block} {label} ({attr})"
+                    break
+            else:
+                continue
+            break
+    return f"{fqn}: {what} cannot be split over tp={tp}; use tp in {{{', '.join(map(str, ok))}}}"
+
+
+def _localize_split(node: fx.Node, d: Decision, tp: int) -> None:
+    p = d.inputs[0]
+    dim_arg = node.args[2] if len(node.args) > 2 else 0
+    dim = dim_arg % len(shape(node.args[0]))
+    if dim != p.dim:
+        return
+    if node.target is aten.split.Tensor:
+        node.update_arg(1, node.args[1] // tp)
+    else:
+        node.update_arg(1, [s // tp for s in node.args[1]])
+
+
+def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
+    """``linear(x, W, b)`` -> ``linear(x, W)`` (partial sums) then ``+ b`` after the all-reduce."""
+    if node.target is aten.linear.default:
+        x, w, b = node.args[:3]
+        node.args = (x, w)
+        inputs = node.meta["fxshard_inputs"][:2]
+    else:  # addmm(b, x, w) -> mm(x, w)
+        b, x, w = node.args
+        node.target = aten.mm.default
+        node.args = (x, w)
+        inputs = node.meta["fxshard_inputs"][1:]
+    node.meta["fxshard_inputs"] = inputs
+    with gm.graph.inserting_after(node):
+        add = gm.graph.call_function(aten.add.Tensor, (node, b))
+    node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    add.meta["val"] = node.meta["val"]
+    add.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    old = node.meta["fxshard"]
+    add.meta["fxshard"] = NodeSpec(Replicate(), old.fqn, old.role)
+    add.meta["fxshard_inputs"] = (Replicate(), Replicate())
+
+
+def _vocab_embedding(node: fx.Node, tp: int) -> None:
+    weight, ids = node.args[:2]
+    vocab = shape(weight)[0]
+    rows = vocab // tp
+    node.target = rt_tp.vocab_embedding
+    node.args = (weight, ids)
+    node.kwargs = {"start": RankValue("tp", tuple(r * rows for r in range(tp))),
+                   "end": RankValue("tp", tuple((r + 1) * rows for r in range(tp)))}
