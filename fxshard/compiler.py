@@ -31,8 +31,7 @@ from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 
 PASSES = [tensor_parallel_pass, collectives_pass, checks_pass]
-MANIFEST = "manifest.json"
-FORMAT = 1
+from fxshard.output import FORMAT, MANIFEST  # noqa: E402
 
 
 @dataclass

@@ -66,6 +66,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("o_proj.weight") or name.endswith("fc_out.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+            elif name.endswith("weight") and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets=None):
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -1,0 +1,1 @@
+"""The ``fxshard`` command line: parses arguments and calls the library."""

@@ -1,0 +1,107 @@
+"""``fxshard`` commands.  Arguments are parsed here; all logic lives in the library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from fxshard.errors import FxshardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Compile unmodified PyTorch models into readable per-rank distributed training code.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _fail(e: Exception) -> None:
+    err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def compile(
+    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree"),
+    pp: int = typer.Option(1, "--pp", help="pipeline-parallel degree"),
+    dp: int = typer.Option(1, "--dp", help="data-parallel degree"),
+    zero: int = typer.Option(0, "--zero", help="ZeRO stage (0-3)"),
+    schedule: str = typer.Option("1f1b", "--schedule", help="pipeline schedule"),
+    microbatches: int = typer.Option(None, "--microbatches", help="pipeline microbatches"),
+    plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
+    seed: int = typer.Option(0, "--seed", help="seed for make_model() and make_inputs()"),
+):
+    """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
+    from fxshard.cli.report import compile_report
+    from fxshard.compiler import compile as compile_
+    from fxshard.compiler import load_plan_file
+    from fxshard.context import Layout
+
+    try:
+        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches)
+        user_plan = load_plan_file(plan) if plan else None
+        with console.status(f"compiling {model} ({layout.describe()})"):
+            result = compile_(model, layout, out=out, plan=user_plan, seed=seed)
+    except FxshardError as e:
+        _fail(e)
+    compile_report(console, result)
+
+
+@app.command()
+def show(
+    out: Path = typer.Argument(..., help="compiled output folder"),
+    rank: int = typer.Option(None, "--rank", help="global rank whose code to print"),
+):
+    """Print the layout summary, or one rank's generated code (highlighted)."""
+    from fxshard.cli.report import show_layout, show_rank
+
+    try:
+        if rank is None:
+            show_layout(console, out)
+        else:
+            show_rank(console, out, rank)
+    except FxshardError as e:
+        _fail(e)
+
+
+@app.command()
+def run(
+    out: Path = typer.Argument(..., help="compiled output folder"),
+    steps: int = typer.Option(3, "--steps", help="training steps"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    beta1: float = typer.Option(0.9, "--beta1"),
+    beta2: float = typer.Option(0.999, "--beta2"),
+    eps: float = typer.Option(1e-8, "--eps"),
+    weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    metrics: Path = typer.Option(None, "--metrics", help="write one JSON line per step"),
+    timeout: float = typer.Option(300.0, "--timeout", help="seconds before a collective that did not complete fails"),
+):
+    """Train: launch every rank locally, or run as one rank when started by torchrun."""
+    from fxshard.launch import launch_local, run_rank, under_torchrun
+    from fxshard.output import layout_of, read_manifest
+    from fxshard.training import OptimConfig
+
+    try:
+        optim = OptimConfig(lr, beta1, beta2, eps, weight_decay)
+        if under_torchrun():
+            run_rank(out, steps, optim, metrics, timeout)
+            return
+        manifest = read_manifest(out)
+        world = layout_of(manifest).world_size
+        console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
+        argv = ["run", str(out), "--steps", str(steps), "--lr", repr(lr), "--beta1", repr(beta1),
+                "--beta2", repr(beta2), "--eps", repr(eps), "--weight-decay", repr(weight_decay),
+                "--timeout", repr(timeout)] + (["--metrics", str(metrics)] if metrics else [])
+        launch_local(out, argv, world)
+    except FxshardError as e:
+        _fail(e)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Rich terminal output for the commands (tables, highlighted code).  Presentation only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+from fxshard.output import layout_of, rank_entry, read_manifest
+
+
+def _collective_counts(entry: dict) -> str:
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    for c in entry["collectives"]:
+        if c["op"] != "copy_to":
+            fwd[c["op"]] = fwd.get(c["op"], 0) + 1
+        if c["backward"]:
+            bwd[c["backward"]] = bwd.get(c["backward"], 0) + 1
+    f = ", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "-"
+    b = ", ".join(f"{n} {k}" for k, n in sorted(bwd.items())) or "-"
+    return f"fwd: {f}\nbwd: {b}"
+
+
+def _rank_table(manifest: dict, title: str) -> Table:
+    table = Table(title=title, show_lines=True)
+    for col in ("global ranks", "coords", "file", "local parameters", "collectives per step"):
+        table.add_column(col)
+    for entry in manifest["ranks"]:
+        n = sum(_numel(t["shape"]) for t in entry["tensors"].values() if t["kind"] == "parameter")
+        coords = " ".join(f"{k}={v}" for k, v in entry["coords"].items() if k != "dp")
+        table.add_row(", ".join(map(str, entry["global_ranks"])), coords, entry["file"], f"{n:,}",
+                      _collective_counts(entry))
+    return table
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _plan_lines(console: Console, manifest: dict) -> None:
+    console.print(f"[bold]plan[/] ({manifest['plan_source']}):")
+    from fxshard.context import compress_plan
+
+    for line in compress_plan(manifest["plan"]) or ["(nothing split: every module replicated)"]:
+        console.print(f"  {line}", highlight=False)
+    for note in manifest.get("notes", []):
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+def compile_report(console: Console, result) -> None:
+    manifest = result.manifest
+    _plan_lines(console, manifest)
+    console.print(_rank_table(manifest, f"{manifest['model_class']} from {manifest['model_name']} — "
+                                        f"{layout_of(manifest).describe()}"))
+    console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py")
+    console.print(f"read a rank's code with `fxshard show {result.out} --rank 0`; "
+                  f"train with `fxshard run {result.out} --steps 3`")
+
+
+def show_layout(console: Console, out: Path) -> None:
+    manifest = read_manifest(out)
+    _plan_lines(console, manifest)
+    console.print(_rank_table(manifest, f"{out}: {manifest['model_class']} — {layout_of(manifest).describe()}"))
+
+
+def show_rank(console: Console, out: Path, rank: int) -> None:
+    manifest = read_manifest(out)
+    layout = layout_of(manifest)
+    if not 0 <= rank < layout.world_size:
+        from fxshard.errors import OutputFolderError
+
+        raise OutputFolderError(f"--rank {rank}: {out} has ranks 0..{layout.world_size - 1}")
+    entry = rank_entry(manifest, layout.coords(rank))
+    code = (Path(out) / entry["file"]).read_text()
+    if console.is_terminal:
+        console.print(Syntax(code, "python", line_numbers=True, word_wrap=False))
+    else:
+        console.print(code, highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,122 @@
+"""``fxshard run``: start every rank locally (torch's elastic launcher) or run as one rank of torchrun.
+
+Each rank imports its generated file, loads its weight shard, and trains with AdamW on the model
+file's batches.  Rank 0 prints a line per step and, with ``metrics``, appends ``{"step", "loss"}``
+JSON lines to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxshard.errors import FxshardError, LayoutError
+from fxshard.inputs import flatten_batch
+from fxshard.modelfile import load_model_file
+from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
+from fxshard.runtime import load_state
+from fxshard.runtime.guard import set_context
+from fxshard.training import OptimConfig
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch_local(out: Path, argv: list[str], world: int) -> None:
+    """Run ``fxshard <argv>`` as ``world`` local processes under torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{_free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn",
+    )
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    if env_threads is None:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    try:
+        elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
+    except ChildFailedError as e:
+        lines = []
+        for rank, failure in sorted(e.failures.items()):
+            msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+            lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:500]}")
+        raise FxshardError("distributed run failed:\n  " + "\n  ".join(lines)) from None
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
+             log=print) -> list[float]:
+    """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses."""
+    manifest = read_manifest(out)
+    layout = layout_of(manifest)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != layout.world_size:
+        raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
+                          f"{world} were started; launch with --nproc-per-node {layout.world_size}")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+        groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+        coords = layout.coords(rank)
+        entry = rank_entry(manifest, coords)
+        module = import_rank_file(out / entry["file"]).RankModule(groups, device)
+        load_state(module, out / entry["weights"])
+        mf = load_model_file(out / manifest["model_file"])
+        batches = mf.batches(steps, manifest["seed"])
+        opt = optim.make(module.parameters())
+        losses = []
+        sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
+        try:
+            for step, batch in enumerate(batches, start=1):
+                set_context(step, f"training step {step}")
+                start = time.perf_counter()
+                leaves = [v.to(device) if isinstance(v, torch.Tensor) else v
+                          for v in flatten_batch(batch, manifest["inputs"])]
+                loss = module(*leaves)[0]
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                value = float(loss.detach())
+                losses.append(value)
+                if rank == 0:
+                    log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
+                    if sink:
+                        sink.write(json.dumps({"step": step, "loss": value}) + "\n")
+                        sink.flush()
+        finally:
+            if sink:
+                sink.close()
+        return losses
+    finally:
+        dist.destroy_process_group()
