@@ -31,7 +31,7 @@ def _parent(fqn: str) -> str | None:
 def _depends_on(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
     out = set(sources)
     for n in gm.graph.nodes:
-        if n.op == "call_function" and any(a in out for a in tensor_args(n)):
+        if n.op == "call_function" and any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
 
@@ -60,7 +60,7 @@ def _row_candidates(gm, ops: list[WeightOp], params: set[fx.Node]) -> list[tuple
             elif not _within(node_fqn(n), scope):
                 ok = False
             else:
-                stack.extend(tensor_args(n))
+                stack.extend(n.all_input_nodes)
         if ok and ups:
             pairs.append((op, sorted(ups.values(), key=lambda u: list(gm.graph.nodes).index(u.node))))
     return pairs
@@ -90,7 +90,7 @@ def _from_user_input(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(tensor_args(n))
+        stack.extend(n.all_input_nodes)
     return False
 
 
@@ -135,7 +135,6 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
     for op in ops:
         if op.kind != "embedding" or op.node in paired:
             continue
-        rows = op.node.meta["val"].shape  # noqa: F841  (documenting: rows are the weight's dim 0)
         vocab = op.weight.meta["val"].shape[0]
         tied_elsewhere = any(o.weight is op.weight and o is not op for o in ops)
         if vocab % tp == 0 and _from_user_input(op.node.args[1], user_inputs) and (

@@ -24,7 +24,7 @@ from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
 from fxshard.errors import LayoutError, OutputFolderError, PlanError
 from fxshard.modelfile import ModelFile, load_model_file
-from fxshard.placement import SliceSpec, local_shape
+from fxshard.placement import SliceSpec, local_shape, take
 from fxshard.plan import resolve
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
@@ -141,7 +141,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
             placement = spec(node).placement
             full = program.tensors[s.fqn]
             sl = SliceSpec.of(placement, tp_rank, layout.tp)
-            local = _take(full.detach(), sl)
+            local = take(full.detach(), sl)
             tensors[attr] = local.contiguous().clone()
             entries[attr] = {
                 "source": s.fqn,
@@ -178,13 +178,6 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
         "ranks": ranks,
     }
     return sources, manifest, shards
-
-
-def _take(full: torch.Tensor, sl: SliceSpec) -> torch.Tensor:
-    if sl.parts == 1:
-        return full
-    pieces = [full.narrow(sl.dim, a, b - a) for a, b in sl.ranges(full.shape[sl.dim])]
-    return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0]
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:

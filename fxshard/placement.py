@@ -87,3 +87,30 @@ class SliceSpec:
 
     def to_json(self) -> dict:
         return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks}
+
+
+def take(full, sl: SliceSpec):
+    """The part of ``full`` that ``sl`` describes (a copy-free view where possible)."""
+    import torch
+
+    if sl.parts == 1:
+        return full
+    pieces = [full.narrow(sl.dim, a, b - a) for a, b in sl.ranges(full.shape[sl.dim])]
+    return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0]
+
+
+def assemble(pieces, shape):
+    """Rebuild a full tensor of ``shape`` from ``[(SliceSpec, local), ...]`` covering it."""
+    import torch
+
+    first = pieces[0][1]
+    full = torch.empty(shape, dtype=first.dtype)
+    for sl, local in pieces:
+        if sl.parts == 1:
+            full.copy_(local)
+            continue
+        ranges = sl.ranges(shape[sl.dim])
+        step = ranges[0][1] - ranges[0][0]
+        for k, (a, b) in enumerate(ranges):
+            full.narrow(sl.dim, a, b - a).copy_(local.narrow(sl.dim, k * step, step))
+    return full

@@ -92,7 +92,7 @@ def propagate(
             prop.decisions[node] = Decision(R, ())
             continue
         args = tensor_args(node)
-        if any(a in prop.needs_grad for a in args) and _is_differentiable(node):
+        if any(a in prop.needs_grad for a in node.all_input_nodes) and _is_differentiable(node):
             prop.needs_grad.add(node)
         if node.target is operator.getitem:
             src = prop.decisions[node.args[0]].out
@@ -104,7 +104,8 @@ def propagate(
         else:
             decision = _rule(node, args, placements)
             if decision is None:
-                prop.fallbacks.append(node)
+                if any(isinstance(p, Shard) for p in placements):
+                    prop.fallbacks.append(node)  # partial sums are reduced first: expected, not a fallback
                 decision = Decision(_replicated_out(node), tuple(R for _ in args))
         prop.decisions[node] = decision
     return prop

@@ -43,12 +43,12 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     prop = propagate(gm, weights, ctx.params, forced)
     ctx.needs_grad = prop.needs_grad
     for node in prop.fallbacks:
-        if any(isinstance(prop.decisions[a].out, Shard) for a in node.all_input_nodes if a in prop.decisions):
-            ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule; its inputs are gathered")
+        ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule for its split "
+                         "inputs; they are all-gathered first")
     _check_divisible(gm, prop, tp, ctx)
     for node in gm.graph.nodes:
         d = prop.decisions[node]
-        node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node, ""))
+        node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node_fqn(node), ""))
         node.meta["fxshard_inputs"] = d.inputs
     for node in list(gm.graph.nodes):
         d = prop.decisions[node]
@@ -97,7 +97,7 @@ def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
             owner[tensor] = op.fqn
         if style.gather_output:
             forced[op.node] = Replicate()
-        roles[op.node] = style.role
+        roles[op.fqn] = style.role
     for fqn, style in ctx.plan.styles.items():
         if fqn not in styled and style.kind != "replicate":
             msg = (f"{ctx.plan.sources.get(fqn, 'plan')} plan entry for {fqn!r} ({style}): the module has no "
