@@ -151,25 +151,40 @@ def _to_program(ep, model, args, kwargs) -> Program:
     for spec in state:
         if spec.kind == "constant":
             tensors[spec.fqn] = getattr(gm, spec.name, None) if hasattr(gm, spec.name) else ep.constants[spec.fqn]
-    tied = _tied_names(model)
     module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
 
     _strip_prefix(gm, WRAPPED)
     _inline_wrappers(gm)
     _drop_noise(gm)
+    state, tied = _merge_tied(gm, state, model)
     return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model)
 
 
-def _tied_names(model: torch.nn.Module) -> dict[str, str]:
-    """Map every name of a shared parameter to the first name it has (the one export keeps)."""
-    first: dict[int, str] = {}
-    tied: dict[str, str] = {}
+def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Module):
+    """One placeholder per shared parameter: drop the unused names, map each to the kept one."""
+    names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
+        names_of.setdefault(id(p), []).append(name)
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    used = {s.fqn for s in state if placeholders[s.name].users}
+    tied: dict[str, str] = {}
+    drop = set()
+    for names in names_of.values():
+        if len(names) < 2:
+            continue
+        kept = next((n for n in names if n in used), names[0])
+        for n in names:
+            if n != kept:
+                tied[n] = kept
+                drop.add(n)
+    keep = []
+    for s in state:
+        if s.fqn in drop and not placeholders[s.name].users:
+            gm.graph.erase_node(placeholders[s.name])
         else:
-            first[id(p)] = name
-    return tied
+            keep.append(s)
+    gm.recompile()
+    return keep, dict(sorted(tied.items()))
 
 
 def node_fqn(node: fx.Node) -> str:

@@ -152,7 +152,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                 "shape": list(local_shape(tuple(full.shape), placement, layout.tp)),
                 "dtype": str(full.dtype).removeprefix("torch."),
                 "slice": sl.to_json(),
-                "aliases": sorted(a for a in [s.fqn] + tied_by_kept.get(s.fqn, []) + [k for k, v in program.tied.items() if v == s.fqn] if a != s.fqn),
+                "aliases": sorted(tied_by_kept.get(s.fqn, [])),
             }
         shards[wname] = tensors
         ranks.append({"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
