@@ -35,6 +35,7 @@ def compile(
 ):
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
+
     from fxshard.compiler import compile as compile_
     from fxshard.compiler import load_plan_file
     from fxshard.context import Layout

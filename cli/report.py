@@ -26,8 +26,11 @@ def _collective_counts(entry: dict) -> str:
 
 def _rank_table(manifest: dict, title: str) -> Table:
     table = Table(title=title, show_lines=True)
-    for col in ("global ranks", "coords", "file", "local parameters", "collectives per step"):
-        table.add_column(col)
+    table.add_column("global ranks")
+    table.add_column("coords", no_wrap=True)
+    table.add_column("file", no_wrap=True, min_width=16)
+    table.add_column("local params", justify="right")
+    table.add_column("collectives per step")
     for entry in manifest["ranks"]:
         n = sum(_numel(t["shape"]) for t in entry["tensors"].values() if t["kind"] == "parameter")
         coords = " ".join(f"{k}={v}" for k, v in entry["coords"].items() if k != "dp")

@@ -17,7 +17,7 @@ import torch.fx as fx
 from fxshard.capture import node_fqn
 from fxshard.layers import WeightOp, infer_packing, style_placements
 from fxshard.plan import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
-from fxshard.sharding import propagate, tensor_args
+from fxshard.sharding import propagate
 
 
 def _within(fqn: str, scope: str) -> bool:

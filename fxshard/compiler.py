@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.fx as fx
 from safetensors.torch import save_file
 
@@ -24,11 +24,11 @@ from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
 from fxshard.errors import LayoutError, OutputFolderError, PlanError
 from fxshard.modelfile import ModelFile, load_model_file
-from fxshard.placement import SliceSpec, local_shape, take
-from fxshard.plan import resolve
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
+from fxshard.placement import SliceSpec, local_shape, take
+from fxshard.plan import resolve
 
 PASSES = [tensor_parallel_pass, collectives_pass, checks_pass]
 from fxshard.output import FORMAT, MANIFEST  # noqa: E402
@@ -70,7 +70,7 @@ def load_plan_file(path: str | Path) -> dict:
         raise PlanError(f"{path}: no such plan file; expected a Python file defining PLAN = {{...}}")
     scope: dict = {}
     try:
-        exec(compile(path.read_text(), str(path), "exec"), scope)
+        exec(builtins.compile(path.read_text(), str(path), "exec"), scope)
     except Exception as e:
         raise PlanError(f"{path}: the plan file failed to run: {type(e).__name__}: {e}") from e
     plan = scope.get("PLAN")

@@ -23,7 +23,7 @@ from fxshard.capture import node_fqn
 from fxshard.context import CompileContext, NodeSpec, RankValue
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.layers import WeightOp, style_placements, weight_ops
-from fxshard.placement import Partial, Placement, Replicate, Shard, local_shape
+from fxshard.placement import Placement, Replicate, Shard, local_shape
 from fxshard.runtime import tensor_parallel as rt_tp
 from fxshard.sharding import Decision, Propagation, propagate, shape
 

@@ -35,7 +35,7 @@ class Net(nn.Module):
         self.head = nn.Linear(HIDDEN, 1)
 
     def forward(self, x, y):
-        for norm, mlp in zip(self.norms, self.mlps):
+        for norm, mlp in zip(self.norms, self.mlps, strict=False):
             x = x + mlp(norm(x))
         return F.mse_loss(self.head(x).squeeze(-1), y)
 

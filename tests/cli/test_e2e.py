@@ -1,0 +1,84 @@
+"""Tier 3: the command line end to end, on real local processes, and its errors on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxshard.modelfile import load_model_file
+from fxshard.reference import reference_losses
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fxshard(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fxshard {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sample", ["gpt.py", "llama.py"])
+def test_compile_and_run_matches_single_device_training(tmp_path, sample):
+    out = tmp_path / "out"
+    fxshard("compile", ROOT / "samples" / sample, "--tp", 2, "--out", out)
+    run = fxshard("run", out, "--steps", 3, "--metrics", tmp_path / "m.jsonl")
+    assert "step 3/3" in run.stdout
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    want = reference_losses(load_model_file(ROOT / "samples" / sample), 3)
+    for got, ref in zip([x["loss"] for x in lines], want, strict=True):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+    show = fxshard("show", out, "--rank", 1)
+    assert "class RankModule" in show.stdout and "rt.all_reduce(" in show.stdout
+    summary = fxshard("show", out)
+    assert "rank_pp0_tp1.py" in summary.stdout
+
+
+def test_model_file_without_make_model(tmp_path, models):
+    proc = fxshard("compile", models / "no_make_model.py", "--tp", 2, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2
+    assert "no_make_model.py" in proc.stderr and "defines no make_model()" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_model_export_cannot_capture_names_the_source_line(tmp_path, models):
+    proc = fxshard("compile", models / "control_flow.py", "--tp", 2, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2
+    assert "data-dependent control flow" in proc.stderr
+    assert "control_flow.py:" in proc.stderr and "if y.sum() > 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_output_folder_that_is_not_fxshards(tmp_path, samples):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "cat.jpg").write_bytes(b"\xff\xd8")
+    run = fxshard("run", folder, "--steps", 1, check=False)
+    assert run.returncode == 2 and "not an fxshard output folder" in run.stderr
+    show = fxshard("show", folder, check=False)
+    assert show.returncode == 2 and "not an fxshard output folder" in show.stderr
+    comp = fxshard("compile", samples / "gpt.py", "--tp", 2, "--out", folder, check=False)
+    assert comp.returncode == 2 and "is not an fxshard output folder" in comp.stderr
+    assert (folder / "cat.jpg").exists()
+
+
+def test_unimplemented_layout_flags_are_errors_not_ignored(tmp_path, samples):
+    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--pp", 2, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "--pp 2" in proc.stderr and "not implemented" in proc.stderr
+    proc = fxshard("compile", samples / "gpt.py", "--zero", 1, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "--zero 1" in proc.stderr
+
+
+def test_plan_file_with_unmatched_key_warns(tmp_path, models):
+    plan = tmp_path / "plan.py"
+    plan.write_text("import fxshard\nPLAN = {'mlp.fc_in': fxshard.colwise(), 'mlp.fc_out': fxshard.rowwise(),\n"
+                    "        'mlp.nope': fxshard.colwise()}\n")
+    proc = fxshard("compile", models / "mlp.py", "--tp", 2, "--plan", plan, "--out", tmp_path / "o")
+    assert "'mlp.nope' matches no module" in proc.stderr + proc.stdout

@@ -1,0 +1,135 @@
+"""Tier 1: the tensor-parallel and collectives passes on single-process graphs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fxshard.compiler import compile as compile_model
+from fxshard.compiler import compile_program
+from fxshard.context import Layout, spec
+from fxshard.errors import PlanError, ShardingError
+from fxshard.placement import Partial, Replicate, Shard
+from fxshard.runtime import collectives as rtc
+
+aten = torch.ops.aten
+
+
+def _collectives(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in rtc.COLLECTIVES.values()]
+
+
+def _counts(gm):
+    """(forward all-reduces, backward all-reduces) issued by one rank per step."""
+    nodes = _collectives(gm)
+    fwd = sum(n.target is rtc.all_reduce for n in nodes)
+    bwd = sum(n.target is rtc.copy_to for n in nodes)
+    return fwd, bwd
+
+
+def test_mlp_issues_one_all_reduce_each_way(models):
+    gm = compile_program(models / "mlp.py", Layout(tp=2)).gm
+    assert _counts(gm) == (1, 1)
+    linears = [n for n in gm.graph.nodes if n.target in (aten.linear.default,)]
+    assert [spec(n).placement for n in linears] == [Shard(1), Partial()]
+    assert [spec(n).role for n in linears] == ["column-parallel", "row-parallel"]
+    weights = {n.name: spec(n).placement for n in gm.graph.nodes if n.op == "placeholder"}
+    assert weights["p_model_mlp_fc_in_weight"] == Shard(0)
+    assert weights["p_model_mlp_fc_in_bias"] == Shard(0)
+    assert weights["p_model_mlp_fc_out_weight"] == Shard(1)
+    assert weights["p_model_mlp_fc_out_bias"] == Replicate()
+
+
+def test_mlp_generated_code_counts_and_bias_after_reduce(models, tmp_path):
+    result = compile_model(models / "mlp.py", Layout(tp=2), out=tmp_path)
+    code = result.sources["rank_pp0_tp0.py"]
+    assert code.count("rt.all_reduce(") == 1
+    assert code.count("rt.copy_to(") == 1
+    # the row-parallel bias is added once, after the reduction
+    lines = code.splitlines()
+    reduce_line = next(i for i, ln in enumerate(lines) if "rt.all_reduce(" in ln)
+    assert "mlp_fc_out_bias" in lines[reduce_line + 1] and "aten.add.Tensor" in lines[reduce_line + 1]
+    assert "# mlp.fc_in  Linear  column-parallel" in code
+    assert "# mlp.fc_out  Linear  row-parallel" in code
+
+
+@pytest.mark.parametrize("sample,layers", [("gpt.py", 2), ("llama.py", 2), ("gpt2.py", 2)])
+def test_two_all_reduces_each_way_per_transformer_layer(samples, sample, layers):
+    gm = compile_program(samples / sample, Layout(tp=2)).gm
+    fwd, bwd = _counts(gm)
+    # + 1 forward all-reduce for the vocabulary-parallel embedding, + 1 backward for the output head
+    assert (fwd, bwd) == (2 * layers + 1, 2 * layers + 1)
+    gathers = [n for n in _collectives(gm) if n.target is rtc.all_gather]
+    assert len(gathers) == 1 and spec(gathers[0]).fqn == "lm_head"
+
+
+def test_attention_shapes_are_localized_to_heads(samples):
+    gm = compile_program(samples / "llama.py", Layout(tp=2)).gm
+    views = [n for n in gm.graph.nodes if n.target is aten.view.default and spec(n).fqn == "model.layers.0.self_attn"]
+    # q: [B, S, 8 heads, 8] -> [B, S, 4, 8]; k, v: [B, S, 4 kv heads, 8] -> [B, S, 2, 8]
+    assert [list(v.args[1]) for v in views[:3]] == [[2, 16, 4, 8], [2, 16, 2, 8], [2, 16, 2, 8]]
+    expands = [n for n in gm.graph.nodes if n.target is aten.expand.default and spec(n).fqn == "model.layers.0.self_attn"]
+    assert [list(e.args[1]) for e in expands] == [[2, 2, 2, 16, 8], [2, 2, 2, 16, 8]]  # repeat_kv, per rank
+    sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert spec(sdpa).placement == Shard(1)
+
+
+def test_gpt2_fused_qkv_is_a_packed_column_split(samples):
+    gm = compile_program(samples / "gpt2.py", Layout(tp=2)).gm
+    c_attn = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith("h_0_attn_c_attn_weight"))
+    assert spec(c_attn).placement == Shard(1, blocks=3)
+    split = next(n for n in gm.graph.nodes if n.target is aten.split.Tensor)
+    assert split.args[1] == 32  # 64 per block, over tp=2
+    assert spec(split).placement == (Shard(2), Shard(2), Shard(2))
+
+
+def test_tp_that_does_not_divide_heads_names_module_and_valid_degrees(models):
+    with pytest.raises(ShardingError) as e:
+        compile_program(models / "odd_heads.py", Layout(tp=4))
+    msg = str(e.value)
+    assert "attn" in msg and "6 heads (num_heads)" in msg and "tp=4" in msg and "{1, 2, 3, 6}" in msg
+
+
+def test_plan_key_matching_nothing_warns_with_its_name(models):
+    with pytest.warns(UserWarning, match="'mlp.fc_middle' matches no module"):
+        compile_program(models / "mlp.py", Layout(tp=2), plan={"mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
+                                                               "mlp.fc_middle": "colwise"})
+
+
+def test_user_plan_overrides_and_conflicting_tied_split_is_an_error(samples):
+    with pytest.raises(PlanError, match="tied with"):
+        compile_program(samples / "gpt.py", Layout(tp=2), plan={"wte": "vocab", "lm_head": "rowwise"})
+
+
+def test_decorators_steer_the_split(samples):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx = compile_program(samples / "annotated.py", Layout(tp=2)).ctx
+    assert ctx.plan.source == "decorator"
+    assert str(ctx.plan.styles["mlps.1.up"]) == "colwise()"
+    assert str(ctx.plan.styles["mlps.1.down"]) == "rowwise()"
+    assert str(ctx.plan.styles["head"]) == "replicate()"
+
+
+def test_shipped_hf_plan_is_used(samples):
+    ctx = compile_program(samples / "llama.py", Layout(tp=2)).ctx
+    assert ctx.plan.source == "model"
+    assert ctx.plan.sources["model.layers.1.mlp.down_proj"] == "model"
+
+
+def test_compile_is_byte_identical_twice(samples, tmp_path):
+    a = compile_model(samples / "gpt2.py", Layout(tp=2), out=tmp_path / "a")
+    compile_model(samples / "gpt2.py", Layout(tp=2), out=tmp_path / "b")
+    for name in ["manifest.json", *a.files, "weights/rank_pp0_tp0.safetensors", "weights/rank_pp0_tp1.safetensors"]:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_generated_code_imports_only_torch_and_runtime(samples, tmp_path):
+    result = compile_model(samples / "llama.py", Layout(tp=2), out=tmp_path)
+    code = result.sources["rank_pp0_tp1.py"]
+    imports = [ln for ln in code.splitlines() if ln.startswith(("import ", "from "))]
+    assert imports == ["import torch", "from fxshard import runtime as rt"]
+    assert "# model.layers.0.mlp.down_proj  Linear  row-parallel" in code
+    assert "start=128, end=256" in code  # rank 1's vocabulary rows
