@@ -8,19 +8,12 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
+from fxshard.codegen.emit import collective_counts
 from fxshard.output import layout_of, rank_entry, read_manifest
 
 
 def _collective_counts(entry: dict) -> str:
-    fwd: dict[str, int] = {}
-    bwd: dict[str, int] = {}
-    for c in entry["collectives"]:
-        if c["op"] != "copy_to":
-            fwd[c["op"]] = fwd.get(c["op"], 0) + 1
-        if c["backward"]:
-            bwd[c["backward"]] = bwd.get(c["backward"], 0) + 1
-    f = ", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "-"
-    b = ", ".join(f"{n} {k}" for k, n in sorted(bwd.items())) or "-"
+    f, b = collective_counts(entry["collectives"])
     return f"fwd: {f}\nbwd: {b}"
 
 

@@ -139,7 +139,8 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     return RankCode(text, attrs, collectives)
 
 
-def _summary(collectives: list[dict]) -> str:
+def collective_counts(collectives: list[dict]) -> tuple[str, str]:
+    """``("1 all_gather, 5 all_reduce", "5 all_reduce")``: one rank's collectives per step, forward and backward."""
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     for c in collectives:
@@ -147,8 +148,12 @@ def _summary(collectives: list[dict]) -> str:
             fwd[c["op"]] = fwd.get(c["op"], 0) + 1
         if c["backward"]:
             bwd[c["backward"]] = bwd.get(c["backward"], 0) + 1
-    f = ", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "none"
-    b = ", ".join(f"{n} {k}" for k, n in sorted(bwd.items())) or "none"
+    return (", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "none",
+            ", ".join(f"{n} {k}" for k, n in sorted(bwd.items())) or "none")
+
+
+def _summary(collectives: list[dict]) -> str:
+    f, b = collective_counts(collectives)
     return f"forward {f}; backward {b}"
 
 
