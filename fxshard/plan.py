@@ -160,7 +160,15 @@ def _natural(fqn: str):
 
 def _apply(entries: dict, modules: list[str], source: str, resolved: ResolvedPlan, prefix: str = "") -> None:
     for key, value in entries.items():
-        style = as_style(value, f"{source} plan key {key!r}")
+        try:
+            style = as_style(value, f"{source} plan key {key!r}")
+        except PlanError as e:
+            if source != "model":
+                raise
+            # a shipped plan may use styles fxshard does not implement (experts, ...): say so, keep going
+            resolved.warnings.append(f"{e}; that entry of the model's own plan is ignored")
+            warnings.warn(resolved.warnings[-1], stacklevel=3)
+            continue
         pattern = f"{prefix}.{key}" if prefix and key else (prefix or key)
         hits = [m for m in modules if glob_match(pattern, m)]
         if not hits:
