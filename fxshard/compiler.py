@@ -127,6 +127,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
     tied_by_kept: dict[str, list[str]] = {}
     for alias, kept in program.tied.items():
         tied_by_kept.setdefault(kept, []).append(alias)
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for tp_rank in range(layout.tp):
         coords = {"dp": 0, "pp": 0, "tp": tp_rank}
         global_ranks = [r for r in range(layout.world_size) if layout.coords(r)["tp"] == tp_rank]
@@ -137,8 +138,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
         tensors, entries = {}, {}
         for pname, attr in code.attrs.items():
             s = state[pname]
-            node = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == pname)
-            placement = spec(node).placement
+            placement = spec(placeholders[pname]).placement
             full = program.tensors[s.fqn]
             sl = SliceSpec.of(placement, tp_rank, layout.tp)
             local = take(full.detach(), sl)
