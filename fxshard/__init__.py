@@ -3,10 +3,12 @@
 __version__ = "0.1.0"
 
 from fxshard.errors import FxshardError  # noqa: E402
+from fxshard.pipeline import pipeline_split  # noqa: E402
 from fxshard.plan import colwise, parallelize, replicate, rowwise, vocab_parallel  # noqa: E402
 
 
-def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, plan=None, seed: int = 0):
+def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, schedule: str = "1f1b",
+            microbatches: int | None = None, virtual_stages: int | None = None, plan=None, seed: int = 0):
     """Compile a model file for a layout and write the per-rank program to ``out``.
 
     >>> fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)   # doctest: +SKIP
@@ -14,8 +16,9 @@ def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero
     from fxshard.compiler import compile as _compile
     from fxshard.context import Layout
 
-    return _compile(model_file, Layout(tp=tp, pp=pp, dp=dp, zero=zero), out=out, plan=plan, seed=seed)
+    return _compile(model_file, Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
+                                          virtual_stages=virtual_stages), out=out, plan=plan, seed=seed)
 
 
-__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "parallelize", "compile",
+__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "parallelize", "pipeline_split", "compile",
            "__version__"]

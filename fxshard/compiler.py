@@ -9,13 +9,16 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 from safetensors.torch import save_file
 
 from fxshard import __version__
@@ -26,11 +29,13 @@ from fxshard.errors import LayoutError, OutputFolderError, PlanError
 from fxshard.modelfile import ModelFile, load_model_file
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
+from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
+from fxshard.pipeline import choose_microbatches, label_markers
 from fxshard.placement import SliceSpec, local_shape, take
 from fxshard.plan import resolve
 
-PASSES = [tensor_parallel_pass, collectives_pass, checks_pass]
+PASSES = [tensor_parallel_pass, collectives_pass, pipeline_pass, checks_pass]
 from fxshard.output import FORMAT, MANIFEST  # noqa: E402
 
 
@@ -49,18 +54,20 @@ class CompiledProgram:
 
 def check_layout(layout: Layout) -> None:
     """Reject layouts this version does not implement yet, before any work."""
-    if layout.pp > 1:
-        raise LayoutError(f"--pp {layout.pp}: pipeline parallelism is not implemented yet in fxshard {__version__}; use --pp 1")
     if layout.dp > 1:
         raise LayoutError(f"--dp {layout.dp}: data parallelism is not implemented yet in fxshard {__version__}; use --dp 1")
     if layout.zero:
         raise LayoutError(f"--zero {layout.zero}: ZeRO is not implemented yet in fxshard {__version__}; use --zero 0")
-    if layout.microbatches not in (None, 1):
-        raise LayoutError(f"--microbatches {layout.microbatches} applies to pipeline parallelism (--pp > 1), "
-                          "which is not implemented yet; leave it unset")
-    if layout.schedule != "1f1b":
-        raise LayoutError(f"--schedule {layout.schedule} applies to pipeline parallelism (--pp > 1), "
-                          "which is not implemented yet; leave it unset")
+    if layout.pp == 1:
+        if layout.microbatches not in (None, 1):
+            raise LayoutError(f"--microbatches {layout.microbatches} applies to pipeline parallelism (--pp > 1); "
+                              "leave it unset at --pp 1")
+        if layout.schedule != "1f1b":
+            raise LayoutError(f"--schedule {layout.schedule} applies to pipeline parallelism (--pp > 1); "
+                              "leave it unset at --pp 1")
+        if layout.virtual_stages not in (None, 1):
+            raise LayoutError(f"--virtual-stages {layout.virtual_stages} applies to pipeline parallelism (--pp > 1); "
+                              "leave it unset at --pp 1")
 
 
 def load_plan_file(path: str | Path) -> dict:
@@ -69,29 +76,84 @@ def load_plan_file(path: str | Path) -> dict:
     if not path.is_file():
         raise PlanError(f"{path}: no such plan file; expected a Python file defining PLAN = {{...}}")
     scope: dict = {}
+    # a plan file may also say where to cut the pipeline: SPLIT_BEFORE = ["model.layers.8", ...]
     try:
         exec(builtins.compile(path.read_text(), str(path), "exec"), scope)
     except Exception as e:
         raise PlanError(f"{path}: the plan file failed to run: {type(e).__name__}: {e}") from e
     plan = scope.get("PLAN")
+    split = scope.get("SPLIT_BEFORE")
+    if plan is None and split is not None:
+        plan = {}
     if not isinstance(plan, dict):
         raise PlanError(f"{path}: defines no PLAN dict; write PLAN = {{'layers.*.mlp.fc_in': fxshard.colwise(), ...}}")
+    if split is not None:
+        plan = dict(plan, split_before=split)
     return plan
+
+
+def batch_size(inputs, where: str) -> int | None:
+    """The leading size shared by the tensor inputs (the batch), or None without tensor inputs."""
+    leaves = [(pytree.keystr(p), v) for p, v in pytree.tree_flatten_with_path(inputs)[0]
+              if isinstance(v, torch.Tensor)]
+    if not leaves:
+        return None
+    path, first = leaves[0]
+    if first.dim() == 0:
+        raise LayoutError(f"{where}: input {path} is a scalar tensor; pipeline microbatches split every tensor "
+                          "input along its first (batch) dimension")
+    b = first.shape[0]
+    for p, v in leaves[1:]:
+        if v.dim() == 0 or v.shape[0] != b:
+            raise LayoutError(f"{where}: input {p} has shape {list(v.shape)} but {path} has batch size {b}; "
+                              "pipeline microbatches split every tensor input along dim 0, so all must share it")
+    return b
+
+
+def _split_plan(plan: dict | None) -> tuple[dict | None, list[str]]:
+    if not plan or "split_before" not in plan:
+        return plan, []
+    plan = dict(plan)
+    split = plan.pop("split_before")
+    if isinstance(split, str):
+        split = [split]
+    if not isinstance(split, (list, tuple)) or not all(isinstance(x, str) for x in split):
+        raise PlanError(f"split_before must be a list of module paths, e.g. ['model.layers.8'], got {split!r}")
+    return plan, list(split)
 
 
 def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: dict | None = None,
                     seed: int = 0, program: Program | None = None) -> CompiledProgram:
     """Capture and transform; returns the per-rank graph and context without writing files."""
     check_layout(layout)
+    plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    program = program or capture(mf, seed)
+    microbatches, batch = 1, None
+    if program is None:
+        inputs = mf.build_inputs(seed)
+        if layout.pp > 1:
+            where = f"{mf.path.name}: make_inputs()"
+            batch = batch_size(inputs, where)
+            if batch is None:
+                raise LayoutError(f"{where} has no tensor input to split into pipeline microbatches")
+            microbatches = choose_microbatches(layout, batch, where)
+            size = batch // microbatches
+            inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
+        program = capture(mf, seed, inputs=inputs)
+    if layout.pp > 1:
+        layout = dataclasses.replace(layout, microbatches=microbatches,
+                                     virtual_stages=layout.stages_per_rank)
+    markers = label_markers(program.gm)
     gm = program.gm
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resolved = resolve(program.model, plan)
     for w in caught:
         warnings.warn(str(w.message), stacklevel=2)
-    ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest())
+    ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest(),
+                         split_before=split_before, microbatches=microbatches, batch=batch)
+    if markers and layout.pp == 1:
+        ctx.notes.append(f"{markers} fxshard.pipeline_split() marker(s) ignored at --pp 1")
     state = program.state_by_name()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -128,35 +190,40 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
     for alias, kept in program.tied.items():
         tied_by_kept.setdefault(kept, []).append(alias)
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    for tp_rank in range(layout.tp):
-        coords = {"dp": 0, "pp": 0, "tp": tp_rank}
-        global_ranks = [r for r in range(layout.world_size) if layout.coords(r)["tp"] == tp_rank]
-        code = emit_rank(gm, ctx, coords, __version__, global_ranks)
-        fname = rank_file_name(coords)
-        sources[fname] = code.source
-        wname = f"weights/{fname.removesuffix('.py')}.safetensors"
-        tensors, entries = {}, {}
-        for pname, attr in code.attrs.items():
-            s = state[pname]
-            placement = spec(placeholders[pname]).placement
-            full = program.tensors[s.fqn]
-            sl = SliceSpec.of(placement, tp_rank, layout.tp)
-            local = take(full.detach(), sl)
-            tensors[attr] = local.contiguous().clone()
-            entries[attr] = {
-                "source": s.fqn,
-                "kind": s.kind,
-                "persistent": s.persistent,
-                "placement": repr(placement),
-                "global_shape": list(full.shape),
-                "shape": list(local_shape(tuple(full.shape), placement, layout.tp)),
-                "dtype": str(full.dtype).removeprefix("torch."),
-                "slice": sl.to_json(),
-                "aliases": sorted(tied_by_kept.get(s.fqn, [])),
-            }
-        shards[wname] = tensors
-        ranks.append({"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
-                      "tensors": entries, "collectives": code.collectives})
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            coords = {"dp": 0, "pp": pp_rank, "tp": tp_rank}
+            global_ranks = [r for r in range(layout.world_size)
+                            if layout.coords(r)["tp"] == tp_rank and layout.coords(r)["pp"] == pp_rank]
+            code = emit_rank(gm, ctx, coords, __version__, global_ranks)
+            fname = rank_file_name(coords)
+            sources[fname] = code.source
+            wname = f"weights/{fname.removesuffix('.py')}.safetensors"
+            tensors, entries = {}, {}
+            for key, pname in code.attrs.items():
+                s = state[pname]
+                placement = spec(placeholders[pname]).placement
+                full = program.tensors[s.fqn]
+                sl = SliceSpec.of(placement, tp_rank, layout.tp)
+                local = take(full.detach(), sl)
+                tensors[key] = local.contiguous().clone()
+                entries[key] = {
+                    "source": s.fqn,
+                    "kind": s.kind,
+                    "persistent": s.persistent,
+                    "placement": repr(placement),
+                    "global_shape": list(full.shape),
+                    "shape": list(local_shape(tuple(full.shape), placement, layout.tp)),
+                    "dtype": str(full.dtype).removeprefix("torch."),
+                    "slice": sl.to_json(),
+                    "aliases": sorted(tied_by_kept.get(s.fqn, [])),
+                }
+            shards[wname] = tensors
+            entry = {"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
+                     "tensors": entries, "collectives": code.collectives}
+            if ctx.pipeline is not None:
+                entry["stages"] = code.stages
+            ranks.append(entry)
     manifest = {
         "format": FORMAT,
         "fxshard_version": __version__,
@@ -166,18 +233,40 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
         "model_class": type(program.model).__name__,
         "seed": seed,
         "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": layout.zero,
-                   "schedule": layout.schedule, "microbatches": layout.microbatches},
+                   "schedule": layout.schedule, "microbatches": layout.microbatches,
+                   "virtual_stages": layout.virtual_stages},
         "mesh": {"axes": ["dp", "pp", "tp"], "shape": list(layout.mesh_shape)},
         "plan_source": ctx.plan.source,
         "plan": ctx.plan.describe(),
         "notes": ctx.notes,
-        "inputs": [{"name": i.name, "path": i.path, "is_tensor": i.is_tensor, "shape": list(i.shape), "dtype": i.dtype}
+        "inputs": [{"name": i.name, "path": i.path, "is_tensor": i.is_tensor, "dtype": i.dtype,
+                    "shape": _batch_shape(i.shape, ctx) if i.is_tensor else [],
+                    "microbatch_shape": list(i.shape)}
                    for i in program.inputs],
         "outputs": program.output_paths,
         "tied": dict(sorted(program.tied.items())),
         "ranks": ranks,
     }
+    if ctx.pipeline is not None:
+        pipe = ctx.pipeline
+        manifest["pipeline"] = {
+            "stages": layout.num_stages,
+            "stages_per_rank": layout.stages_per_rank,
+            "microbatches": pipe.microbatches,
+            "batch": ctx.batch,
+            "cut": pipe.cut.source,
+            "table": pipe.cut.table,
+            "tied": [{"name": f"tied:{state[p.name].fqn}", "fqn": state[p.name].fqn, "stages": holders}
+                     for p, holders in pipe.tied],
+        }
     return sources, manifest, shards
+
+
+def _batch_shape(shape, ctx: CompileContext) -> list[int]:
+    """The shape of an input for a whole step (the graph was captured on one microbatch)."""
+    if ctx.pipeline is None or not shape:
+        return list(shape)
+    return [shape[0] * ctx.microbatches, *shape[1:]]
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:

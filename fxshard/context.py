@@ -16,6 +16,7 @@ from fxshard.placement import Placement, Replicate
 from fxshard.plan import ResolvedPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
 MESH_AXES = ("dp", "pp", "tp")  # outermost first: a tp group is consecutive ranks
 
 
@@ -27,6 +28,7 @@ class Layout:
     zero: int = 0
     schedule: str = "1f1b"
     microbatches: int | None = None
+    virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):
@@ -36,6 +38,16 @@ class Layout:
             raise LayoutError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.schedule not in SCHEDULES:
             raise LayoutError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages is not None:
+            if self.virtual_stages < 1:
+                raise LayoutError(f"--virtual-stages must be at least 1, got {self.virtual_stages}")
+            if self.virtual_stages > 1 and self.schedule not in INTERLEAVED:
+                raise LayoutError(
+                    f"--virtual-stages {self.virtual_stages}: schedule {self.schedule} runs one stage per pp rank; "
+                    f"use --schedule {' or '.join(INTERLEAVED)} for several stages per rank, or drop the flag"
+                )
+        if self.microbatches is not None and self.microbatches < 1:
+            raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
 
     @property
     def world_size(self) -> int:
@@ -45,12 +57,39 @@ class Layout:
     def mesh_shape(self) -> tuple[int, int, int]:
         return (self.dp, self.pp, self.tp)
 
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp coordinate holding ``stage``: stages loop over the pp ranks (0, 1, .., pp-1, 0, 1, ..)."""
+        return stage % self.pp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return list(range(pp_rank, self.num_stages, self.pp))
+
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank; tp varies fastest."""
         return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
 
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
     def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"
+        text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"
+        if self.pp > 1:
+            text += f" schedule={self.schedule} microbatches={self.microbatches}"
+            if self.stages_per_rank > 1:
+                text += f" virtual-stages={self.stages_per_rank}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -101,6 +140,10 @@ class CompileContext:
     passes_run: list[str] = field(default_factory=list)
     model_file_name: str = "model.py"
     model_digest: str = ""
+    split_before: list[str] = field(default_factory=list)  # explicit pipeline cuts (module FQNs)
+    microbatches: int = 1
+    batch: int | None = None  # examples per step (the leading size of the inputs)
+    pipeline: object | None = None  # passes/pipeline.py: PipelineProgram, when pp > 1
 
     @property
     def plan_summary(self) -> list[str]:

@@ -90,11 +90,18 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
         coords = layout.coords(rank)
         entry = rank_entry(manifest, coords)
-        module = import_rank_file(out / entry["file"]).RankModule(groups, device)
-        load_state(module, out / entry["weights"])
+        code = import_rank_file(out / entry["file"])
         mf = load_model_file(out / manifest["model_file"])
         batches = mf.batches(steps, manifest["seed"])
-        opt = optim.make(module.parameters())
+        if layout.pp == 1:
+            module = code.RankModule(groups, device)
+            load_state(module, out / entry["weights"])
+            params = list(module.parameters())
+            step_fn = _plain_step(module)
+        else:
+            groups |= _tied_groups(manifest, layout, rank)
+            params, step_fn = _pipeline(code, entry, manifest, layout, groups, out, device, rank)
+        opt = optim.make(params)
         losses = []
         sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
         try:
@@ -103,11 +110,9 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
                 start = time.perf_counter()
                 leaves = [v.to(device) if isinstance(v, torch.Tensor) else v
                           for v in flatten_batch(batch, manifest["inputs"])]
-                loss = module(*leaves)[0]
-                loss.backward()
+                value = step_fn(leaves)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                value = float(loss.detach())
                 losses.append(value)
                 if rank == 0:
                     log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
@@ -120,3 +125,60 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         return losses
     finally:
         dist.destroy_process_group()
+
+
+def _plain_step(module):
+    def step(leaves) -> float:
+        loss = module(*leaves)[0]
+        loss.backward()
+        return float(loss.detach())
+
+    return step
+
+
+def _tied_groups(manifest: dict, layout, rank: int) -> dict:
+    """One process group per weight shared by stages on different pp ranks, per (dp, tp) coordinate.
+
+    Every rank creates every group in the same order (``new_group`` is collective over the world)."""
+    groups = {}
+    for tie in manifest.get("pipeline", {}).get("tied", []):
+        pp_ranks = sorted({layout.stage_rank(s) for s in tie["stages"]})
+        if len(pp_ranks) < 2:
+            continue
+        for d in range(layout.dp):
+            for t in range(layout.tp):
+                ranks = [layout.rank_of(d, p, t) for p in pp_ranks]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[tie["name"]] = group
+    return groups
+
+
+def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int):
+    """Build this rank's stage modules, their PipelineStages and the schedule; return params and a step."""
+    from fxshard.runtime.pipeline import make_schedule, pipeline_stage, run_schedule, step_loss
+
+    modules = {}
+    for st in entry["stages"]:
+        module = getattr(code, st["class"])(groups, device)
+        load_state(module, out / entry["weights"], prefix=st["class"] + ".")
+        modules[st["index"]] = module
+    stages = [pipeline_stage(m, s, layout.num_stages, device, groups["pp"]) for s, m in sorted(modules.items())]
+    microbatches = manifest["pipeline"]["microbatches"]
+    schedule = make_schedule(layout.schedule, stages, microbatches)
+    coords = layout.coords(rank)
+    last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])
+    params, seen = [], set()
+    for m in modules.values():
+        for p in m.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+
+    def step(leaves) -> float:
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        losses = run_schedule(schedule, stages, microbatches, tensors, groups["pp"])
+        code.sync_tied_grads(modules, groups)
+        return step_loss(losses, last, groups["pp"], device)
+
+    return params, step

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, SEQ, HIDDEN, HEADS, LAYERS, BATCH = 256, 16, 64, 4, 2, 4
+VOCAB, SEQ, HIDDEN, HEADS, LAYERS, BATCH = 256, 16, 64, 4, 8, 8
 
 
 class Attention(nn.Module):

@@ -9,12 +9,12 @@ column split (3 blocks), ``c_proj`` row-parallel, the tied ``wte``/``lm_head`` v
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-BATCH, SEQ = 2, 16
+BATCH, SEQ = 4, 16
 
 
 def config():
     return GPT2Config(
-        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         attn_implementation="sdpa",
     )

@@ -9,12 +9,12 @@ plan (``base_model_tp_plan``), which fxshard uses.
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-BATCH, SEQ = 2, 16
+BATCH, SEQ = 4, 16
 
 
 def config():
     return LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
         attn_implementation="sdpa",
     )

@@ -53,67 +53,77 @@ def attr_name(fqn: str, taken: set[str]) -> str:
 @dataclass
 class RankCode:
     source: str
-    attrs: dict[str, str]  # placeholder name -> attribute name
+    attrs: dict[str, str]  # weight key in the rank's safetensors file -> placeholder name
     collectives: list[dict] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)  # per stage held: index, class, inputs, outputs
+
+
+@dataclass
+class _Class:
+    name: str
+    doc: str
+    comments: list[str]
+    attributes: list[str]
+    init_lines: list[str]
+    forward_args: str
+    forward_lines: list[str]
+
+
+_RESERVED = {"device", "tp", "pp", "dp", "forward", "training", "INPUTS", "OUTPUTS"}
 
 
 def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], version: str,
               global_ranks: list[int]) -> RankCode:
+    """The Python module of one rank: one class (``RankModule``), or one per pipeline stage it holds."""
     program = ctx.program
+    layout = ctx.layout
     state = program.state_by_name()
-    taken: set[str] = {"device", "tp", "pp", "dp", "forward", "training"}
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    classes: list[_Class] = []
     attrs: dict[str, str] = {}
-    init_lines: list[str] = []
-    names: dict[fx.Node, str] = {}
-    inputs: list[str] = []
-    tp = ctx.layout.tp
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        if node.name in state:
-            s = state[node.name]
-            if not node.users:
-                continue
-            a = attr_name(s.fqn, taken)
-            attrs[node.name] = a
-            names[node] = f"self.{a}"
-            init_lines.append(_state_line(a, s, node, tp))
-        else:
-            names[node] = node.name
-            inputs.append(node.name)
-
-    lines: list[str] = []
     collectives: list[dict] = []
-    group_key = None
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            lines.append("")
-            lines.append(f"return {_arg(node.args[0], names, coords)}")
-            continue
-        key = (spec(node).fqn, spec(node).role)
-        if key != group_key:
-            group_key = key
-            if lines:
-                lines.append("")
-            lines.append(_group_comment(node, ctx))
-        names[node] = node.name
-        line = f"{node.name} = {_call(node, names, coords)}"
-        note = _note(node, tp)
-        lines.append(f"{line}  # {note}" if note else line)
-        name = getattr(node.target, "__name__", "")
-        if spec(node).collective and name != "shard":
-            val = node.meta.get("val")
-            collectives.append({
-                "op": name,
-                "group": "tp",
-                "value": node.name,
-                "shape": list(local_shape(tuple(val.shape), spec(node.args[0]).placement, tp)),
-                "dtype": str(val.dtype).removeprefix("torch."),
-                "backward": {"copy_to": "all_reduce", "all_reduce": None, "all_gather": None,
-                             "scatter": "all_gather"}[name],
-            })
+    stages: list[dict] = []
+    tied_fn: list[str] = []
+    pipe = ctx.pipeline
+    if pipe is None:
+        state_nodes = [n for n in placeholders if n.name in state and n.users]
+        inputs = [n for n in placeholders if n.name not in state]
+        cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
+                                    "parameters at their per-rank shapes, straight-line forward.",
+                                    [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None)
+        cls.forward_lines += ["", f"return {_arg(out_node.args[0], names, coords)}"]
+        classes.append(cls)
+        attrs.update(a)
+        axes = ["tp"]
+    else:
+        axes = ["tp", "pp"]
+        S = layout.num_stages
+        for s in layout.stages_of(coords["pp"]):
+            st = pipe.stages[s]
+            name = f"Stage{s}"
+            comments, in_meta, out_meta = _io_comments(st, pipe, ctx, coords)
+            doc = (f"Pipeline stage {s} of {S} ({st.label}) on pp rank {coords['pp']}, tp rank {coords['tp']}: "
+                   f"one microbatch per call.")
+            start = len(collectives)
+            cls, names, a = _class_code(name, doc, comments, st.nodes, st.state, st.inputs, st.recomputed, ctx,
+                                        coords, collectives, s)
+            cls.attributes = [f"INPUTS = {_meta_tuple(in_meta)}", f"OUTPUTS = {_meta_tuple(out_meta)}"]
+            outs = [names[n] for n in st.outputs]
+            if s == S - 1:
+                ret = outs[0]
+            else:
+                ret = f"({', '.join(outs)},)" if len(outs) == 1 else f"({', '.join(outs)})"
+            dest = "the schedule (loss)" if s == S - 1 else f"stage {s + 1}"
+            cls.forward_lines += ["", f"return {ret}  # to {dest}"]
+            classes.append(cls)
+            for key, ph in a.items():
+                attrs[f"{name}.{key}"] = ph
+            for c in collectives[start:]:
+                c["stage"] = s
+            stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
+        tied_fn = _tied_lines(pipe, ctx, coords, state)
 
     summary = _summary(collectives)
     text = _ENV.get_template("rank.py.j2").render(
@@ -121,22 +131,178 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         model_file=ctx.model_file_name,
         digest=ctx.model_digest,
         model_class=type(program.model).__name__,
-        layout=ctx.layout.describe(),
-        mesh=ctx.layout.mesh_shape,
-        coords_text=f"pp rank {coords['pp']}, tp rank {coords['tp']} of {tp}",
+        layout=layout.describe(),
+        mesh=layout.mesh_shape,
+        coords_text=_coords_text(coords, layout),
         global_ranks=", ".join(map(str, global_ranks)),
         plan_source=ctx.plan.source,
         plan_lines=ctx.plan_summary,
         passes=", ".join(ctx.passes_run + ["codegen"]),
         collective_summary=summary,
-        class_name="RankModule",
-        axes=["tp"],
-        init_lines=init_lines,
-        forward_args=", ".join(inputs),
-        forward_lines=[ln for ln in lines],
+        pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
+        axes=axes,
+        classes=classes,
+        tied_lines=tied_fn,
     )
     text = "\n".join(ln.rstrip() for ln in text.splitlines()) + "\n"
-    return RankCode(text, attrs, collectives)
+    return RankCode(text, attrs, collectives, stages)
+
+
+def _coords_text(coords: dict[str, int], layout) -> str:
+    text = f"tp rank {coords['tp']} of {layout.tp}"
+    if layout.pp > 1:
+        text = f"pp rank {coords['pp']} of {layout.pp}, " + text
+    return text
+
+
+def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx, coords, collectives, stage):
+    program = ctx.program
+    state = program.state_by_name()
+    tp = ctx.layout.tp
+    taken = set(_RESERVED)
+    attrs: dict[str, str] = {}
+    init_lines: list[str] = []
+    names: dict[fx.Node, str] = {}
+    for node in state_nodes:
+        s = state[node.name]
+        a = attr_name(s.fqn, taken)
+        attrs[a] = node.name
+        names[node] = f"self.{a}"
+        init_lines.append(_state_line(a, s, node, tp))
+    for node in inputs:
+        names[node] = node.name
+    lines: list[str] = []
+    group_key = None
+    for node in nodes:
+        again = node in recomputed
+        key = (spec(node).fqn, spec(node).role, again)
+        if key != group_key:
+            group_key = key
+            if lines:
+                lines.append("")
+            lines.append(_group_comment(node, ctx) + ("  (recomputed here, not received)" if again else ""))
+        names[node] = node.name
+        line = f"{node.name} = {_call(node, names, coords)}"
+        note = _note(node, tp)
+        lines.append(f"{line}  # {note}" if note else line)
+        target = getattr(node.target, "__name__", "")
+        if spec(node).collective and target != "shard":
+            val = node.meta.get("val")
+            collectives.append({
+                "op": target,
+                "group": "tp",
+                "value": node.name,
+                "shape": list(local_shape(tuple(val.shape), spec(node.args[0]).placement, tp)),
+                "dtype": str(val.dtype).removeprefix("torch."),
+                "backward": {"copy_to": "all_reduce", "all_reduce": None, "all_gather": None,
+                             "scatter": "all_gather"}[target],
+            })
+    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines)
+    return cls, names, attrs
+
+
+def _local(node: fx.Node, tp: int) -> tuple[tuple[int, ...], str]:
+    val = node.meta["val"]
+    return tuple(local_shape(tuple(val.shape), spec(node).placement, tp)), str(val.dtype).removeprefix("torch.")
+
+
+def _io_comments(st, pipe, ctx: CompileContext, coords):
+    """Comment lines on what a stage receives and sends, and the static metadata of both."""
+    layout = ctx.layout
+    tp = layout.tp
+    S = layout.num_stages
+    s = st.index
+    comments: list[str] = []
+    in_meta: list[dict] = []
+    out_meta: list[dict] = []
+
+    def origin(v) -> str:
+        made = pipe.produced_in[v]
+        if made < 0:
+            return "user input"
+        return f"{spec(v).fqn or 'model'} (stage {made})"
+
+    def row(v, passed: bool) -> tuple[str, dict]:
+        shp, dt = _local(v, tp)
+        rg = v in pipe.requires_grad
+        what = origin(v) + (", passed on" if passed else "")
+        grad = "gradient flows back" if rg else "no gradient"
+        place = spec(v).placement
+        ptxt = "" if place == Replicate() else f" {place}"
+        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  from {what}; {grad}",
+                {"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": rg})
+
+    def peers(stage: int) -> str:
+        p = layout.stage_rank(stage)
+        ranks = [layout.rank_of(d, p, coords["tp"]) for d in range(layout.dp)]
+        return f"stage {stage} on pp rank {p} (global rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+
+    if s == 0:
+        comments.append("# takes the microbatch of the user inputs from the schedule:")
+    else:
+        comments.append(f"# receives from {peers(s - 1)}, per microbatch:")
+    for v in st.inputs:
+        line, meta = row(v, v in st.outputs)
+        comments.append(line)
+        in_meta.append(meta)
+    if s == S - 1:
+        comments.append("# returns the microbatch loss to the schedule, which runs backward from it")
+        v = st.outputs[0]
+        shp, dt = _local(v, tp)
+        out_meta.append({"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": True})
+    else:
+        comments.append(f"# sends to {peers(s + 1)}, per microbatch:")
+        for v in st.outputs:
+            line, meta = row(v, v in st.inputs)
+            comments.append(line)
+            out_meta.append(meta)
+    if st.recomputed:
+        comments.append(f"# recomputes {len(st.recomputed)} op(s) from buffers and constants instead of receiving "
+                        "their results (marked below)")
+    return comments, in_meta, out_meta
+
+
+def _meta_tuple(metas: list[dict]) -> str:
+    items = [f"({m['name']!r}, {tuple(m['shape'])!r}, torch.{m['dtype']}, {m['requires_grad']})" for m in metas]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
+    layout = ctx.layout
+    pipe = ctx.pipeline
+    lines = [f"schedule {layout.schedule}, {layout.num_stages} stages ({layout.stages_per_rank} per pp rank), "
+             f"{pipe.microbatches} microbatches of {ctx.batch // pipe.microbatches}; cut: {pipe.cut.source}"]
+    for row in pipe.cut.table:
+        mine = "  <- this rank" if row["pp_rank"] == coords["pp"] else ""
+        lines.append(f"  stage {row['stage']} (pp rank {row['pp_rank']}): {row['holds']}{mine}")
+    return lines
+
+
+def _tied_lines(pipe, ctx: CompileContext, coords, state) -> list[str]:
+    """Body of ``sync_tied_grads``: one call per weight held by several stages that this rank holds."""
+    layout = ctx.layout
+    mine = set(layout.stages_of(coords["pp"]))
+    lines = []
+    for p, holders in pipe.tied:
+        local = [s for s in holders if s in mine]
+        if not local:
+            continue
+        fqn = state[p.name].fqn
+        aliases = [a for a, k in ctx.program.tied.items() if k == fqn]
+        attr = next(k for k, v in _stage_attrs(pipe.stages[local[0]], state).items() if v == p.name)
+        copies = ", ".join(f"stages[{s}].{attr}" for s in local)
+        ranks = sorted({layout.stage_rank(s) for s in holders})
+        label = fqn + (f" (= {', '.join(aliases)})" if aliases else "")
+        lines.append(f"# {label}: held by stages {', '.join(map(str, holders))} on pp ranks "
+                     f"{', '.join(map(str, ranks))}")
+        group = f'groups["tied:{fqn}"]' if len(ranks) > 1 else "None"
+        lines.append(f"rt.sum_tied_grads([{copies}], {group})")
+    return lines
+
+
+def _stage_attrs(st, state) -> dict[str, str]:
+    taken = set(_RESERVED)
+    return {attr_name(state[n.name].fqn, taken): n.name for n in st.state}
 
 
 def collective_counts(collectives: list[dict]) -> tuple[str, str]:

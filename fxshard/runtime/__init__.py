@@ -1,7 +1,9 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
 from fxshard.runtime.collectives import all_gather, all_reduce, copy_to, scatter, shard
+from fxshard.runtime.pipeline import sum_tied_grads
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "load_state"]
+__all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "load_state",
+           "sum_tied_grads"]

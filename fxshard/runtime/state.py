@@ -10,8 +10,10 @@ from safetensors.torch import load_file
 from fxshard.errors import OutputFolderError
 
 
-def load_state(module: torch.nn.Module, path: str | Path) -> None:
-    """Copy every tensor of ``path`` into the parameter or buffer of the same name, checking shapes."""
+def load_state(module: torch.nn.Module, path: str | Path, prefix: str = "") -> None:
+    """Copy every tensor of ``path`` into the parameter or buffer of the same name, checking shapes.
+
+    ``prefix`` selects one stage's tensors (``"Stage3."``) from a rank file holding several stages."""
     path = Path(path)
     if not path.is_file():
         raise OutputFolderError(f"{path}: weights file missing; recompile with `fxshard compile`")
@@ -19,6 +21,8 @@ def load_state(module: torch.nn.Module, path: str | Path) -> None:
         tensors = load_file(str(path))
     except Exception as e:
         raise OutputFolderError(f"{path}: cannot read weights ({type(e).__name__}: {e}); recompile") from e
+    if prefix:
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     own = dict(module.named_parameters()) | dict(module.named_buffers())
     missing = sorted(set(own) - set(tensors))
     extra = sorted(set(tensors) - set(own))

@@ -1,0 +1,298 @@
+"""Pipeline parallelism at compile time: markers, repeated blocks, node costs, cuts, microbatches.
+
+Where to cut, in order of precedence:
+
+1. ``fxshard.pipeline_split()`` calls in the user's ``forward`` (export keeps them as marker ops);
+2. ``split_before=["model.layers.8", ...]`` in the plan (``--split-before`` on the command line);
+3. automatic: the model's repeated blocks (the longest ``ModuleList`` of one class) are divided into
+   contiguous groups, one per stage, minimizing the largest per-stage cost (FLOPs and parameter
+   bytes, from the captured shapes); never inside a block.
+
+The pass that cuts the graph (``passes/pipeline.py``) turns the cut positions into stages.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxshard.capture import node_fqn
+from fxshard.context import Layout
+from fxshard.errors import LayoutError, PlanError
+
+# ---------------------------------------------------------------- the marker
+
+torch.library.define("fxshard::pipeline_split", "() -> ()")
+
+
+@torch.library.impl("fxshard::pipeline_split", "CompositeExplicitAutograd")
+def _pipeline_split_impl():
+    return None
+
+
+@torch.library.register_fake("fxshard::pipeline_split")
+def _pipeline_split_fake():
+    return None
+
+
+PIPELINE_SPLIT = torch.ops.fxshard.pipeline_split.default
+fx.node._side_effectful_functions.add(PIPELINE_SPLIT)  # export keeps the marker (as torch's pipe_split does)
+
+
+def pipeline_split() -> None:
+    """Mark a pipeline cut in a model's ``forward``: everything before runs in an earlier stage.
+
+    Outside of ``fxshard compile`` it does nothing, so the model still runs as before::
+
+        for i, layer in enumerate(self.layers):
+            if i == 4:
+                fxshard.pipeline_split()
+            x = layer(x)
+    """
+    torch.ops.fxshard.pipeline_split()
+
+
+def is_marker(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is PIPELINE_SPLIT:
+        return True
+    return str(node.target) == "pippy._pipe_split.default"  # torch.distributed.pipelining.pipe_split()
+
+
+def label_markers(gm: fx.GraphModule) -> int:
+    """Remove marker ops; label every node with the number of markers before it (``fxshard_segment``)."""
+    segment, count = 0, 0
+    for node in list(gm.graph.nodes):
+        if is_marker(node):
+            segment += 1
+            count += 1
+            gm.graph.erase_node(node)
+            continue
+        node.meta["fxshard_segment"] = segment
+    if count:
+        gm.recompile()
+    return count
+
+
+# ---------------------------------------------------------------- blocks and costs
+
+_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+
+
+@dataclass
+class Blocks:
+    """The model's repeated blocks: ``prefix.0`` .. ``prefix.{n-1}``, all of one class."""
+
+    prefix: str
+    cls: str
+    names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def find_blocks(module_types: dict[str, str]) -> Blocks | None:
+    """The longest run of same-class modules ``prefix.<i>`` (the transformer layers)."""
+    runs: dict[str, dict[int, str]] = {}
+    for fqn, cls in module_types.items():
+        m = _INDEXED.match(fqn)
+        if m:
+            runs.setdefault(m.group(1), {})[int(m.group(2))] = cls
+    best = None
+    for prefix, members in runs.items():
+        classes = set(members.values())
+        if len(classes) != 1 or sorted(members) != list(range(len(members))):
+            continue
+        key = (len(members), -prefix.count("."))
+        if best is None or key > best[0]:
+            best = (key, Blocks(prefix, classes.pop(), [f"{prefix}.{i}" for i in range(len(members))]))
+    return best[1] if best else None
+
+
+def _under(fqn: str, prefix: str) -> bool:
+    return fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def node_flops(node: fx.Node) -> int:
+    """Forward FLOPs of one node from its captured (global) shapes; element count for other ops."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    name = getattr(node.target, "__name__", "")
+    out = _numel(val.shape)
+
+    def in_shape(i):
+        a = node.args[i]
+        v = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+    if name.startswith(("linear", "mm", "bmm", "matmul")):
+        k = in_shape(0)[-1] if in_shape(0) else 1
+        return 2 * out * k
+    if name.startswith("addmm"):
+        k = in_shape(1)[-1] if in_shape(1) else 1
+        return 2 * out * k
+    if "scaled_dot_product" in name:
+        q = in_shape(0)
+        k = in_shape(1)
+        if len(q) >= 2 and len(k) >= 2:
+            return 4 * _numel(q[:-1]) * k[-2] * q[-1]
+    return out
+
+
+@dataclass
+class Segment:
+    """A piece of the program between possible cuts: the part before the blocks, a block, the part after."""
+
+    name: str
+    first: int  # index of its first compute node
+    flops: int = 0
+    param_bytes: int = 0
+    cost: float = 0.0
+
+
+def segments(compute: list[fx.Node], blocks: Blocks, param_first_use: dict[fx.Node, int],
+             param_bytes: dict[fx.Node, int]) -> list[Segment]:
+    """Split the compute nodes (graph order) into [before] + blocks + [after]; check the blocks are in order."""
+    starts: dict[str, int] = {}
+    ends: dict[str, int] = {}
+    for i, node in enumerate(compute):
+        fqn = node_fqn(node)
+        for b in blocks.names:
+            if _under(fqn, b):
+                starts.setdefault(b, i)
+                ends[b] = i
+                break
+    names = [b for b in blocks.names if b in starts]
+    for a, b in zip(names, names[1:]):
+        if starts[b] <= ends[a]:
+            raise PlanError(
+                f"{blocks.prefix}: blocks {a} and {b} run interleaved in the captured graph, so no cut "
+                f"falls between them; mark the cuts with fxshard.pipeline_split() or use split_before"
+            )
+    segs = [Segment("(before blocks)", 0)] + [Segment(b, starts[b]) for b in names]
+    last_end = ends[names[-1]] if names else -1
+    segs.append(Segment("(after blocks)", last_end + 1))
+    bounds = [s.first for s in segs] + [len(compute)]
+    for j, seg in enumerate(segs):
+        for node in compute[bounds[j]:bounds[j + 1]]:
+            seg.flops += node_flops(node)
+    for p, first in param_first_use.items():
+        j = max(k for k in range(len(segs)) if segs[k].first <= first)
+        segs[j].param_bytes += param_bytes[p]
+    total_f = sum(s.flops for s in segs) or 1
+    total_b = sum(s.param_bytes for s in segs) or 1
+    for s in segs:
+        s.cost = s.flops / total_f + s.param_bytes / total_b
+    return segs
+
+
+def balance(costs: list[float], stages: int, before: float = 0.0, after: float = 0.0) -> list[int]:
+    """Split ``costs`` (one per block) into ``stages`` contiguous non-empty groups; return group sizes.
+
+    Minimizes the largest per-stage block cost; among the best, the largest stage cost counting the
+    part before the blocks (first stage) and after them (last stage).  A uniform model whose block
+    count the stages divide gets equal block counts.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    eps = 1e-12
+    # best[k][i]: (max block cost, max total cost) splitting the first i blocks into k stages
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                blk = prefix[i] - prefix[j]
+                tot = blk + (before if k == 1 else 0.0) + (after if k == stages else 0.0)
+                cand = (max(best[k - 1][j][0], blk), max(best[k - 1][j][1], tot))
+                cur = best[k][i]
+                if cand[0] < cur[0] - eps or (abs(cand[0] - cur[0]) <= eps and cand[1] < cur[1] - eps):
+                    best[k][i], choice[k][i] = cand, j
+    sizes, i = [], n
+    for k in range(stages, 0, -1):
+        j = choice[k][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+# ---------------------------------------------------------------- microbatches
+
+def min_microbatches(layout: Layout) -> int:
+    """Fewest microbatches the schedule runs with: GPipe any; 1F1B and the interleaved ones at least pp."""
+    return 1 if layout.schedule == "gpipe" else layout.pp
+
+
+def schedule_accepts(layout: Layout, m: int) -> bool:
+    if m < min_microbatches(layout):
+        return False
+    if layout.schedule in ("interleaved-1f1b", "zero-bubble"):
+        rounds = max(1, m // layout.pp)
+        return m % rounds == 0
+    return True
+
+
+def choose_microbatches(layout: Layout, batch: int, where: str) -> int:
+    """``--microbatches`` checked against the batch and the schedule, or the default: the smallest count
+    of at least pp (so every stage has work) that divides the batch and the schedule accepts."""
+    m = layout.microbatches
+    if m is not None:
+        if batch % m:
+            ok = [d for d in range(1, batch + 1) if batch % d == 0 and schedule_accepts(layout, d)]
+            raise LayoutError(
+                f"--microbatches {m}: the batch of {batch} ({where}) does not divide into {m} equal microbatches; "
+                f"use --microbatches in {ok or '{}'} or change the batch size in make_inputs()"
+            )
+        if not schedule_accepts(layout, m):
+            need = min_microbatches(layout)
+            reason = (f"needs at least {need} microbatches (one per pp rank), else its warm-up never fills the "
+                      "pipeline and torch's schedule stalls" if m < need else
+                      f"needs the microbatch count to be a multiple of its rounds ({max(1, m // layout.pp)})")
+            ok = [d for d in range(1, batch + 1) if batch % d == 0 and schedule_accepts(layout, d)]
+            raise LayoutError(f"--microbatches {m}: schedule {layout.schedule} at pp={layout.pp} {reason}; "
+                              f"use --microbatches in {ok or '{}'}")
+        return m
+    for d in range(max(layout.pp, 1), batch + 1):
+        if batch % d == 0 and schedule_accepts(layout, d):
+            return d
+    ok = [d for d in range(1, batch + 1) if batch % d == 0 and schedule_accepts(layout, d)]
+    if ok:
+        return ok[0]
+    raise LayoutError(
+        f"the batch of {batch} ({where}) cannot be split into the {min_microbatches(layout)}+ microbatches "
+        f"schedule {layout.schedule} needs at pp={layout.pp}; use a batch of at least {min_microbatches(layout)} "
+        "(a multiple of it) in make_inputs(), or --schedule gpipe"
+    )
+
+
+# ---------------------------------------------------------------- the cut
+
+@dataclass
+class CutPlan:
+    """Where the stages start: ``starts[s]`` = index (in compute-node order) of stage s's first node."""
+
+    source: str  # "markers" | "split_before" | "auto"
+    starts: list[int]
+    labels: list[str]  # per stage: what it holds, e.g. "blocks.0-1 (+ before blocks)"
+    table: list[dict] = field(default_factory=list)  # per stage: blocks, flops, param_bytes
+
+
+def _empty_stage_error(source: str, stage: int, what: str) -> PlanError:
+    return PlanError(f"{source}: the cut {what} leaves pipeline stage {stage} empty (no computation); "
+                     "remove the duplicate or move the cut")

@@ -1,0 +1,89 @@
+"""Run generated stage modules under ``torch.distributed.pipelining``.
+
+Each generated ``StageN`` class declares what it receives and sends per microbatch (``INPUTS`` /
+``OUTPUTS``: name, local shape, dtype, whether a gradient flows), so the ``PipelineStage`` is built
+with static metadata: no shape-inference round trip, and a mismatch is a compile-time fact.  The
+last stage returns the microbatch loss itself (the loss is part of the compiled graph); the schedule
+averages the gradients over microbatches (``scale_grads``), so training matches the full batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from fxshard.runtime.guard import guarded
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
+_MULTI = {"interleaved-1f1b", "zero-bubble"}
+
+
+def _metas(spec) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(shape, dtype=dtype, device="meta").requires_grad_(rg) for _, shape, dtype, rg in spec)
+
+
+def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group) -> PipelineStage:
+    """A ``PipelineStage`` for a generated stage module, with the metadata the module declares."""
+    outputs = _metas(module.OUTPUTS)
+    return PipelineStage(module, index, num_stages, torch.device(device), input_args=_metas(module.INPUTS),
+                         output_args=outputs[0] if index == num_stages - 1 else outputs, group=group)
+
+
+def _loss_is_output(output, target):
+    return output  # the last stage computes the loss inside the compiled graph
+
+
+def make_schedule(name: str, stages: list[PipelineStage], microbatches: int):
+    cls = SCHEDULE_CLASSES[name]
+    return cls(stages if name in _MULTI else stages[0], n_microbatches=microbatches, loss_fn=_loss_is_output,
+               scale_grads=True)
+
+
+def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, inputs: list[torch.Tensor],
+                 group) -> list[torch.Tensor]:
+    """One training step's forward and backward over all microbatches; the microbatch losses (last stage)."""
+    losses: list[torch.Tensor] = []
+    # the schedule API wants a target per microbatch; the loss needs none, so a placeholder is split
+    target = torch.zeros(microbatches, device=stages[0].device)
+    first = any(s.is_first for s in stages)
+    with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of activations and gradients)", group):
+        if first:
+            schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        else:
+            schedule.step(target=target, losses=losses, return_outputs=False)
+    return losses
+
+
+def sum_tied_grads(copies: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of the copies of one weight (on this rank and, over ``group``, on other stages)."""
+    grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in copies]
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    if group is not None:
+        with guarded("all_reduce of a tied weight's gradient between pipeline stages", group):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    for c in copies:
+        c.grad = total.clone() if len(copies) > 1 else total
+
+
+def step_loss(losses: list[torch.Tensor], last_rank: int, group, device) -> float:
+    """The step's loss (mean over microbatches), computed on the last stage and broadcast over ``group``."""
+    value = torch.zeros((), device=device, dtype=torch.float64)
+    if losses:
+        value = torch.stack([l.detach().to(torch.float64) for l in losses]).mean()
+    with guarded("broadcast of the step loss from the last pipeline stage", group):
+        dist.broadcast(value, src=last_rank, group=group)
+    return float(value)
