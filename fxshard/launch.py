@@ -67,13 +67,8 @@ def _free_port() -> int:
 def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
              log=print) -> list[float]:
     """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses."""
-    manifest = read_manifest(out)
-    layout = layout_of(manifest)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != layout.world_size:
-        raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
-                          f"{world} were started; launch with --nproc-per-node {layout.world_size}")
     cuda = torch.cuda.is_available()
+    rank = int(os.environ["RANK"])
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
@@ -84,47 +79,69 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-        groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
-        coords = layout.coords(rank)
-        entry = rank_entry(manifest, coords)
-        code = import_rank_file(out / entry["file"])
-        mf = load_model_file(out / manifest["model_file"])
-        batches = mf.batches(steps, manifest["seed"])
-        if layout.pp == 1:
-            module = code.RankModule(groups, device)
-            load_state(module, out / entry["weights"])
-            params = list(module.parameters())
-            step_fn = _plain_step(module)
-        else:
-            groups |= _tied_groups(manifest, layout, rank)
-            params, step_fn = _pipeline(code, entry, manifest, layout, groups, out, device, rank)
-        opt = optim.make(params)
-        losses = []
-        sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
-        try:
-            for step, batch in enumerate(batches, start=1):
-                set_context(step, f"training step {step}")
-                start = time.perf_counter()
-                leaves = [v.to(device) if isinstance(v, torch.Tensor) else v
-                          for v in flatten_batch(batch, manifest["inputs"])]
-                value = step_fn(leaves)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(value)
-                if rank == 0:
-                    log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
-                    if sink:
-                        sink.write(json.dumps({"step": step, "loss": value}) + "\n")
-                        sink.flush()
-        finally:
-            if sink:
-                sink.close()
-        return losses
+        return train(out, steps, optim, metrics, device, log)
     finally:
         dist.destroy_process_group()
+
+
+def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
+          device: torch.device | None = None, log=print, final_state: dict | None = None) -> list[float]:
+    """Train the compiled program in ``out`` as this rank of the initialized default process group.
+
+    With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
+    weights file (``attr``, or ``StageN.attr`` under pipeline parallelism)."""
+    out = Path(out)
+    device = device or torch.device("cpu")
+    manifest = read_manifest(out)
+    layout = layout_of(manifest)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != layout.world_size:
+        raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
+                          f"{world} were started; launch with --nproc-per-node {layout.world_size}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+    coords = layout.coords(rank)
+    entry = rank_entry(manifest, coords)
+    code = import_rank_file(out / entry["file"])
+    mf = load_model_file(out / manifest["model_file"])
+    batches = mf.batches(steps, manifest["seed"])
+    if layout.pp == 1:
+        module = code.RankModule(groups, device)
+        load_state(module, out / entry["weights"])
+        params = list(module.parameters())
+        step_fn = _plain_step(module)
+        held = {"": module}
+    else:
+        groups |= _tied_groups(manifest, layout, rank)
+        params, step_fn, held = _pipeline(code, entry, manifest, layout, groups, out, device, rank)
+    opt = optim.make(params)
+    losses = []
+    sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
+    try:
+        for step, batch in enumerate(batches, start=1):
+            set_context(step, f"training step {step}")
+            start = time.perf_counter()
+            leaves = [v.to(device) if isinstance(v, torch.Tensor) else v
+                      for v in flatten_batch(batch, manifest["inputs"])]
+            value = step_fn(leaves)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(value)
+            if rank == 0:
+                log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
+                if sink:
+                    sink.write(json.dumps({"step": step, "loss": value}) + "\n")
+                    sink.flush()
+    finally:
+        if sink:
+            sink.close()
+    if final_state is not None:
+        for prefix, module in held.items():
+            for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+                final_state[prefix + name] = t.detach().cpu().clone()
+    return losses
 
 
 def _plain_step(module):
@@ -181,4 +198,5 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
         code.sync_tied_grads(modules, groups)
         return step_loss(losses, last, groups["pp"], device)
 
-    return params, step
+    held = {f"Stage{s}.": m for s, m in modules.items()}
+    return params, step, held
