@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -11,8 +12,9 @@ from fxshard.errors import FxshardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile unmodified PyTorch models into readable per-rank distributed training code.")
-console = Console()
-err = Console(stderr=True)
+# not a terminal (a pipe, CI log): tables at 120 columns rather than rich's default of 80
+console = Console(width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def _fail(e: Exception) -> None:
@@ -27,8 +29,16 @@ def compile(
     pp: int = typer.Option(1, "--pp", help="pipeline-parallel degree"),
     dp: int = typer.Option(1, "--dp", help="data-parallel degree"),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage (0-3)"),
-    schedule: str = typer.Option("1f1b", "--schedule", help="pipeline schedule"),
-    microbatches: int = typer.Option(None, "--microbatches", help="pipeline microbatches"),
+    schedule: str = typer.Option("1f1b", "--schedule",
+                                 help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
+    microbatches: int = typer.Option(None, "--microbatches",
+                                     help="pipeline microbatches per step (default: the fewest the schedule runs "
+                                          "well with that divide the batch)"),
+    virtual_stages: int = typer.Option(None, "--virtual-stages",
+                                       help="stages per pp rank for interleaved-1f1b (default 2) and zero-bubble "
+                                            "(default 1)"),
+    split_before: list[str] = typer.Option(None, "--split-before",
+                                           help="cut the pipeline before this module (repeat, or comma-separate)"),
     plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
     seed: int = typer.Option(0, "--seed", help="seed for make_model() and make_inputs()"),
@@ -41,8 +51,12 @@ def compile(
     from fxshard.context import Layout
 
     try:
-        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches)
+        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
+                        virtual_stages=virtual_stages)
         user_plan = load_plan_file(plan) if plan else None
+        if split_before:
+            cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
+            user_plan = dict(user_plan or {}, split_before=cuts)
         with console.status(f"compiling {model} ({layout.describe()})"):
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed)
     except FxshardError as e:

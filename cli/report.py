@@ -23,7 +23,7 @@ def _rank_table(manifest: dict, title: str) -> Table:
     table.add_column("coords", no_wrap=True)
     table.add_column("file", no_wrap=True, min_width=16)
     table.add_column("local params", justify="right")
-    table.add_column("collectives per step")
+    table.add_column("collectives per microbatch" if manifest.get("pipeline") else "collectives per step")
     for entry in manifest["ranks"]:
         n = sum(_numel(t["shape"]) for t in entry["tensors"].values() if t["kind"] == "parameter")
         coords = " ".join(f"{k}={v}" for k, v in entry["coords"].items() if k != "dp")
@@ -49,9 +49,38 @@ def _plan_lines(console: Console, manifest: dict) -> None:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
+def _stage_table(manifest: dict) -> Table | None:
+    pipe = manifest.get("pipeline")
+    if not pipe:
+        return None
+    table = Table(title=f"pipeline: {manifest['layout']['schedule']}, {pipe['stages']} stages, "
+                        f"{pipe['microbatches']} microbatches of {pipe['batch'] // pipe['microbatches']} "
+                        f"(cut: {pipe['cut']})")
+    table.add_column("stage", justify="right")
+    table.add_column("pp", justify="right")
+    table.add_column("holds", no_wrap=True)
+    table.add_column("blocks", justify="right")
+    table.add_column("GFLOP/mb", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("param MB", justify="right")
+    table.add_column("MB/tp rank", justify="right")
+    total = sum(r["flops"] for r in pipe["table"]) or 1
+    for r in pipe["table"]:
+        table.add_row(str(r["stage"]), str(r["pp_rank"]), r["holds"], str(r["blocks"]), f"{r['flops'] / 1e9:.4f}",
+                      f"{100 * r['flops'] / total:.0f}%", f"{r['param_bytes'] / 2**20:.2f}",
+                      f"{r['local_param_bytes'] / 2**20:.2f}")
+    return table
+
+
 def compile_report(console: Console, result) -> None:
     manifest = result.manifest
     _plan_lines(console, manifest)
+    stages = _stage_table(manifest)
+    if stages is not None:
+        console.print(stages)
+        for tie in manifest["pipeline"]["tied"]:
+            console.print(f"tied: {tie['fqn']} is held by stages {tie['stages']}; its gradient is summed between "
+                          "them after backward", highlight=False)
     console.print(_rank_table(manifest, f"{manifest['model_class']} from {manifest['model_name']} — "
                                         f"{layout_of(manifest).describe()}"))
     console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py")
@@ -62,6 +91,9 @@ def compile_report(console: Console, result) -> None:
 def show_layout(console: Console, out: Path) -> None:
     manifest = read_manifest(out)
     _plan_lines(console, manifest)
+    stages = _stage_table(manifest)
+    if stages is not None:
+        console.print(stages)
     console.print(_rank_table(manifest, f"{out}: {manifest['model_class']} — {layout_of(manifest).describe()}"))
 
 

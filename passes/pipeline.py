@@ -71,9 +71,11 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     own: list[list[fx.Node]] = [[] for _ in range(S)]
     for n in compute:
         own[stage_of[n]].append(n)
+    recomputable_cache: dict[fx.Node, list[fx.Node] | None] = {}
     for s, nodes in enumerate(own):
-        if not nodes:
-            raise PlanError(f"{cut.source}: pipeline stage {s} has no computation; move the cuts")
+        if all(_recomputable(n, state_names, recomputable_cache) is not None for n in nodes):
+            raise PlanError(f"{cut.source}: the cuts leave pipeline stage {s} empty (no computation on the "
+                            f"inputs or weights{', only constants' if nodes else ''}); move or remove a cut")
     recomputed: list[set[fx.Node]] = [set() for _ in range(S)]
     state: list[set[fx.Node]] = [set() for _ in range(S)]
     inputs: list[list[fx.Node]] = [[] for _ in range(S)]
@@ -84,7 +86,6 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             raise LayoutError(f"input {n.name} is not a tensor ({n.meta.get('val')!r}) but the model uses it; "
                               "pipeline stages exchange tensors only: make it a tensor or a constant of the model")
     inputs[0] = [n for n in user_inputs if isinstance(n.meta.get("val"), torch.Tensor)]
-    recomputable_cache: dict[fx.Node, list[fx.Node] | None] = {}
 
     def add(lst: list, v) -> None:
         if v not in lst:

@@ -37,7 +37,11 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_hea
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
     ops = weight_ops(gm, ctx.params)
-    if ctx.plan.source == "auto":
+    if tp == 1:  # nothing to split: every value stays replicated and no collective is inserted
+        from fxshard.plan import ResolvedPlan
+
+        ctx.plan = ResolvedPlan(source="none (tp=1)")
+    elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx)
     prop = propagate(gm, weights, ctx.params, forced)

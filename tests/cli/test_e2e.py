@@ -70,8 +70,8 @@ def test_output_folder_that_is_not_fxshards(tmp_path, samples):
 
 
 def test_unimplemented_layout_flags_are_errors_not_ignored(tmp_path, samples):
-    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--pp", 2, "--out", tmp_path / "o", check=False)
-    assert proc.returncode == 2 and "--pp 2" in proc.stderr and "not implemented" in proc.stderr
+    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--dp", 2, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "--dp 2" in proc.stderr and "not implemented" in proc.stderr
     proc = fxshard("compile", samples / "gpt.py", "--zero", 1, "--out", tmp_path / "o", check=False)
     assert proc.returncode == 2 and "--zero 1" in proc.stderr
 

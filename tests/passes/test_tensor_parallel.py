@@ -55,7 +55,7 @@ def test_mlp_generated_code_counts_and_bias_after_reduce(models, tmp_path):
     assert "# mlp.fc_out  Linear  row-parallel" in code
 
 
-@pytest.mark.parametrize("sample,layers", [("gpt.py", 2), ("llama.py", 2), ("gpt2.py", 2)])
+@pytest.mark.parametrize("sample,layers", [("gpt.py", 8), ("llama.py", 4), ("gpt2.py", 4)])
 def test_two_all_reduces_each_way_per_transformer_layer(samples, sample, layers):
     gm = compile_program(samples / sample, Layout(tp=2)).gm
     fwd, bwd = _counts(gm)
@@ -69,9 +69,9 @@ def test_attention_shapes_are_localized_to_heads(samples):
     gm = compile_program(samples / "llama.py", Layout(tp=2)).gm
     views = [n for n in gm.graph.nodes if n.target is aten.view.default and spec(n).fqn == "model.layers.0.self_attn"]
     # q: [B, S, 8 heads, 8] -> [B, S, 4, 8]; k, v: [B, S, 4 kv heads, 8] -> [B, S, 2, 8]
-    assert [list(v.args[1]) for v in views[:3]] == [[2, 16, 4, 8], [2, 16, 2, 8], [2, 16, 2, 8]]
+    assert [list(v.args[1]) for v in views[:3]] == [[4, 16, 4, 8], [4, 16, 2, 8], [4, 16, 2, 8]]
     expands = [n for n in gm.graph.nodes if n.target is aten.expand.default and spec(n).fqn == "model.layers.0.self_attn"]
-    assert [list(e.args[1]) for e in expands] == [[2, 2, 2, 16, 8], [2, 2, 2, 16, 8]]  # repeat_kv, per rank
+    assert [list(e.args[1]) for e in expands] == [[4, 2, 2, 16, 8], [4, 2, 2, 16, 8]]  # repeat_kv, per rank
     sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
     assert spec(sdpa).placement == Shard(1)
 

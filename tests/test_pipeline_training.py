@@ -24,13 +24,17 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 REL = 1e-5
 
-CASES = {  # id -> (sample, layout)
-    **{f"gpt-pp2-{s}": ("gpt.py", Layout(pp=2, schedule=s)) for s in SCHEDULES},
-    **{f"llama-pp2-{s}": ("llama.py", Layout(pp=2, schedule=s)) for s in SCHEDULES},
-    **{f"gpt2-pp2-{s}": ("gpt2.py", Layout(pp=2, schedule=s)) for s in SCHEDULES},
-    **{f"gpt-pp4-{s}": ("gpt.py", Layout(pp=4, schedule=s)) for s in SCHEDULES},
-    "llama-tp2-pp2-1f1b": ("llama.py", Layout(tp=2, pp=2)),
-    "llama-tp2-pp2-interleaved-1f1b": ("llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b")),
+SAMPLES = ROOT / "samples"
+CASES = {  # id -> (model file, layout, plan)
+    **{f"gpt-pp2-{s}": (SAMPLES / "gpt.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
+    **{f"llama-pp2-{s}": (SAMPLES / "llama.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
+    **{f"gpt2-pp2-{s}": (SAMPLES / "gpt2.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
+    **{f"gpt-pp4-{s}": (SAMPLES / "gpt.py", Layout(pp=4, schedule=s), None) for s in SCHEDULES},
+    "gpt-pp2-gpipe-8-microbatches": (SAMPLES / "gpt.py", Layout(pp=2, schedule="gpipe", microbatches=8), None),
+    "llama-tp2-pp2-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2), None),
+    "llama-tp2-pp2-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), None),
+    # cut by markers in forward; a skip connection from stage 0 to stage 2 passes through stage 1
+    "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
 }
 
 
@@ -51,9 +55,9 @@ def trained(tmp_path_factory):
     import json
 
     folders: dict[int, list[tuple[str, Path]]] = {}
-    for case, (sample, layout) in CASES.items():
+    for case, (path, layout, plan) in CASES.items():
         out = tmp_path_factory.mktemp(case)
-        compile_model(ROOT / "samples" / sample, layout, out=out)
+        compile_model(path, layout, out=out, plan=plan)
         folders.setdefault(layout.world_size, []).append((case, out))
     results = {}
     for world, items in folders.items():
@@ -64,21 +68,21 @@ def trained(tmp_path_factory):
     return results
 
 
-_REFERENCE: dict[str, list[float]] = {}
+_REFERENCE: dict[Path, list[float]] = {}
 
 
-def _reference(sample: str) -> list[float]:
-    if sample not in _REFERENCE:
-        _REFERENCE[sample] = reference_losses(load_model_file(ROOT / "samples" / sample), STEPS)
-    return _REFERENCE[sample]
+def _reference(path: Path) -> list[float]:
+    if path not in _REFERENCE:
+        _REFERENCE[path] = reference_losses(load_model_file(path), STEPS)
+    return _REFERENCE[path]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_training_matches_single_device(trained, case):
-    sample, layout = CASES[case]
+    path, _, _ = CASES[case]
     per_rank, manifest = trained[case]
-    want = _reference(sample)
+    want = _reference(path)
     for rank, (losses, _) in enumerate(per_rank):
         assert len(losses) == STEPS
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):

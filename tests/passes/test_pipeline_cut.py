@@ -1,0 +1,151 @@
+"""Tier 1: where the pipeline is cut, what crosses stages, and the errors that stop a bad layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxshard.compiler import compile as compile_model
+from fxshard.compiler import compile_program
+from fxshard.context import Layout
+from fxshard.errors import LayoutError, PlanError
+from fxshard.modelfile import load_model_file
+from fxshard.pipeline import balance
+
+
+def _blocks(result) -> list[int]:
+    return [row["blocks"] for row in result.ctx.pipeline.cut.table]
+
+
+@pytest.mark.parametrize("layout,counts", [
+    (Layout(pp=2), [4, 4]),
+    (Layout(pp=4), [2, 2, 2, 2]),
+    (Layout(pp=2, schedule="interleaved-1f1b"), [2, 2, 2, 2]),  # 2 virtual stages per rank
+    (Layout(pp=4, schedule="interleaved-1f1b"), [1] * 8),
+])
+def test_automatic_cut_of_uniform_model_gives_equal_block_counts(samples, layout, counts):
+    result = compile_program(samples / "gpt.py", layout)
+    assert result.ctx.pipeline.cut.source == "auto"
+    assert _blocks(result) == counts
+    flops = [row["flops"] for row in result.ctx.pipeline.cut.table]
+    assert flops[1] == flops[-2] if len(flops) > 2 else True  # middle stages: identical blocks, identical cost
+
+
+def test_balance_minimizes_the_largest_stage():
+    assert balance([1.0] * 8, 4) == [2, 2, 2, 2]
+    # 5 uniform blocks on 2 stages: the extra block goes where the head is not
+    assert balance([1.0] * 5, 2, before=0.1, after=0.5) == [3, 2]
+    assert balance([1.0] * 5, 2, before=0.5, after=0.1) == [2, 3]
+    # heterogeneous blocks: costs, not counts, are balanced
+    assert balance([4.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 4]
+
+
+def test_marker_in_forward_sets_the_cut_and_does_nothing_eagerly(models):
+    mf = load_model_file(models / "marked.py")
+    model, (x, y) = mf.build()
+    assert torch.isfinite(model(x, y))  # fxshard.pipeline_split() is a no-op outside compile
+    # markers win over split_before and over automatic balancing
+    result = compile_program(models / "marked.py", Layout(pp=3), plan={"split_before": ["layers.2", "layers.3"]})
+    pipe = result.ctx.pipeline
+    assert pipe.cut.source == "markers"
+    assert _blocks(result) == [1, 2, 1]
+
+
+def test_long_skip_connection_is_sent_through_the_stages_between(models):
+    result = compile_model(models / "marked.py", Layout(pp=3))
+    stage0, stage1, stage2 = result.ctx.pipeline.stages
+    skip = next(n for n in stage0.outputs if n.name == "linear")  # proj(x), needed by the head
+    assert skip in stage1.inputs and skip in stage1.outputs and skip in stage2.inputs
+    assert skip in result.ctx.pipeline.requires_grad
+    assert "linear                   float32 [2, 16]  from proj (stage 0), passed on; gradient flows back" in \
+        result.sources["rank_pp1_tp0.py"]
+
+
+def test_split_before_in_the_plan_sets_the_cut(samples):
+    result = compile_program(samples / "gpt.py", Layout(pp=2), plan={"split_before": ["blocks.3"]})
+    assert result.ctx.pipeline.cut.source == "split_before"
+    assert _blocks(result) == [3, 5]
+
+
+def test_split_before_from_a_plan_file(tmp_path, samples):
+    from fxshard.compiler import load_plan_file
+
+    plan = tmp_path / "plan.py"
+    plan.write_text("SPLIT_BEFORE = ['blocks.2', 'blocks.4', 'blocks.7']\n")
+    result = compile_program(samples / "gpt.py", Layout(pp=4), plan=load_plan_file(plan))
+    assert _blocks(result) == [2, 2, 3, 1]
+
+
+def test_rotary_tables_are_recomputed_not_sent(samples):
+    result = compile_model(samples / "llama.py", Layout(pp=2))
+    stage1 = result.ctx.pipeline.stages[1]
+    assert stage1.recomputed, "stage 1 should rebuild rotary cos/sin and the causal mask from buffers"
+    assert [n.name for n in stage1.inputs] == ["add_14", "labels"]  # hidden state and labels only
+    code = result.sources["rank_pp1_tp0.py"]
+    assert "(recomputed here, not received)" in code
+    assert "self.model_rotary_emb_inv_freq" in code  # the buffer lives in both stages
+
+
+def test_stage_code_says_what_it_receives_and_sends(samples):
+    result = compile_model(samples / "gpt.py", Layout(pp=4, tp=2))
+    code = result.sources["rank_pp1_tp1.py"]
+    assert "class Stage1(torch.nn.Module):" in code
+    assert "# receives from stage 0 on pp rank 0 (global rank 1), per microbatch:" in code
+    assert "# sends to stage 2 on pp rank 2 (global rank 5), per microbatch:" in code
+    assert "INPUTS = (('add_4', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
+    assert "return (add_8, targets)  # to stage 2" in code
+    entry = next(r for r in result.manifest["ranks"] if r["coords"] == {"dp": 0, "pp": 1, "tp": 1})
+    assert [s["index"] for s in entry["stages"]] == [1]
+    assert result.manifest["inputs"][0]["shape"] == [8, 16]  # a step's batch; 4 microbatches of 2
+    assert result.manifest["inputs"][0]["microbatch_shape"] == [2, 16]
+
+
+def test_interleaved_rank_file_holds_several_stages(samples):
+    result = compile_model(samples / "gpt.py", Layout(pp=2, schedule="interleaved-1f1b"))
+    code = result.sources["rank_pp1_tp0.py"]
+    assert "class Stage1(" in code and "class Stage3(" in code
+    assert "rt.sum_tied_grads([stages[3].lm_head_weight], groups[\"tied:lm_head.weight\"])" in code
+
+
+# ---------------------------------------------------------------- bad input: clear errors before launch
+
+def test_more_stages_than_blocks(samples):
+    with pytest.raises(LayoutError, match=r"--pp 16 needs 16 pipeline stages but the model has 8 repeated blocks "
+                                          r"\(blocks.0 .. blocks.7, Block\).*use --pp <= 8"):
+        compile_program(samples / "gpt.py", Layout(pp=16, schedule="gpipe"))
+
+
+def test_batch_that_microbatches_do_not_divide(samples):
+    with pytest.raises(LayoutError, match=r"--microbatches 3: the batch of 8 .*does not divide into 3 equal "
+                                          r"microbatches; use --microbatches in \[2, 4, 8\]"):
+        compile_program(samples / "gpt.py", Layout(pp=2, microbatches=3))
+
+
+def test_fewer_microbatches_than_the_schedule_needs(samples):
+    with pytest.raises(LayoutError, match=r"--microbatches 2: schedule 1f1b at pp=4 needs at least 4 microbatches"):
+        compile_program(samples / "gpt.py", Layout(pp=4, microbatches=2))
+    # GPipe runs any count
+    assert compile_program(samples / "gpt.py", Layout(pp=4, schedule="gpipe", microbatches=2)).ctx.microbatches == 2
+
+
+def test_explicit_cut_that_leaves_a_stage_empty(samples):
+    with pytest.raises(PlanError, match=r"split_before: the cut before blocks.3 leaves pipeline stage 1 empty"):
+        compile_program(samples / "gpt.py", Layout(pp=3, schedule="gpipe"),
+                        plan={"split_before": ["blocks.3", "blocks.3"]})
+    with pytest.raises(PlanError, match=r"split_before: the cuts leave pipeline stage 0 empty"):
+        compile_program(samples / "gpt.py", Layout(pp=2), plan={"split_before": ["wte"]})
+
+
+def test_split_before_unknown_module(samples):
+    with pytest.raises(PlanError, match=r"'blocks.99' names no module .*blocks.0 .. blocks.7"):
+        compile_program(samples / "gpt.py", Layout(pp=2), plan={"split_before": ["blocks.99"]})
+
+
+def test_marker_count_must_match_stages(models):
+    with pytest.raises(PlanError, match=r"marks 2 pipeline cut\(s\).*--pp 4 needs 3"):
+        compile_program(models / "marked.py", Layout(pp=4))
+
+
+def test_virtual_stages_need_an_interleaved_schedule():
+    with pytest.raises(LayoutError, match="--virtual-stages 2: schedule 1f1b runs one stage per pp rank"):
+        Layout(pp=2, virtual_stages=2)
