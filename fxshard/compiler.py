@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 from safetensors.torch import save_file
+from torch.utils import _pytree as pytree
 
 from fxshard import __version__
 from fxshard.capture import Program, capture

@@ -173,7 +173,7 @@ def segments(compute: list[fx.Node], blocks: Blocks, param_first_use: dict[fx.No
                 ends[b] = i
                 break
     names = [b for b in blocks.names if b in starts]
-    for a, b in zip(names, names[1:]):
+    for a, b in zip(names, names[1:], strict=False):
         if starts[b] <= ends[a]:
             raise PlanError(
                 f"{blocks.prefix}: blocks {a} and {b} run interleaved in the captured graph, so no cut "

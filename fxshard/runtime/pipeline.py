@@ -83,7 +83,7 @@ def step_loss(losses: list[torch.Tensor], last_rank: int, group, device) -> floa
     """The step's loss (mean over microbatches), computed on the last stage and broadcast over ``group``."""
     value = torch.zeros((), device=device, dtype=torch.float64)
     if losses:
-        value = torch.stack([l.detach().to(torch.float64) for l in losses]).mean()
+        value = torch.stack([x.detach().to(torch.float64) for x in losses]).mean()
     with guarded("broadcast of the step loss from the last pipeline stage", group):
         dist.broadcast(value, src=last_rank, group=group)
     return float(value)

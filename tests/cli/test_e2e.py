@@ -41,6 +41,29 @@ def test_compile_and_run_matches_single_device_training(tmp_path, sample):
     assert "rank_pp0_tp1.py" in summary.stdout
 
 
+@pytest.mark.e2e
+def test_pipeline_compile_and_run_matches_single_device_training(tmp_path, samples):
+    out = tmp_path / "out"
+    comp = fxshard("compile", samples / "gpt2.py", "--pp", 2, "--schedule", "gpipe", "--microbatches", 4,
+                   "--split-before", "transformer.h.1", "--out", out)
+    assert "cut: split_before" in comp.stdout and "transformer.h.1-3 (+ after blocks)" in comp.stdout
+    assert "tied: lm_head.weight is held by stages [0, 1]" in comp.stdout
+    fxshard("run", out, "--steps", 3, "--metrics", tmp_path / "m.jsonl")
+    got = [json.loads(x)["loss"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    want = reference_losses(load_model_file(samples / "gpt2.py"), 3)
+    for g, r in zip(got, want, strict=True):
+        assert abs(g - r) <= 1e-5 * abs(r), (g, r)
+    show = fxshard("show", out, "--rank", 1)
+    assert "class Stage1(torch.nn.Module):" in show.stdout and "receives from stage 0" in show.stdout
+
+
+def test_pipeline_layout_errors_before_launch(tmp_path, samples):
+    proc = fxshard("compile", samples / "gpt.py", "--pp", 4, "--microbatches", 2, "--out", tmp_path / "o",
+                   check=False)
+    assert proc.returncode == 2 and "needs at least 4 microbatches" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
 def test_model_file_without_make_model(tmp_path, models):
     proc = fxshard("compile", models / "no_make_model.py", "--tp", 2, "--out", tmp_path / "o", check=False)
     assert proc.returncode == 2
