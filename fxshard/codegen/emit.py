@@ -219,8 +219,8 @@ def _io_comments(st, pipe, ctx: CompileContext, coords):
     def origin(v) -> str:
         made = pipe.produced_in[v]
         if made < 0:
-            return "user input"
-        return f"{spec(v).fqn or 'model'} (stage {made})"
+            return "user input, taken from the batch by stage 0"
+        return f"computed by {spec(v).fqn or 'the model'} in stage {made}"
 
     def row(v, passed: bool) -> tuple[str, dict]:
         shp, dt = _local(v, tp)
@@ -229,7 +229,7 @@ def _io_comments(st, pipe, ctx: CompileContext, coords):
         grad = "gradient flows back" if rg else "no gradient"
         place = spec(v).placement
         ptxt = "" if place == Replicate() else f" {place}"
-        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  from {what}; {grad}",
+        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  {what}; {grad}",
                 {"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": rg})
 
     def peers(stage: int) -> str:

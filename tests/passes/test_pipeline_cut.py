@@ -57,7 +57,7 @@ def test_long_skip_connection_is_sent_through_the_stages_between(models):
     skip = next(n for n in stage0.outputs if n.name == "linear")  # proj(x), needed by the head
     assert skip in stage1.inputs and skip in stage1.outputs and skip in stage2.inputs
     assert skip in result.ctx.pipeline.requires_grad
-    assert "linear                   float32 [2, 16]  from proj (stage 0), passed on; gradient flows back" in \
+    assert "linear                   float32 [2, 16]  computed by proj in stage 0, passed on; gradient flows back" in \
         result.sources["rank_pp1_tp0.py"]
 
 
