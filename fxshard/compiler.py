@@ -54,10 +54,6 @@ class CompiledProgram:
 
 def check_layout(layout: Layout) -> None:
     """Reject layouts this version does not implement yet, before any work."""
-    if layout.dp > 1:
-        raise LayoutError(f"--dp {layout.dp}: data parallelism is not implemented yet in fxshard {__version__}; use --dp 1")
-    if layout.zero:
-        raise LayoutError(f"--zero {layout.zero}: ZeRO is not implemented yet in fxshard {__version__}; use --zero 0")
     if layout.pp == 1:
         if layout.microbatches not in (None, 1):
             raise LayoutError(f"--microbatches {layout.microbatches} applies to pipeline parallelism (--pp > 1); "
@@ -131,13 +127,18 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     microbatches, batch = 1, None
     if program is None:
         inputs = mf.build_inputs(seed)
-        if layout.pp > 1:
+        if layout.pp > 1 or layout.dp > 1:
             where = f"{mf.path.name}: make_inputs()"
             batch = batch_size(inputs, where)
             if batch is None:
-                raise LayoutError(f"{where} has no tensor input to split into pipeline microbatches")
-            microbatches = choose_microbatches(layout, batch, where)
-            size = batch // microbatches
+                raise LayoutError(f"{where} has no tensor input to split over data-parallel ranks or microbatches")
+            if batch % layout.dp:
+                ok = [d for d in range(1, batch + 1) if batch % d == 0]
+                raise LayoutError(f"--dp {layout.dp}: the batch of {batch} ({where}) does not split evenly over "
+                                  f"{layout.dp} data-parallel ranks; use --dp in {ok} or change the batch size")
+            per_rank = batch // layout.dp
+            microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
+            size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = capture(mf, seed, inputs=inputs)
     if layout.pp > 1:
@@ -263,10 +264,10 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
 
 
 def _batch_shape(shape, ctx: CompileContext) -> list[int]:
-    """The shape of an input for a whole step (the graph was captured on one microbatch)."""
-    if ctx.pipeline is None or not shape:
+    """The shape of an input for a whole step (the graph was captured on one microbatch of one dp rank)."""
+    if ctx.batch is None or not shape:
         return list(shape)
-    return [shape[0] * ctx.microbatches, *shape[1:]]
+    return [shape[0] * ctx.microbatches * ctx.layout.dp, *shape[1:]]
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:

@@ -24,6 +24,7 @@ from fxshard.inputs import flatten_batch
 from fxshard.modelfile import load_model_file
 from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
 from fxshard.runtime import load_state
+from fxshard.runtime.data_parallel import make_optimizer
 from fxshard.runtime.guard import set_context
 from fxshard.training import OptimConfig
 
@@ -107,25 +108,30 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     code = import_rank_file(out / entry["file"])
     mf = load_model_file(out / manifest["model_file"])
     batches = mf.batches(steps, manifest["seed"])
+    dp_mesh = mesh["dp"]
     if layout.pp == 1:
         module = code.RankModule(groups, device)
         load_state(module, out / entry["weights"])
-        params = list(module.parameters())
-        step_fn = _plain_step(module)
+        runner = code.attach_data_parallel(module, dp_mesh) if layout.dp > 1 else module
+        params = list(runner.parameters())
+        step_fn = _plain_step(runner)
         held = {"": module}
     else:
         groups |= _tied_groups(manifest, layout, rank)
-        params, step_fn, held = _pipeline(code, entry, manifest, layout, groups, out, device, rank)
-    opt = optim.make(params)
+        params, step_fn, held = _pipeline(code, entry, manifest, layout, groups, out, device, rank, dp_mesh)
+    opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"])
+    dp_rank, dp = coords["dp"], layout.dp
     losses = []
     sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
     try:
         for step, batch in enumerate(batches, start=1):
             set_context(step, f"training step {step}")
             start = time.perf_counter()
-            leaves = [v.to(device) if isinstance(v, torch.Tensor) else v
+            leaves = [v.tensor_split(dp)[dp_rank].to(device) if isinstance(v, torch.Tensor) else v
                       for v in flatten_batch(batch, manifest["inputs"])]
             value = step_fn(leaves)
+            if dp > 1:
+                value = _dp_mean(value, groups["dp"], device)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(value)
@@ -140,8 +146,20 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     if final_state is not None:
         for prefix, module in held.items():
             for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+                if hasattr(t, "full_tensor"):  # ZeRO 2/3: gather the dp shards
+                    t = t.full_tensor()
                 final_state[prefix + name] = t.detach().cpu().clone()
     return losses
+
+
+def _dp_mean(value: float, group, device) -> float:
+    """The step loss averaged over the dp ranks (each saw 1/dp of the batch)."""
+    from fxshard.runtime.guard import guarded
+
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    with guarded("all_reduce of the step loss over dp", group):
+        dist.all_reduce(t, group=group)
+    return float(t) / dist.get_world_size(group)
 
 
 def _plain_step(module):
@@ -171,7 +189,7 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
     return groups
 
 
-def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int):
+def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh):
     """Build this rank's stage modules, their PipelineStages and the schedule; return params and a step."""
     from fxshard.runtime.pipeline import make_schedule, pipeline_stage, run_schedule, step_loss
 
@@ -180,13 +198,15 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
         module = getattr(code, st["class"])(groups, device)
         load_state(module, out / entry["weights"], prefix=st["class"] + ".")
         modules[st["index"]] = module
-    stages = [pipeline_stage(m, s, layout.num_stages, device, groups["pp"]) for s, m in sorted(modules.items())]
+    runners = {s: code.attach_data_parallel(m, dp_mesh) if layout.dp > 1 else m for s, m in modules.items()}
+    stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
+              for s, m in sorted(modules.items())]
     microbatches = manifest["pipeline"]["microbatches"]
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
     last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])
     params, seen = [], set()
-    for m in modules.values():
+    for m in runners.values():
         for p in m.parameters():
             if id(p) not in seen:
                 seen.add(id(p))

@@ -15,8 +15,11 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    def make(self, params) -> torch.optim.Optimizer:
+    def kwargs(self) -> dict:
         # foreach=False: the per-tensor loop gives the same update for a tensor whether or not it is
         # sharded, so distributed and single-device runs agree to rounding
-        return torch.optim.AdamW(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
-                                 weight_decay=self.weight_decay, foreach=False)
+        return dict(lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
+                    foreach=False)
+
+    def make(self, params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **self.kwargs())

@@ -126,7 +126,10 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         tied_fn = _tied_lines(pipe, ctx, coords, state)
 
     summary = _summary(collectives)
+    dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
     text = _ENV.get_template("rank.py.j2").render(
+        dp_doc=dp_doc,
+        dp_lines=dp_lines,
         version=version,
         model_file=ctx.model_file_name,
         digest=ctx.model_digest,
@@ -146,6 +149,39 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     )
     text = "\n".join(ln.rstrip() for ln in text.splitlines()) + "\n"
     return RankCode(text, attrs, collectives, stages)
+
+
+_ZERO_TEXT = {
+    0: ["gradients: DDP all-reduce (average) over dp in {mb} MB buckets, overlapping backward",
+        "parameters and optimizer state: replicated on every dp rank"],
+    1: ["gradients: DDP all-reduce (average) over dp in {mb} MB buckets, overlapping backward",
+        "optimizer state: sharded over dp (ZeroRedundancyOptimizer: each parameter's Adam state on one dp "
+        "rank, which broadcasts the updated parameter)"],
+    2: ["FSDP2 fully_shard on the dp mesh, reshard_after_forward=False: gradients reduce-scattered (average)",
+        "as backward produces them; each dp rank keeps 1/{dp} of the gradients and optimizer state;",
+        "parameters are all-gathered for forward and kept for backward"],
+    3: ["FSDP2 fully_shard on the dp mesh, reshard_after_forward=True: each dp rank keeps 1/{dp} of the",
+        "parameters, gradients and optimizer state; parameters are all-gathered before forward and again",
+        "before backward and freed after; gradients are reduce-scattered (average)"],
+}
+
+
+def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], list[str]]:
+    """Docstring and body of the generated ``attach_data_parallel`` (only when dp > 1)."""
+    from fxshard.runtime.data_parallel import DDP_BUCKET_MB
+
+    layout = ctx.layout
+    if layout.dp == 1:
+        return [], []
+    zero = layout.zero
+    doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
+           f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
+    doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp) for line in _ZERO_TEXT[zero]]
+    if zero <= 1:
+        body = ["return rt.ddp(module, dp_mesh)"]
+    else:
+        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3})"]
+    return doc, body
 
 
 def _coords_text(coords: dict[str, int], layout) -> str:
@@ -271,7 +307,8 @@ def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
     layout = ctx.layout
     pipe = ctx.pipeline
     lines = [f"schedule {layout.schedule}, {layout.num_stages} stages ({layout.stages_per_rank} per pp rank), "
-             f"{pipe.microbatches} microbatches of {ctx.batch // pipe.microbatches}; cut: {pipe.cut.source}"]
+             f"{pipe.microbatches} microbatches of {ctx.batch // layout.dp // pipe.microbatches} per dp rank; "
+             f"cut: {pipe.cut.source}"]
     for row in pipe.cut.table:
         mine = "  <- this rank" if row["pp_rank"] == coords["pp"] else ""
         lines.append(f"  stage {row['stage']} (pp rank {row['pp_rank']}): {row['holds']}{mine}")

@@ -34,10 +34,13 @@ def _metas(spec) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(shape, dtype=dtype, device="meta").requires_grad_(rg) for _, shape, dtype, rg in spec)
 
 
-def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group) -> PipelineStage:
-    """A ``PipelineStage`` for a generated stage module, with the metadata the module declares."""
-    outputs = _metas(module.OUTPUTS)
-    return PipelineStage(module, index, num_stages, torch.device(device), input_args=_metas(module.INPUTS),
+def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group,
+                   generated: torch.nn.Module | None = None) -> PipelineStage:
+    """A ``PipelineStage`` for a generated stage module (possibly wrapped for data parallelism), with the
+    metadata the generated class declares."""
+    generated = generated or module
+    outputs = _metas(generated.OUTPUTS)
+    return PipelineStage(module, index, num_stages, torch.device(device), input_args=_metas(generated.INPUTS),
                          output_args=outputs[0] if index == num_stages - 1 else outputs, group=group)
 
 
@@ -67,16 +70,23 @@ def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, input
 
 
 def sum_tied_grads(copies: list[torch.nn.Parameter], group) -> None:
-    """Sum the gradients of the copies of one weight (on this rank and, over ``group``, on other stages)."""
-    grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in copies]
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total += g
+    """Sum the gradients of the copies of one weight (on this rank and, over ``group``, on other stages).
+
+    Under ZeRO 2/3 the parameters and gradients are dp shards (DTensors): the copies on the pp ranks
+    of one dp coordinate hold the same shard, so the local shards are summed."""
+    from fxshard.runtime.data_parallel import local
+
+    for c in copies:
+        if c.grad is None:
+            c.grad = torch.zeros_like(c)
+    total = local(copies[0].grad).clone()
+    for c in copies[1:]:
+        total += local(c.grad)
     if group is not None:
         with guarded("all_reduce of a tied weight's gradient between pipeline stages", group):
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     for c in copies:
-        c.grad = total.clone() if len(copies) > 1 else total
+        local(c.grad).copy_(total)
 
 
 def step_loss(losses: list[torch.Tensor], last_rank: int, group, device) -> float:
