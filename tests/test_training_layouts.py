@@ -1,4 +1,5 @@
-"""Pipeline parallelism: training under every schedule equals single-device training.
+"""Training under every layout equals single-device training: pipeline schedules, data parallelism
+and ZeRO stages, alone and combined with tensor parallelism.
 
 Each case is compiled here, then trained for 3 AdamW steps on real gloo process groups through
 ``fxshard.launch.train`` (the code ``fxshard run`` runs on each rank).  To keep the suite fast,
@@ -35,6 +36,12 @@ CASES = {  # id -> (model file, layout, plan)
     "llama-tp2-pp2-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), None),
     # cut by markers in forward; a skip connection from stage 0 to stage 2 passes through stage 1
     "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
+    # data parallelism and ZeRO on the dp x pp x tp mesh
+    **{f"gpt-dp2-zero{z}": (SAMPLES / "gpt.py", Layout(dp=2, zero=z), None) for z in (0, 1, 2, 3)},
+    "llama-dp2-tp2-zero0": (SAMPLES / "llama.py", Layout(dp=2, tp=2), None),
+    "llama-dp2-tp2-zero3": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=3), None),
+    **{f"gpt2-dp2-pp2-zero{z}": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=z), None) for z in (1, 3)},
+    "gpt-dp2-pp2-tp2-zero1": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, tp=2, zero=1), None),
 }
 
 
