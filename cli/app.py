@@ -90,6 +90,9 @@ def run(
     beta2: float = typer.Option(0.999, "--beta2"),
     eps: float = typer.Option(1e-8, "--eps"),
     weight_decay: float = typer.Option(0.0, "--weight-decay"),
+    clip_grad_norm: float = typer.Option(None, "--clip-grad-norm",
+                                         help="clip the global gradient norm (over all tp, pp and dp shards)"),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="batches per optimizer step (gradients averaged)"),
     metrics: Path = typer.Option(None, "--metrics", help="write one JSON line per step"),
     timeout: float = typer.Option(300.0, "--timeout", help="seconds before a collective that did not complete fails"),
 ):
@@ -99,7 +102,7 @@ def run(
     from fxshard.training import OptimConfig
 
     try:
-        optim = OptimConfig(lr, beta1, beta2, eps, weight_decay)
+        optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         if under_torchrun():
             run_rank(out, steps, optim, metrics, timeout)
             return
@@ -108,7 +111,9 @@ def run(
         console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
         argv = ["run", str(out), "--steps", str(steps), "--lr", repr(lr), "--beta1", repr(beta1),
                 "--beta2", repr(beta2), "--eps", repr(eps), "--weight-decay", repr(weight_decay),
-                "--timeout", repr(timeout)] + (["--metrics", str(metrics)] if metrics else [])
+                "--timeout", repr(timeout), "--grad-accum", str(grad_accum)] + \
+            (["--metrics", str(metrics)] if metrics else []) + \
+            (["--clip-grad-norm", repr(clip_grad_norm)] if clip_grad_norm is not None else [])
         launch_local(out, argv, world)
     except FxshardError as e:
         _fail(e)

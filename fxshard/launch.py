@@ -24,9 +24,9 @@ from fxshard.inputs import flatten_batch
 from fxshard.modelfile import load_model_file
 from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
 from fxshard.runtime import load_state
-from fxshard.runtime.data_parallel import make_optimizer
+from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.guard import set_context
-from fxshard.training import OptimConfig
+from fxshard.training import OptimConfig, clip_grad_norm_
 
 
 def under_torchrun() -> bool:
@@ -107,7 +107,8 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     entry = rank_entry(manifest, coords)
     code = import_rank_file(out / entry["file"])
     mf = load_model_file(out / manifest["model_file"])
-    batches = mf.batches(steps, manifest["seed"])
+    accum = optim.grad_accum
+    batches = mf.batches(steps * accum, manifest["seed"])
     dp_mesh = mesh["dp"]
     if layout.pp == 1:
         module = code.RankModule(groups, device)
@@ -116,22 +117,37 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
         params = list(runner.parameters())
         step_fn = _plain_step(runner)
         held = {"": module}
+        finish = None
     else:
         groups |= _tied_groups(manifest, layout, rank)
-        params, step_fn, held = _pipeline(code, entry, manifest, layout, groups, out, device, rank, dp_mesh)
+        params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
+                                                  dp_mesh)
     opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"])
     dp_rank, dp = coords["dp"], layout.dp
+    weighted = _norm_weights(held, entry, manifest, layout)
+    divisor = accum * (manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1)
     losses = []
     sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
     try:
-        for step, batch in enumerate(batches, start=1):
+        for step in range(1, steps + 1):
             set_context(step, f"training step {step}")
             start = time.perf_counter()
-            leaves = [v.tensor_split(dp)[dp_rank].to(device) if isinstance(v, torch.Tensor) else v
-                      for v in flatten_batch(batch, manifest["inputs"])]
-            value = step_fn(leaves)
+            value = 0.0
+            for batch in batches[(step - 1) * accum:step * accum]:
+                leaves = [v.tensor_split(dp)[dp_rank].to(device) if isinstance(v, torch.Tensor) else v
+                          for v in flatten_batch(batch, manifest["inputs"])]
+                value += step_fn(leaves) / accum
+            if divisor > 1:  # gradients summed over batches and microbatches: average them
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(divisor)
+            if finish is not None:
+                finish()
             if dp > 1:
                 value = _dp_mean(value, groups["dp"], device)
+            if optim.clip_grad_norm is not None:
+                clip_grad_norm_([(local(p.grad), w) for p, w in weighted if p.grad is not None],
+                                optim.clip_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(value)
@@ -150,6 +166,22 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
                     t = t.full_tensor()
                 final_state[prefix + name] = t.detach().cpu().clone()
     return losses
+
+
+def _norm_weights(held: dict, entry: dict, manifest: dict, layout) -> list[tuple[torch.nn.Parameter, float]]:
+    """Each local parameter with the weight of its gradient's squares in the global norm (1/copies)."""
+    copies = {t["fqn"]: len(t["stages"]) for t in manifest.get("pipeline", {}).get("tied", [])}
+    out = []
+    for prefix, module in held.items():
+        for name, p in module.named_parameters():
+            t = entry["tensors"][prefix + name]
+            w = 1.0 / copies.get(t["source"], 1)
+            if t["placement"] == "Replicate()":
+                w /= layout.tp  # the same gradient on every tp rank
+            if layout.dp > 1 and layout.zero < 2:
+                w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
+            out.append((p, w))
+    return out
 
 
 def _dp_mean(value: float, group, device) -> float:
@@ -215,8 +247,10 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     def step(leaves) -> float:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         losses = run_schedule(schedule, stages, microbatches, tensors, groups["pp"])
-        code.sync_tied_grads(modules, groups)
         return step_loss(losses, last, groups["pp"], device)
 
+    def finish() -> None:  # once per optimizer step, after every accumulated backward
+        code.sync_tied_grads(modules, groups)
+
     held = {f"Stage{s}.": m for s, m in modules.items()}
-    return params, step, held
+    return params, step, held, finish

@@ -13,17 +13,23 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     """Losses of ``steps`` AdamW steps on one device, from the same initial weights and batches."""
     model = mf.build_model(seed)
     model.train()
-    batches = mf.batches(steps, seed)
+    batches = mf.batches(1, seed)
     positional = not isinstance(batches[0], dict)
     step_fn = _WithLoss(model, mf.loss_fn, positional)
     opt = optim.make(model.parameters())
+    batches = mf.batches(steps * optim.grad_accum, seed)
     losses = []
-    for batch in batches:
-        loss, _ = step_fn(*batch) if positional else step_fn(**batch)
-        loss.backward()
+    for i in range(steps):
+        total = 0.0
+        for batch in batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]:
+            loss, _ = step_fn(*batch) if positional else step_fn(**batch)
+            (loss / optim.grad_accum).backward()
+            total += float(loss.detach())
+        if optim.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad_norm, foreach=False)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(total / optim.grad_accum)
     return losses
 
 

@@ -14,6 +14,8 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    clip_grad_norm: float | None = None  # clip the global gradient norm (all shards together) to this
+    grad_accum: int = 1  # batches per optimizer step; gradients are averaged over them
 
     def kwargs(self) -> dict:
         # foreach=False: the per-tensor loop gives the same update for a tensor whether or not it is
@@ -23,3 +25,30 @@ class OptimConfig:
 
     def make(self, params) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **self.kwargs())
+
+
+def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, group=None) -> float:
+    """Clip gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
+
+    ``grads`` pairs each local gradient with the weight of its squares in the global sum: 1 for a
+    tensor no other rank holds, 1/k for one of k identical copies (replicated over tp, a weight tied
+    across k stages, a gradient replicated over dp).  The weighted sums are all-reduced over ``group``
+    (all ranks), so every rank computes the same norm and the same scale.
+    """
+    import torch.distributed as dist
+
+    from fxshard.runtime.guard import guarded
+
+    device = grads[0][0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g, w in grads:
+        sq += w * g.detach().to(torch.float64).pow(2).sum()
+    if group is not None or dist.is_initialized():
+        with guarded("all_reduce of the squared gradient norm (--clip-grad-norm)", group):
+            dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g, _ in grads:
+            g.mul_(coef)
+    return norm

@@ -20,13 +20,15 @@ from fxshard.compiler import compile as compile_model
 from fxshard.context import SCHEDULES, Layout
 from fxshard.modelfile import load_model_file
 from fxshard.reference import reference_losses
+from fxshard.training import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
 REL = 1e-5
 
 SAMPLES = ROOT / "samples"
-CASES = {  # id -> (model file, layout, plan)
+CLIP = OptimConfig(clip_grad_norm=0.05)  # well under the samples' gradient norms: clipping is active
+CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     **{f"gpt-pp2-{s}": (SAMPLES / "gpt.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
     **{f"llama-pp2-{s}": (SAMPLES / "llama.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
     **{f"gpt2-pp2-{s}": (SAMPLES / "gpt2.py", Layout(pp=2, schedule=s), None) for s in SCHEDULES},
@@ -42,16 +44,28 @@ CASES = {  # id -> (model file, layout, plan)
     "llama-dp2-tp2-zero3": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=3), None),
     **{f"gpt2-dp2-pp2-zero{z}": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=z), None) for z in (1, 3)},
     "gpt-dp2-pp2-tp2-zero1": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, tp=2, zero=1), None),
+    # global-norm clipping (norm over tp shards, pp stages with a tied weight, dp shards) and accumulation
+    "gpt-tp2-pp2-clip": (SAMPLES / "gpt.py", Layout(tp=2, pp=2), None, CLIP),
+    "llama-dp2-tp2-zero2-clip": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=2), None, CLIP),
+    "gpt2-dp2-pp2-zero3-clip": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=3), None, CLIP),
+    "gpt-dp2-zero1-accum2-clip": (SAMPLES / "gpt.py", Layout(dp=2, zero=1), None,
+                                  OptimConfig(clip_grad_norm=0.05, grad_accum=2)),
+    "gpt-pp2-accum3": (SAMPLES / "gpt.py", Layout(pp=2), None, OptimConfig(grad_accum=3)),
 }
 
 
-def _train_all(rank: int, world: int, outs: list[str]):
+def _case(case: str):
+    path, layout, plan, *rest = CASES[case]
+    return path, layout, plan, (rest[0] if rest else OptimConfig())
+
+
+def _train_all(rank: int, world: int, outs: list[tuple[str, OptimConfig]]):
     from fxshard.launch import train
 
     results = {}
-    for out in outs:
+    for out, optim in outs:
         state: dict = {}
-        losses = train(Path(out), STEPS, log=lambda *_: None, final_state=state)
+        losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state)
         results[out] = (losses, state)
     return results
 
@@ -62,34 +76,35 @@ def trained(tmp_path_factory):
     import json
 
     folders: dict[int, list[tuple[str, Path]]] = {}
-    for case, (path, layout, plan) in CASES.items():
+    for case in CASES:
+        path, layout, plan, optim = _case(case)
         out = tmp_path_factory.mktemp(case)
         compile_model(path, layout, out=out, plan=plan)
-        folders.setdefault(layout.world_size, []).append((case, out))
+        folders.setdefault(layout.world_size, []).append((case, out, optim))
     results = {}
     for world, items in folders.items():
-        per_rank = spawn(_train_all, world, [str(o) for _, o in items], timeout=600)
-        for case, out in items:
+        per_rank = spawn(_train_all, world, [(str(o), opt) for _, o, opt in items], timeout=600)
+        for case, out, _ in items:
             manifest = json.loads((out / "manifest.json").read_text())
             results[case] = ([r[str(out)] for r in per_rank], manifest)
     return results
 
 
-_REFERENCE: dict[Path, list[float]] = {}
+_REFERENCE: dict[tuple, list[float]] = {}
 
 
-def _reference(path: Path) -> list[float]:
-    if path not in _REFERENCE:
-        _REFERENCE[path] = reference_losses(load_model_file(path), STEPS)
-    return _REFERENCE[path]
+def _reference(path: Path, optim: OptimConfig) -> list[float]:
+    if (path, optim) not in _REFERENCE:
+        _REFERENCE[path, optim] = reference_losses(load_model_file(path), STEPS, optim)
+    return _REFERENCE[path, optim]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_training_matches_single_device(trained, case):
-    path, _, _ = CASES[case]
+    path, _, _, optim = _case(case)
     per_rank, manifest = trained[case]
-    want = _reference(path)
+    want = _reference(path, optim)
     for rank, (losses, _) in enumerate(per_rank):
         assert len(losses) == STEPS
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
@@ -106,6 +121,11 @@ def test_pipeline_training_matches_single_device(trained, case):
             mine = [c for c in copies if c[0] == tp]
             for _, key, value in mine[1:]:
                 assert torch.equal(value, mine[0][2]), f"{case}: {key} differs from {mine[0][1]} after training"
+
+
+@pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
+def test_clipping_changes_the_reference_so_the_clip_cases_test_something(sample):
+    assert _reference(SAMPLES / sample, CLIP) != _reference(SAMPLES / sample, OptimConfig())
 
 
 def test_tied_weights_are_held_by_first_and_last_stage():

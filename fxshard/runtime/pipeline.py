@@ -3,8 +3,9 @@
 Each generated ``StageN`` class declares what it receives and sends per microbatch (``INPUTS`` /
 ``OUTPUTS``: name, local shape, dtype, whether a gradient flows), so the ``PipelineStage`` is built
 with static metadata: no shape-inference round trip, and a mismatch is a compile-time fact.  The
-last stage returns the microbatch loss itself (the loss is part of the compiled graph); the schedule
-averages the gradients over microbatches (``scale_grads``), so training matches the full batch.
+last stage returns the microbatch loss itself (the loss is part of the compiled graph); the training
+loop divides the summed gradients by the microbatch count once per optimizer step, so training matches
+the full batch.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def _loss_is_output(output, target):
 
 def make_schedule(name: str, stages: list[PipelineStage], microbatches: int):
     cls = SCHEDULE_CLASSES[name]
+    # scale_grads=False: the schedule would divide the *accumulated* gradients by the microbatch count at
+    # every step, which breaks gradient accumulation over steps; the training loop divides once instead
     return cls(stages if name in _MULTI else stages[0], n_microbatches=microbatches, loss_fn=_loss_is_output,
-               scale_grads=True)
+               scale_grads=False)
 
 
 def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, inputs: list[torch.Tensor],
