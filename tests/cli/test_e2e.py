@@ -92,11 +92,29 @@ def test_output_folder_that_is_not_fxshards(tmp_path, samples):
     assert (folder / "cat.jpg").exists()
 
 
-def test_unimplemented_layout_flags_are_errors_not_ignored(tmp_path, samples):
-    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--dp", 2, "--out", tmp_path / "o", check=False)
-    assert proc.returncode == 2 and "--dp 2" in proc.stderr and "not implemented" in proc.stderr
-    proc = fxshard("compile", samples / "gpt.py", "--zero", 1, "--out", tmp_path / "o", check=False)
-    assert proc.returncode == 2 and "--zero 1" in proc.stderr
+def test_data_parallel_layout_errors_before_launch(tmp_path, samples):
+    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--dp", 3, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "--dp 3: the batch of 8" in proc.stderr and "use --dp in [1, 2, 4, 8]" in proc.stderr
+    proc = fxshard("compile", samples / "gpt.py", "--zero", 4, "--out", tmp_path / "o", check=False)
+    assert proc.returncode == 2 and "--zero must be 0, 1, 2 or 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_data_parallel_zero3_with_clipping_from_the_command_line(tmp_path, samples):
+    out = tmp_path / "out"
+    comp = fxshard("compile", samples / "gpt.py", "--dp", 2, "--zero", 3, "--out", out)
+    assert "zero=3" in comp.stdout
+    code = (out / "rank_pp0_tp0.py").read_text()
+    assert "def attach_data_parallel(module, dp_mesh):" in code
+    assert "return rt.fully_shard(module, dp_mesh, reshard_after_forward=True)" in code
+    fxshard("run", out, "--steps", 3, "--clip-grad-norm", 0.05, "--grad-accum", 2, "--metrics", tmp_path / "m.jsonl")
+    got = [json.loads(x)["loss"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    from fxshard.training import OptimConfig
+
+    want = reference_losses(load_model_file(samples / "gpt.py"), 3, OptimConfig(clip_grad_norm=0.05, grad_accum=2))
+    for g, r in zip(got, want, strict=True):
+        assert abs(g - r) <= 1e-5 * abs(r), (g, r)
 
 
 def test_plan_file_with_unmatched_key_warns(tmp_path, models):
