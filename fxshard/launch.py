@@ -222,7 +222,10 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
 
 
 def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh):
-    """Build this rank's stage modules, their PipelineStages and the schedule; return params and a step."""
+    """Build this rank's stage modules, their PipelineStages and the schedule.
+
+    Returns the parameters to optimize, the step (forward + backward of one batch), the generated
+    modules by weight-key prefix, and ``finish`` (tied-weight gradient sums, once per optimizer step)."""
     from fxshard.runtime.pipeline import make_schedule, pipeline_stage, run_schedule, step_loss
 
     modules = {}
@@ -237,12 +240,7 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
     last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])
-    params, seen = [], set()
-    for m in runners.values():
-        for p in m.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    params = [p for m in runners.values() for p in m.parameters()]  # stages never share a Parameter object
 
     def step(leaves) -> float:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]

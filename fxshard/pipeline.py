@@ -114,8 +114,23 @@ def find_blocks(module_types: dict[str, str]) -> Blocks | None:
     return best[1] if best else None
 
 
-def _under(fqn: str, prefix: str) -> bool:
+def under(fqn: str, prefix: str) -> bool:
+    """Whether module ``fqn`` is ``prefix`` or inside it."""
     return fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def block_spans(compute: list[fx.Node], blocks: Blocks) -> tuple[dict[str, int], dict[str, int]]:
+    """Index (in ``compute``) of each block's first and last node, for the blocks that compute anything."""
+    starts: dict[str, int] = {}
+    ends: dict[str, int] = {}
+    for i, node in enumerate(compute):
+        fqn = node_fqn(node)
+        for b in blocks.names:
+            if under(fqn, b):
+                starts.setdefault(b, i)
+                ends[b] = i
+                break
+    return starts, ends
 
 
 def _numel(shape) -> int:
@@ -163,15 +178,7 @@ class Segment:
 def segments(compute: list[fx.Node], blocks: Blocks, param_first_use: dict[fx.Node, int],
              param_bytes: dict[fx.Node, int]) -> list[Segment]:
     """Split the compute nodes (graph order) into [before] + blocks + [after]; check the blocks are in order."""
-    starts: dict[str, int] = {}
-    ends: dict[str, int] = {}
-    for i, node in enumerate(compute):
-        fqn = node_fqn(node)
-        for b in blocks.names:
-            if _under(fqn, b):
-                starts.setdefault(b, i)
-                ends[b] = i
-                break
+    starts, ends = block_spans(compute, blocks)
     names = [b for b in blocks.names if b in starts]
     for a, b in zip(names, names[1:], strict=False):
         if starts[b] <= ends[a]:
@@ -291,8 +298,3 @@ class CutPlan:
     starts: list[int]
     labels: list[str]  # per stage: what it holds, e.g. "blocks.0-1 (+ before blocks)"
     table: list[dict] = field(default_factory=list)  # per stage: blocks, flops, param_bytes
-
-
-def _empty_stage_error(source: str, stage: int, what: str) -> PlanError:
-    return PlanError(f"{source}: the cut {what} leaves pipeline stage {stage} empty (no computation); "
-                     "remove the duplicate or move the cut")

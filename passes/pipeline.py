@@ -19,6 +19,7 @@ the same optimizer step.  Results go to ``ctx.pipeline`` (:class:`PipelineProgra
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ import torch.fx as fx
 from fxshard.capture import node_fqn
 from fxshard.context import CompileContext, spec
 from fxshard.errors import LayoutError, PlanError
-from fxshard.pipeline import Blocks, CutPlan, balance, find_blocks, segments
+from fxshard.pipeline import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
 from fxshard.placement import local_shape
 from fxshard.sharding import _is_differentiable
 
@@ -203,6 +204,7 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
     what = f"--pp {ctx.layout.pp}" + (f" x {ctx.layout.stages_per_rank} virtual stages" if S > ctx.layout.pp else "")
     blocks = find_blocks(ctx.program.module_types)
     markers = max((n.meta.get("fxshard_segment", 0) for n in gm.graph.nodes), default=0)
+    costs = _param_costs(compute, ctx)
     if markers:
         if markers != S - 1:
             raise PlanError(f"the model marks {markers} pipeline cut(s) with fxshard.pipeline_split(); {what} needs "
@@ -211,14 +213,14 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
         starts = [0] + [next((i for i, g in enumerate(seg) if g >= k), len(compute)) for k in range(1, S)]
         _check_starts(starts, len(compute), "fxshard.pipeline_split() markers",
                       [f"marker {k}" for k in range(1, S)])
-        return _describe(CutPlan("markers", starts, []), compute, blocks, ctx)
+        return _describe(CutPlan("markers", starts, []), compute, blocks, ctx, costs)
     if ctx.split_before:
         names = list(ctx.split_before)
         if len(names) != S - 1:
             raise PlanError(f"split_before names {len(names)} cut(s) {names}; {what} needs {S - 1}")
         found = []
         for fqn in names:
-            i = next((i for i, n in enumerate(compute) if _under(node_fqn(n), fqn)), None)
+            i = next((i for i, n in enumerate(compute) if under(node_fqn(n), fqn)), None)
             if i is None:
                 hint = f" (the repeated blocks are {blocks.names[0]} .. {blocks.names[-1]})" if blocks else ""
                 raise PlanError(f"split_before: {fqn!r} names no module that computes anything{hint}; "
@@ -227,7 +229,7 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
         found.sort()
         starts = [0] + [i for i, _ in found]
         _check_starts(starts, len(compute), "split_before", [f"before {f}" for _, f in found])
-        return _describe(CutPlan("split_before", starts, []), compute, blocks, ctx)
+        return _describe(CutPlan("split_before", starts, []), compute, blocks, ctx, costs)
     if blocks is None:
         raise PlanError(f"{what}: the model has no repeated blocks (a ModuleList of one class) to cut between; "
                         "mark the cuts with fxshard.pipeline_split() in forward, or pass split_before")
@@ -236,17 +238,13 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
                           f"({blocks.names[0]} .. {blocks.names[-1]}, {blocks.cls}); a stage holds at least one "
                           f"block: use --pp <= {len(blocks)}" + (" or fewer --virtual-stages" if S > ctx.layout.pp
                                                                   else ""))
-    segs = _segments_for(compute, blocks, ctx)
+    segs = segments(compute, blocks, *costs)
     sizes = balance([s.cost for s in segs[1:-1]], S, segs[0].cost, segs[-1].cost)
     starts, k = [0], 1
     for size in sizes[:-1]:
         k += size
         starts.append(segs[k].first)
-    return _describe(CutPlan("auto", starts, []), compute, blocks, ctx, segs)
-
-
-def _under(fqn: str, prefix: str) -> bool:
-    return fqn == prefix or fqn.startswith(prefix + ".")
+    return _describe(CutPlan("auto", starts, []), compute, blocks, ctx, costs)
 
 
 def _segments_of(compute: list[fx.Node]) -> list[int]:
@@ -283,25 +281,12 @@ def _param_costs(compute: list[fx.Node], ctx: CompileContext):
     return first_use, nbytes
 
 
-def _segments_for(compute, blocks: Blocks, ctx: CompileContext):
-    first_use, nbytes = _param_costs(compute, ctx)
-    return segments(compute, blocks, first_use, nbytes)
-
-
-def _describe(cut: CutPlan, compute, blocks: Blocks | None, ctx: CompileContext, segs=None) -> CutPlan:
+def _describe(cut: CutPlan, compute, blocks: Blocks | None, ctx: CompileContext, costs) -> CutPlan:
     """Per-stage label and cost row: the blocks it holds, forward FLOPs and parameter bytes per microbatch."""
-    from fxshard.pipeline import node_flops
-
     S = len(cut.starts)
     ends = cut.starts[1:] + [len(compute)]
-    first_use, nbytes = _param_costs(compute, ctx)
-    block_first: dict[str, int] = {}
-    if blocks:
-        for i, n in enumerate(compute):
-            fqn = node_fqn(n)
-            for b in blocks.names:
-                if _under(fqn, b) and b not in block_first:
-                    block_first[b] = i
+    first_use, nbytes = costs
+    block_first = block_spans(compute, blocks)[0] if blocks else {}
     tp = ctx.layout.tp
     for s in range(S):
         lo, hi = cut.starts[s], ends[s]
@@ -312,7 +297,7 @@ def _describe(cut: CutPlan, compute, blocks: Blocks | None, ctx: CompileContext,
         for p, i in first_use.items():
             if lo <= i < hi:
                 val = p.meta["val"]
-                local_params += _numel(local_shape(tuple(val.shape), spec(p).placement, tp)) * val.element_size()
+                local_params += math.prod(local_shape(tuple(val.shape), spec(p).placement, tp)) * val.element_size()
         label = _range_label(held, blocks)
         extra = []
         if s == 0 and (not held or lo < block_first.get(held[0], lo)):
@@ -336,9 +321,3 @@ def _range_label(held: list[str], blocks: Blocks | None) -> str:
         return first
     return f"{blocks.prefix}.{first.rsplit('.', 1)[1]}-{last.rsplit('.', 1)[1]}"
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

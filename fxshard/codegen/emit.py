@@ -86,6 +86,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     collectives: list[dict] = []
     stages: list[dict] = []
     tied_fn: list[str] = []
+    stage_attrs: dict[int, dict[str, str]] = {}  # stage -> attribute -> placeholder name
     pipe = ctx.pipeline
     if pipe is None:
         state_nodes = [n for n in placeholders if n.name in state and n.users]
@@ -118,12 +119,13 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
             dest = "the schedule (loss)" if s == S - 1 else f"stage {s + 1}"
             cls.forward_lines += ["", f"return {ret}  # to {dest}"]
             classes.append(cls)
+            stage_attrs[s] = a
             for key, ph in a.items():
                 attrs[f"{name}.{key}"] = ph
             for c in collectives[start:]:
                 c["stage"] = s
             stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
-        tied_fn = _tied_lines(pipe, ctx, coords, state)
+        tied_fn = _tied_lines(pipe, ctx, coords, state, stage_attrs)
 
     summary = _summary(collectives)
     dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
@@ -315,7 +317,7 @@ def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
     return lines
 
 
-def _tied_lines(pipe, ctx: CompileContext, coords, state) -> list[str]:
+def _tied_lines(pipe, ctx: CompileContext, coords, state, stage_attrs) -> list[str]:
     """Body of ``sync_tied_grads``: one call per weight held by several stages that this rank holds."""
     layout = ctx.layout
     mine = set(layout.stages_of(coords["pp"]))
@@ -326,8 +328,7 @@ def _tied_lines(pipe, ctx: CompileContext, coords, state) -> list[str]:
             continue
         fqn = state[p.name].fqn
         aliases = [a for a, k in ctx.program.tied.items() if k == fqn]
-        attr = next(k for k, v in _stage_attrs(pipe.stages[local[0]], state).items() if v == p.name)
-        copies = ", ".join(f"stages[{s}].{attr}" for s in local)
+        copies = ", ".join(f"stages[{s}].{_attr_of(stage_attrs[s], p)}" for s in local)
         ranks = sorted({layout.stage_rank(s) for s in holders})
         label = fqn + (f" (= {', '.join(aliases)})" if aliases else "")
         lines.append(f"# {label}: held by stages {', '.join(map(str, holders))} on pp ranks "
@@ -337,9 +338,8 @@ def _tied_lines(pipe, ctx: CompileContext, coords, state) -> list[str]:
     return lines
 
 
-def _stage_attrs(st, state) -> dict[str, str]:
-    taken = set(_RESERVED)
-    return {attr_name(state[n.name].fqn, taken): n.name for n in st.state}
+def _attr_of(attrs: dict[str, str], placeholder: fx.Node) -> str:
+    return next(a for a, name in attrs.items() if name == placeholder.name)
 
 
 def collective_counts(collectives: list[dict]) -> tuple[str, str]:
