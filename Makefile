@@ -17,8 +17,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+bench: setup
+	$(PY) -m benchmarks.run
+
 lint: setup
-	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts
+	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts benchmarks
 
 clean:
 	rm -rf out $(VENV) .pytest_cache

@@ -29,6 +29,8 @@ def compile(
     pp: int = typer.Option(1, "--pp", help="pipeline-parallel degree"),
     dp: int = typer.Option(1, "--dp", help="data-parallel degree"),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage (0-3)"),
+    dtype: str = typer.Option("fp32", "--dtype",
+                              help="fp32, or bf16: mixed precision (bf16 compute, fp32 master weights and Adam state)"),
     schedule: str = typer.Option("1f1b", "--schedule",
                                  help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
     microbatches: int = typer.Option(None, "--microbatches",
@@ -52,7 +54,7 @@ def compile(
 
     try:
         layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                        virtual_stages=virtual_stages)
+                        virtual_stages=virtual_stages, dtype=dtype)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -62,6 +64,45 @@ def compile(
     except FxshardError as e:
         _fail(e)
     compile_report(console, result)
+
+
+@app.command()
+def plan(
+    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    dp: int = typer.Option(1, "--dp"),
+    zero: int = typer.Option(0, "--zero"),
+    schedule: str = typer.Option("1f1b", "--schedule"),
+    microbatches: int = typer.Option(None, "--microbatches"),
+    virtual_stages: int = typer.Option(None, "--virtual-stages"),
+    dtype: str = typer.Option("fp32", "--dtype"),
+    plan_file: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
+    seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    seed: int = typer.Option(0, "--seed"),
+):
+    """Cost a layout without writing code: per rank memory, activations, communication per mesh axis
+    (sympy expressions in B and S) and the pipeline bubble."""
+    import json
+
+    from fxshard.cli.report import plan_report
+
+    from fxshard.compiler import load_plan_file
+    from fxshard.context import Layout
+    from fxshard.costs import plan_costs
+
+    try:
+        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
+                        virtual_stages=virtual_stages, dtype=dtype)
+        report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq)
+    except FxshardError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        plan_report(console, report)
 
 
 @app.command()
@@ -82,6 +123,22 @@ def show(
 
 
 @app.command()
+def check(out: Path = typer.Argument(..., help="compiled output folder")):
+    """Re-run the static checks on OUT's files: layout, headers, weights, and that every rank of each process
+    group issues the same collectives (run on meta tensors) and every pipeline send has its receive."""
+    from fxshard.cli.report import check_report
+
+    from fxshard.check import check_output
+
+    try:
+        with console.status(f"checking {out}"):
+            report = check_output(out)
+    except FxshardError as e:
+        _fail(e)
+    check_report(console, out, report)
+
+
+@app.command()
 def run(
     out: Path = typer.Argument(..., help="compiled output folder"),
     steps: int = typer.Option(3, "--steps", help="training steps"),
@@ -95,28 +152,82 @@ def run(
     grad_accum: int = typer.Option(1, "--grad-accum", help="batches per optimizer step (gradients averaged)"),
     metrics: Path = typer.Option(None, "--metrics", help="write one JSON line per step"),
     timeout: float = typer.Option(300.0, "--timeout", help="seconds before a collective that did not complete fails"),
+    memory_report: bool = typer.Option(False, "--memory-report",
+                                       help="after training, print each rank's bytes of parameters, gradients and "
+                                            "optimizer state next to the ZeRO formula"),
+    final_state: Path = typer.Option(None, "--final-state", hidden=True,
+                                     help="write each rank's trained tensors to DIR/rank<R>.safetensors"),
 ):
     """Train: launch every rank locally, or run as one rank when started by torchrun."""
-    from fxshard.launch import launch_local, run_rank, under_torchrun
+    from fxshard.launch import launch_local, run_args, run_rank, under_torchrun
     from fxshard.output import layout_of, read_manifest
     from fxshard.training import OptimConfig
 
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         if under_torchrun():
-            run_rank(out, steps, optim, metrics, timeout)
+            from fxshard.cli.report import memory_table
+
+            from fxshard.runtime.guard import recorded
+
+            with recorded():  # the launcher's summary then names this rank's error
+                run_rank(out, steps, optim, metrics, timeout,
+                         memory_report=(lambda rows: memory_table(console, rows)) if memory_report else None,
+                         final_state=final_state)
             return
         manifest = read_manifest(out)
         world = layout_of(manifest).world_size
         console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
-        argv = ["run", str(out), "--steps", str(steps), "--lr", repr(lr), "--beta1", repr(beta1),
-                "--beta2", repr(beta2), "--eps", repr(eps), "--weight-decay", repr(weight_decay),
-                "--timeout", repr(timeout), "--grad-accum", str(grad_accum)] + \
-            (["--metrics", str(metrics)] if metrics else []) + \
-            (["--clip-grad-norm", repr(clip_grad_norm)] if clip_grad_norm is not None else [])
+        argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state)
         launch_local(out, argv, world)
     except FxshardError as e:
         _fail(e)
+
+
+@app.command()
+def verify(
+    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    dp: int = typer.Option(1, "--dp"),
+    zero: int = typer.Option(0, "--zero"),
+    schedule: str = typer.Option("1f1b", "--schedule"),
+    microbatches: int = typer.Option(None, "--microbatches"),
+    virtual_stages: int = typer.Option(None, "--virtual-stages"),
+    dtype: str = typer.Option("fp32", "--dtype"),
+    plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    steps: int = typer.Option(3, "--steps", help="training steps"),
+    lr: float = typer.Option(1e-3, "--lr"),
+    clip_grad_norm: float = typer.Option(None, "--clip-grad-norm"),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
+    param_rtol: float = typer.Option(None, "--param-rtol",
+                                     help="parameters: tolerance of |diff|/|single device| per tensor (default 1e-2; "
+                                          "1e-1 under bf16)"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
+):
+    """Train MODEL distributed (local gloo processes) and on one device; print the largest differences of
+    the losses and of the trained parameters; exit 1 above the tolerance."""
+    from fxshard.cli.report import verify_report
+
+    from fxshard.compiler import load_plan_file
+    from fxshard.context import Layout
+    from fxshard.training import OptimConfig
+    from fxshard.verify import verify as verify_
+
+    try:
+        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
+                        virtual_stages=virtual_stages, dtype=dtype)
+        optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
+        console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
+        result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,
+                         param_rtol, out)
+    except FxshardError as e:
+        _fail(e)
+    verify_report(console, result)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -83,6 +83,8 @@ def compile_report(console: Console, result) -> None:
                           "them after backward", highlight=False)
     console.print(_rank_table(manifest, f"{manifest['model_class']} from {manifest['model_name']} — "
                                         f"{layout_of(manifest).describe()}"))
+    if result.checks is not None:
+        console.print(f"static checks: {check_summary(result.checks)}", highlight=False)
     console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py")
     console.print(f"read a rank's code with `fxshard show {result.out} --rank 0`; "
                   f"train with `fxshard run {result.out} --steps 3`")
@@ -110,3 +112,112 @@ def show_rank(console: Console, out: Path, rank: int) -> None:
         console.print(Syntax(code, "python", line_numbers=True, word_wrap=False))
     else:
         console.print(code, highlight=False, markup=False, soft_wrap=True)
+
+
+def memory_table(console: Console, rows: list[dict]) -> None:
+    """``fxshard run --memory-report``: bytes of model state per rank next to the ZeRO formula."""
+    mib = 2**20
+    table = Table(title=f"model state per rank, MiB (ZeRO formula {rows[0]['formula_text']}; Ψ = parameters on the "
+                        "rank before dp sharding)")
+    for col in ("rank", "coords", "Ψ", "params", "grads", "optim", "total", "formula", "ratio", "in fwd"):
+        table.add_column(col, justify="left" if col == "coords" else "right", no_wrap=True)
+    for r in rows:
+        f = r["formula"]
+        table.add_row(str(r["rank"]), " ".join(f"{k}={v}" for k, v in r["coords"].items()), f"{r['psi']:,}",
+                      *(f"{r[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "total")),
+                      f"{f['total'] / mib:.2f} = {f['params'] / mib:.2f}+{f['grads'] / mib:.2f}+"
+                      f"{f['optimizer'] / mib:.2f}", f"{r['ratio']:.3f}", f"{r['gathered'] / mib:.2f}")
+    console.print(table)
+    console.print("formula = params + grads + optim; 'in fwd' = most parameter bytes held at once during a forward "
+                  "(ZeRO 3 gathers them before use)", highlight=False)
+    for note in sorted({r["note"] for r in rows if r["note"]}):
+        console.print(note, highlight=False)
+
+
+def check_summary(report) -> str:
+    kinds = [k for k in ("tp", "pp", "tied-weight") if any(g.label.startswith(k + " group") for g in report.groups)]
+    text = (f"{report.ranks} rank file(s) agree on the collectives of every {', '.join(kinds)} group"
+            if kinds else f"{report.ranks} rank file(s), no process group to compare")
+    return text + (f"; {len(report.links)} pipeline send/recv pair(s) match" if report.links else "")
+
+
+def check_report(console: Console, out: Path, report) -> None:
+    """``fxshard check``: per process group, the collectives every member issues; then OK."""
+    how = "run on meta tensors" if report.traced else "scanned"
+    table = Table(title=f"{out}: collectives per process group ({report.ranks} rank files {how}, "
+                        f"world size {report.world})")
+    for col in ("process group", "where", "rank files", "forward", "backward", ""):
+        table.add_column(col, justify="right" if col in ("forward", "backward") else "left",
+                         no_wrap=col != "where")
+    for g in report.groups:
+        table.add_row(g.label, g.scope, ", ".join(g.files), str(g.forward), str(g.backward), "[green]OK[/]")
+    console.print(table)
+    for link in report.links:
+        console.print(f"pipeline {link}: sends match receives [green]OK[/]", highlight=False)
+    console.print(f"[bold green]OK[/]: {check_summary(report)}; no rank would wait for a collective "
+                  "another rank never issues", highlight=False)
+
+
+def verify_report(console: Console, result) -> None:
+    """``fxshard verify``: losses side by side, then the parameters that differ most."""
+    table = Table(title=f"single device vs {result.layout.describe()}")
+    for col in ("step", "single device", "distributed", "abs diff", "rel diff"):
+        table.add_column(col, justify="right")
+    for step, (ref, got) in enumerate(zip(result.reference, result.distributed, strict=True), start=1):
+        table.add_row(str(step), f"{ref:.7f}", f"{got:.7f}", f"{abs(got - ref):.2e}",
+                      f"{abs(got - ref) / max(abs(ref), 1e-30):.2e}")
+    console.print(table)
+    worst = sorted(result.params, key=lambda p: -p["rel"])[:5]
+    params = Table(title=f"trained parameters: {len(result.params)} compared; the 5 that differ most "
+                         "(rel = ‖diff‖ / ‖single device‖)")
+    for col in ("parameter", "shape", "max abs diff", "rel"):
+        params.add_column(col, justify="left" if col == "parameter" else "right")
+    for p in worst:
+        params.add_row(p["fqn"], str(p["shape"]), f"{p['max_abs']:.2e}", f"{p['rel']:.2e}")
+    console.print(params)
+    style = "green" if result.ok else "bold red"
+    console.print(f"[{style}]{result.summary()}[/]", highlight=False)
+
+
+_PLAN_ROWS = [  # key, label, unit
+    ("psi", "parameters Ψ (this rank, before dp sharding)", "count"),
+    ("params", "parameter bytes", "bytes"),
+    ("grads", "gradient bytes", "bytes"),
+    ("optimizer", "optimizer state bytes (Adam; fp32 masters)", "bytes"),
+    ("activations", "activation bytes per microbatch (all forward values)", "bytes"),
+    ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
+    ("tp_allgather", "tp all-gather elements per step", "count"),
+    ("pp_send", "pp elements sent per step (activations fwd, grads bwd)", "count"),
+    ("dp_bytes", "dp bytes sent per step (ring collectives)", "bytes"),
+]
+
+
+def _human(value: float, unit: str) -> str:
+    if unit == "bytes":
+        for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if value >= scale:
+                return f"{value / scale:.2f} {name}"
+        return f"{value:.0f} B"
+    for scale, name in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.2f}{name}"
+    return f"{value:.0f}"
+
+
+def plan_report(console: Console, report) -> None:
+    """``fxshard plan``: per pipeline rank, every cost as an expression and its value."""
+    at = ", ".join(f"{k}={v}" for k, v in report.at.items())
+    for row in report.ranks:
+        table = Table(title=f"{report.layout.describe()} — pp rank {row['pp_rank']} (global ranks "
+                            f"{', '.join(map(str, row['global_ranks']))}; tp ranks hold equal shares)")
+        table.add_column("per rank")
+        table.add_column("expression (B: examples per step, S: sequence length)")
+        table.add_column(f"at {at}", justify="right")
+        for key, label, unit in _PLAN_ROWS:
+            cost = row[key]
+            table.add_row(label, str(cost.expr), _human(cost.value, unit))
+        console.print(table)
+    console.print(f"pipeline bubble {report.bubble_formula} = {report.bubble.expr} "
+                  f"({report.bubble.value:.1%} of each pp rank's step idle)", highlight=False)
+    for note in report.notes:
+        console.print(f"note: {note}", highlight=False)

@@ -23,19 +23,21 @@ from torch.utils import _pytree as pytree
 
 from fxshard import __version__
 from fxshard.capture import Program, capture
+from fxshard.check import COMPILER_BUG, CheckReport, check_program
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
 from fxshard.errors import LayoutError, OutputFolderError, PlanError
 from fxshard.modelfile import ModelFile, load_model_file
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
+from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.pipeline import choose_microbatches, label_markers
 from fxshard.placement import SliceSpec, local_shape, take
 from fxshard.plan import resolve
 
-PASSES = [tensor_parallel_pass, collectives_pass, pipeline_pass, checks_pass]
+PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
 from fxshard.output import FORMAT, MANIFEST  # noqa: E402
 
 
@@ -46,6 +48,7 @@ class CompiledProgram:
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: dict = field(default_factory=dict)
+    checks: CheckReport | None = None  # the static checks of the generated files (fxshard.check)
 
     @property
     def files(self) -> list[str]:
@@ -140,7 +143,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
-        program = capture(mf, seed, inputs=inputs)
+        program = _capture(mf, layout, seed, inputs)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -170,12 +173,45 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     return CompiledProgram(None, ctx, gm)
 
 
+def _capture(mf: ModelFile, layout: Layout, seed: int, inputs) -> Program:
+    """Capture at the compute dtype.  Under ``--dtype bf16`` the parameters (not the buffers: rotary
+    tables, masks keep their dtype) and floating inputs are cast before capture, so every dtype
+    conversion in the graph is the one the model makes in bf16; the weights written are the fp32
+    initial values, the master weights the optimizer starts from."""
+    if not layout.mixed:
+        return capture(mf, seed, inputs=inputs)
+    model = mf.build_model(seed)
+    masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    cast_parameters(model, layout.compute_dtype)
+    inputs = cast_inputs(inputs, layout.compute_dtype)
+    program = capture(mf, seed, model=model, inputs=inputs)
+    for fqn in program.tensors:
+        if fqn in masters:
+            program.tensors[fqn] = masters[fqn]
+    return program
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters (not buffers) in place, keeping the Parameter objects and ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+
+def cast_inputs(inputs, dtype: torch.dtype):
+    return pytree.tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
+                           inputs)
+
+
 def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
             seed: int = 0) -> CompiledProgram:
     """Compile ``model_file`` for ``layout``; write rank files, manifest and weights to ``out`` if given."""
     mf = load_model_file(model_file)
     result = compile_program(mf, layout, plan, seed)
     result.sources, result.manifest, shards = _generate(result, mf, seed)
+    weights = {name: {k: tuple(t.shape) for k, t in tensors.items()} for name, tensors in shards.items()}
+    result.checks = check_program(result.sources, result.manifest, weights, run=False, fix=COMPILER_BUG)
     if out is not None:
         write_output(Path(out), result, mf, shards)
     return result
@@ -235,7 +271,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
         "seed": seed,
         "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": layout.zero,
                    "schedule": layout.schedule, "microbatches": layout.microbatches,
-                   "virtual_stages": layout.virtual_stages},
+                   "virtual_stages": layout.virtual_stages, "dtype": layout.dtype},
         "mesh": {"axes": ["dp", "pp", "tp"], "shape": list(layout.mesh_shape)},
         "plan_source": ctx.plan.source,
         "plan": ctx.plan.describe(),

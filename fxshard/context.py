@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from fxshard.capture import Program
@@ -18,6 +19,7 @@ from fxshard.plan import ResolvedPlan
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
 MESH_AXES = ("dp", "pp", "tp")  # outermost first: a tp group is consecutive ranks
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Layout:
     schedule: str = "1f1b"
     microbatches: int | None = None
     virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
+    dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):
@@ -46,8 +49,19 @@ class Layout:
                     f"--virtual-stages {self.virtual_stages}: schedule {self.schedule} runs one stage per pp rank; "
                     f"use --schedule {' or '.join(INTERLEAVED)} for several stages per rank, or drop the flag"
                 )
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.microbatches is not None and self.microbatches < 1:
             raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: bf16 parameters, activations and gradients; fp32 master weights and Adam state."""
+        return self.dtype != "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return getattr(torch, DTYPES[self.dtype])
 
     @property
     def world_size(self) -> int:
@@ -89,6 +103,8 @@ class Layout:
             text += f" schedule={self.schedule} microbatches={self.microbatches}"
             if self.stages_per_rank > 1:
                 text += f" virtual-stages={self.stages_per_rank}"
+        if self.mixed:
+            text += f" dtype={self.dtype}"
         return text
 
 

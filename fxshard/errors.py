@@ -39,6 +39,10 @@ class CheckError(FxshardError):
     """A static check found a program that would compute wrongly or hang."""
 
 
+class RandomnessError(FxshardError):
+    """Randomness in the model (a dropout variant) that cannot match single-device training under a layout."""
+
+
 def divisors(n: int) -> list[int]:
     """Divisors of ``n`` in increasing order, for 'use tp in {...}' hints."""
     return [d for d in range(1, n + 1) if n % d == 0]

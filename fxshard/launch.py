@@ -8,6 +8,7 @@ JSON lines to a file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -21,11 +22,14 @@ import torch.distributed as dist
 
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.inputs import flatten_batch
+from fxshard.memory import MemoryProbe
 from fxshard.modelfile import load_model_file
 from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
 from fxshard.runtime import load_state
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.guard import set_context
+from fxshard.runtime.mixed_precision import promote, split_masters
+from fxshard.runtime.random import begin_batch, local_rows
 from fxshard.training import OptimConfig, clip_grad_norm_
 
 
@@ -65,9 +69,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
+             memory_report: bool = False, final_state: Path | None = None) -> list[str]:
+    """The ``fxshard run`` arguments each launched rank receives."""
+    argv = ["run", str(out), "--steps", str(steps), "--lr", repr(optim.lr), "--beta1", repr(optim.beta1),
+            "--beta2", repr(optim.beta2), "--eps", repr(optim.eps), "--weight-decay", repr(optim.weight_decay),
+            "--timeout", repr(timeout_s), "--grad-accum", str(optim.grad_accum)]
+    if metrics:
+        argv += ["--metrics", str(metrics)]
+    if optim.clip_grad_norm is not None:
+        argv += ["--clip-grad-norm", repr(optim.clip_grad_norm)]
+    if memory_report:
+        argv += ["--memory-report"]
+    if final_state:
+        argv += ["--final-state", str(final_state)]
+    return argv
+
+
 def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
-             log=print) -> list[float]:
-    """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses."""
+             log=print, memory_report=None, final_state: Path | None = None) -> list[float]:
+    """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses.
+
+    With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.memory.report_rows` of
+    every rank's measured model-state bytes after training."""
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
@@ -80,17 +104,35 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     try:
-        return train(out, steps, optim, metrics, device, log)
+        memory = {} if memory_report is not None else None
+        state = {} if final_state is not None else None
+        losses = train(out, steps, optim, metrics, device, log, memory=memory, final_state=state)
+        if final_state is not None:  # every rank's trained tensors, for fxshard verify
+            from safetensors.torch import save_file
+
+            Path(final_state).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(Path(final_state) / f"rank{rank}.safetensors"))
+        if memory_report is not None:
+            from fxshard.memory import report_rows
+
+            samples = [None] * dist.get_world_size()
+            dist.all_gather_object(samples, memory)
+            if rank == 0:
+                memory_report(report_rows(samples, layout_of(read_manifest(out))))
+        return losses
     finally:
         dist.destroy_process_group()
 
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
-          device: torch.device | None = None, log=print, final_state: dict | None = None) -> list[float]:
+          device: torch.device | None = None, log=print, final_state: dict | None = None,
+          memory: dict | None = None) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
-    weights file (``attr``, or ``StageN.attr`` under pipeline parallelism)."""
+    weights file (``attr``, or ``StageN.attr`` under pipeline parallelism).  With ``memory`` (a dict),
+    it is filled with the bytes of model state this rank held (see :mod:`fxshard.memory`) and ``psi``,
+    its parameter count before dp sharding."""
     out = Path(out)
     device = device or torch.device("cpu")
     manifest = read_manifest(out)
@@ -110,10 +152,10 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     accum = optim.grad_accum
     batches = mf.batches(steps * accum, manifest["seed"])
     dp_mesh = mesh["dp"]
+    masters: dict[int, torch.Tensor] = {}
     if layout.pp == 1:
         module = code.RankModule(groups, device)
-        load_state(module, out / entry["weights"])
-        runner = code.attach_data_parallel(module, dp_mesh) if layout.dp > 1 else module
+        runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters)
         params = list(runner.parameters())
         step_fn = _plain_step(runner)
         held = {"": module}
@@ -121,8 +163,10 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     else:
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
-                                                  dp_mesh)
-    opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"])
+                                                  dp_mesh, masters)
+    opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
+                         masters=[masters[id(p)] for p in params] if masters else None)
+    probe = MemoryProbe(list(held.values())) if memory is not None else None
     dp_rank, dp = coords["dp"], layout.dp
     weighted = _norm_weights(held, entry, manifest, layout)
     divisor = accum * (manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1)
@@ -133,9 +177,9 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
             set_context(step, f"training step {step}")
             start = time.perf_counter()
             value = 0.0
-            for batch in batches[(step - 1) * accum:step * accum]:
-                leaves = [v.tensor_split(dp)[dp_rank].to(device) if isinstance(v, torch.Tensor) else v
-                          for v in flatten_batch(batch, manifest["inputs"])]
+            for number, batch in enumerate(batches[(step - 1) * accum:step * accum], (step - 1) * accum):
+                leaves = [_to_rank(v, dp, dp_rank, device, layout) for v in flatten_batch(batch, manifest["inputs"])]
+                begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
                 value += step_fn(leaves) / accum
             if divisor > 1:  # gradients summed over batches and microbatches: average them
                 for p in params:
@@ -145,10 +189,14 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
                 finish()
             if dp > 1:
                 value = _dp_mean(value, groups["dp"], device)
+            if probe is not None:
+                probe.after_backward(params)
             if optim.clip_grad_norm is not None:
                 clip_grad_norm_([(local(p.grad), w) for p, w in weighted if p.grad is not None],
                                 optim.clip_grad_norm)
             opt.step()
+            if probe is not None:
+                probe.after_step(opt)
             opt.zero_grad(set_to_none=True)
             losses.append(value)
             if rank == 0:
@@ -159,6 +207,8 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     finally:
         if sink:
             sink.close()
+    if memory is not None:
+        memory |= probe.sample | {"psi": _local_parameter_count(held, entry)}
     if final_state is not None:
         for prefix, module in held.items():
             for name, t in list(module.named_parameters()) + list(module.named_buffers()):
@@ -166,6 +216,35 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
                     t = t.full_tensor()
                 final_state[prefix + name] = t.detach().cpu().clone()
     return losses
+
+
+def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict) -> torch.nn.Module:
+    """Load a generated module's weights and attach data parallelism; return what runs it.
+
+    Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
+    are exact: FSDP2 (ZeRO 2/3) keeps them as its shards; otherwise ``masters`` gets an fp32 copy of
+    each parameter (keyed by ``id``) and the module's parameters become the compute dtype."""
+    if layout.mixed:
+        promote(module)
+    load_state(module, weights, prefix=prefix)
+    if layout.mixed and not (layout.dp > 1 and layout.zero >= 2):
+        params = list(module.parameters())
+        masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
+    return code.attach_data_parallel(module, dp_mesh) if layout.dp > 1 else module
+
+
+def _to_rank(v, dp: int, dp_rank: int, device, layout):
+    """This dp rank's part of a batch input, on ``device``, floating inputs in the compute dtype."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    v = v.tensor_split(dp)[dp_rank].to(device)
+    return v.to(layout.compute_dtype) if layout.mixed and v.is_floating_point() else v
+
+
+def _local_parameter_count(held: dict, entry: dict) -> int:
+    """Ψ of this rank: elements of its (tp- and pp-local) parameters, before any dp sharding."""
+    return sum(math.prod(t["shape"]) for key, t in entry["tensors"].items()
+               if t["kind"] == "parameter" and any(key.startswith(prefix) for prefix in held))
 
 
 def _norm_weights(held: dict, entry: dict, manifest: dict, layout) -> list[tuple[torch.nn.Parameter, float]]:
@@ -221,19 +300,20 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
     return groups
 
 
-def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh):
+def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
+              masters: dict):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated
     modules by weight-key prefix, and ``finish`` (tied-weight gradient sums, once per optimizer step)."""
     from fxshard.runtime.pipeline import make_schedule, pipeline_stage, run_schedule, step_loss
 
-    modules = {}
+    modules, runners = {}, {}
     for st in entry["stages"]:
         module = getattr(code, st["class"])(groups, device)
-        load_state(module, out / entry["weights"], prefix=st["class"] + ".")
+        runners[st["index"]] = _prepare(code, module, out / entry["weights"], st["class"] + ".", layout, dp_mesh,
+                                        masters)
         modules[st["index"]] = module
-    runners = {s: code.attach_data_parallel(m, dp_mesh) if layout.dp > 1 else m for s, m in modules.items()}
     stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
               for s, m in sorted(modules.items())]
     microbatches = manifest["pipeline"]["microbatches"]

@@ -41,7 +41,8 @@ def read_manifest(out: str | Path) -> dict:
 def layout_of(manifest: dict) -> Layout:
     lay = manifest["layout"]
     return Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], zero=lay["zero"], schedule=lay["schedule"],
-                  microbatches=lay["microbatches"], virtual_stages=lay.get("virtual_stages"))
+                  microbatches=lay["microbatches"], virtual_stages=lay.get("virtual_stages"),
+                  dtype=lay.get("dtype", "fp32"))
 
 
 def rank_entry(manifest: dict, coords: dict[str, int]) -> dict:

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from fxshard.context import CompileContext, Group, RankValue, spec
 from fxshard.placement import Partial, Replicate, Shard, local_shape
+from fxshard.runtime import random as rt_random
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
@@ -181,8 +182,15 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], 
     doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp) for line in _ZERO_TEXT[zero]]
     if zero <= 1:
         body = ["return rt.ddp(module, dp_mesh)"]
+        if layout.mixed:
+            doc.append(f"    mixed precision: {layout.dtype} parameters and gradients; the optimizer keeps fp32 master "
+                       "weights" + (" (its dp share)" if zero == 1 else ""))
     else:
-        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3})"]
+        dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
+        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype})"]
+        if layout.mixed:
+            doc.append(f"    mixed precision: the fp32 shards are the master weights; gathered as {layout.dtype} "
+                       "for compute, gradients reduce-scattered in fp32")
     return doc, body
 
 
@@ -391,6 +399,8 @@ def _note(node: fx.Node, tp: int) -> str:
     p = s.placement
     if isinstance(p, tuple):
         return " ".join(str(x) for x in p) if any(not isinstance(x, Replicate) for x in p) else ""
+    if node.target is rt_random.dropout:  # see passes/dropout.py
+        return ("" if p == Replicate() else f"{p}  ") + "layout-invariant mask, as on one device"
     if isinstance(p, (Shard, Partial)):
         return str(p)
     return ""

@@ -3,8 +3,9 @@
 from fxshard.runtime.collectives import all_gather, all_reduce, copy_to, scatter, shard
 from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.pipeline import sum_tied_grads
+from fxshard.runtime.random import dropout
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_embedding
 
 __all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "load_state",
-           "sum_tied_grads", "ddp", "fully_shard"]
+           "sum_tied_grads", "ddp", "fully_shard", "dropout"]

@@ -11,10 +11,13 @@ scatter        keep this rank's part    all-gather along dim
 
 ``shard`` keeps this rank's part of a tensor that needs no gradient (no communication).
 A collective that does not complete within the process group's timeout raises an error naming the
-rank, the group and the collective (see ``fxshard.runtime.guard``).
+rank, the group, the collective and the line of the generated file that issued it (see
+``fxshard.runtime.guard``); the backward of ``copy_to`` and ``scatter`` names the forward's line.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,17 +25,23 @@ import torch.distributed as dist
 from fxshard.runtime.guard import guarded
 
 
-def _all_reduce(x: torch.Tensor, group, what: str) -> torch.Tensor:
+def _site() -> tuple[str, int]:
+    """(file, line) of the generated code that called the public function calling this."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+def _all_reduce(x: torch.Tensor, group, what: str, site=None) -> torch.Tensor:
     x = x.contiguous().clone()
-    with guarded(what, group):
+    with guarded(what, group, x, site):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 
-def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
     world = dist.get_world_size(group)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-    with guarded(what, group):
+    with guarded(what, group, x, site):
         dist.all_gather(parts, x.contiguous(), group=group)
     if blocks == 1:
         return torch.cat(parts, dim=dim)
@@ -49,66 +58,67 @@ def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int) -> tor
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, site):
+        ctx.group, ctx.site = group, site
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "all_reduce (backward of copy_to)"), None
+        return _all_reduce(grad, ctx.group, "all_reduce (backward of copy_to)", ctx.site), None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, "all_reduce")
+    def forward(ctx, x, group, site):
+        return _all_reduce(x, group, "all_reduce", site)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, blocks):
+    def forward(ctx, x, group, dim, blocks, site):
         ctx.group, ctx.dim, ctx.blocks = group, dim, blocks
-        return _all_gather(x, group, dim, blocks, "all_gather")
+        return _all_gather(x, group, dim, blocks, "all_gather", site)
 
     @staticmethod
     def backward(ctx, grad):
         index, parts = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return _take(grad, ctx.dim, index, parts, ctx.blocks), None, None, None
+        return _take(grad, ctx.dim, index, parts, ctx.blocks), None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, index, parts, blocks):
-        ctx.group, ctx.dim, ctx.blocks = group, dim, blocks
+    def forward(ctx, x, group, dim, index, parts, blocks, site):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
         return _take(x, dim, index, parts, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, "all_gather (backward of scatter)"), *([None] * 5)
+        gathered = _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, "all_gather (backward of scatter)", ctx.site)
+        return gathered, *([None] * 6)
 
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyTo.apply(x, group)
+    return _CopyTo.apply(x, group, _site())
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``; the gradient passes through unchanged."""
-    return _AllReduce.apply(x, group)
+    return _AllReduce.apply(x, group, _site())
 
 
 def all_gather(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
     """Concatenate every rank's part along ``dim``; backward keeps this rank's part of the gradient."""
-    return _AllGather.apply(x, group, dim, blocks)
+    return _AllGather.apply(x, group, dim, blocks, _site())
 
 
 def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
     """Keep part ``index`` of ``parts`` along ``dim``; backward all-gathers the gradient."""
-    return _Scatter.apply(x, group, dim, index, parts, blocks)
+    return _Scatter.apply(x, group, dim, index, parts, blocks, _site())
 
 
 def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:

@@ -21,6 +21,8 @@ module and shard or replicate its (already tp-sliced) parameters over dp.  ``tor
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.fsdp import fully_shard as _fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -29,14 +31,27 @@ DDP_BUCKET_MB = 25
 
 
 def ddp(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
-    """Replicate ``module`` over dp; gradients are averaged in buckets while backward runs."""
-    return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB,
-                                   broadcast_buffers=False, find_unused_parameters=False)
+    """Replicate ``module`` over dp; gradients are averaged in buckets while backward runs.
+
+    The gradients are views into DDP's buckets (``gradient_as_bucket_view``), so they are held once,
+    not once in ``.grad`` and again in the bucket."""
+    with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: no buffer sync at all
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB,
+                                       broadcast_buffers=False, find_unused_parameters=False,
+                                       gradient_as_bucket_view=True)
 
 
-def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool) -> torch.nn.Module:
-    """Shard ``module``'s parameters, gradients and optimizer state over dp (FSDP2)."""
-    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool,
+                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard ``module``'s parameters, gradients and optimizer state over dp (FSDP2).
+
+    With ``param_dtype`` (mixed precision), the fp32 shards are the master weights; parameters are
+    gathered as ``param_dtype`` and gradients reduced in fp32."""
+    from fxshard.runtime.mixed_precision import fsdp_policy
+
+    policy = {"mp_policy": fsdp_policy(param_dtype)} if param_dtype is not None else {}
+    return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **policy)
 
 
 def inner(module: torch.nn.Module) -> torch.nn.Module:
@@ -44,8 +59,14 @@ def inner(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def make_optimizer(params, config, zero: int, dp_group):
-    """AdamW over ``params``; at ZeRO stage 1 its state is sharded over dp (each parameter's on one rank)."""
+def make_optimizer(params, config, zero: int, dp_group, masters=None):
+    """AdamW over ``params``; at ZeRO stage 1 its state is sharded over dp (each parameter's on one rank).
+
+    With ``masters`` (fp32 copies of low-precision ``params``), AdamW steps the masters instead."""
+    if masters is not None:
+        from fxshard.runtime.mixed_precision import MasterWeightAdamW
+
+        return MasterWeightAdamW(params, masters, config, shard_group=dp_group if zero == 1 else None)
     if zero == 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

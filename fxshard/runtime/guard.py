@@ -2,38 +2,85 @@
 
 Process groups are created with a timeout (``fxshard run --timeout``); when a collective raises —
 a peer died, a peer issued a different collective, the timeout expired — the error is re-raised as
-:class:`CollectiveError` saying which rank, which group and which collective did not complete,
-instead of a bare backend traceback or a hang.
+:class:`CollectiveError` saying which rank, which group and which collective did not complete: its
+kind, shape and dtype, the line of the generated rank file that issued it, and its number among the
+collectives this rank issued over that group in this step (ranks that agree issue the same one as
+number N).  A bare backend traceback or a hang is what it replaces::
+
+    rank 1: all_gather float32 [8, 16, 128] (rank_pp0_tp1.py:619, collective #18 over this group in
+    training step 1) over process group ranks [0, 1] did not complete: RuntimeError: Timed out ...
+
+Under ``fxshard run`` (torch's elastic launcher) :func:`recorded` writes the error to the file the
+launcher reads, so the launcher's summary names the rank and the collective too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import re
+import time
 
 import torch.distributed as dist
 
+from fxshard.errors import FxshardError
 
-class CollectiveError(RuntimeError):
-    pass
 
+class CollectiveError(FxshardError, RuntimeError):
+    """A collective did not complete: a peer died, issued a different collective, or the timeout expired."""
+
+
+HINT = ("every rank of a process group must issue the same collectives in the same order; "
+        "`fxshard check OUT` names the line where edited or stale rank files differ")
 
 _current_step = {"step": None, "label": ""}
+_issued: dict[int, int] = {}  # id of a process group -> collectives issued over it in this step
 
 
 def set_context(step: int | None = None, label: str = "") -> None:
     _current_step["step"], _current_step["label"] = step, label
+    _issued.clear()
 
 
 @contextlib.contextmanager
-def guarded(what: str, group):
+def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
+    """Run a collective; if it raises, raise :class:`CollectiveError` naming rank, group and collective.
+
+    ``tensor`` and ``site`` (file, line of the generated code) make the message name shape, dtype and line."""
+    number = _issued[id(group)] = _issued.get(id(group), 0) + 1
     try:
         yield
     except Exception as e:  # backend errors have many types (DistBackendError, RuntimeError, ...)
-        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise CollectiveError(_message(what, group, tensor, site, number, e)) from e
+
+
+def _message(what: str, group, tensor, site, number: int, e: Exception) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    try:
         ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else []
-        where = f" at step {_current_step['step']}" if _current_step["step"] is not None else ""
-        label = f" in {_current_step['label']}" if _current_step["label"] else ""
-        raise CollectiveError(
-            f"rank {rank}: {what} over process group ranks {ranks} did not complete{where}{label}: "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        ) from e
+    except Exception:  # a group this rank has already torn down
+        ranks = []
+    if tensor is not None:
+        what += f" {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
+    step = _current_step["label"] or (f"step {_current_step['step']}" if _current_step["step"] is not None else "")
+    at = [f"{os.path.basename(site[0])}:{site[1]}"] if site else []
+    at.append(f"collective #{number} over this group" + (f" in {step}" if step else ""))
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    cause = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
+    return (f"rank {rank}: {what} ({', '.join(at)}) over process group ranks {ranks} did not complete: "
+            f"{type(e).__name__}: {cause}; {HINT}")
+
+
+@contextlib.contextmanager
+def recorded():
+    """Write an error raised inside to the file torch's elastic launcher reads (``TORCHELASTIC_ERROR_FILE``),
+    so that the launcher's ``ChildFailedError`` carries this rank's message; then re-raise it."""
+    try:
+        yield
+    except Exception as e:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path:
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                json.dump({"message": f"{type(e).__name__}: {e}", "timestamp": int(time.time())}, f)
+        raise

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
 )
 
 from fxshard.runtime.guard import guarded
+from fxshard.runtime.random import begin_microbatch
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -35,14 +36,25 @@ def _metas(spec) -> tuple[torch.Tensor, ...]:
     return tuple(torch.empty(shape, dtype=dtype, device="meta").requires_grad_(rg) for _, shape, dtype, rg in spec)
 
 
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` that tells dropout which microbatch it computes (``fxshard.runtime.random``).
+
+    Every schedule runs a forward through ``forward_one_chunk`` with the microbatch's index, whatever
+    order it interleaves them in, so the mask of each sample is the one it has on one device."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        begin_microbatch(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group,
                    generated: torch.nn.Module | None = None) -> PipelineStage:
     """A ``PipelineStage`` for a generated stage module (possibly wrapped for data parallelism), with the
     metadata the generated class declares."""
     generated = generated or module
     outputs = _metas(generated.OUTPUTS)
-    return PipelineStage(module, index, num_stages, torch.device(device), input_args=_metas(generated.INPUTS),
-                         output_args=outputs[0] if index == num_stages - 1 else outputs, group=group)
+    return _Stage(module, index, num_stages, torch.device(device), input_args=_metas(generated.INPUTS),
+                  output_args=outputs[0] if index == num_stages - 1 else outputs, group=group)
 
 
 def _loss_is_output(output, target):

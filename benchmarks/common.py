@@ -1,0 +1,161 @@
+"""What every benchmark shares: spawning gloo processes, interleaved timing, medians, result files.
+
+Fair comparisons need the contenders to see the same machine at the same moment.  So one set of
+processes holds every contender, and :func:`interleave` runs one step of each in turn
+(A B C, B C A, C A B, ...: the order rotates so no contender holds a favoured position) with a
+barrier before each step; a burst of load from elsewhere slows all of them alike.  A step's time is
+the slowest rank's time for it (collectives keep the ranks in lock step, so that is the step's wall
+time).  Medians, not means, summarize the steps::
+
+    times = interleave({"a": step_a, "b": step_b}, rounds=20, warmup=2)   # in every rank
+    summary = summarize(combine_ranks(per_rank_times))                    # in the parent
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+THREADS_PER_PROCESS = 1
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, folder: str, fn, args) -> None:
+    torch.set_num_threads(THREADS_PER_PROCESS)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # the parent reports the rank's traceback
+        result = ("error", traceback.format_exc())
+    (Path(folder) / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def spawn(fn: Callable, world: int, *args, timeout: float = 600.0) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes on a gloo group; their results by rank.
+
+    Each process uses :data:`THREADS_PER_PROCESS` intra-op threads, so every contender gets the same
+    compute.  A failing rank raises here with its traceback; a run over ``timeout`` is killed."""
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} on {world} processes did not finish in {timeout:.0f} s")
+        results = []
+        for rank in range(world):
+            status, value = pickle.loads((Path(folder) / f"rank{rank}.pkl").read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"benchmark rank {rank} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+# ---------------------------------------------------------------- timing
+
+
+def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[tuple]]:
+    """Run ``rounds`` rounds of one call of each step, after ``warmup`` untimed rounds; per call, the
+    (wall, process CPU) seconds it took on this rank.
+
+    The order rotates by one each round (A B C, B C A, C A B, ...): every contender takes every
+    position equally often, so none always runs right after the same neighbour (whose freed memory
+    and evicted caches it would inherit) or always first after the warm-up.  Called on every rank
+    with the same steps; a barrier before each call lines the ranks up so the time measured is the
+    step's own, not the wait for a slower peer's previous step.  Process CPU time (all threads,
+    gloo's included) does not advance while other programs hold the cores, so it shows the work a
+    step does even on a crowded machine."""
+    times: dict[str, list[tuple]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(warmup + rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            steps[name]()
+            if r >= warmup:
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return times
+
+
+def combine_ranks(per_rank: list[dict[str, list[tuple]]]) -> dict[str, dict[str, list[float]]]:
+    """Per contender and step: the wall time of the slowest rank and the CPU time of all ranks together."""
+    out = {}
+    for name in per_rank[0]:
+        steps = list(zip(*(r[name] for r in per_rank), strict=True))
+        out[name] = {"wall": [max(w for w, _ in s) for s in steps], "cpu": [sum(c for _, c in s) for s in steps]}
+    return out
+
+
+def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
+    """Per contender in milliseconds: the median wall time with its quartiles, the median CPU time."""
+    out = {}
+    for name, t in times.items():
+        ms = sorted(x * 1e3 for x in t["wall"])
+        q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+        out[name] = {"median_ms": round(statistics.median(ms), 3), "p25_ms": round(q[0], 3),
+                     "p75_ms": round(q[2], 3), "cpu_median_ms": round(statistics.median(t["cpu"]) * 1e3, 3),
+                     "steps": len(ms)}
+    return out
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+# ---------------------------------------------------------------- results
+
+
+def environment() -> dict:
+    """The machine and settings a result was measured under."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "backend": "gloo",
+        "threads_per_process": THREADS_PER_PROCESS,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(results: dict, markdown: str, folder: Path, name: str = "latest") -> tuple[Path, Path]:
+    """Write ``NAME.json`` and ``NAME.md`` into ``folder``; return their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    md_path.write_text(markdown.rstrip() + "\n")
+    return json_path, md_path

@@ -1,0 +1,237 @@
+"""Tensor-parallel training step time at tp=2: fxshard's generated code, hand-written Megatron, DTensor.
+
+One step is forward, backward and an AdamW step on a fixed batch of ``benchmarks/models/gpt.py``.
+The three contenders live in the same two gloo processes (one intra-op thread each) and take turns
+step by step (:func:`benchmarks.common.interleave`):
+
+- ``fxshard``: the model file compiled with ``fxshard.compiler.compile(path, Layout(tp=2))``; each rank
+  imports its generated file, builds ``RankModule(groups, device)`` and loads its weight shard, as
+  ``fxshard run`` does;
+- ``hand-written``: :class:`benchmarks.megatron_gpt.MegatronGPT`, the same split written by hand;
+- ``DTensor``: the unmodified model under ``parallelize_module`` with ``ColwiseParallel`` /
+  ``RowwiseParallel`` (torchtitan's recipe: q/k/v and fc_in column-wise, o_proj and fc_out row-wise,
+  the embedding row-wise over the vocabulary, the tied LM head column-wise with replicated logits).
+
+All start from the same weights and batch (the model file's, seed 0), so their losses must agree;
+:func:`run` reports each one's first loss and the largest difference from fxshard over every step.
+DTensor has no sharding rule for CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``)
+and its math attention mixes in a plain causal mask, so every contender runs attention with the
+math backend (same kernels for all) and DTensor runs under ``implicit_replication()``.
+After the timed rounds each contender runs one more step under
+:class:`benchmarks.comm.CollectiveCounter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.comm import CollectiveCounter, fxshard_stated, megatron_expected
+from benchmarks.common import combine_ranks, interleave, markdown_table, ratio, spawn, summarize
+
+MODEL_FILE = Path(__file__).resolve().parent / "models" / "gpt.py"
+SIZE_VARIABLE = "FXSHARD_BENCH_SIZE"
+TP = 2
+CONTENDERS = ("fxshard", "hand-written", "DTensor")
+LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
+
+
+@contextlib.contextmanager
+def model_size(size: str):
+    """Let ``benchmarks/models/gpt.py`` build the model at ``size`` (it reads :data:`SIZE_VARIABLE`)."""
+    before = os.environ.get(SIZE_VARIABLE)
+    os.environ[SIZE_VARIABLE] = size
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SIZE_VARIABLE, None)
+        else:
+            os.environ[SIZE_VARIABLE] = before
+
+
+@dataclass
+class Contender:
+    """A model ready to train: ``loss()`` runs its forward on the fixed batch, under ``context()``."""
+
+    loss: Callable[[], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    losses: list[float] = field(default_factory=list)
+
+    def step(self, phase: Callable[[str], None] = lambda name: None) -> None:
+        """One training step; ``phase(name)`` hears when forward, backward and the optimizer step begin."""
+        phase("forward")
+        with sdpa_kernel(SDPBackend.MATH), self.context():
+            loss = self.loss()
+        phase("backward")
+        loss.backward()
+        phase("optimizer")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.losses.append(float(loss.detach()))
+
+    def counted_step(self) -> dict:
+        """One step under :class:`CollectiveCounter`; the collectives of each phase."""
+        counter = CollectiveCounter()
+        with counter:
+            self.step(phase=lambda name: setattr(counter, "phase", name))
+        return counter.counts
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    from fxshard.training import OptimConfig
+
+    return OptimConfig().make(params)  # the AdamW settings `fxshard run` uses
+
+
+def fxshard_contender(out: Path, inputs: dict) -> Contender:
+    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.launch.train`` does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxshard.inputs import flatten_batch
+    from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
+    from fxshard.runtime import load_state
+
+    manifest = read_manifest(out)
+    layout = layout_of(manifest)
+    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+    entry = rank_entry(manifest, layout.coords(dist.get_rank()))
+    code = import_rank_file(out / entry["file"])
+    module = code.RankModule(groups, torch.device("cpu"))
+    load_state(module, out / entry["weights"])
+    leaves = flatten_batch(inputs, manifest["inputs"])
+    return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
+
+
+def hand_written_contender(full: torch.nn.Module, inputs: dict) -> Contender:
+    from benchmarks.megatron_gpt import MegatronGPT
+
+    model = MegatronGPT(full)
+    return Contender(lambda: model(**inputs), _optimizer(model.parameters()))
+
+
+def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
+    """``parallelize_module`` on (a copy of) the unmodified model, torchtitan style."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = copy.deepcopy(full)
+    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(len(model.blocks)):
+        # q/k/v stay DTensors: the model views them with its global head count
+        plan |= {f"blocks.{i}.attn.{p}_proj": ColwiseParallel(use_local_output=False) for p in "qkv"}
+        plan |= {f"blocks.{i}.attn.o_proj": RowwiseParallel(),
+                 f"blocks.{i}.mlp.fc_in": ColwiseParallel(),
+                 f"blocks.{i}.mlp.fc_out": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.wte.weight  # parallelizing each module separately unties them
+    return Contender(lambda: model(**inputs), _optimizer(model.parameters()), context=implicit_replication)
+
+
+def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
+    from fxshard.modelfile import load_model_file
+
+    with model_size(size):
+        full, inputs = load_model_file(MODEL_FILE).build(seed=0)  # the weights and batch fxshard compiled
+    contenders = {
+        "fxshard": fxshard_contender(Path(out), inputs),
+        "hand-written": hand_written_contender(full, inputs),
+        "DTensor": dtensor_contender(full, inputs),
+    }
+    times = interleave({name: c.step for name, c in contenders.items()}, rounds=rounds, warmup=warmup)
+    counts = {}
+    for name, c in contenders.items():
+        dist.barrier()
+        counts[name] = c.counted_step()
+    return {"times": times, "losses": {n: c.losses for n, c in contenders.items()}, "collectives": counts}
+
+
+def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
+    """Compile, time and count one model size at tp=2; the result as JSON-ready data."""
+    from benchmarks.models.gpt import SIZES
+    from fxshard.compiler import compile as compile_model
+    from fxshard.context import Layout
+    from fxshard.modelfile import load_model_file
+
+    out = workdir / f"gpt-{size}-tp{TP}"
+    with model_size(size):
+        start = time.perf_counter()
+        compiled = compile_model(MODEL_FILE, Layout(tp=TP), out=out)
+        compile_s = time.perf_counter() - start
+        params = sum(p.numel() for p in load_model_file(MODEL_FILE).build_model(0).parameters())
+    log(f"tp_step {size}: compiled in {compile_s:.1f} s; {rounds} interleaved rounds of {', '.join(CONTENDERS)}")
+    per_rank = spawn(_worker, TP, str(out), size, rounds, warmup)
+    step_ms = summarize(combine_ranks([r["times"] for r in per_rank]))
+    losses = per_rank[0]["losses"]
+    agreement = {name: {"first_loss": ls[0],
+                        "max_abs_diff_vs_fxshard": max(abs(a - b) for a, b in zip(ls, losses["fxshard"], strict=True))}
+                 for name, ls in losses.items()}
+    firsts = [a["first_loss"] for a in agreement.values()]
+    spread = max(firsts) - min(firsts)
+    for name, a in agreement.items():
+        t = step_ms[name]
+        log(f"  {name:13s} first-step loss {a['first_loss']:.7f}  median step {t['median_ms']:.1f} ms "
+            f"(CPU {t['cpu_median_ms']:.1f} ms)")
+    if spread > LOSS_TOLERANCE:
+        log(f"  WARNING: the first-step losses differ by {spread:.2e} (> {LOSS_TOLERANCE}): the contenders "
+            "do not compute the same thing")
+    ratios = {}
+    for other in CONTENDERS[1:]:
+        ratios[f"fxshard/{other}"] = ratio(step_ms["fxshard"]["median_ms"], step_ms[other]["median_ms"])
+        ratios[f"cpu fxshard/{other}"] = ratio(step_ms["fxshard"]["cpu_median_ms"], step_ms[other]["cpu_median_ms"])
+    config = SIZES[size]
+    return {
+        "model": {"size": size, "file": "benchmarks/models/gpt.py", "parameters": params, **config},
+        "tp": TP, "rounds": rounds, "warmup_rounds": warmup, "compile_s": round(compile_s, 2),
+        "step_ms": step_ms,
+        "ratios": ratios,
+        "losses": agreement, "first_loss_spread": spread, "losses_agree": spread <= LOSS_TOLERANCE,
+        "collectives": {
+            "measured": per_rank[0]["collectives"],
+            "same_on_every_rank": all(r["collectives"] == per_rank[0]["collectives"] for r in per_rank),
+            "megatron": megatron_expected(config["batch"], config["seq"], config["hidden"], config["vocab"],
+                                          config["layers"], TP),
+            "fxshard_stated": fxshard_stated(out, compiled.manifest),
+        },
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    """The step-time table: per model size, one row per contender."""
+    rows = []
+    for r in results:
+        m, q = r["model"], r["ratios"]
+        model = f"{m['size']}: {m['layers']}×{m['hidden']}, vocab {m['vocab']}, {m['batch']}×{m['seq']} tokens"
+        for c in CONTENDERS:
+            t, loss = r["step_ms"][c], r["losses"][c]
+            rows.append([
+                model if c == CONTENDERS[0] else "", c,
+                f"{t['median_ms']:.1f} ({t['p25_ms']:.0f}–{t['p75_ms']:.0f})", f"{t['cpu_median_ms']:.1f}",
+                "—" if c == "fxshard" else f"**{q['fxshard/' + c]:.3f}**",
+                "—" if c == "fxshard" else f"{q['cpu fxshard/' + c]:.3f}",
+                f"{loss['first_loss']:.7f}", f"{loss['max_abs_diff_vs_fxshard']:.1e}",
+            ])
+    header = ["model", "contender", "step ms, median (p25–p75)", "CPU ms per step, both ranks",
+              "fxshard ÷ this, step time", "fxshard ÷ this, CPU", "first-step loss",
+              "largest loss difference from fxshard, all steps"]
+    first = results[0]
+    return ("Step = forward + backward + AdamW at tp=2: 2 gloo processes with one intra-op thread each, "
+            f"{first['rounds']} interleaved rounds after {first['warmup_rounds']} warm-up rounds; attention on "
+            "the math SDPA backend for all three (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ "
+            "hand-written ≤ 1.05, fxshard ÷ DTensor ≤ 0.5.\n\n" + markdown_table(header, rows))

@@ -1,0 +1,238 @@
+"""``fxshard plan``: what a layout costs per rank, as sympy expressions in the batch ``B`` and sequence ``S``.
+
+Nothing is written: the model is compiled in memory, and every tensor's shape is made symbolic by
+capturing the model a second time at another size (twice the microbatch, 3/4 of the sequence) and
+fitting each dimension to ``c * b**i * S**j`` (``b`` the microbatch rows, ``i`` in 0..1, ``j`` in 0..2).
+A dimension that fits no such term (or several) stays a number.  ``b`` is then written in terms of
+the global batch per step: ``b = B / (dp * microbatches)``.
+
+Per pipeline rank (tp ranks hold equal shares) it reports bytes of parameters, gradients and
+optimizer state (the ZeRO formulas of :mod:`fxshard.memory`), the activations of one microbatch
+(every forward intermediate: an upper bound of what autograd saves), and the communication of one
+step on each mesh axis; and the schedule's bubble fraction::
+
+    report = plan_costs("samples/gpt.py", Layout(tp=2, pp=2))
+    report.ranks[0]["tp_allreduce"].expr        # 36*B*S*... elements
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from fxshard.context import Layout, spec
+from fxshard.memory import formula
+from fxshard.placement import local_shape
+
+B, S = sympy.symbols("B S", positive=True, integer=True)
+_b = sympy.Symbol("b", positive=True, integer=True)  # microbatch rows, replaced by B / (dp * M)
+
+
+@dataclass(frozen=True)
+class Cost:
+    expr: sympy.Expr
+    at: dict  # {B: value, S: value}
+
+    @property
+    def value(self) -> float:
+        return float(self.expr.subs(self.at))
+
+    def to_json(self) -> dict:
+        return {"expr": str(self.expr), "value": self.value}
+
+
+@dataclass
+class CostReport:
+    layout: Layout
+    at: dict
+    ranks: list[dict] = field(default_factory=list)  # per pp rank: name -> Cost, plus "pp_rank", "global_ranks"
+    bubble: Cost | None = None
+    bubble_formula: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        def conv(v):
+            return v.to_json() if isinstance(v, Cost) else v
+
+        return {"layout": self.layout.describe(), "symbols": {"B": "examples per step (all dp ranks)",
+                                                               "S": "sequence length"},
+                "at": {str(k): v for k, v in self.at.items()},
+                "ranks": [{k: conv(v) for k, v in r.items()} for r in self.ranks],
+                "bubble": conv(self.bubble) if self.bubble else None, "bubble_formula": self.bubble_formula,
+                "notes": self.notes}
+
+
+def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
+    """Idle fraction of a pp rank: (p-1)/(m+p-1); interleaving divides the warm-up by the stages per rank."""
+    p, m, v = layout.pp, layout.microbatches or 1, layout.stages_per_rank
+    if p == 1:
+        return sympy.Integer(0), "0 (no pipeline)"
+    if v == 1:
+        return sympy.Rational(p - 1, m + p - 1), "(p-1)/(m+p-1)"
+    return sympy.Rational(p - 1, v * m + p - 1), "(p-1)/(v*m+p-1)"
+
+
+def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None, seed: int = 0,
+               batch: int | None = None, seq: int | None = None) -> CostReport:
+    """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's)."""
+    from fxshard.compiler import compile_program
+    from fxshard.modelfile import load_model_file
+
+    mf = load_model_file(model_file)
+    result = compile_program(mf, layout, plan, seed)
+    ctx, gm = result.ctx, result.gm
+    layout = ctx.layout
+    micro = [i for i in ctx.program.inputs if i.is_tensor]
+    b = micro[0].shape[0] if micro else 1
+    s = next((i.shape[1] for i in micro if len(i.shape) >= 2), None)
+    sym, notes = _symbolic_shapes(mf, layout, seed, gm, b, s)
+    per_step_b = layout.dp * ctx.microbatches
+    at = {B: batch if batch is not None else b * per_step_b, S: seq if seq is not None else (s or 1)}
+    report = CostReport(layout, at, notes=notes)
+    for pp_rank in range(layout.pp):
+        report.ranks.append(_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b))
+    expr, text = bubble_fraction(layout)
+    report.bubble, report.bubble_formula = Cost(expr, at), text
+    return report
+
+
+def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
+    """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture."""
+    from fxshard.compiler import _capture
+
+    inputs = mf.build_inputs(seed)
+    s2 = (s * 3 // 4 if s % 4 == 0 else s - 1) if s and s > 2 else s
+
+    def resize(v):
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v
+        v = v[:b]
+        if s2 is not None and v.dim() >= 2 and v.shape[1] == s:
+            v = v[:, :s2]
+        return torch.cat([v, v])
+
+    notes = []
+    try:
+        second = _capture(mf, layout, seed, pytree.tree_map(resize, inputs)).gm
+    except Exception as e:  # a model that only runs at its example size: costs stay numbers
+        notes.append(f"shapes stay numeric: the model does not capture at another size ({type(e).__name__})")
+        second = None
+    other = {n.name: n.meta.get("val") for n in second.graph.nodes} if second is not None else {}
+    out, unfitted = {}, 0
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        val2 = other.get(node.name)
+        if not isinstance(val2, torch.Tensor) or val2.dim() != val.dim():
+            val2 = _source_val(node, other)
+        if val2 is None:
+            out[node.name] = tuple(sympy.Integer(d) for d in val.shape)
+            unfitted += 1
+            continue
+        out[node.name] = tuple(_fit(d1, d2, b, s or 1, 2 * b, s2 or 1) for d1, d2 in zip(val.shape, val2.shape,
+                                                                                         strict=True))
+    if unfitted and second is not None:
+        notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
+    return out, notes
+
+
+def _source_val(node: fx.Node, other: dict):
+    """An inserted node (collective) has its source value's shape."""
+    for a in node.all_input_nodes:
+        v = other.get(a.name)
+        if isinstance(v, torch.Tensor) and isinstance(node.meta.get("val"), torch.Tensor) and \
+                v.dim() == node.meta["val"].dim():
+            return v
+    return None
+
+
+def _fit(d1: int, d2: int, b: int, s: int, b2: int, s2: int) -> sympy.Expr:
+    fits = []
+    for i in (0, 1):
+        for j in (0, 1, 2):
+            den = b**i * s**j
+            if d1 % den == 0 and (d1 // den) * b2**i * s2**j == d2:
+                fits.append(sympy.Integer(d1 // den) * _b**i * S**j)
+    return fits[0] if len(fits) == 1 else sympy.Integer(d1)
+
+
+def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> dict:
+    from fxshard.passes.checks import local_value_shapes
+
+    layout = ctx.layout
+    coords = {"dp": 0, "pp": pp_rank, "tp": 0}
+    local = local_value_shapes(gm, ctx, coords)
+    if ctx.pipeline is not None:
+        stages = [ctx.pipeline.stages[i] for i in layout.stages_of(pp_rank)]
+        nodes = [n for st in stages for n in st.nodes]
+        state = [n for st in stages for n in st.state]
+    else:
+        stages = []
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        state = [n for n in gm.graph.nodes if n.op == "placeholder" and n in ctx.params]
+    micro = sympy.Rational(1, 1) * B / per_step_b
+
+    def numel(node) -> sympy.Expr:  # local elements of one microbatch
+        g = tuple(node.meta["val"].shape)
+        mine = local.get(node) or local_shape(g, spec(node).placement, layout.tp)
+        dims = [expr * sympy.Rational(n, d) if d else expr for expr, n, d in zip(sym[node.name], mine, g, strict=True)]
+        return sympy.expand(math.prod(dims, start=sympy.Integer(1)).subs(_b, micro))
+
+    def nbytes(node) -> sympy.Expr:
+        return numel(node) * node.meta["val"].element_size()
+
+    tensors = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n in local]
+    psi = sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
+              for n in state if n in ctx.params)
+    m = ctx.microbatches
+    fwd_ar = sum((numel(n) for n in tensors if spec(n).collective == "all_reduce"), sympy.Integer(0))
+    bwd_ar = sum((numel(n) for n in tensors if spec(n).collective == "copy_to"), sympy.Integer(0))
+    gathers = sum((numel(n) for n in tensors if spec(n).collective in ("all_gather", "scatter")), sympy.Integer(0))
+    row = {"pp_rank": pp_rank,
+           "global_ranks": [r for r in range(layout.world_size) if layout.coords(r)["pp"] == pp_rank],
+           "psi": Cost(sympy.Integer(psi), at)}
+    mem = formula(layout.zero, layout.dp, layout.mixed, psi)
+    for key in ("params", "grads", "optimizer"):
+        row[key] = Cost(sympy.nsimplify(mem[key]), at)
+    row["activations"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
+    # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
+    # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
+    row["tp_allreduce"] = Cost(sympy.expand((fwd_ar + bwd_ar) * m) if layout.tp > 1 else sympy.Integer(0), at)
+    row["tp_allgather"] = Cost(sympy.expand(gathers * m) if layout.tp > 1 else sympy.Integer(0), at)
+    row["pp_send"] = Cost(_pipeline_elements(stages, numel, ctx, m, layout), at)
+    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi)), at)
+    return row
+
+
+def _pipeline_elements(stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr:
+    """Elements this rank sends per step: activations forward and their gradients backward, per boundary."""
+    if ctx.pipeline is None:
+        return sympy.Integer(0)
+    total = sympy.Integer(0)
+    for st in stages:
+        if st.index < layout.num_stages - 1:  # forward: every output; backward: gradients of the received inputs
+            total += sum((numel(n) for n in st.outputs), sympy.Integer(0))
+        if st.index > 0:
+            total += sum((numel(n) for n in st.inputs if n in ctx.pipeline.requires_grad), sympy.Integer(0))
+    return sympy.expand(total * m)
+
+
+def _dp_bytes(layout: Layout, psi: int) -> float:
+    """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass)."""
+    n = layout.dp
+    if n == 1:
+        return 0
+    ring = (n - 1) / n
+    low = 2 if layout.mixed else 4
+    if layout.zero <= 1:  # all-reduce of the gradients (2 passes); ZeRO 1 also broadcasts updated parameters
+        return 2 * ring * low * psi + (ring * low * psi if layout.zero == 1 else 0)
+    gather = ring * low * psi  # all-gather of the parameters (compute dtype)
+    reduce = ring * 4 * psi if layout.mixed else ring * low * psi  # reduce-scatter of gradients (fp32 under bf16)
+    return reduce + gather * (1 if layout.zero == 2 else 2)

@@ -1,0 +1,135 @@
+"""Bytes of model state each rank actually holds, next to the ZeRO formulas (``fxshard run --memory-report``).
+
+Measured by walking the tensors a rank holds (unique storages, so views into DDP buckets or FSDP2
+all-gather buffers count once):
+
+- **params**: the module's parameters as held between forward and backward — the dp shard under
+  ZeRO 3, the gathered parameters plus the shard under ZeRO 2 (FSDP2 keeps both), bf16 parameters
+  under mixed precision at ZeRO 0/1;
+- **gathered**: the most parameter bytes held at once *during* a forward (ZeRO 3 gathers them before
+  use: a transient, not in the formulas);
+- **grads**: gradients after backward (DDP's buckets, FSDP2's reduce-scattered shards);
+- **optimizer**: Adam moments and fp32 master weights after the step (only the rank's share at ZeRO ≥ 1).
+
+The formulas (Adam, Ψ parameters on this rank before dp sharding, N dp ranks), bytes per Ψ::
+
+    zero  fp32 params/grads/optimizer       mixed (bf16 + fp32 masters)
+    0     4     4     8        = 16         2     2     12       = 16
+    1     4     4     8/N                   2     2     12/N
+    2     4     4/N   8/N                   2     2/N   12/N
+    3     4/N   4/N   8/N      = 16/N       2/N   2/N   12/N     = 16/N
+
+FSDP2 at ZeRO 2 keeps the fp32 shard next to the gathered parameters, and its gradient shards are
+fp32 under mixed precision: 4Ψ/N (fp32) or 2Ψ/N (mixed) above the formula, reported as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FORMULAS = {  # (zero, mixed) -> bytes per parameter as (replicated, divided by N) per category
+    (0, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (8, 0)},
+    (1, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (0, 8)},
+    (2, False): {"params": (4, 0), "grads": (0, 4), "optimizer": (0, 8)},
+    (3, False): {"params": (0, 4), "grads": (0, 4), "optimizer": (0, 8)},
+    (0, True): {"params": (2, 0), "grads": (2, 0), "optimizer": (12, 0)},
+    (1, True): {"params": (2, 0), "grads": (2, 0), "optimizer": (0, 12)},
+    (2, True): {"params": (2, 0), "grads": (0, 2), "optimizer": (0, 12)},
+    (3, True): {"params": (0, 2), "grads": (0, 2), "optimizer": (0, 12)},
+}
+FSDP2_ZERO2_EXTRA = {False: 4, True: 2}  # bytes per Ψ/N FSDP2 holds beyond the ZeRO-2 formula (see above)
+
+
+def formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
+    """Bytes per category (and ``total``) the ZeRO paper's formula gives for ``psi`` parameters."""
+    zero = zero if dp > 1 else 0
+    out = {k: psi * (rep + per / dp) for k, (rep, per) in FORMULAS[(zero, mixed)].items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def formula_text(zero: int, dp: int, mixed: bool) -> str:
+    zero = zero if dp > 1 else 0
+    rep = sum(r for r, _ in FORMULAS[(zero, mixed)].values())
+    per = sum(p for _, p in FORMULAS[(zero, mixed)].values())
+    return " + ".join(t for t in (f"{rep}Ψ" if rep else "", f"{per}Ψ/N" if per else "") if t)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and aliases count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard
+        s = t.untyped_storage()
+        if s.data_ptr() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def held_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The registered parameters, plus FSDP2's shards while the gathered parameters are registered."""
+    tensors = list(module.parameters())
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state else None
+    for fp in getattr(group, "fsdp_params", ()):
+        tensors.append(fp._sharded_param_data)
+        tensors.append(getattr(fp, "_unsharded_param", None))
+    return tensors
+
+
+def optimizer_tensors(opt) -> list[torch.Tensor]:
+    if hasattr(opt, "state_tensors"):  # fxshard's MasterWeightAdamW
+        return opt.state_tensors()
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer holds its rank's optimizer
+    return [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class MemoryProbe:
+    """Samples a rank's model-state bytes at the points where each category peaks."""
+
+    modules: list[torch.nn.Module]
+    sample: dict[str, int] = field(default_factory=lambda: {"params": 0, "gathered": 0, "grads": 0, "optimizer": 0})
+
+    def __post_init__(self):
+        for m in self.modules:  # registered after FSDP2's hooks: pre sees the gathered, post the resharded state
+            m.register_forward_pre_hook(lambda *_: self._note("gathered", self._params()))
+            m.register_forward_hook(lambda *_: self._note("params", self._params()))
+
+    def _params(self) -> int:
+        return storage_bytes(t for m in self.modules for t in held_parameters(m))
+
+    def _note(self, key: str, value: int) -> None:
+        self.sample[key] = max(self.sample[key], value)
+
+    def after_backward(self, params) -> None:
+        self._note("params", self._params())
+        self._note("grads", storage_bytes(p.grad for p in params))
+
+    def after_step(self, opt) -> None:
+        self._note("optimizer", storage_bytes(optimizer_tensors(opt)))
+        self._note("gathered", self.sample["params"])
+
+
+def report_rows(samples: list[dict], layout) -> list[dict]:
+    """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision."""
+    rows = []
+    zero = layout.zero if layout.dp > 1 else 0
+    for rank, m in enumerate(samples):
+        want = formula(zero, layout.dp, layout.mixed, m["psi"])
+        total = m["params"] + m["grads"] + m["optimizer"]
+        note = ""
+        if zero == 2:
+            extra = FSDP2_ZERO2_EXTRA[layout.mixed] * m["psi"] / layout.dp
+            note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.memory"
+        rows.append({"rank": rank, "coords": layout.coords(rank), "psi": m["psi"], "params": m["params"],
+                     "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
+                     "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
+                     "ratio": total / want["total"], "note": note})
+    return rows

@@ -1,0 +1,128 @@
+"""``fxshard verify``: train distributed and on one device from the same weights and batches, and compare.
+
+The distributed run is the real thing — the compiled rank files launched as local gloo processes,
+exactly as ``fxshard run`` does — and every rank writes its trained tensors; their slices are
+reassembled by the manifest's slice records into full tensors and compared with the single-device
+model trained by :func:`fxshard.reference.reference_losses`::
+
+    result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
+    assert result.ok, result.summary()
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from fxshard.compiler import compile as compile_model
+from fxshard.context import Layout
+from fxshard.errors import FxshardError
+from fxshard.modelfile import load_model_file
+from fxshard.output import rank_entry
+from fxshard.placement import SliceSpec, assemble
+from fxshard.reference import reference_losses
+from fxshard.training import OptimConfig
+
+DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
+# Parameters, per tensor ||distributed - single|| / ||single||.  Looser than the losses on purpose: Adam
+# divides each gradient element by its running RMS, so an element whose gradient is at rounding-noise
+# level moves by up to lr in either direction whatever the layout (at step 1 the update is lr * sign(g)).
+# Such elements (e.g. key biases, whose gradient is 0 up to rounding) leave up to ~1e-3 relative
+# differences in their tensors while the losses agree to 1e-7.
+DEFAULT_PARAM_RTOL = {"fp32": 1e-2, "bf16": 1e-1}
+
+
+@dataclass
+class Verification:
+    layout: Layout
+    reference: list[float]
+    distributed: list[float]
+    params: list[dict] = field(default_factory=list)  # {fqn, shape, max_abs, rel} per parameter
+    rtol: float = 1e-5  # losses, relative
+    param_rtol: float = 1e-3  # parameters, relative norm of the difference per tensor
+
+    @property
+    def loss_abs(self) -> float:
+        return max(abs(a - b) for a, b in zip(self.distributed, self.reference, strict=True))
+
+    @property
+    def loss_rel(self) -> float:
+        return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(self.distributed, self.reference, strict=True))
+
+    @property
+    def param_abs(self) -> float:
+        return max(p["max_abs"] for p in self.params)
+
+    @property
+    def param_rel(self) -> float:
+        return max(p["rel"] for p in self.params)
+
+    @property
+    def worst(self) -> dict:
+        return max(self.params, key=lambda p: p["rel"])
+
+    @property
+    def ok(self) -> bool:
+        return self.loss_rel <= self.rtol and self.param_rel <= self.param_rtol
+
+    def summary(self) -> str:
+        return (f"{self.layout.describe()}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
+                f"parameters max abs {self.param_abs:.3e} rel {self.param_rel:.3e} ({self.worst['fqn']}); "
+                f"tolerance: losses {self.rtol:g}, parameters {self.param_rtol:g} relative: "
+                f"{'OK' if self.ok else 'FAILED'}")
+
+
+def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
+           plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
+           out: str | Path | None = None, timeout_s: float = 300.0) -> Verification:
+    """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
+
+    Losses must agree within ``rtol`` (relative); each parameter tensor within ``param_rtol``
+    (norm of the difference over the norm of the single-device tensor; see DEFAULT_PARAM_RTOL)."""
+    from fxshard.launch import launch_local, run_args
+
+    with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
+        out = Path(out) if out is not None else Path(tmp) / "out"
+        result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
+        metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        launch_local(out, run_args(out, steps, optim, metrics, timeout_s, final_state=final), layout.world_size)
+        distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        trained = gather_parameters(result.manifest, layout, final)
+    ref_state: dict = {}
+    reference = reference_losses(load_model_file(model_file), steps, optim, seed, layout.dtype, final_state=ref_state)
+    rows = []
+    for fqn, got in sorted(trained.items()):
+        want = ref_state[fqn].float()
+        delta = got.float() - want
+        rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
+                     "rel": delta.norm().item() / max(want.norm().item(), 1e-30)})
+    if len(distributed) != steps:
+        raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
+    return Verification(result.ctx.layout, reference, distributed, rows,
+                        rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
+                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])
+
+
+def gather_parameters(manifest: dict, layout: Layout, folder: Path) -> dict[str, torch.Tensor]:
+    """Full trained parameters by source FQN, from the dp-rank-0 slices every (pp, tp) rank wrote."""
+    pieces: dict[str, dict[str, tuple]] = {}
+    shapes: dict[str, list[int]] = {}
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        if coords["dp"] != 0:  # dp replicas hold the same values (ZeRO 2/3 shards are gathered on save)
+            continue
+        entry = rank_entry(manifest, coords)
+        state = load_file(str(folder / f"rank{rank}.safetensors"))
+        for key, t in entry["tensors"].items():
+            if t["kind"] != "parameter":
+                continue
+            # copies of a tied weight in several stages are identical (tested); one per slice suffices
+            pieces.setdefault(t["source"], {})[json.dumps(t["slice"])] = (SliceSpec(**t["slice"]), state[key])
+            shapes[t["source"]] = t["global_shape"]
+    return {fqn: assemble(list(by_slice.values()), shapes[fqn]) for fqn, by_slice in pieces.items()}

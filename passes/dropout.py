@@ -1,0 +1,130 @@
+"""Give every dropout the mask it has in single-device training, under any layout.
+
+Torch's dropout draws from a per-device generator, so its mask would change with the tensor-parallel
+slice, the pipeline stage, the dp rank and the microbatch.  This pass numbers the training-mode
+``aten.dropout`` calls in graph order (= call order in the forward: their ``site``) and rewrites each
+into ``rt.dropout(x, p, site=k, shard=...)``, whose mask is a hash of the seed, the batch number, the
+site, the sample's row in the whole batch and the element's index in the *unsharded* tensor
+(``fxshard/runtime/random.py``).  ``shard`` tells a tp rank which slice of the global tensor it holds,
+so every rank computes exactly the decisions of its own elements::
+
+    dropout_2 = rt.dropout(view_7, 0.1, site=2, shard=(1, 0, 2))  # S(1)  mask as on one device
+
+Runs after the collectives pass (placements are final) and before the pipeline cut.  Refused, with
+the module named: dropout inside ``scaled_dot_product_attention`` (the fused kernel draws its own
+mask), the channel-wise and alpha variants, and — when the batch is split over dp ranks or
+microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard.capture import node_fqn
+from fxshard.context import CompileContext, RankValue, spec
+from fxshard.errors import RandomnessError
+from fxshard.placement import Shard
+from fxshard.runtime import random as rt_random
+
+aten = torch.ops.aten
+
+_DROPOUT = {aten.dropout.default: False, aten.dropout_.default: True}  # op -> in place
+_VARIANTS = {  # op -> what the user wrote
+    aten.feature_dropout.default: "F.dropout1d/2d/3d (channel-wise dropout)",
+    aten.feature_dropout_.default: "F.dropout1d/2d/3d (channel-wise dropout)",
+    aten.alpha_dropout.default: "F.alpha_dropout / nn.AlphaDropout",
+    aten.alpha_dropout_.default: "F.alpha_dropout / nn.AlphaDropout",
+    aten.feature_alpha_dropout.default: "F.feature_alpha_dropout / nn.FeatureAlphaDropout",
+    aten.feature_alpha_dropout_.default: "F.feature_alpha_dropout / nn.FeatureAlphaDropout",
+    aten.native_dropout.default: "aten.native_dropout",
+}
+
+
+def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    layout = ctx.layout
+    rows = ctx.batch // layout.dp // ctx.microbatches if ctx.batch and layout.dp * ctx.microbatches > 1 else None
+    site = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        _refuse_unreproducible(node)
+        if node.target not in _DROPOUT:
+            _note_other_randomness(node, ctx)
+            continue
+        x, p, train = node.args
+        if not train:
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            continue
+        here, site = site, site + 1  # p = 0 counts too: the sites are the training-mode calls, in order
+        if p == 0:
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            continue
+        if rows is not None:
+            _check_rows(node, x, rows, ctx)
+        kwargs = {"site": here}
+        placement = spec(node).placement
+        if isinstance(placement, Shard) and layout.tp > 1:
+            blocks = (placement.blocks,) if placement.blocks > 1 else ()
+            kwargs["shard"] = RankValue("tp", tuple((placement.dim, r, layout.tp, *blocks)
+                                                    for r in range(layout.tp)))
+        if _DROPOUT[node.target]:
+            kwargs["inplace"] = True
+        node.target = rt_random.dropout
+        node.args = (x, p)
+        node.kwargs = kwargs
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _refuse_unreproducible(node: fx.Node) -> None:
+    fqn = node_fqn(node) or "model"
+    if node.target in _VARIANTS and _training_p(node) > 0:
+        raise RandomnessError(
+            f"{fqn}: {node.name} is {_VARIANTS[node.target]}, whose mask fxshard cannot make match single-device "
+            "training under a parallel layout; use nn.Dropout / F.dropout (element-wise), or p=0"
+        )
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        if p:
+            raise RandomnessError(
+                f"{fqn}: {node.name} = {node.target} applies dropout_p={p} inside the fused attention kernel, whose "
+                "mask fxshard cannot reproduce across tensor/pipeline/data-parallel ranks; for Hugging Face models "
+                "load with attn_implementation=\"eager\" (attention dropout becomes an ordinary dropout), or set the "
+                "attention dropout to 0"
+            )
+
+
+def _training_p(node: fx.Node) -> float:
+    """``p`` of a dropout-like op in training mode, 0 when it is off."""
+    p, train = (list(node.args[1:3]) + [None])[:2]
+    return float(p) if train is not False else 0.0  # native_dropout's train=None means training
+
+
+def _check_rows(node: fx.Node, x: fx.Node, rows: int, ctx: CompileContext) -> None:
+    shape = list(x.meta["val"].shape)
+    if shape and shape[0] == rows:
+        return
+    layout = ctx.layout
+    raise RandomnessError(
+        f"{node_fqn(node) or 'model'}: dropout {node.name} gets a tensor of shape {shape}; the batch is split "
+        f"over {layout.dp} dp rank(s) x {ctx.microbatches} microbatch(es) of {rows} samples, and fxshard gives "
+        f"row r of a dropout input the mask of sample r of its microbatch, so dim 0 must be the batch "
+        f"(size {rows}), found {shape[0] if shape else 'a scalar'}; make the dropout's input batch-first "
+        "(e.g. transpose around it) or run with dp = 1 and one microbatch"
+    )
+
+
+def _note_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags and node.target not in _VARIANTS:
+        note = (f"{node_fqn(node) or 'model'}: {node.target} draws from torch's generator: its values differ "
+                "between layouts and from single-device training")
+        if note not in ctx.notes:
+            ctx.notes.append(note)

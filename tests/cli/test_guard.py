@@ -1,0 +1,47 @@
+"""Tier 3: a rank file that skips a collective fails the run within the timeout, naming the rank and the
+collective, instead of hanging (``fxshard.runtime.guard``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fxshard.compiler import compile
+from fxshard.context import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+@pytest.mark.distributed
+def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp_path):
+    out = tmp_path / "out"
+    compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
+    path = out / "rank_pp0_tp1.py"
+    text = path.read_text()
+    assert text.count("all_reduce_3 = rt.all_reduce(linear_9, self.tp)") == 1
+    path.write_text(text.replace("all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9"))
+    # rank 1 now issues 17 forward all-reduces to rank 0's 18: the first 17 pair up (same shapes, wrong sums),
+    # then rank 0 waits in its 18th all-reduce while rank 1 waits in the LM head's all-gather
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "10"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert elapsed < 150, f"took {elapsed:.0f} s with a 10 s collective timeout"
+    summary = proc.stderr[proc.stderr.index("error: distributed run failed:"):]
+    # whichever rank gives up first is named with its collective, the line that issued it and its number
+    # (the other may be stopped by the launcher before its own timeout)
+    named = {
+        0: "rank 0 exited with code 2: CollectiveError: rank 0: all_reduce float32 [8, 16, 64] (rank_pp0_tp0.py:607, "
+           "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
+        1: "rank 1 exited with code 2: CollectiveError: rank 1: all_gather float32 [8, 16, 128] (rank_pp0_tp1.py:619, "
+           "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
+    }
+    assert any(text in summary for text in named.values()), summary
+    assert "`fxshard check OUT` names the line where" in summary
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,69 @@
+"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly.
+
+It runs ``python -m benchmarks.run --quick --only tp`` in-process (tiny GPT, two interleaved steps
+of each contender on 2 gloo processes) and checks the JSON it writes: its structure, that fxshard,
+the hand-written Megatron code and DTensor start from the same loss, and that the collectives
+measured for fxshard are the ones its output states.  Timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONTENDERS = ["fxshard", "hand-written", "DTensor"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    from benchmarks.run import main
+
+    out = tmp_path_factory.mktemp("bench")
+    main(["--quick", "--only", "tp", "--out", str(out)])
+    return json.loads((out / "quick.json").read_text()), (out / "quick.md").read_text()
+
+
+@pytest.mark.distributed
+def test_quick_tp_benchmark_writes_every_contender(quick):
+    results, markdown = quick
+    assert {"command", "environment", "settings", "tp_step", "elapsed_s"} <= set(results)
+    assert "pipeline" not in results
+    (tp,) = results["tp_step"]
+    assert tp["model"]["size"] == "tiny" and tp["tp"] == 2
+    assert list(tp["step_ms"]) == CONTENDERS
+    for stats in tp["step_ms"].values():
+        assert stats["steps"] == 2
+        assert stats["median_ms"] > 0 and stats["cpu_median_ms"] > 0
+    assert set(tp["ratios"]) == {"fxshard/hand-written", "fxshard/DTensor", "cpu fxshard/hand-written",
+                                 "cpu fxshard/DTensor"}
+    for name in CONTENDERS:
+        assert name in markdown
+    assert "## Collectives per step" in markdown
+
+
+@pytest.mark.distributed
+def test_contenders_start_from_the_same_loss(quick):
+    (tp,) = quick[0]["tp_step"]
+    firsts = [tp["losses"][c]["first_loss"] for c in CONTENDERS]
+    assert max(firsts) - min(firsts) <= 1e-5, firsts
+    assert tp["losses_agree"]
+
+
+@pytest.mark.distributed
+def test_measured_collectives_match_what_fxshard_states(quick):
+    (tp,) = quick[0]["tp_step"]
+    c = tp["collectives"]
+    measured = c["measured"]["fxshard"]
+    for phase in ("forward", "backward"):
+        assert measured[phase] == c["fxshard_stated"]["manifest"][phase], phase
+        assert measured[phase] == c["megatron"][phase], phase
+        assert measured[phase] == c["measured"]["hand-written"][phase], phase
+    assert "optimizer" not in measured
+    assert c["fxshard_stated"]["header"].startswith("forward ")

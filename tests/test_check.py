@@ -1,0 +1,192 @@
+"""Static checks (``fxshard.check``): generated files pass; edited, stale or mismatched files are caught
+with the rank, the file line and the collective, before anything runs.  Single process, meta tensors."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from fxshard.cli.app import app
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from fxshard.check import check_output
+from fxshard.compiler import compile
+from fxshard.context import Layout
+from fxshard.errors import CheckError, OutputFolderError
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Compile each (model, layout) once per module; tests edit copies."""
+    root = Path(__file__).resolve().parents[1]
+    cache = {}
+
+    def get(name: str, model: str, **layout):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name) / "out"
+            cache[name] = compile(root / model, Layout(**layout), out=out)
+        return cache[name]
+
+    return get
+
+
+def gpt_tp2(compiled):
+    return compiled("gpt_tp2", "samples/gpt.py", tp=2)
+
+
+def gpt_pipeline(compiled):
+    return compiled("gpt_tp2_pp2", "samples/gpt.py", tp=2, pp=2)
+
+
+def copy(result, tmp_path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(result.out, out)
+    return out
+
+
+def edit(path: Path, old: str, new: str) -> int:
+    """Replace the one occurrence of ``old``; return its line number."""
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+    return text[:text.index(old)].count("\n") + 1
+
+
+def check_error(out: Path) -> str:
+    with pytest.raises(CheckError) as info:
+        check_output(out)
+    return str(info.value)
+
+
+def test_generated_files_pass_and_compile_time_scan_agrees_with_the_meta_run(compiled):
+    for result in (gpt_tp2(compiled), gpt_pipeline(compiled)):
+        report = check_output(result.out)
+        assert report.traced and not result.checks.traced
+        traced = [(g.label, g.scope, g.forward, g.backward) for g in report.groups]
+        assert traced == [(g.label, g.scope, g.forward, g.backward) for g in result.checks.groups]
+    assert traced[:2] == [("tp group [0, 1]", "Stage0", 9, 8), ("tp group [2, 3]", "Stage1", 9, 9)]
+    assert ("tied-weight group [0, 2]", "sync_tied_grads", 0, 1) in traced
+    assert report.links == ["stage 0 -> stage 1: 2 tensors per microbatch"]
+    plain = check_output(gpt_tp2(compiled).out)
+    # 16 row-parallel all-reduces + the vocab-parallel embedding's + the LM head's all-gather; backward:
+    # one all-reduce per column-parallel input (copy_to)
+    assert [(g.label, g.forward, g.backward) for g in plain.groups] == [("tp group [0, 1]", 18, 17)]
+
+
+def test_dropped_all_reduce_names_rank_line_and_collective(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    line = edit(out / "rank_pp0_tp1.py", "all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9")
+    msg = check_error(out)
+    assert msg.startswith(f"rank_pp0_tp1.py:{line} (global rank 1): tp group [0, 1] in RankModule: "
+                          "forward collective #4 is missing: ")
+    assert f"rank_pp0_tp0.py:{line} (global rank 0) issues all_reduce float32 [8, 16, 64] " \
+           "(all_reduce_3 = rt.all_reduce(...))" in msg
+    assert "issues 17 forward collectives there, the other 18; running this would hang" in msg
+    assert msg.endswith("Recompile with `fxshard compile` instead of editing generated files.")
+
+
+def test_reordered_collectives_name_both_lines(compiled, tmp_path):
+    out = copy(compiled("branches", "tests/models/branches.py", tp=2), tmp_path)
+    path = out / "rank_pp0_tp1.py"
+    lines = path.read_text().splitlines(keepends=True)
+    first = next(i for i, x in enumerate(lines) if x.strip().startswith("linear_2 = "))
+    second = next(i for i, x in enumerate(lines) if x.strip().startswith("all_reduce_1 = rt.all_reduce("))
+    moved = lines[second - 1:second + 1]  # b_out's matmul and its all-reduce, moved before a_out's
+    path.write_text("".join(lines[:first] + moved + lines[first:second - 1] + lines[second + 1:]))
+    ref_line = next(i + 1 for i, x in enumerate(lines) if x.strip().startswith("all_reduce = rt.all_reduce("))
+    msg = check_error(out)
+    assert msg.startswith(f"rank_pp0_tp1.py:{first + 2} (global rank 1): tp group [0, 1] in RankModule: "
+                          "forward collective #1 is all_reduce float32 [4, 24] (all_reduce_1 = rt.all_reduce(...)) "
+                          f"but rank_pp0_tp0.py:{ref_line} (global rank 0) issues all_reduce float32 [4, 8] "
+                          "(all_reduce = rt.all_reduce(...)); the order differs: rank_pp0_tp0.py issues all_reduce_1 "
+                          "as #2; running this would hang"), msg
+
+
+def test_dropped_copy_to_is_caught_in_backward(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    line = edit(out / "rank_pp0_tp1.py", "copy_to_3 = rt.copy_to(layer_norm_3, self.tp)", "copy_to_3 = layer_norm_3")
+    msg = check_error(out)
+    assert re.match(rf"rank_pp0_tp1\.py:{line} \(global rank 1\): tp group \[0, 1\] in RankModule: backward "
+                    rf"collective #\d+ is missing: rank_pp0_tp0\.py:{line} \(global rank 0\) issues all_reduce "
+                    r"float32 \[8, 16, 64\] \(copy_to_3 = rt\.copy_to\(\.\.\.\)\)", msg), msg
+
+
+def test_collective_over_the_wrong_group(compiled, tmp_path):
+    out = copy(gpt_pipeline(compiled), tmp_path)
+    line = edit(out / "rank_pp1_tp1.py", "rt.all_reduce(linear_27, self.tp)", "rt.all_reduce(linear_27, self.pp)")
+    msg = check_error(out)
+    assert "2 problems:" in msg
+    assert f"rank_pp1_tp1.py:{line} (global rank 3): tp group [2, 3] in Stage1: forward collective #" in msg
+    assert f"rank_pp1_tp1.py:{line} (global rank 3): pp group [1, 3] in all stages: forward collective #1 " \
+           "all_reduce float32 [4, 16, 64]" in msg and "is not issued by rank_pp0_tp1.py (global rank 1)" in msg
+
+
+def test_rank_file_that_fails_to_run_names_its_line(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    line = edit(out / "rank_pp0_tp0.py", "aten.view.default(linear_7, [8, 16, 2, 16])",
+                "aten.view.default(linear_7, [8, 16, 4, 16])")
+    assert check_error(out).startswith(f"rank_pp0_tp0.py:{line}: RankModule fails when run on meta tensors of the "
+                                       "declared shapes: RuntimeError: shape '[8, 16, 4, 16]' is invalid")
+
+
+def test_pipeline_send_without_its_receive(compiled, tmp_path):
+    out = copy(gpt_pipeline(compiled), tmp_path)
+    line = edit(out / "rank_pp1_tp0.py", "INPUTS = (('add_8', (4, 16, 64), torch.float32, True)",
+                "INPUTS = (('add_8', (4, 16, 64), torch.float32, False)")
+    msg = check_error(out)
+    sent = next(i + 1 for i, x in enumerate((out / "rank_pp0_tp0.py").read_text().splitlines())
+                if x.strip().startswith("OUTPUTS ="))
+    assert msg.startswith(f"rank_pp0_tp0.py:{sent}: Stage0 sends tensor #1 as float32 [4, 16, 64] (with gradient) "
+                          f"but rank_pp1_tp0.py:{line}: Stage1 receives float32 [4, 16, 64]; a send without its "
+                          "matching receive hangs"), msg
+
+
+def test_stale_rank_file_from_another_compile(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    shutil.copyfile(gpt_pipeline(compiled).out / "rank_pp0_tp1.py", out / "rank_pp0_tp1.py")
+    msg = check_error(out)
+    assert msg.startswith("2 problems:")
+    assert "rank_pp0_tp1.py:4: compiled for tp=2 pp=2 dp=1, but manifest.json is for tp=2 pp=1 dp=1: " \
+           "a rank file left from another compile" in msg
+    assert "rank_pp0_tp1.py: defines no class RankModule, which the manifest lists for it" in msg
+
+
+def test_manifest_layout_that_does_not_match_its_files(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["layout"]["dp"] = 2
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    msg = check_error(out)
+    assert "manifest.json: mesh shape [1, 1, 2] but the layout tp=2 pp=1 dp=2 zero=0 needs [2, 1, 2]" in msg
+    assert "rank_pp0_tp0.py runs on global rank 0, but pp=0 tp=0 of a world of 4 is global ranks 0, 2" in msg
+    (out / "rank_pp0_tp1.py").unlink()
+    with pytest.raises(OutputFolderError, match="rank_pp0_tp1.py listed in the manifest is missing"):
+        check_output(out)
+
+
+def test_weight_shard_that_does_not_match_the_code(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    path = out / "weights" / "rank_pp0_tp1.safetensors"
+    tensors = load_file(str(path))
+    tensors["blocks_0_mlp_fc_in_weight"] = tensors["blocks_0_mlp_fc_in_weight"][:64].clone()
+    save_file(tensors, str(path))
+    assert check_error(out).startswith("rank_pp0_tp1.py: creates blocks_0_mlp_fc_in_weight with shape [128, 64], but "
+                                       "weights/rank_pp0_tp1.safetensors has [64, 64]")
+
+
+def test_cli_check_prints_the_groups_and_exits_2_on_a_mismatch(compiled, tmp_path):
+    runner = CliRunner()
+    ok = runner.invoke(app, ["check", str(gpt_pipeline(compiled).out)])
+    assert ok.exit_code == 0, ok.output
+    assert "tp group [2, 3]" in ok.output and "pipeline stage 0 -> stage 1" in ok.output
+    assert "OK: 4 rank file(s) agree on the collectives of every tp, pp, tied-weight group" in ok.output
+    out = copy(gpt_tp2(compiled), tmp_path)
+    edit(out / "rank_pp0_tp1.py", "all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9")
+    bad = runner.invoke(app, ["check", str(out)])
+    assert bad.exit_code == 2
+    assert "error: rank_pp0_tp1.py:" in bad.stderr and "running this would hang" in bad.stderr
+    assert "Traceback" not in bad.stderr

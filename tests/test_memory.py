@@ -1,0 +1,100 @@
+"""Bytes of model state each rank holds under every ZeRO stage and precision, against the ZeRO formulas.
+
+Every (precision, stage) of samples/gpt.py at dp=2 is compiled and trained for one step on real gloo
+processes; ``fxshard.launch.train(memory=...)`` walks the tensors each rank actually holds.  Each
+category must equal the formula up to the replicated remainder: Adam's per-tensor step counters,
+FSDP2's shard padding, and at ZeRO 1 the imbalance of assigning whole tensors to ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import spawn
+
+from fxshard.compiler import compile as compile_model
+from fxshard.context import Layout
+from fxshard.memory import FSDP2_ZERO2_EXTRA, formula, formula_text, report_rows
+from fxshard.modelfile import load_model_file
+from fxshard.reference import reference_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = ROOT / "samples" / "gpt.py"
+CASES = [(dtype, zero) for dtype in ("fp32", "bf16") for zero in (0, 1, 2, 3)]
+
+
+def test_formulas_are_the_zero_papers():
+    psi, n = 1000, 4
+    assert formula(0, n, False, psi)["total"] == 16 * psi
+    assert formula(1, n, False, psi)["total"] == 8 * psi + 8 * psi / n
+    assert formula(2, n, False, psi)["total"] == 4 * psi + 12 * psi / n
+    assert formula(3, n, False, psi)["total"] == 16 * psi / n
+    assert formula(0, n, True, psi)["total"] == 16 * psi
+    assert formula(1, n, True, psi)["total"] == 4 * psi + 12 * psi / n
+    assert formula(2, n, True, psi)["total"] == 2 * psi + 14 * psi / n
+    assert formula(3, n, True, psi)["total"] == 16 * psi / n
+    assert formula_text(2, n, True) == "2Ψ + 14Ψ/N"
+    assert formula(3, 1, True, psi)["total"] == 16 * psi  # dp=1: nothing to shard over
+
+
+def _measure(rank: int, world: int, outs: dict[str, str]):
+    from fxshard.launch import train
+
+    found = {}
+    for name, out in outs.items():
+        memory: dict = {}
+        train(Path(out), 1, log=lambda *_: None, memory=memory)
+        found[name] = memory
+    return found
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    outs, layouts, params = {}, {}, None
+    for dtype, zero in CASES:
+        name = f"{dtype}-zero{zero}"
+        layouts[name] = Layout(dp=2, zero=zero, dtype=dtype)
+        result = compile_model(GPT, layouts[name], out=tmp_path_factory.mktemp(name))
+        outs[name] = str(result.out)
+        params = [t for t in result.manifest["ranks"][0]["tensors"].values() if t["kind"] == "parameter"]
+    per_rank = spawn(_measure, 2, outs, timeout=600)
+    return {name: report_rows([r[name] for r in per_rank], layouts[name]) for name in outs}, params
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype,zero", CASES)
+def test_measured_bytes_match_the_zero_formula(measured, dtype, zero):
+    rows, params = measured
+    n_tensors = len(params)
+    largest = max(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1) for t in params)
+    mixed = dtype == "bf16"
+    for row in rows[f"{dtype}-zero{zero}"]:
+        psi, want = row["psi"], dict(row["formula"])
+        assert psi == sum(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1) for t in params)
+        # Adam's step counter (one float per tensor); at ZeRO 1 whole tensors go to one rank
+        slack = 8 * n_tensors + ((4 if mixed else 0) + 8) * largest * (zero == 1)
+        if zero == 2:  # FSDP2 holds the fp32 shard next to the gathered parameters (fp32) / fp32 grad shards (bf16)
+            want["total"] += FSDP2_ZERO2_EXTRA[mixed] * psi / 2
+            if not mixed:
+                want["params"] += FSDP2_ZERO2_EXTRA[mixed] * psi / 2
+        assert abs(row["total"] - want["total"]) <= slack, (
+            f"{dtype} zero {zero} rank {row['rank']}: measured {row['total']} bytes, formula {want['total']:.0f}")
+        # per category too, except where FSDP2's fp32 shards are both the parameters and the master weights
+        if not (mixed and zero >= 2):
+            for key in ("params", "grads", "optimizer"):
+                assert abs(row[key] - want[key]) <= (slack if key == "optimizer" else 0), (
+                    f"{dtype} zero {zero} rank {row['rank']} {key}: measured {row[key]} bytes, "
+                    f"formula {want[key]:.0f}")
+        assert row["gathered"] >= row["params"]
+        if zero == 3:  # the whole (flat) module is gathered at once during forward: a known limit, reported
+            assert row["gathered"] >= (2 if mixed else 4) * psi
+
+
+def test_bf16_training_follows_fp32_and_is_not_fp32():
+    mf = load_model_file(GPT)
+    fp32 = reference_losses(mf, 3)
+    bf16 = reference_losses(mf, 3, dtype="bf16")
+    assert fp32 != bf16
+    for a, b in zip(fp32, bf16, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a)

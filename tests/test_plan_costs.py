@@ -1,0 +1,79 @@
+"""``fxshard plan``: symbolic costs against the known formulas on a GPT configuration (samples/gpt.py:
+8 layers, hidden H = 64, vocabulary V = 256, example batch 8 x sequence 16)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import sympy
+
+from fxshard.context import Layout
+from fxshard.costs import B, S, plan_costs
+from fxshard.memory import formula
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = ROOT / "samples" / "gpt.py"
+L, H, V = 8, 64, 256
+
+
+def test_tensor_parallel_traffic_is_four_all_reduces_of_bsh_per_layer():
+    report = plan_costs(GPT, Layout(tp=2))
+    (rank,) = report.ranks
+    # per layer: forward all-reduce after attention and after the MLP (row-parallel outputs), backward
+    # all-reduce of the gradient entering q/k/v and the MLP (column-parallel inputs): 4 x B*S*H.
+    # Plus the vocab-parallel embedding's forward all-reduce and the lm_head input's backward all-reduce.
+    assert sympy.simplify(rank["tp_allreduce"].expr - (4 * L + 2) * B * S * H) == 0
+    assert sympy.simplify(rank["tp_allgather"].expr - B * S * V) == 0  # logits gathered for the loss
+    assert rank["tp_allreduce"].value == (4 * L + 2) * 8 * 16 * H  # evaluated at the example's B, S
+
+
+def test_pipeline_traffic_is_bsh_per_boundary_and_direction():
+    report = plan_costs(GPT, Layout(pp=2, microbatches=4))
+    first, last = report.ranks
+    # forward: each microbatch's hidden state (B/M*S*H, M times) and the int targets passed to the loss
+    assert sympy.simplify(first["pp_send"].expr - (B * S * H + B * S)) == 0
+    assert sympy.simplify(last["pp_send"].expr - B * S * H) == 0  # backward: the hidden state's gradient
+    assert first["tp_allreduce"].expr == 0
+
+
+def test_zero_model_state_bytes_follow_the_formulas():
+    for dtype in ("fp32", "bf16"):
+        for zero in (0, 1, 2, 3):
+            report = plan_costs(GPT, Layout(dp=4, zero=zero, dtype=dtype))
+            (rank,) = report.ranks
+            psi = int(rank["psi"].value)
+            total = rank["params"].value + rank["grads"].value + rank["optimizer"].value
+            assert total == formula(zero, 4, dtype == "bf16", psi)["total"]
+            assert total == {0: 16 * psi, 1: (8 + 8 / 4) * psi if dtype == "fp32" else (4 + 12 / 4) * psi,
+                             2: (4 + 12 / 4) * psi if dtype == "fp32" else (2 + 14 / 4) * psi,
+                             3: 16 * psi / 4}[zero]
+
+
+def test_bubble_fraction_and_evaluation_at_other_sizes():
+    report = plan_costs(GPT, Layout(pp=4, microbatches=8), batch=64, seq=2048)
+    assert report.bubble.expr == sympy.Rational(3, 11)  # (p-1)/(m+p-1)
+    assert report.at == {B: 64, S: 2048}
+    assert report.ranks[3]["pp_send"].value == 64 * 2048 * H
+    interleaved = plan_costs(GPT, Layout(pp=2, schedule="interleaved-1f1b", microbatches=4))
+    assert interleaved.bubble.expr == sympy.Rational(1, 2 * 4 + 1)  # (p-1)/(v*m+p-1), v = 2
+
+
+def test_activations_grow_with_batch_and_sequence():
+    (rank,) = plan_costs(GPT, Layout(tp=2)).ranks
+    expr = rank["activations"].expr
+    assert expr.coeff(B * S) > 0  # every hidden state is B x S x (H or 4H or V/tp)
+
+
+def test_plan_command_prints_tables_and_json():
+    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2", "--pp", "2",
+                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert [r["pp_rank"] for r in data["ranks"]] == [0, 1]
+    assert data["ranks"][0]["tp_allreduce"]["expr"] and data["bubble"]["expr"] == "1/3"
+    table = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2"],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "tp all-reduce elements per step" in table.stdout and "B*S" in table.stdout
