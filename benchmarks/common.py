@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import platform
-import socket
 import statistics
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from fxshard.testing import spawn as _spawn
 
 THREADS_PER_PROCESS = 1
 
@@ -36,47 +32,12 @@ THREADS_PER_PROCESS = 1
 # ---------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, folder: str, fn, args) -> None:
-    torch.set_num_threads(THREADS_PER_PROCESS)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        try:
-            result = ("ok", fn(rank, world, *args))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # the parent reports the rank's traceback
-        result = ("error", traceback.format_exc())
-    (Path(folder) / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-
-
 def spawn(fn: Callable, world: int, *args, timeout: float = 600.0) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes on a gloo group; their results by rank.
 
     Each process uses :data:`THREADS_PER_PROCESS` intra-op threads, so every contender gets the same
     compute.  A failing rank raises here with its traceback; a run over ``timeout`` is killed."""
-    with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), folder, fn, args), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{fn.__name__} on {world} processes did not finish in {timeout:.0f} s")
-        results = []
-        for rank in range(world):
-            status, value = pickle.loads((Path(folder) / f"rank{rank}.pkl").read_bytes())
-            if status != "ok":
-                raise RuntimeError(f"benchmark rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+    return _spawn(fn, world, *args, timeout=timeout, threads=THREADS_PER_PROCESS)
 
 
 # ---------------------------------------------------------------- timing

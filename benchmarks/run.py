@@ -4,7 +4,7 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives) or pipeline
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline or memory
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import comm, pipeline_idle, tp_step  # noqa: E402
+from benchmarks import comm, memory, pipeline_idle, tp_step  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline")
+PARTS = ("tp", "pipeline", "memory")
 
 
 def plan(quick: bool) -> dict:
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                      settings["pipeline_warmup"])
                                    for pp, m in settings["pipelines"]]
             sections += ["## Pipeline idle fraction", pipeline_idle.markdown(results["pipeline"])]
+        if "memory" in parts:
+            results["memory"] = memory.run(2 if args.quick else 4, Path(work))
+            sections += ["## Memory per rank under each ZeRO stage", memory.markdown(results["memory"])]
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
     env = results["environment"]
     head = (f"`{command}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "

@@ -15,7 +15,7 @@ from harness import spawn
 
 from fxshard.compiler import compile as compile_model
 from fxshard.context import Layout
-from fxshard.memory import FSDP2_ZERO2_EXTRA, formula, formula_text, report_rows
+from fxshard.memory import FSDP2_ZERO2_EXTRA, formula, formula_text, measure_on_rank, report_rows
 from fxshard.modelfile import load_model_file
 from fxshard.reference import reference_losses
 
@@ -38,17 +38,6 @@ def test_formulas_are_the_zero_papers():
     assert formula(3, 1, True, psi)["total"] == 16 * psi  # dp=1: nothing to shard over
 
 
-def _measure(rank: int, world: int, outs: dict[str, str]):
-    from fxshard.launch import train
-
-    found = {}
-    for name, out in outs.items():
-        memory: dict = {}
-        train(Path(out), 1, log=lambda *_: None, memory=memory)
-        found[name] = memory
-    return found
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     outs, layouts, params = {}, {}, None
@@ -58,7 +47,7 @@ def measured(tmp_path_factory):
         result = compile_model(GPT, layouts[name], out=tmp_path_factory.mktemp(name))
         outs[name] = str(result.out)
         params = [t for t in result.manifest["ranks"][0]["tensors"].values() if t["kind"] == "parameter"]
-    per_rank = spawn(_measure, 2, outs, timeout=600)
+    per_rank = spawn(measure_on_rank, 2, outs, timeout=600)
     return {name: report_rows([r[name] for r in per_rank], layouts[name]) for name in outs}, params
 
 
