@@ -4,7 +4,7 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline or memory
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic or memory
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import comm, memory, pipeline_idle, tp_step  # noqa: E402
+from benchmarks import comm, comm_axes, memory, pipeline_idle, tp_step  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline", "memory")
+PARTS = ("tp", "pipeline", "traffic", "memory")
 
 
 def plan(quick: bool) -> dict:
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                      settings["pipeline_warmup"])
                                    for pp, m in settings["pipelines"]]
             sections += ["## Pipeline idle fraction", pipeline_idle.markdown(results["pipeline"])]
+        if "traffic" in parts:
+            results["traffic"] = comm_axes.run(Path(work))
+            sections += ["## Pipeline and data-parallel traffic per step", comm_axes.markdown(results["traffic"])]
         if "memory" in parts:
             results["memory"] = memory.run(2 if args.quick else 4, Path(work))
             sections += ["## Memory per rank under each ZeRO stage", memory.markdown(results["memory"])]
