@@ -94,7 +94,8 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         inputs = [n for n in placeholders if n.name not in state]
         cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
                                     "parameters at their per-rank shapes, straight-line forward.",
-                                    [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None)
+                                    [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None,
+                                    set(out_node.all_input_nodes))
         cls.forward_lines += ["", f"return {_arg(out_node.args[0], names, coords)}"]
         classes.append(cls)
         attrs.update(a)
@@ -110,7 +111,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
                    f"one microbatch per call.")
             start = len(collectives)
             cls, names, a = _class_code(name, doc, comments, st.nodes, st.state, st.inputs, st.recomputed, ctx,
-                                        coords, collectives, s)
+                                        coords, collectives, s, set(st.outputs))
             cls.attributes = [f"INPUTS = {_meta_tuple(in_meta)}", f"OUTPUTS = {_meta_tuple(out_meta)}"]
             outs = [names[n] for n in st.outputs]
             if s == S - 1:
@@ -201,7 +202,24 @@ def _coords_text(coords: dict[str, int], layout) -> str:
     return text
 
 
-def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx, coords, collectives, stage):
+def _dead_after(nodes: list[fx.Node], inputs: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """For each node, the local values whose last use it is: the forward drops them right there, as
+    torch.fx's own code does, so an intermediate autograd does not keep lives no longer than needed."""
+    local = set(inputs) | set(nodes)
+    last: dict[fx.Node, fx.Node] = {v: v for v in nodes}  # a value nothing reads dies where it is made
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a in local:
+                last[a] = node
+    dead: dict[fx.Node, list[fx.Node]] = {}
+    for v in list(inputs) + list(nodes):
+        if v in last and v not in keep:
+            dead.setdefault(last[v], []).append(v)
+    return dead
+
+
+def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx, coords, collectives, stage,
+                keep: set[fx.Node]):
     program = ctx.program
     state = program.state_by_name()
     tp = ctx.layout.tp
@@ -219,6 +237,7 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         names[node] = node.name
     lines: list[str] = []
     group_key = None
+    dead = _dead_after(nodes, inputs, keep)
     for node in nodes:
         again = node in recomputed
         key = (spec(node).fqn, spec(node).role, again)
@@ -229,6 +248,8 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
             lines.append(_group_comment(node, ctx) + ("  (recomputed here, not received)" if again else ""))
         names[node] = node.name
         line = f"{node.name} = {_call(node, names, coords)}"
+        if node in dead:
+            line += ";  " + " = ".join(names[v] for v in dead[node]) + " = None"
         note = _note(node, tp)
         lines.append(f"{line}  # {note}" if note else line)
         target = getattr(node.target, "__name__", "")
