@@ -4,7 +4,8 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic or memory
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory, or compile
+                                          # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import comm, comm_axes, memory, pipeline_idle, tp_step  # noqa: E402
+from benchmarks import comm, comm_axes, compile_scaling, memory, pipeline_idle, tp_step  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline", "traffic", "memory")
+PARTS = ("tp", "pipeline", "traffic", "memory", "compile")
 
 
 def plan(quick: bool) -> dict:
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
         if "memory" in parts:
             results["memory"] = memory.run(2 if args.quick else 4, Path(work))
             sections += ["## Memory per rank under each ZeRO stage", memory.markdown(results["memory"])]
+        if "compile" in parts:  # a fresh process per layer count: its peak RSS is its own
+            results["compile"] = compile_scaling.run(Path(work), args.quick)
+            sections += ["## Compile time and memory (70B-shaped Llama on meta, tp=8 pp=4)",
+                         compile_scaling.markdown(results["compile"])]
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
     env = results["environment"]
     head = (f"`{command}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "

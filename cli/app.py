@@ -18,7 +18,10 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def _fail(e: Exception) -> None:
-    err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escape: messages quote tracebacks and log lines whose [brackets] are not rich markup
+    err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -44,6 +47,11 @@ def compile(
     plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
     seed: int = typer.Option(0, "--seed", help="seed for make_model() and make_inputs()"),
+    weights: Path = typer.Option(None, "--weights",
+                                 help="Hugging Face model folder (config.json + safetensors): capture on meta "
+                                      "tensors, validate the folder, each rank reads only its slices at run time"),
+    meta: bool = typer.Option(False, "--meta", help="capture on meta tensors and write no weights (code and "
+                                                    "manifest only; implied by --weights)"),
 ):
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
@@ -60,7 +68,7 @@ def compile(
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
             user_plan = dict(user_plan or {}, split_before=cuts)
         with console.status(f"compiling {model} ({layout.describe()})"):
-            result = compile_(model, layout, out=out, plan=user_plan, seed=seed)
+            result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta)
     except FxshardError as e:
         _fail(e)
     compile_report(console, result)
@@ -157,6 +165,11 @@ def run(
                                             "optimizer state next to the ZeRO formula"),
     final_state: Path = typer.Option(None, "--final-state", hidden=True,
                                      help="write each rank's trained tensors to DIR/rank<R>.safetensors"),
+    checkpoint: Path = typer.Option(None, "--checkpoint",
+                                    help="checkpoint folder: saves go to DIR/step-<N>, DIR/latest names the newest"),
+    save_every: int = typer.Option(0, "--save-every", help="save a checkpoint every K steps (with --checkpoint)"),
+    resume: bool = typer.Option(False, "--resume",
+                                help="continue from DIR/latest (saved under any layout); --steps counts from step 0"),
 ):
     """Train: launch every rank locally, or run as one rank when started by torchrun."""
     from fxshard.launch import launch_local, run_args, run_rank, under_torchrun
@@ -165,6 +178,7 @@ def run(
 
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
+        ckpt = _checkpoint_config(checkpoint, save_every, resume)
         if under_torchrun():
             from fxshard.cli.report import memory_table
 
@@ -173,15 +187,44 @@ def run(
             with recorded():  # the launcher's summary then names this rank's error
                 run_rank(out, steps, optim, metrics, timeout,
                          memory_report=(lambda rows: memory_table(console, rows)) if memory_report else None,
-                         final_state=final_state)
+                         final_state=final_state, checkpoint=ckpt)
             return
         manifest = read_manifest(out)
         world = layout_of(manifest).world_size
         console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
-        argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state)
+        argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state, checkpoint=ckpt)
         launch_local(out, argv, world)
     except FxshardError as e:
         _fail(e)
+
+
+def _checkpoint_config(folder: Path | None, save_every: int, resume: bool):
+    from fxshard.checkpoint import CheckpointConfig, CheckpointError
+
+    if folder is None:
+        if save_every or resume:
+            raise CheckpointError("--save-every and --resume need --checkpoint DIR")
+        return None
+    if save_every < 0:
+        raise CheckpointError(f"--save-every {save_every}: expected a positive number of steps")
+    return CheckpointConfig(folder, save_every, resume)
+
+
+@app.command()
+def export(
+    checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
+    hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model folder here"),
+    model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
+):
+    """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
+    transformers' from_pretrained loads."""
+    from fxshard.export import export_hf
+
+    try:
+        path = export_hf(checkpoint, hf, model)
+    except FxshardError as e:
+        _fail(e)
+    console.print(f"exported {path} to {hf}")
 
 
 @app.command()

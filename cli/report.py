@@ -183,7 +183,7 @@ _PLAN_ROWS = [  # key, label, unit
     ("psi", "parameters Ψ (this rank, before dp sharding)", "count"),
     ("params", "parameter bytes", "bytes"),
     ("grads", "gradient bytes", "bytes"),
-    ("optimizer", "optimizer state bytes (Adam; fp32 masters)", "bytes"),
+    ("optimizer", "optimizer state bytes (Adam moments; + fp32 masters under bf16)", "bytes"),
     ("activations", "activation bytes per microbatch (all forward values)", "bytes"),
     ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
     ("tp_allgather", "tp all-gather elements per step", "count"),

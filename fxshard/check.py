@@ -105,6 +105,8 @@ def _weight_shapes(out: Path, manifest: dict) -> dict[str, dict[str, tuple]]:
     for entry in manifest["ranks"]:
         with safe_open(str(out / entry["weights"]), framework="pt") as f:
             shapes[entry["weights"]] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        # --weights DIR / a meta compile: the rest is read from the checkpoint folder at run time
+        shapes[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}
     return shapes
 
 

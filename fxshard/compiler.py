@@ -27,7 +27,7 @@ from fxshard.check import COMPILER_BUG, CheckReport, check_program
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
 from fxshard.errors import LayoutError, OutputFolderError, PlanError
-from fxshard.modelfile import ModelFile, load_model_file
+from fxshard.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
@@ -36,6 +36,7 @@ from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.pipeline import choose_microbatches, label_markers
 from fxshard.placement import SliceSpec, local_shape, take
 from fxshard.plan import resolve
+from fxshard.weights import checkpoint_source, external_weights, shard_metadata
 
 PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
 from fxshard.output import FORMAT, MANIFEST  # noqa: E402
@@ -122,8 +123,10 @@ def _split_plan(plan: dict | None) -> tuple[dict | None, list[str]]:
 
 
 def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: dict | None = None,
-                    seed: int = 0, program: Program | None = None) -> CompiledProgram:
-    """Capture and transform; returns the per-rank graph and context without writing files."""
+                    seed: int = 0, program: Program | None = None, meta: bool = False) -> CompiledProgram:
+    """Capture and transform; returns the per-rank graph and context without writing files.
+
+    ``meta=True`` builds and captures the model with its parameters on the meta device."""
     check_layout(layout)
     plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
@@ -143,7 +146,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
-        program = _capture(mf, layout, seed, inputs)
+        program = _capture(mf, layout, seed, inputs, meta)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -173,21 +176,27 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     return CompiledProgram(None, ctx, gm)
 
 
-def _capture(mf: ModelFile, layout: Layout, seed: int, inputs) -> Program:
+def _capture(mf: ModelFile, layout: Layout, seed: int, inputs, meta: bool = False) -> Program:
     """Capture at the compute dtype.  Under ``--dtype bf16`` the parameters (not the buffers: rotary
     tables, masks keep their dtype) and floating inputs are cast before capture, so every dtype
     conversion in the graph is the one the model makes in bf16; the weights written are the fp32
     initial values, the master weights the optimizer starts from."""
-    if not layout.mixed:
+    if not layout.mixed and not meta:
         return capture(mf, seed, inputs=inputs)
-    model = mf.build_model(seed)
-    masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-    cast_parameters(model, layout.compute_dtype)
-    inputs = cast_inputs(inputs, layout.compute_dtype)
+    model = mf.build_model(seed, meta=meta)
+    # on meta, buffers and inputs join the parameters there (a plain model mixes them: logits and targets);
+    # the buffers' real values are what the program keeps
+    real = buffers_to_meta(model) if meta else {}
+    inputs = to_meta(inputs) if meta else inputs
+    masters = {}
+    if layout.mixed:
+        masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+        cast_parameters(model, layout.compute_dtype)
+        inputs = cast_inputs(inputs, layout.compute_dtype)
     program = capture(mf, seed, model=model, inputs=inputs)
     for fqn in program.tensors:
-        if fqn in masters:
-            program.tensors[fqn] = masters[fqn]
+        if fqn in masters or fqn in real:
+            program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]
     return program
 
 
@@ -205,12 +214,22 @@ def cast_inputs(inputs, dtype: torch.dtype):
 
 
 def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
-            seed: int = 0) -> CompiledProgram:
-    """Compile ``model_file`` for ``layout``; write rank files, manifest and weights to ``out`` if given."""
+            seed: int = 0, weights: str | Path | None = None, meta: bool = False) -> CompiledProgram:
+    """Compile ``model_file`` for ``layout``; write rank files, manifest and weights to ``out`` if given.
+
+    ``weights``: a Hugging Face folder; the model is captured on meta tensors, the folder validated,
+    and each rank reads its slices from it at run time (no parameter shards are written).
+    ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize."""
     mf = load_model_file(model_file)
-    result = compile_program(mf, layout, plan, seed)
+    meta = meta or weights is not None
+    result = compile_program(mf, layout, plan, seed, meta=meta)
+    source = checkpoint_source(weights, result.ctx.program) if weights is not None else None
     result.sources, result.manifest, shards = _generate(result, mf, seed)
+    if meta:
+        external_weights(result.manifest, shards, source)
     weights = {name: {k: tuple(t.shape) for k, t in tensors.items()} for name, tensors in shards.items()}
+    for entry in result.manifest["ranks"]:  # tensors read from the checkpoint at run time
+        weights[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}
     result.checks = check_program(result.sources, result.manifest, weights, run=False, fix=COMPILER_BUG)
     if out is not None:
         write_output(Path(out), result, mf, shards)
@@ -320,7 +339,7 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
     for name, text in result.sources.items():
         (out / name).write_text(text)
     for name, tensors in shards.items():
-        save_file(tensors, str(out / name))
+        save_file(tensors, str(out / name), metadata=shard_metadata(result.manifest, name))
     shutil.copyfile(mf.path, out / "model.py")
     (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
     result.out = out

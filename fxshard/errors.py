@@ -46,3 +46,7 @@ class RandomnessError(FxshardError):
 def divisors(n: int) -> list[int]:
     """Divisors of ``n`` in increasing order, for 'use tp in {...}' hints."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class WeightsError(FxshardError):
+    """A Hugging Face weights folder (``--weights DIR``) does not hold what the model needs."""

@@ -70,8 +70,8 @@ def _free_port() -> int:
 
 
 def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
-             memory_report: bool = False, final_state: Path | None = None) -> list[str]:
-    """The ``fxshard run`` arguments each launched rank receives."""
+             memory_report: bool = False, final_state: Path | None = None, checkpoint=None) -> list[str]:
+    """The ``fxshard run`` arguments each launched rank receives (``checkpoint``: a CheckpointConfig)."""
     argv = ["run", str(out), "--steps", str(steps), "--lr", repr(optim.lr), "--beta1", repr(optim.beta1),
             "--beta2", repr(optim.beta2), "--eps", repr(optim.eps), "--weight-decay", repr(optim.weight_decay),
             "--timeout", repr(timeout_s), "--grad-accum", str(optim.grad_accum)]
@@ -83,11 +83,14 @@ def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = N
         argv += ["--memory-report"]
     if final_state:
         argv += ["--final-state", str(final_state)]
+    if checkpoint is not None:
+        argv += ["--checkpoint", str(checkpoint.folder), "--save-every", str(checkpoint.save_every)]
+        argv += ["--resume"] if checkpoint.resume else []
     return argv
 
 
 def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
-             log=print, memory_report=None, final_state: Path | None = None) -> list[float]:
+             log=print, memory_report=None, final_state: Path | None = None, checkpoint=None) -> list[float]:
     """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses.
 
     With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.memory.report_rows` of
@@ -106,7 +109,8 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
     try:
         memory = {} if memory_report is not None else None
         state = {} if final_state is not None else None
-        losses = train(out, steps, optim, metrics, device, log, memory=memory, final_state=state)
+        losses = train(out, steps, optim, metrics, device, log, memory=memory, final_state=state,
+                       checkpoint=checkpoint)
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -126,13 +130,15 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
-          memory: dict | None = None) -> list[float]:
+          memory: dict | None = None, checkpoint=None) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
     weights file (``attr``, or ``StageN.attr`` under pipeline parallelism).  With ``memory`` (a dict),
     it is filled with the bytes of model state this rank held (see :mod:`fxshard.memory`) and ``psi``,
-    its parameter count before dp sharding."""
+    its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.checkpoint.CheckpointConfig`)
+    it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
+    layout) at its step: only steps after it run, and their losses are returned."""
     out = Path(out)
     device = device or torch.device("cpu")
     manifest = read_manifest(out)
@@ -153,9 +159,10 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     batches = mf.batches(steps * accum, manifest["seed"])
     dp_mesh = mesh["dp"]
     masters: dict[int, torch.Tensor] = {}
+    reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
         module = code.RankModule(groups, device)
-        runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters)
+        runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters, reader, entry)
         params = list(runner.parameters())
         step_fn = _plain_step(runner)
         held = {"": module}
@@ -163,9 +170,14 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     else:
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
-                                                  dp_mesh, masters)
+                                                  dp_mesh, masters, reader)
     opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
                          masters=[masters[id(p)] for p in params] if masters else None)
+    masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
+    if reader is not None:
+        from fxshard.checkpoint import load_optimizer
+
+        load_optimizer(reader, opt, held, entry, groups["dp"])
     probe = MemoryProbe(list(held.values())) if memory is not None else None
     dp_rank, dp = coords["dp"], layout.dp
     weighted = _norm_weights(held, entry, manifest, layout)
@@ -173,7 +185,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     losses = []
     sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
     try:
-        for step in range(1, steps + 1):
+        for step in range(1 + (reader.step if reader else 0), steps + 1):
             set_context(step, f"training step {step}")
             start = time.perf_counter()
             value = 0.0
@@ -204,6 +216,13 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
                 if sink:
                     sink.write(json.dumps({"step": step, "loss": value}) + "\n")
                     sink.flush()
+            if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
+                from fxshard.checkpoint import save_checkpoint
+
+                saved = save_checkpoint(checkpoint.folder, step, out, held, entry, opt, manifest, coords,
+                                        groups["dp"], optim)
+                if saved is not None:
+                    log(f"saved checkpoint {saved}")
     finally:
         if sink:
             sink.close()
@@ -218,7 +237,22 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     return losses
 
 
-def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict) -> torch.nn.Module:
+def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
+    """The checkpoint to resume from (checked against the compiled model), or None."""
+    if checkpoint is None or not checkpoint.resume:
+        return None
+    from fxshard.checkpoint import CheckpointError, CheckpointReader
+
+    reader = CheckpointReader(checkpoint.folder)
+    reader.check_model(manifest, out)
+    if reader.step >= steps:
+        raise CheckpointError(f"{reader.path} is at step {reader.step}; --steps {steps} leaves nothing to run "
+                              f"(--steps counts from the start: pass more than {reader.step})")
+    return reader
+
+
+def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
+             entry: dict | None = None) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
@@ -227,6 +261,10 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if layout.mixed:
         promote(module)
     load_state(module, weights, prefix=prefix)
+    if reader is not None:  # --resume: the trained values (fp32 masters under bf16) replace the compiled ones
+        from fxshard.checkpoint import load_parameters
+
+        load_parameters(reader, module, entry, prefix)
     if layout.mixed and not (layout.dp > 1 and layout.zero >= 2):
         params = list(module.parameters())
         masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
@@ -301,7 +339,7 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
 
 
 def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
-              masters: dict):
+              masters: dict, reader=None):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated
@@ -312,7 +350,7 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     for st in entry["stages"]:
         module = getattr(code, st["class"])(groups, device)
         runners[st["index"]] = _prepare(code, module, out / entry["weights"], st["class"] + ".", layout, dp_mesh,
-                                        masters)
+                                        masters, reader, entry)
         modules[st["index"]] = module
     stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
               for s, m in sorted(modules.items())]

@@ -25,6 +25,7 @@ fp32 under mixed precision: 4Ψ/N (fp32) or 2Ψ/N (mixed) above the formula, rep
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 import torch
@@ -95,7 +96,8 @@ class MemoryProbe:
     """Samples a rank's model-state bytes at the points where each category peaks."""
 
     modules: list[torch.nn.Module]
-    sample: dict[str, int] = field(default_factory=lambda: {"params": 0, "gathered": 0, "grads": 0, "optimizer": 0})
+    sample: dict[str, int] = field(default_factory=lambda: {"params": 0, "gathered": 0, "grads": 0, "optimizer": 0,
+                                                            "live": 0})
 
     def __post_init__(self):
         for m in self.modules:  # registered after FSDP2's hooks: pre sees the gathered, post the resharded state
@@ -115,6 +117,10 @@ class MemoryProbe:
     def after_step(self, opt) -> None:
         self._note("optimizer", storage_bytes(optimizer_tensors(opt)))
         self._note("gathered", self.sample["params"])
+        # every tensor storage alive in the process, whoever holds it: catches state kept outside the
+        # module and optimizer (the categories above only look where state is supposed to be)
+        gc.collect()  # what an earlier run in this process left in reference cycles is not this run's
+        self._note("live", storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor)))
 
 
 def report_rows(samples: list[dict], layout) -> list[dict]:
@@ -130,6 +136,7 @@ def report_rows(samples: list[dict], layout) -> list[dict]:
             note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.memory"
         rows.append({"rank": rank, "coords": layout.coords(rank), "psi": m["psi"], "params": m["params"],
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
+                     "live": m["live"],
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
                      "ratio": total / want["total"], "note": note})
     return rows

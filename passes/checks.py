@@ -22,64 +22,93 @@ from fxshard.runtime import collectives as rtc
 
 def local_value_shapes(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int]) -> dict[fx.Node, tuple]:
     """Run the rank graph on fake tensors; return each tensor node's local shape."""
+    env = _run_fake(gm, ctx, coords, FakeTensorMode(allow_non_fake_inputs=True))
+    return {node: tuple(v.shape) for node, v in env.items() if isinstance(v, torch.Tensor)}
+
+
+def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], mode: FakeTensorMode,
+              base: dict[fx.Node, object] | None = None) -> dict[fx.Node, object]:
+    """Each node's fake value at ``coords``.  With ``base`` (the values at another tp coordinate, same
+    ``mode``), a node is re-run only when an argument depends on the rank (a ``RankValue``) or an input
+    came out different from ``base``: fake values are shapes, dtypes and strides, so every other node
+    gives the same result.  This keeps the check of all tp ranks close to the cost of one."""
     tp = ctx.layout.tp
     env: dict[fx.Node, object] = {}
-    shapes: dict[fx.Node, tuple] = {}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    changed: set[fx.Node] = set()
 
     def value(a):
         if isinstance(a, fx.Node):
             return env[a]
         if isinstance(a, RankValue):
             return a.at(coords)
+        if isinstance(a, torch.device):  # generated code runs on self.device; a meta capture names "meta"
+            return torch.device("cpu")
         return a
 
     with mode:
         for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                val = node.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    env[node] = torch.empty(local_shape(tuple(val.shape), spec(node).placement, tp), dtype=val.dtype)
-                else:
-                    env[node] = val
-                continue
             if node.op == "output":
                 continue
-            args = fx.node.map_arg(node.args, value)
-            kwargs = fx.node.map_arg(node.kwargs, value)
-            args = torch.utils._pytree.tree_map(value, args)
-            kwargs = torch.utils._pytree.tree_map(value, kwargs)
-            if node.target is operator.getitem:
-                env[node] = args[0][args[1]]
-            elif node.target in (rtc.all_reduce, rtc.copy_to):
-                env[node] = args[0].clone()
-            elif node.target is rtc.all_gather:
-                x = args[0]
-                size = list(x.shape)
-                size[kwargs["dim"]] *= tp
-                env[node] = torch.empty(size, dtype=x.dtype)
-            elif node.target is rtc.scatter:
-                env[node] = rtc.shard(args[0], kwargs["dim"], kwargs["index"], kwargs["parts"], kwargs["blocks"])
-            else:
-                args = tuple(a for a in args if not isinstance(a, Group))
-                try:
-                    env[node] = node.target(*args, **kwargs)
-                except Exception as e:
-                    raise ShardingError(
-                        f"{spec(node).fqn or 'model'}: {node.name} ({node.target}) fails on the per-rank shapes "
-                        f"at {coords}: {type(e).__name__}: {str(e).splitlines()[0]}"
-                    ) from e
-            out = env[node]
-            if isinstance(out, torch.Tensor):
-                shapes[node] = tuple(out.shape)
-    return shapes
+            if base is not None and node.op != "placeholder" and not _depends_on_rank(node, changed):
+                env[node] = base[node]
+                continue
+            env[node] = _fake_value(node, value, coords, tp)
+            if base is not None and not _same_fake(env[node], base[node]):
+                changed.add(node)
+    return env
+
+
+def _depends_on_rank(node: fx.Node, changed: set[fx.Node]) -> bool:
+    leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    return any(isinstance(a, RankValue) or (isinstance(a, fx.Node) and a in changed) for a in leaves)
+
+
+def _same_fake(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_fake(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+
+
+def _fake_value(node: fx.Node, value, coords: dict[str, int], tp: int):
+    if node.op == "placeholder":
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return torch.empty(local_shape(tuple(val.shape), spec(node).placement, tp), dtype=val.dtype)
+        return val
+    args = torch.utils._pytree.tree_map(value, fx.node.map_arg(node.args, value))
+    kwargs = torch.utils._pytree.tree_map(value, fx.node.map_arg(node.kwargs, value))
+    if node.target is operator.getitem:
+        return args[0][args[1]]
+    if node.target in (rtc.all_reduce, rtc.copy_to):
+        return args[0].clone()
+    if node.target is rtc.all_gather:
+        x = args[0]
+        size = list(x.shape)
+        size[kwargs["dim"]] *= tp
+        return torch.empty(size, dtype=x.dtype)
+    if node.target is rtc.scatter:
+        return rtc.shard(args[0], kwargs["dim"], kwargs["index"], kwargs["parts"], kwargs["blocks"])
+    args = tuple(a for a in args if not isinstance(a, Group))
+    try:
+        return node.target(*args, **kwargs)
+    except Exception as e:
+        raise ShardingError(
+            f"{spec(node).fqn or 'model'}: {node.name} ({node.target}) fails on the per-rank shapes "
+            f"at {coords}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
 
 
 def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     coords = {"dp": 0, "pp": 0, "tp": 0}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    first = None
     for tp_rank in range(ctx.layout.tp):
         coords = coords | {"tp": tp_rank}
-        shapes = local_value_shapes(gm, ctx, coords)
+        env = _run_fake(gm, ctx, coords, mode, first)
+        first = first or env
+        shapes = {node: tuple(v.shape) for node, v in env.items() if isinstance(v, torch.Tensor)}
         for node, found in shapes.items():
             val = node.meta.get("val")
             placement = spec(node).placement

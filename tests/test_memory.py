@@ -75,7 +75,11 @@ def test_measured_bytes_match_the_zero_formula(measured, dtype, zero):
                 assert abs(row[key] - want[key]) <= (slack if key == "optimizer" else 0), (
                     f"{dtype} zero {zero} rank {row['rank']} {key}: measured {row[key]} bytes, "
                     f"formula {want[key]:.0f}")
-        assert row["gathered"] >= row["params"]
+        # nothing else holds model state: all live tensor storage (after the step, before zero_grad) is the
+        # three categories plus buffers and the batches, well under a tenth of the baseline here
+        assert row["live"] - row["total"] <= 1.6 * psi, (
+            f"{dtype} zero {zero} rank {row['rank']}: {row['live'] - row['total']} bytes alive outside the "
+            "parameters, gradients and optimizer state")
         if zero == 3:  # the whole (flat) module is gathered at once during forward: a known limit, reported
             assert row["gathered"] >= (2 if mixed else 4) * psi
 

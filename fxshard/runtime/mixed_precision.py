@@ -1,5 +1,6 @@
 """Mixed precision (``--dtype bf16``): bf16 parameters, activations and gradients; fp32 master weights
-and Adam state, as in Megatron-LM and DeepSpeed.
+and Adam state.  Unlike Megatron-LM's default (fp32 ``main_grad`` buffers), gradients are accumulated
+and averaged in bf16 at ZeRO 0/1 — the 2Ψ of the ZeRO paper's mixed-precision figures.
 
 ZeRO 0/1 (DDP): the module computes with bf16 parameters and produces bf16 gradients (averaged over
 dp in bf16 buckets); :class:`MasterWeightAdamW` keeps an fp32 copy of each parameter, steps AdamW on
@@ -61,7 +62,7 @@ class MasterWeightAdamW:
         rank, world = (dist.get_rank(shard_group), dist.get_world_size(shard_group)) if shard_group else (0, 1)
         self.owner = partition([p.numel() for p in self.params], world)
         self.owned = [i for i, o in enumerate(self.owner) if o == rank]
-        self.masters = {i: masters[i] for i in self.owned}  # the others are dropped here
+        self.masters = {i: masters[i] for i in self.owned}  # the caller must drop its references to the rest
         self.optim = config.make([self.masters[i] for i in self.owned] or [torch.zeros(1, requires_grad=True)])
 
     def step(self) -> None:

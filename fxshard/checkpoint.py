@@ -1,0 +1,359 @@
+"""Training checkpoints that any layout can resume, and export to a Hugging Face folder.
+
+A checkpoint is a folder ``DIR/step-00000K/`` holding, for every source parameter (by FQN), the
+trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the tensor-parallel
+*slices* the saving layout held, dp-gathered, one safetensors file per (pp, tp) coordinate::
+
+    index.json                    step, model digest, layout, optimizer, {fqn: global shape + pieces}
+    model.py                      a copy of the model file (what `fxshard export` builds)
+    shard-pp0-tp1.safetensors     keys "fqn|kind|dim.index.parts.blocks", kind in param/exp_avg/...
+
+Loading is by slice: a rank of any layout reads the pieces of each source it holds, assembles them
+when its slice differs from the saved one (:func:`fxshard.placement.assemble`), and takes its own
+(:func:`fxshard.placement.take`); Adam state is resharded exactly like the parameter.  Under
+``--dtype bf16`` the saved value is the fp32 master weight.
+
+Why not ``torch.distributed.checkpoint``: DCP reshards only DTensor / ShardedTensor, and the packed
+q/k/v slices (``S(d)x3``) are not a DTensor placement; saving them under per-slice keys would leave
+the loader to assemble them by hand anyway, and export (no process group) would need DCP's reader
+for what is a plain set of safetensors files.  The layout above is readable with safetensors alone.
+
+A save is atomic: every rank writes into ``DIR/step-00000K.tmp-<uuid>/``; after a barrier rank 0
+writes the index, renames the folder to ``step-00000K`` and replaces ``DIR/latest`` (temp file +
+``os.replace``).  A crash anywhere before that leaves ``latest`` on the previous complete checkpoint;
+partial folders are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxshard.errors import FxshardError
+from fxshard.placement import SliceSpec, assemble, take
+
+FORMAT = "fxshard-checkpoint/1"
+LATEST = "latest"
+INDEX = "index.json"
+STATE_KINDS = ("exp_avg", "exp_avg_sq", "step")
+CRASH_ENV = "FXSHARD_TEST_CRASH_IN_SAVE"  # tests: os._exit in the middle of the save at this step
+
+
+class CheckpointError(FxshardError):
+    """A checkpoint folder is missing, damaged, or from another model."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``fxshard run --checkpoint DIR --save-every K [--resume]``."""
+
+    folder: Path
+    save_every: int = 0
+    resume: bool = False
+
+
+def _key(fqn: str, kind: str, sl: SliceSpec) -> str:
+    return f"{fqn}|{kind}|{sl.dim}.{sl.index}.{sl.parts}.{sl.blocks}"
+
+
+def _shard_name(coords: dict) -> str:
+    return f"shard-pp{coords['pp']}-tp{coords['tp']}.safetensors"
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself (it holds index.json), or ``path/latest``'s target."""
+    path = Path(path)
+    if (path / INDEX).is_file():
+        return path
+    latest = path / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {LATEST}); save one with "
+                              "`fxshard run OUT --checkpoint DIR --save-every K`")
+    target = path / latest.read_text().strip()
+    if not (target / INDEX).is_file():
+        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}: the checkpoint is damaged")
+    return target
+
+
+# ---------------------------------------------------------------- save
+
+
+def _optimizer_view(opt):
+    """``view(p) -> (value, state or None, owner dp rank or None)``: where p's trained value and Adam state live.
+
+    ``owner`` None: every dp rank holds them (replicated, or DTensor shards gathered by ``full_tensor``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from fxshard.runtime.mixed_precision import MasterWeightAdamW
+
+    if isinstance(opt, MasterWeightAdamW):
+        index = {id(p): i for i, p in enumerate(opt.params)}
+
+        def view(p):
+            i = index[id(p)]
+            m = opt.masters.get(i)
+            owner = opt.owner[i] if opt.shard_group is not None else None
+            return (p if m is None else m), (None if m is None else opt.optim.state.get(m)), owner
+        return view
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        owners = opt._param_to_rank
+        return lambda p: (p, opt.optim.state.get(p), owners[p])
+    return lambda p: (p, opt.state.get(p), None)
+
+
+def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | None:
+    """``{kind: tensor}`` of one parameter on dp rank 0 (None on the others); collective over dp."""
+    if owner is not None and dist.get_world_size(dp_group) > 1:
+        me = dist.get_rank(dp_group)
+        has = torch.tensor([0 if owner == me and not state else 1], device=p.device)
+        dist.broadcast(has, group_src=owner, group=dp_group)
+        out = {}
+        for kind in ("param",) + (STATE_KINDS if int(has) else ()):
+            if owner == me:
+                t = (value if kind == "param" else state[kind]).detach().to(p.device, torch.float32).contiguous()
+            else:
+                t = torch.empty(() if kind == "step" else p.shape, dtype=torch.float32, device=p.device)
+            dist.broadcast(t, group_src=owner, group=dp_group)
+            out[kind] = t
+        return out if me == 0 else None
+    out = {"param": value} | {k: state[k] for k in STATE_KINDS if state}
+    out = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in out.items()}
+    return out if dist.get_rank(dp_group) == 0 else None
+
+
+def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: dict, opt, manifest: dict,
+                    coords: dict, dp_group, optim_config) -> Path | None:
+    """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path."""
+    folder = Path(folder)
+    rank = dist.get_rank()
+    name = [f"step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"]
+    dist.broadcast_object_list(name, src=0)  # one temporary folder for all ranks
+    tmp = folder / name[0]
+    if rank == 0:
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    view = _optimizer_view(opt)
+    tensors = {}
+    for prefix, module in held.items():
+        for pname, p in module.named_parameters():
+            t = entry["tensors"][prefix + pname]
+            got = _gathered(p, *view(p), dp_group)
+            if got is not None:
+                sl = SliceSpec(**t["slice"])
+                tensors |= {_key(t["source"], k, sl): v.detach().cpu().contiguous() for k, v in got.items()}
+    if coords["dp"] == 0:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / _shard_name(coords)))
+        _fsync(tmp / _shard_name(coords))  # on disk before the index says the checkpoint is complete
+    if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
+        os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
+    dist.barrier()
+    if rank == 0:
+        _commit(folder, tmp, step, Path(out), manifest, optim_config)
+    dist.barrier()
+    return folder / f"step-{step:08d}" if rank == 0 else None
+
+
+def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: dict, optim_config) -> None:
+    """Rank 0, after every shard is written: index, model file, rename, then ``latest``."""
+    from dataclasses import asdict
+
+    pieces: dict[str, dict] = {}
+    for e in manifest["ranks"]:
+        for t in e["tensors"].values():
+            if t["kind"] != "parameter":
+                continue
+            rec = pieces.setdefault(t["source"], {"global_shape": t["global_shape"], "dtype": t["dtype"],
+                                                  "aliases": t.get("aliases", []), "pieces": []})
+            if all(p["slice"] != t["slice"] for p in rec["pieces"]):
+                rec["pieces"].append({"slice": t["slice"], "file": _shard_name(e["coords"])})
+    index = {"format": FORMAT, "step": step, "model_file": manifest["model_file"],
+             "model_name": manifest.get("model_name"), "model_digest": manifest.get("model_digest"),
+             "seed": manifest.get("seed", 0), "layout": manifest["layout"], "optimizer": asdict(optim_config),
+             "tensors": pieces}
+    shutil.copyfile(out / manifest["model_file"], tmp / "model.py")
+    _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
+    final = folder / f"step-{step:08d}"
+    old = None
+    if final.exists():  # saving a step again (a rerun without --resume): swap, then drop the old one
+        old = final.rename(folder / f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+    tmp.rename(final)
+    _write_atomic(folder / LATEST, final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in folder.glob("step-*.tmp-*"):  # partial saves of killed runs: never loaded, now dropped
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- load
+
+
+class CheckpointReader:
+    """Global or sliced tensors of a checkpoint, read piece by piece from its shard files::
+
+        reader = CheckpointReader("ckpt")            # follows ckpt/latest
+        w = reader.tensor("lm_head.weight")          # the full trained weight
+        m = reader.tensor("lm_head.weight", "exp_avg", SliceSpec(0, 1, 4))   # rank 1 of 4's slice
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = find_checkpoint(path)
+        try:
+            self.index = json.loads((self.path / INDEX).read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{self.path / INDEX}: not valid JSON ({e}); the checkpoint is damaged") from e
+        if self.index.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path / INDEX}: not an fxshard checkpoint of format {FORMAT}")
+        self.step = int(self.index["step"])
+        self._files: dict[str, object] = {}
+        # tied weights are saved once, under the manifest's source name; their other names lead to it
+        self.aliases = {a: fqn for fqn, rec in self.sources.items() for a in rec.get("aliases", [])}
+
+    @property
+    def sources(self) -> dict[str, dict]:
+        return self.index["tensors"]
+
+    def _open(self, name: str):
+        if name not in self._files:
+            from safetensors import safe_open
+
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: shard file missing from the checkpoint")
+            self._files[name] = safe_open(str(path), framework="pt")
+        return self._files[name]
+
+    def has_state(self, fqn: str) -> bool:
+        fqn = self.canonical(fqn)
+        piece = self._record(fqn)["pieces"][0]
+        return _key(fqn, "exp_avg", SliceSpec(**piece["slice"])) in self._open(piece["file"]).keys()
+
+    def canonical(self, fqn: str) -> str:
+        """The name ``fqn`` is saved under (itself, or the source of the tied weight it is an alias of)."""
+        return fqn if fqn in self.sources else self.aliases.get(fqn, fqn)
+
+    def _record(self, fqn: str) -> dict:
+        if fqn not in self.sources:
+            raise CheckpointError(f"{self.path / INDEX}: tensor {fqn} is missing from the checkpoint "
+                                  f"(it holds {len(self.sources)} tensors, e.g. {sorted(self.sources)[:3]})")
+        return self.sources[fqn]
+
+    def _piece(self, fqn: str, kind: str, piece: dict) -> torch.Tensor:
+        key = _key(fqn, kind, SliceSpec(**piece["slice"]))
+        f = self._open(piece["file"])
+        if key not in f.keys():
+            raise CheckpointError(f"{self.path / piece['file']}: tensor {fqn} ({kind}, key {key!r}) is missing; "
+                                  "the checkpoint is damaged — resume from an earlier one")
+        return f.get_tensor(key)
+
+    def tensor(self, fqn: str, kind: str = "param", sl: SliceSpec | None = None) -> torch.Tensor:
+        """``fqn``'s ``kind`` tensor, whole, or the part ``sl`` describes."""
+        fqn = self.canonical(fqn)
+        rec = self._record(fqn)
+        if kind == "step":
+            return self._piece(fqn, kind, rec["pieces"][0])
+        sl = sl or SliceSpec()
+        for piece in rec["pieces"]:
+            if SliceSpec(**piece["slice"]) == sl:  # the same slice as saved: read it as it is
+                return self._piece(fqn, kind, piece)
+        full = assemble([(SliceSpec(**p["slice"]), self._piece(fqn, kind, p)) for p in rec["pieces"]],
+                        rec["global_shape"])
+        return take(full, sl).contiguous()
+
+    def check_model(self, manifest: dict, out: Path) -> None:
+        """Raise unless ``manifest``'s parameters (sources and global shapes) are all in this checkpoint."""
+        want = {t["source"]: t["global_shape"] for e in manifest["ranks"] for t in e["tensors"].values()
+                if t["kind"] == "parameter"}
+        want = {self.canonical(f): shape for f, shape in want.items()}
+        missing = sorted(set(want) - set(self.sources))
+        wrong = sorted(f for f in set(want) & set(self.sources) if want[f] != self.sources[f]["global_shape"])
+        if not missing and not wrong:
+            return
+        same = manifest.get("model_digest") == self.index.get("model_digest")
+        detail = (f"tensor {missing[0]} is missing from the checkpoint" if missing else
+                  f"tensor {wrong[0]} has shape {self.sources[wrong[0]]['global_shape']} in the checkpoint, "
+                  f"{want[wrong[0]]} in the model")
+        if same:
+            raise CheckpointError(f"{self.path / INDEX}: {detail}; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{self.path}: saved from a different model ({self.index.get('model_name')}, digest "
+            f"{self.index.get('model_digest')}) than {out} compiles ({manifest.get('model_name')}, digest "
+            f"{manifest.get('model_digest')}): {detail} ({len(missing)} missing, {len(wrong)} of another shape); "
+            "resume with the model the checkpoint was trained from")
+
+
+def load_parameters(reader: CheckpointReader, module: torch.nn.Module, entry: dict, prefix: str = "") -> None:
+    """Overwrite ``module``'s parameters with this rank's slices of the checkpoint's values."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            t = entry["tensors"][prefix + name]
+            value = reader.tensor(t["source"], "param", SliceSpec(**t["slice"]))
+            if tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(f"{reader.path}: tensor {t['source']} gives this rank shape "
+                                      f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
+            p.copy_(value)
+
+
+def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: dict, dp_group) -> None:
+    """Give ``opt`` the checkpoint's Adam state of every parameter this rank (and dp rank) optimizes."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from fxshard.runtime.mixed_precision import MasterWeightAdamW
+
+    me = dist.get_rank(dp_group) if dist.get_world_size(dp_group) > 1 else 0
+    index = {id(p): i for i, p in enumerate(opt.params)} if isinstance(opt, MasterWeightAdamW) else {}
+    for prefix, module in held.items():
+        for name, p in module.named_parameters():
+            t = entry["tensors"][prefix + name]
+            if not reader.has_state(t["source"]):
+                continue
+            sl = SliceSpec(**t["slice"])
+            state = {k: reader.tensor(t["source"], k, sl) for k in STATE_KINDS}
+            if isinstance(opt, MasterWeightAdamW):
+                m = opt.masters.get(index[id(p)])
+                if m is not None:
+                    opt.optim.state[m] = _on(state, m)
+            elif isinstance(opt, ZeroRedundancyOptimizer):
+                if opt._param_to_rank[p] == me:
+                    opt.optim.state[p] = _on(state, p)
+            else:
+                opt.state[p] = _on(state, p)
+
+
+def _on(state: dict, p) -> dict:
+    """Adam state shaped like ``p``: moved to its device, or its dp shard when ``p`` is a DTensor (FSDP2)."""
+    out = {"step": state["step"].float().cpu()}
+    for k in ("exp_avg", "exp_avg_sq"):
+        v = state[k].to(p.dtype if not hasattr(p, "to_local") else p.to_local().dtype)
+        if hasattr(p, "to_local"):
+            from torch.distributed.tensor import distribute_tensor
+
+            v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            assert v.to_local().shape == p.to_local().shape, (k, v.to_local().shape, p.to_local().shape)
+        else:
+            v = v.to(p.device).clone()
+        out[k] = v
+    return out

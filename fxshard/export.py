@@ -1,0 +1,60 @@
+"""``fxshard export CKPT --hf OUT_DIR``: a checkpoint's trained weights as a Hugging Face model folder.
+
+The model is built from the checkpoint's copy of the model file (``make_model()``), every parameter is
+replaced by the checkpoint's full tensor (assembled from the saved slices, whatever the layout), and
+``save_pretrained`` writes config.json and safetensors, tied weights included::
+
+    export_hf("ckpt", "hf-out")
+    AutoModelForCausalLM.from_pretrained("hf-out")   # bit-identical to the trained weights
+
+A model that is not a Hugging Face ``PreTrainedModel`` gets ``model.safetensors`` of its state dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fxshard.checkpoint import CheckpointError, CheckpointReader
+from fxshard.modelfile import load_model_file
+
+
+def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) -> tuple[torch.nn.Module, Path]:
+    """The unmodified model with the checkpoint's trained parameters, and the checkpoint folder read."""
+    reader = CheckpointReader(checkpoint)
+    model_file = Path(model_file) if model_file is not None else reader.path / "model.py"
+    if not model_file.is_file():
+        raise CheckpointError(f"{model_file}: model file missing; pass the model with --model MODEL.py")
+    model = load_model_file(model_file).build_model(int(reader.index.get("seed", 0)))
+    # one name per tied weight; the checkpoint may hold it under another of its names (an alias)
+    params = {reader.canonical(name): p for name, p in model.named_parameters()}
+    missing = sorted(set(params) - set(reader.sources))
+    extra = sorted(set(reader.sources) - set(params))
+    if missing or extra:
+        raise CheckpointError(
+            f"{reader.path}: the checkpoint does not fit {model_file}: tensor {(missing or extra)[0]} is "
+            f"{'missing from the checkpoint' if missing else 'not a parameter of the model'} ({len(missing)} "
+            f"missing, {len(extra)} unexpected); export with the model it was trained from (--model)")
+    with torch.no_grad():
+        for name, p in params.items():
+            value = reader.tensor(name)
+            if tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(f"{reader.path}: tensor {name} has shape {tuple(value.shape)}, "
+                                      f"{model_file} expects {tuple(p.shape)}")
+            p.data = value.to(p.dtype) if value.dtype != p.dtype else value.clone()
+    return model, reader.path
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None) -> Path:
+    """Write the trained model to ``out_dir`` (Hugging Face layout); return the checkpoint folder read."""
+    model, path = trained_model(checkpoint, model_file)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(out_dir / "model.safetensors"))
+    return path

@@ -1,0 +1,181 @@
+"""Weights from a Hugging Face folder (``--weights DIR``): validated at compile time, read by slice at run time.
+
+With ``--weights`` the model is built and captured with its parameters on the meta device, so a
+70B-shaped configuration compiles in a few hundred MB.  No parameter shard is written: every rank's
+manifest entry names the checkpoint tensor and the slice it holds, and at run time the rank reads
+only that slice (:mod:`fxshard.runtime.slices`).  Everything that can be checked without reading
+tensor data is checked here, from the safetensors headers and ``config.json``::
+
+    source = checkpoint_source("ckpt/", program)   # raises WeightsError naming file and tensor
+    source.files["model.layers.0.mlp.up_proj.weight"]  # -> "/abs/ckpt/model-00001-of-00002.safetensors"
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fxshard.capture import Program
+from fxshard.errors import WeightsError
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+# configuration entries that fix tensor shapes, under the names Llama-like and GPT-2-like configs use
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner",
+              "n_positions", "max_position_embeddings", "tie_word_embeddings")
+FIX = "point --weights at the folder this model's configuration came from, or build make_model() from " \
+      "that folder's config (transformers.AutoConfig.from_pretrained(DIR))"
+
+
+@dataclass
+class CheckpointSource:
+    dir: Path
+    names: dict[str, str]  # state fqn in the program -> tensor name in the checkpoint
+    files: dict[str, str]  # checkpoint tensor name -> absolute file path
+
+    def to_json(self) -> dict:
+        return {"dir": str(self.dir), "files": dict(sorted(self.files.items()))}
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    if not folder.is_dir():
+        raise WeightsError(f"{folder}: no such folder; --weights expects a Hugging Face model folder "
+                           f"({SINGLE} or {INDEX} next to config.json)")
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index (no weight_map: {e}); re-save the checkpoint "
+                               "with save_pretrained") from e
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE
+    if not single.is_file():
+        raise WeightsError(f"{folder}: holds neither {SINGLE} nor {INDEX}; --weights expects a Hugging Face "
+                           "model folder saved with save_pretrained (safetensors)")
+    return {name: single for name in _header(single, "(any)")}
+
+
+def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
+    """Check ``folder`` holds every parameter of ``program`` with its shape; map each to its file.
+
+    Raises :class:`WeightsError` for a configuration of another model, a tensor missing from the
+    checkpoint, a shape or kind of dtype that disagrees, or a file that does not read (truncated)."""
+    folder = Path(folder).resolve()
+    files = tensor_files(folder)
+    _check_config(folder, program)
+    names = {}
+    for spec in program.state:
+        if spec.kind == "constant":
+            continue
+        name = _checkpoint_name(spec.fqn, program, files)
+        if name is None:
+            if spec.kind == "buffer":
+                continue  # not saved (rotary tables, masks): the compiled value is used
+            raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint "
+                               f"({len(files)} tensors in {_file_list(files)}); the model needs it — {FIX}")
+        names[spec.fqn] = name
+    headers: dict[Path, dict] = {}
+    for fqn, name in names.items():
+        path = files[name]
+        if path not in headers:
+            headers[path] = _header(path, name)
+        if name not in headers[path]:
+            raise WeightsError(f"{path}: the index names it for tensor {name}, but the file does not hold it; "
+                               "re-save the checkpoint")
+        shape, dtype = headers[path][name]
+        expected = program.tensors[fqn]
+        if tuple(shape) != tuple(expected.shape):
+            raise WeightsError(f"{path}: tensor {name} has shape {list(shape)}, the model (its config) expects "
+                               f"{list(expected.shape)} for {fqn}; {FIX}")
+        if _is_float(dtype) != expected.is_floating_point():
+            raise WeightsError(f"{path}: tensor {name} has dtype {dtype}, the model expects "
+                               f"{str(expected.dtype).removeprefix('torch.')} for {fqn}; {FIX}")
+    return CheckpointSource(folder, names, {names[f]: str(files[names[f]]) for f in names})
+
+
+def _checkpoint_name(fqn: str, program: Program, files: dict) -> str | None:
+    """``fqn`` or a name tied to it (a tied ``lm_head.weight`` is saved once, as the embedding)."""
+    kept = program.tied.get(fqn, fqn)
+    candidates = [fqn, kept] + sorted(a for a, k in program.tied.items() if k == kept)
+    return next((c for c in candidates if c in files), None)
+
+
+def _header(path: Path, wanted: str) -> dict[str, tuple[list[int], str]]:
+    """Tensor name -> (shape, safetensors dtype) from the file's header; reads no tensor data."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+    except FileNotFoundError as e:
+        raise WeightsError(f"{path}: missing (needed for tensor {wanted}); the checkpoint folder is incomplete") from e
+    except Exception as e:  # safetensors checks the header against the file size: a truncated file fails here
+        raise WeightsError(f"{path}: cannot read the safetensors file (needed for tensor {wanted}): "
+                           f"{type(e).__name__}: {e}; the file is truncated or damaged — copy or download it "
+                           "again") from e
+
+
+def _check_config(folder: Path, program: Program) -> None:
+    """The folder's ``config.json`` describes the same model as ``make_model()`` (Hugging Face models only)."""
+    config = getattr(program.model, "config", None)
+    path = folder / "config.json"
+    if config is None or not hasattr(config, "to_dict") or not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from e
+    model = config.to_dict()
+    for key in SHAPE_KEYS:
+        if key in saved and key in model and saved[key] != model[key]:
+            raise WeightsError(f"{path}: {key} is {saved[key]!r}, the model file's model "
+                               f"({type(program.model).__name__}) has {model[key]!r}: a checkpoint of a different "
+                               f"model; {FIX}")
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("F", "BF"))
+
+
+def _file_list(files: dict) -> str:
+    names = sorted({p.name for p in files.values()})
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def external_weights(manifest: dict, shards: dict[str, dict], source: CheckpointSource | None) -> None:
+    """Move the tensors a meta compile cannot hold out of the rank shards, into references.
+
+    Each such manifest tensor gets ``"checkpoint": {"name", "file"}`` (or ``None`` without ``--weights``:
+    the run then fails with a clear error), and the manifest a ``"weights"`` section."""
+    for entry in manifest["ranks"]:
+        tensors = shards[entry["weights"]]
+        for key, t in entry["tensors"].items():
+            name = source.names.get(t["source"]) if source is not None else None
+            if name is not None:
+                t["checkpoint"] = {"name": name, "file": source.files[name]}
+            elif tensors[key].is_meta:
+                if source is not None:
+                    raise WeightsError(f"{source.dir}: {t['kind']} {t['source']} is in no checkpoint file and "
+                                       "make_model() left it on the meta device; create it with a real value in "
+                                       "the model, or save it in the checkpoint")
+                t["checkpoint"] = None
+            else:
+                continue
+            del tensors[key]
+    manifest["weights"] = source.to_json() if source is not None else {"dir": None, "files": {}}
+
+
+def shard_metadata(manifest: dict, shard: str) -> dict[str, str] | None:
+    """The safetensors metadata of one rank shard: where its other tensors are read from at run time."""
+    if "weights" not in manifest:
+        return None
+    from fxshard.runtime.slices import KEY
+
+    if manifest["weights"]["dir"] is None:
+        return {KEY: json.dumps({"dir": None})}
+    entry = next(e for e in manifest["ranks"] if e["weights"] == shard)
+    refs = {k: dict(t["checkpoint"], slice=t["slice"]) for k, t in entry["tensors"].items() if t.get("checkpoint")}
+    return {KEY: json.dumps({"dir": manifest["weights"]["dir"], "tensors": refs}, sort_keys=True)}
