@@ -1,7 +1,9 @@
 """Compile time and memory of a 70B-shaped Llama on meta tensors, from 2 to 80 layers.
 
 Each layer count is compiled in a fresh Python process (``python -m benchmarks.compile_scaling
-LAYERS TP PP``) so its peak resident memory (``ru_maxrss``) is its own: capture with torch.export,
+LAYERS TP PP``) and its peak resident memory is read from ``VmHWM`` in ``/proc/self/status``, the
+high-water mark of this process's own address space (``ru_maxrss`` is not: Linux carries the parent's
+peak across fork and exec, so a child of the big benchmark process reported the parent's): capture with torch.export,
 the passes, code generation and the static checks, at ``tp=8 pp=4`` (``pp=2`` for 2 layers: a stage
 needs a block), with no weights (``fxshard.compile(..., meta=True)``).  Reported per layer count:
 wall seconds, peak RSS, seconds per layer, and the growth ratio ``time(80) / time(8)`` next to 10,
@@ -55,9 +57,20 @@ def measure(layers: int, tp: int, pp: int, folder: Path) -> dict:
     start = time.perf_counter()
     result = compile_model(path, Layout(tp=tp, pp=pp), out=folder / f"out{layers}", meta=True)
     seconds = time.perf_counter() - start
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+    peak_mb = _vm_hwm_kib() / 1024
     return {"layers": layers, "tp": tp, "pp": pp, "seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb),
             "rank_files": len(result.files)}
+
+
+def _vm_hwm_kib() -> int:
+    """Peak resident set of this address space, in KiB (Linux); ``ru_maxrss`` where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def run(work: Path, quick: bool = False) -> dict:

@@ -43,7 +43,7 @@ def markdown(result: dict) -> str:
     rows = [[r["dtype"], r["zero"], r["formula"], *(f"{r[k] / MIB:.2f}" for k in ("params", "grads", "optimizer",
                                                                                   "total", "formula_total")),
              f"**{r['ratio']:.3f}**", f"{r['gathered'] / MIB:.2f}"] for r in result["rows"]]
-    notes = sorted({r["note"] for r in result["rows"] if r["note"]})
+    notes = [f"{r['dtype']} ZeRO 2: {r['note']}" for r in result["rows"] if r["note"]]
     head = (f"{result['model']} (Ψ = {result['rows'][0]['psi']:,} parameters) at dp = {result['dp']}, one step, "
             "MiB per rank, measured by `fxshard run --memory-report`'s walk over the storages a rank holds.")
     table = markdown_table(["dtype", "zero", "formula", "params", "grads", "optimizer", "total", "formula total",
