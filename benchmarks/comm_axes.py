@@ -13,7 +13,9 @@ a rank, N dp ranks, fp32):
 - data parallel (ring collectives; bytes on the wire per rank): ZeRO 0 all-reduces the gradients,
   2(N−1)/N · 4Ψ; ZeRO 1 adds the broadcast of updated parameters, (N−1)/N · 4Ψ; ZeRO 2 reduce-scatters
   gradients and all-gathers parameters once, 2(N−1)/N · 4Ψ; ZeRO 3 gathers parameters twice
-  (forward and backward), 3(N−1)/N · 4Ψ.
+  (forward and backward), 3(N−1)/N · 4Ψ.  Under a pipeline schedule with M microbatches, FSDP2 gathers
+  a stage's parameters before each microbatch's forward and once more for all its backwards (it keeps
+  them until the last), (M + 2)(N−1)/N · 4Ψ with the reduce-scatter: the "dp=2 pp=2 zero=3" rows.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ def _layouts(dp: int, pp: int):
 
     out = {f"pp={pp} 1f1b": Layout(pp=pp)}
     out |= {f"dp={dp} zero={z}": Layout(dp=dp, zero=z) for z in (0, 1, 2, 3)}
+    # FSDP2 under a pipeline schedule: a gather per microbatch forward, one for all backwards
+    out |= {f"dp={dp} pp={pp} zero=3 m={m}": Layout(dp=dp, pp=pp, zero=3, microbatches=m) for m in (2, 4)}
     return out
 
 
@@ -104,17 +108,23 @@ def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
         entry = result.manifest["ranks"][0]
         psi = sum(torch.Size(t["shape"]).numel() for t in entry["tensors"].values() if t["kind"] == "parameter")
         row = {"layout": name, "measured": measured, "psi": psi}
-        if layout.pp > 1:
+        if layout.pp > 1 and layout.dp == 1:
             m, (b, s) = result.manifest["pipeline"]["microbatches"], result.manifest["inputs"][0]["microbatch_shape"]
             hidden = 64  # samples/gpt.py
             row["expected_bytes"] = m * (b * s * hidden * 4 + b * s * 8)  # stage 0 sends activations + targets
             row["measured_bytes"] = measured["send"]["bytes"]
             row["stated_bytes"] = stated["pp_send"].value * 4 - m * b * s * 4 + m * b * s * 8  # targets are int64
         else:
-            wire = sum(WIRE[k](dp) * v["bytes"] for k, v in measured["collectives"].items() if k in WIRE
-                       and v["bytes"] > 64)  # the 8-byte loss all-reduce is not model traffic
+            # the kinds of the ZeRO stage's recipe; the 8-byte loss all-reduce is not model traffic, nor
+            # (with pp) the all-reduce summing the tied embedding's gradient between stages (pp axis)
+            recipe = {0: {"all_reduce"}, 1: {"all_reduce", "broadcast"}}.get(layout.zero, {"all_gather", "reduce_scatter"})
+            wire = sum(WIRE[k](dp) * v["bytes"] for k, v in measured["collectives"].items() if k in recipe
+                       and v["bytes"] > 64)
             row["measured_bytes"] = wire
-            row["expected_bytes"] = {0: 2, 1: 3, 2: 2, 3: 3}[layout.zero] * (dp - 1) / dp * 4 * psi
+            m = result.manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1
+            # passes of 4Ψ bytes: ZeRO 0 all-reduce 2, ZeRO 1 + broadcast 3, ZeRO 2 reduce-scatter + gather 2,
+            # ZeRO 3 reduce-scatter + a gather per microbatch forward + one for the backwards
+            row["expected_bytes"] = {0: 2, 1: 3, 2: 2, 3: m + 2}[layout.zero] * (dp - 1) / dp * 4 * psi
             row["stated_bytes"] = stated["dp_bytes"].value
         rows.append(row)
     return {"model": str(MODEL.relative_to(ROOT)), "rows": rows}

@@ -91,6 +91,16 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
+def paired_ratio(times: dict[str, dict[str, list[float]]], a: str, b: str) -> dict:
+    """The median, over rounds, of ``a``'s step time divided by ``b``'s in the same round, with quartiles.
+
+    Interleaved rounds run ``a`` and ``b`` moments apart, so a burst of load from elsewhere lands on both
+    and cancels in their quotient; the median of these quotients is steadier than a quotient of medians."""
+    q = sorted(x / y for x, y in zip(times[a]["wall"], times[b]["wall"], strict=True) if y)
+    quart = statistics.quantiles(q, n=4) if len(q) > 1 else [q[0]] * 3
+    return {"median": round(statistics.median(q), 3), "p25": round(quart[0], 3), "p75": round(quart[2], 3)}
+
+
 # ---------------------------------------------------------------- results
 
 

@@ -31,7 +31,7 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0}
-    return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 25, "tp_warmup": 2,
+    return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 40, "tp_warmup": 2,
             "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2}
 
 

@@ -245,8 +245,8 @@ def verify(
     grad_accum: int = typer.Option(1, "--grad-accum"),
     rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
     param_rtol: float = typer.Option(None, "--param-rtol",
-                                     help="parameters: tolerance of |diff|/|single device| per tensor (default 1e-2; "
-                                          "1e-1 under bf16)"),
+                                     help="parameters: tolerance of ‖distributed − single device‖ / ‖single device "
+                                          "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
     seed: int = typer.Option(0, "--seed"),
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
 ):

@@ -167,9 +167,9 @@ def verify_report(console: Console, result) -> None:
         table.add_row(str(step), f"{ref:.7f}", f"{got:.7f}", f"{abs(got - ref):.2e}",
                       f"{abs(got - ref) / max(abs(ref), 1e-30):.2e}")
     console.print(table)
-    worst = sorted(result.params, key=lambda p: -p["rel"])[:5]
+    worst = sorted(result.params, key=lambda p: -p["diff_sq"])[:5]
     params = Table(title=f"trained parameters: {len(result.params)} compared; the 5 that differ most "
-                         "(rel = ‖diff‖ / ‖single device‖)")
+                         "(rel = ‖diff‖ / ‖update‖ of the tensor, update = single device trained − initial)")
     for col in ("parameter", "shape", "max abs diff", "rel"):
         params.add_column(col, justify="left" if col == "parameter" else "right")
     for p in worst:

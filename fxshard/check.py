@@ -58,8 +58,12 @@ def check_output(out: str | Path) -> CheckReport:
     """Check a compiled output folder: manifest, rank files (run on meta tensors) and weight shards."""
     out = Path(out)
     manifest = read_manifest(out)
-    sources = {e["file"]: (out / e["file"]).read_text() for e in manifest["ranks"]}
-    return check_program(sources, manifest, _weight_shapes(out, manifest), run=True, fix=RECOMPILE)
+    sources = {e["file"]: (out / e["file"]).read_text() for e in manifest["ranks"]}  # read_manifest: they exist
+    problems: list[str] = []
+    weights = _weight_shapes(out, manifest, problems)
+    if problems:
+        _fail(problems, RECOMPILE)
+    return check_program(sources, manifest, weights, run=True, fix=RECOMPILE)
 
 
 def check_program(sources: dict[str, str], manifest: dict, weights: dict[str, dict[str, tuple]] | None = None,
@@ -98,13 +102,20 @@ def _fail(problems: list[str], fix: str):
     raise CheckError(f"{len(problems)} problems:\n  {shown}\n{fix}")
 
 
-def _weight_shapes(out: Path, manifest: dict) -> dict[str, dict[str, tuple]]:
+def _weight_shapes(out: Path, manifest: dict, problems: list[str]) -> dict[str, dict[str, tuple]]:
+    """Weights file -> tensor key -> shape, read from the safetensors headers; an unreadable file is a problem."""
     from safetensors import safe_open
 
     shapes = {}
     for entry in manifest["ranks"]:
-        with safe_open(str(out / entry["weights"]), framework="pt") as f:
-            shapes[entry["weights"]] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        path = out / entry["weights"]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shapes[entry["weights"]] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        except Exception as e:  # missing, truncated (the header disagrees with the size) or not safetensors
+            problems.append(f"{path}: cannot read the weights of {entry['file']} ({type(e).__name__}: {e}); "
+                            "the file is truncated or damaged")
+            continue
         # --weights DIR / a meta compile: the rest is read from the checkpoint folder at run time
         shapes[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}
     return shapes

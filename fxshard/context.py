@@ -49,6 +49,15 @@ class Layout:
                     f"--virtual-stages {self.virtual_stages}: schedule {self.schedule} runs one stage per pp rank; "
                     f"use --schedule {' or '.join(INTERLEAVED)} for several stages per rank, or drop the flag"
                 )
+        if self.zero == 3 and self.dp > 1 and self.pp > 1 and self.schedule == "zero-bubble":
+            # torch's split backward (stage_backward_input / _weight) asks the module for its parameters
+            # after FSDP2 has resharded them: the weight gradients of every stage but the first are lost
+            raise LayoutError(
+                "--zero 3 with --schedule zero-bubble: torch's zero-bubble schedule computes weight gradients "
+                "against the parameters FSDP2 resharded after forward, so they would never be reduced (the run "
+                "would train wrongly, not fail); use --zero 2 (parameters stay gathered between forward and "
+                "backward) or another --schedule (gpipe, 1f1b, interleaved-1f1b) with --zero 3"
+            )
         if self.dtype not in DTYPES:
             raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.microbatches is not None and self.microbatches < 1:

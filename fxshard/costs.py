@@ -212,7 +212,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["tp_allreduce"] = Cost(sympy.expand((fwd_ar + bwd_ar) * m) if layout.tp > 1 else sympy.Integer(0), at)
     row["tp_allgather"] = Cost(sympy.expand(gathers * m) if layout.tp > 1 else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(stages, numel, ctx, m, layout), at)
-    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi)), at)
+    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return row
 
 
@@ -229,8 +229,12 @@ def _pipeline_elements(stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr
     return sympy.expand(total * m)
 
 
-def _dp_bytes(layout: Layout, psi: int) -> float:
-    """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass)."""
+def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
+    """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass).
+
+    ZeRO 3 gathers each stage's parameters before every microbatch's forward (FSDP2 reshards after
+    forward) and once more for the backward passes (a pipeline schedule keeps them gathered until the
+    last one): m + 1 gathers per step, 2 without a pipeline (measured: benchmarks/comm_axes.py)."""
     n = layout.dp
     if n == 1:
         return 0
@@ -240,4 +244,4 @@ def _dp_bytes(layout: Layout, psi: int) -> float:
         return 2 * ring * low * psi + (ring * low * psi if layout.zero == 1 else 0)
     gather = ring * low * psi  # all-gather of the parameters (compute dtype)
     reduce = ring * 4 * psi if layout.mixed else ring * low * psi  # reduce-scatter of gradients (fp32 under bf16)
-    return reduce + gather * (1 if layout.zero == 2 else 2)
+    return reduce + gather * (1 if layout.zero == 2 else microbatches + 1)

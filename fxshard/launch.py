@@ -344,7 +344,17 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated
     modules by weight-key prefix, and ``finish`` (tied-weight gradient sums, once per optimizer step)."""
-    from fxshard.runtime.pipeline import make_schedule, pipeline_stage, run_schedule, step_loss
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fxshard.runtime.data_parallel import DDP_BUCKET_MB
+    from fxshard.runtime.pipeline import (
+        all_reduce_grads,
+        make_schedule,
+        pipeline_stage,
+        run_schedule,
+        split_backward_stages,
+        step_loss,
+    )
 
     modules, runners = {}, {}
     for st in entry["stages"]:
@@ -365,7 +375,13 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
         losses = run_schedule(schedule, stages, microbatches, tensors, groups["pp"])
         return step_loss(losses, last, groups["pp"], device)
 
+    # DDP cannot see the weight gradients of a split (zero-bubble) backward: average them here, once
+    unsynced = [runners[s.stage_index] for s in split_backward_stages(schedule, stages)
+                if isinstance(runners[s.stage_index], DistributedDataParallel)]
+
     def finish() -> None:  # once per optimizer step, after every accumulated backward
+        for ddp in unsynced:
+            all_reduce_grads(ddp.module, ddp.process_group, DDP_BUCKET_MB << 20)
         code.sync_tied_grads(modules, groups)
 
     held = {f"Stage{s}.": m for s, m in modules.items()}

@@ -29,12 +29,12 @@ from fxshard.reference import reference_losses
 from fxshard.training import OptimConfig
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
-# Parameters, per tensor ||distributed - single|| / ||single||.  Looser than the losses on purpose: Adam
-# divides each gradient element by its running RMS, so an element whose gradient is at rounding-noise
-# level moves by up to lr in either direction whatever the layout (at step 1 the update is lr * sign(g)).
-# Such elements (e.g. key biases, whose gradient is 0 up to rounding) leave up to ~1e-3 relative
-# differences in their tensors while the losses agree to 1e-7.
-DEFAULT_PARAM_RTOL = {"fp32": 1e-2, "bf16": 1e-1}
+# Parameters: ||distributed - single|| / ||single - initial|| over all trained parameters, the difference as
+# a share of what training changed.  Measured on samples/gpt.py after 3 steps: 1e-5 at fp32 in every
+# layout, 0.03-0.10 under bf16 (8 significant bits; Adam turns gradients at rounding-noise level into
+# +-lr steps), while a gradient left unsynchronized on half the model gives 0.7.  A per-tensor
+# ||diff|| / ||single|| is no test: a bias that starts at 0 has only its update as its norm.
+DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25}
 
 
 @dataclass
@@ -42,9 +42,10 @@ class Verification:
     layout: Layout
     reference: list[float]
     distributed: list[float]
-    params: list[dict] = field(default_factory=list)  # {fqn, shape, max_abs, rel} per parameter
+    # per parameter: fqn, shape, max_abs, rel (||diff|| / ||update|| of the tensor), diff_sq, update_sq
+    params: list[dict] = field(default_factory=list)
     rtol: float = 1e-5  # losses, relative
-    param_rtol: float = 1e-3  # parameters, relative norm of the difference per tensor
+    param_rtol: float = 1e-3  # parameters: ||diff|| / ||update|| over all of them
 
     @property
     def loss_abs(self) -> float:
@@ -60,11 +61,14 @@ class Verification:
 
     @property
     def param_rel(self) -> float:
-        return max(p["rel"] for p in self.params)
+        """||distributed - single|| / ||single - initial|| over all parameters: the difference as a share of
+        what training changed (a gradient not synchronized, or applied twice, shows as a large share)."""
+        update = sum(p["update_sq"] for p in self.params) ** 0.5
+        return (sum(p["diff_sq"] for p in self.params) ** 0.5) / max(update, 1e-30)
 
     @property
     def worst(self) -> dict:
-        return max(self.params, key=lambda p: p["rel"])
+        return max(self.params, key=lambda p: p["diff_sq"])
 
     @property
     def ok(self) -> bool:
@@ -72,8 +76,9 @@ class Verification:
 
     def summary(self) -> str:
         return (f"{self.layout.describe()}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
-                f"parameters max abs {self.param_abs:.3e} rel {self.param_rel:.3e} ({self.worst['fqn']}); "
-                f"tolerance: losses {self.rtol:g}, parameters {self.param_rtol:g} relative: "
+                f"parameters max abs {self.param_abs:.3e}, ||diff|| / ||update|| {self.param_rel:.3e} (most: "
+                f"{self.worst['fqn']}); tolerance: losses {self.rtol:g} relative, parameters {self.param_rtol:g} of "
+                "the update: "
                 f"{'OK' if self.ok else 'FAILED'}")
 
 
@@ -82,8 +87,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
            out: str | Path | None = None, timeout_s: float = 300.0) -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
-    Losses must agree within ``rtol`` (relative); each parameter tensor within ``param_rtol``
-    (norm of the difference over the norm of the single-device tensor; see DEFAULT_PARAM_RTOL)."""
+    Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
+    their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
     from fxshard.launch import launch_local, run_args
 
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
@@ -95,13 +100,16 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, layout, final)
     ref_state: dict = {}
-    reference = reference_losses(load_model_file(model_file), steps, optim, seed, layout.dtype, final_state=ref_state)
+    mf = load_model_file(model_file)
+    initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
+    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
     rows = []
     for fqn, got in sorted(trained.items()):
         want = ref_state[fqn].float()
-        delta = got.float() - want
+        delta, update = got.float() - want, want - initial[fqn].detach().float()
         rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
-                     "rel": delta.norm().item() / max(want.norm().item(), 1e-30)})
+                     "rel": delta.norm().item() / max(update.norm().item(), 1e-30),
+                     "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item()})
     if len(distributed) != steps:
         raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
     return Verification(result.ctx.layout, reference, distributed, rows,

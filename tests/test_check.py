@@ -190,3 +190,14 @@ def test_cli_check_prints_the_groups_and_exits_2_on_a_mismatch(compiled, tmp_pat
     assert bad.exit_code == 2
     assert "error: rank_pp0_tp1.py:" in bad.stderr and "running this would hang" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_truncated_weights_file_is_named_not_a_traceback(compiled, tmp_path):
+    out = copy(gpt_tp2(compiled), tmp_path)
+    shard = out / "weights" / "rank_pp0_tp1.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    message = check_error(out)
+    assert message.startswith(f"{shard}: cannot read the weights of rank_pp0_tp1.py (SafetensorError")
+    assert "the file is truncated or damaged" in message
+    result = CliRunner().invoke(app, ["check", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr

@@ -36,6 +36,8 @@ CASES = {  # id -> (layout, optimizer settings)
     "dp2-zero1-accum2": (Layout(dp=2, zero=1), ACCUM),
     "dp2-tp2": (Layout(dp=2, tp=2), OptimConfig()),
     "tp2-pp2": (Layout(tp=2, pp=2), OptimConfig()),
+    # a sample's row in the whole batch = dp share + microbatch within it
+    "dp2-pp2-zero1": (Layout(dp=2, pp=2, zero=1, microbatches=2), OptimConfig()),
 }
 
 

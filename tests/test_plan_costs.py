@@ -80,3 +80,15 @@ def test_plan_command_prints_tables_and_json():
     table = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2"],
                            capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "tp all-reduce elements per step" in table.stdout and "B*S" in table.stdout
+
+
+def test_zero3_under_a_pipeline_counts_a_gather_per_microbatch_forward():
+    # FSDP2 reshards after each microbatch's forward and keeps the parameters for all the backwards:
+    # m + 1 all-gathers and one reduce-scatter of the stage's parameters per step (measured in
+    # benchmarks/comm_axes.py; without a pipeline, m = 1 and this is ZeRO 3's 3 passes)
+    for m in (2, 4):
+        first = plan_costs(GPT, Layout(dp=2, pp=2, zero=3, microbatches=m)).ranks[0]
+        psi = int(first["psi"].value)
+        assert first["dp_bytes"].value == (m + 2) * (2 - 1) / 2 * 4 * psi
+    (alone,) = plan_costs(GPT, Layout(dp=2, zero=3)).ranks
+    assert alone["dp_bytes"].value == 3 * (2 - 1) / 2 * 4 * int(alone["psi"].value)

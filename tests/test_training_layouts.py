@@ -44,6 +44,15 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "llama-dp2-tp2-zero3": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=3), None),
     **{f"gpt2-dp2-pp2-zero{z}": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=z), None) for z in (1, 3)},
     "gpt-dp2-pp2-tp2-zero1": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, tp=2, zero=1), None),
+    # zero-bubble splits backward into input- and weight-gradient passes; torch computes the second with
+    # autograd.grad, which DDP's hooks never see: fxshard averages those gradients itself (ZeRO 0/1)
+    **{f"gpt-dp2-pp2-zero{z}-zero-bubble": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=z, schedule="zero-bubble",
+                                                                       microbatches=4), None) for z in (0, 1, 2)},
+    "gpt-dp2-pp2-zero1-zero-bubble-accum2": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=1, schedule="zero-bubble",
+                                                                        microbatches=4), None,
+                                             OptimConfig(grad_accum=2)),
+    "gpt-dp2-pp2-zero3-interleaved-1f1b": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=3,
+                                                                      schedule="interleaved-1f1b"), None),
     # global-norm clipping (norm over tp shards, pp stages with a tied weight, dp shards) and accumulation
     "gpt-tp2-pp2-clip": (SAMPLES / "gpt.py", Layout(tp=2, pp=2), None, CLIP),
     "llama-dp2-tp2-zero2-clip": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=2), None, CLIP),

@@ -112,3 +112,45 @@ def step_loss(losses: list[torch.Tensor], last_rank: int, group, device) -> floa
     with guarded("broadcast of the step loss from the last pipeline stage", group):
         dist.broadcast(value, src=last_rank, group=group)
     return float(value)
+
+
+def split_backward_stages(schedule, stages: list[PipelineStage]) -> list[PipelineStage]:
+    """This rank's stages whose weight gradients the schedule computes in a separate ``W`` pass.
+
+    Zero-bubble schedules split each backward into an input-gradient pass (I) and a weight-gradient pass
+    (W); torch computes W with ``torch.autograd.grad`` and adds the result to ``.grad`` by hand, so the
+    autograd hooks through which DDP all-reduces its buckets never fire for those parameters (stage 0
+    runs W as a full backward, which does fire them)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    weight = {a.stage_index for actions in order.values() for a in actions
+              if a is not None and a.computation_type == _ComputationType.BACKWARD_WEIGHT}
+    return [s for s in stages if s.stage_index in weight and s.stage_index != 0]
+
+
+def all_reduce_grads(module: torch.nn.Module, group, bucket_bytes: int) -> None:
+    """Average ``module``'s gradients over ``group`` in buckets of about ``bucket_bytes`` (flattened per
+    dtype): what DDP would have done while backward ran, done once after it."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    world = dist.get_world_size(group)
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        flat = _flatten_dense_tensors(bucket)
+        with guarded("all_reduce of the gradients over dp (after a split-backward pipeline schedule)", group, flat):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world)
+        for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            g.copy_(r)
+        bucket.clear()
+
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or sum(b.numel() for b in bucket) * g.element_size()
+                       + g.numel() * g.element_size() > bucket_bytes):
+            flush()
+        bucket.append(g)
+    if bucket:
+        flush()

@@ -33,7 +33,7 @@ def test_verify_gathers_every_parameter_from_tp_and_pp_slices(tmp_path):
     assert "lm_head.weight" in names and "blocks.7.mlp.fc_in.weight" in names
     assert all(p["shape"] for p in result.params)
     assert result.ok, result.summary()
-    assert result.loss_rel <= 1e-5 and result.param_rel <= 1e-2
+    assert result.loss_rel <= 1e-5 and result.param_rel <= 1e-3  # of the update training made
 
 
 @pytest.mark.e2e

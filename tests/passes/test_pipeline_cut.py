@@ -146,6 +146,14 @@ def test_marker_count_must_match_stages(models):
         compile_program(models / "marked.py", Layout(pp=4))
 
 
+def test_zero3_with_zero_bubble_is_refused_before_it_trains_wrongly():
+    # torch's split backward would compute weight gradients against the resharded FSDP2 parameters
+    with pytest.raises(LayoutError, match="--zero 3 with --schedule zero-bubble.*use --zero 2"):
+        Layout(dp=2, pp=2, zero=3, schedule="zero-bubble")
+    Layout(dp=2, pp=2, zero=2, schedule="zero-bubble")  # parameters stay gathered: trains correctly (tested)
+    Layout(pp=2, zero=3, schedule="zero-bubble")  # dp = 1: nothing is sharded
+
+
 def test_virtual_stages_need_an_interleaved_schedule():
     with pytest.raises(LayoutError, match="--virtual-stages 2: schedule 1f1b runs one stage per pp rank"):
         Layout(pp=2, virtual_stages=2)
