@@ -80,7 +80,7 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
     out = {}
     for name, t in times.items():
         ms = sorted(x * 1e3 for x in t["wall"])
-        q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+        q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
         out[name] = {"median_ms": round(statistics.median(ms), 3), "p25_ms": round(q[0], 3),
                      "p75_ms": round(q[2], 3), "cpu_median_ms": round(statistics.median(t["cpu"]) * 1e3, 3),
                      "steps": len(ms)}
@@ -97,7 +97,7 @@ def paired_ratio(times: dict[str, dict[str, list[float]]], a: str, b: str) -> di
     Interleaved rounds run ``a`` and ``b`` moments apart, so a burst of load from elsewhere lands on both
     and cancels in their quotient; the median of these quotients is steadier than a quotient of medians."""
     q = sorted(x / y for x, y in zip(times[a]["wall"], times[b]["wall"], strict=True) if y)
-    quart = statistics.quantiles(q, n=4) if len(q) > 1 else [q[0]] * 3
+    quart = statistics.quantiles(q, n=4, method="inclusive") if len(q) > 1 else [q[0]] * 3
     return {"median": round(statistics.median(q), 3), "p25": round(quart[0], 3), "p75": round(quart[2], 3)}
 
 

@@ -41,8 +41,11 @@ def test_quick_tp_benchmark_writes_every_contender(quick):
     for stats in tp["step_ms"].values():
         assert stats["steps"] == 2
         assert stats["median_ms"] > 0 and stats["cpu_median_ms"] > 0
-    assert set(tp["ratios"]) == {"fxshard/hand-written", "fxshard/DTensor", "cpu fxshard/hand-written",
-                                 "cpu fxshard/DTensor"}
+    assert set(tp["ratios"]) == {f"{kind}fxshard/{other}" for kind in ("", "cpu ", "paired ")
+                                 for other in ("hand-written", "DTensor")}
+    for other in ("hand-written", "DTensor"):
+        paired = tp["ratios"][f"paired fxshard/{other}"]
+        assert 0 < paired["p25"] <= paired["median"] <= paired["p75"]
     for name in CONTENDERS:
         assert name in markdown
     assert "## Collectives per step" in markdown
