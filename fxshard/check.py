@@ -114,7 +114,7 @@ def _weight_shapes(out: Path, manifest: dict, problems: list[str]) -> dict[str, 
                 shapes[entry["weights"]] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # missing, truncated (the header disagrees with the size) or not safetensors
             problems.append(f"{path}: cannot read the weights of {entry['file']} ({type(e).__name__}: {e}); "
-                            "the file is truncated or damaged")
+                            "the file is unreadable, truncated or damaged")
             continue
         # --weights DIR / a meta compile: the rest is read from the checkpoint folder at run time
         shapes[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}

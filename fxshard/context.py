@@ -50,13 +50,14 @@ class Layout:
                     f"use --schedule {' or '.join(INTERLEAVED)} for several stages per rank, or drop the flag"
                 )
         if self.zero == 3 and self.dp > 1 and self.pp > 1 and self.schedule == "zero-bubble":
-            # torch's split backward (stage_backward_input / _weight) asks the module for its parameters
-            # after FSDP2 has resharded them: the weight gradients of every stage but the first are lost
+            # torch's split backward collects the parameters when its input-gradient pass starts; after a
+            # forward, FSDP2 has resharded them, so that pass finds none in the graph (torch 2.13 stage.py)
             raise LayoutError(
-                "--zero 3 with --schedule zero-bubble: torch's zero-bubble schedule computes weight gradients "
-                "against the parameters FSDP2 resharded after forward, so they would never be reduced (the run "
-                "would train wrongly, not fail); use --zero 2 (parameters stay gathered between forward and "
-                "backward) or another --schedule (gpipe, 1f1b, interleaved-1f1b) with --zero 3"
+                "--zero 3 with --schedule zero-bubble: torch's zero-bubble schedule collects each stage's "
+                "parameters for the weight-gradient pass after FSDP2 has resharded them, so most microbatches' "
+                "weight gradients would never be computed (the run would train wrongly, not fail); use --zero 2 "
+                "(parameters stay gathered between forward and backward) or another --schedule (gpipe, 1f1b, "
+                "interleaved-1f1b) with --zero 3"
             )
         if self.dtype not in DTYPES:
             raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

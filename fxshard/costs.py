@@ -232,9 +232,10 @@ def _pipeline_elements(stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr
 def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
     """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass).
 
-    ZeRO 3 gathers each stage's parameters before every microbatch's forward (FSDP2 reshards after
-    forward) and once more for the backward passes (a pipeline schedule keeps them gathered until the
-    last one): m + 1 gathers per step, 2 without a pipeline (measured: benchmarks/comm_axes.py)."""
+    ZeRO 3 under a pipeline schedule all-gathers each stage's parameters m + 1 times per step (measured
+    for GPipe, 1F1B, interleaved 1F1B per stage: benchmarks/comm_axes.py); 2 without a pipeline.  FSDP2
+    reshards after each forward; the backwards re-gather, the last one keeps them.  Not modelled: a rank
+    with 4 or more stages, where torch's schedule evicts and re-gathers stages (``max_active_stages``)."""
     n = layout.dp
     if n == 1:
         return 0

@@ -343,7 +343,8 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated
-    modules by weight-key prefix, and ``finish`` (tied-weight gradient sums, once per optimizer step)."""
+    modules by weight-key prefix, and ``finish`` (once per optimizer step: the dp average of gradients a
+    split-backward schedule hid from DDP, then the tied-weight gradient sums)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB

@@ -108,13 +108,20 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         want = ref_state[fqn].float()
         delta, update = got.float() - want, want - initial[fqn].detach().float()
         rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
-                     "rel": delta.norm().item() / max(update.norm().item(), 1e-30),
+                     "rel": _share(delta.norm().item(), update.norm().item()),
                      "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item()})
     if len(distributed) != steps:
         raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
     return Verification(result.ctx.layout, reference, distributed, rows,
                         rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
                         param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])
+
+
+def _share(diff: float, update: float) -> float:
+    """``diff / update``; 0 where both are 0 (a parameter training left alone, alike on both sides)."""
+    if update > 0:
+        return diff / update
+    return 0.0 if diff == 0 else float("inf")
 
 
 def gather_parameters(manifest: dict, layout: Layout, folder: Path) -> dict[str, torch.Tensor]:
