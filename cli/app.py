@@ -170,6 +170,9 @@ def run(
     save_every: int = typer.Option(0, "--save-every", help="save a checkpoint every K steps (with --checkpoint)"),
     resume: bool = typer.Option(False, "--resume",
                                 help="continue from DIR/latest (saved under any layout); --steps counts from step 0"),
+    check: bool = typer.Option(True, "--check/--no-check",
+                               help="before launching locally, run `fxshard check`'s static checks: rank files "
+                                    "edited or mixed since compile are refused instead of hanging"),
 ):
     """Train: launch every rank locally, or run as one rank when started by torchrun."""
     from fxshard.launch import launch_local, run_args, run_rank, under_torchrun
@@ -191,6 +194,12 @@ def run(
             return
         manifest = read_manifest(out)
         world = layout_of(manifest).world_size
+        if check:
+            from fxshard.check import check_output
+
+            with console.status(f"checking {out}"):
+                report = check_output(out)
+            console.print(f"static checks: OK ({report.ranks} rank files agree on every collective and send)")
         console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
         argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state, checkpoint=ckpt)
         launch_local(out, argv, world)

@@ -16,20 +16,38 @@ from fxshard.context import Layout
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _skip_an_all_reduce(out: Path) -> None:
+    path = out / "rank_pp0_tp1.py"
+    text = path.read_text()
+    assert text.count("all_reduce_3 = rt.all_reduce(linear_9, self.tp)") == 1
+    path.write_text(text.replace("all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9"))
+
+
+@pytest.mark.e2e
+def test_run_refuses_a_rank_file_that_would_hang_before_launching(tmp_path):
+    out = tmp_path / "out"
+    compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
+    _skip_an_all_reduce(out)
+    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: rank_pp0_tp1.py:" in proc.stderr and "running this would hang" in proc.stderr
+    assert "launching" not in proc.stdout and "Traceback" not in proc.stderr
+
+
 @pytest.mark.e2e
 @pytest.mark.distributed
 def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp_path):
     out = tmp_path / "out"
     compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
-    path = out / "rank_pp0_tp1.py"
-    text = path.read_text()
-    assert text.count("all_reduce_3 = rt.all_reduce(linear_9, self.tp)") == 1
-    path.write_text(text.replace("all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9"))
+    _skip_an_all_reduce(out)
     # rank 1 now issues 17 forward all-reduces to rank 0's 18: the first 17 pair up (same shapes, wrong sums),
     # then rank 0 waits in its 18th all-reduce while rank 1 waits in the LM head's all-gather
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "10"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    # `fxshard run` refuses such a folder before launching (next test); --no-check launches it anyway, so the
+    # run-time guard is what stops it
+    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "10",
+                           "--no-check"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert elapsed < 150, f"took {elapsed:.0f} s with a 10 s collective timeout"
