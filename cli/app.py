@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -25,28 +26,51 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
+# ---------------------------------------------------------------- options shared by compile, plan and verify
+
+ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs()")]
+TP = Annotated[int, typer.Option("--tp", help="tensor-parallel degree")]
+PP = Annotated[int, typer.Option("--pp", help="pipeline-parallel degree")]
+DP = Annotated[int, typer.Option("--dp", help="data-parallel degree")]
+Zero = Annotated[int, typer.Option("--zero", help="ZeRO stage (0-3)")]
+DType = Annotated[str, typer.Option("--dtype", help="fp32, or bf16: mixed precision (bf16 compute, fp32 master "
+                                                      "weights and Adam state)")]
+Schedule = Annotated[str, typer.Option("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, "
+                                                            "zero-bubble")]
+Microbatches = Annotated[int | None, typer.Option("--microbatches",
+                                                  help="pipeline microbatches per step (default: the fewest the "
+                                                       "schedule runs well with that divide the batch)")]
+VirtualStages = Annotated[int | None, typer.Option("--virtual-stages",
+                                                   help="stages per pp rank for interleaved-1f1b (default 2) and "
+                                                        "zero-bubble (default 1)")]
+PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
+Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
+
+
+def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
+            virtual_stages: int | None, dtype: str):
+    from fxshard.context import Layout
+
+    return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
+                  virtual_stages=virtual_stages, dtype=dtype)
+
+
 @app.command()
 def compile(
-    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree"),
-    pp: int = typer.Option(1, "--pp", help="pipeline-parallel degree"),
-    dp: int = typer.Option(1, "--dp", help="data-parallel degree"),
-    zero: int = typer.Option(0, "--zero", help="ZeRO stage (0-3)"),
-    dtype: str = typer.Option("fp32", "--dtype",
-                              help="fp32, or bf16: mixed precision (bf16 compute, fp32 master weights and Adam state)"),
-    schedule: str = typer.Option("1f1b", "--schedule",
-                                 help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
-    microbatches: int = typer.Option(None, "--microbatches",
-                                     help="pipeline microbatches per step (default: the fewest the schedule runs "
-                                          "well with that divide the batch)"),
-    virtual_stages: int = typer.Option(None, "--virtual-stages",
-                                       help="stages per pp rank for interleaved-1f1b (default 2) and zero-bubble "
-                                            "(default 1)"),
+    model: ModelArg,
+    tp: TP = 1,
+    pp: PP = 1,
+    dp: DP = 1,
+    zero: Zero = 0,
+    dtype: DType = "fp32",
+    schedule: Schedule = "1f1b",
+    microbatches: Microbatches = None,
+    virtual_stages: VirtualStages = None,
     split_before: list[str] = typer.Option(None, "--split-before",
                                            help="cut the pipeline before this module (repeat, or comma-separate)"),
-    plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    plan: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
-    seed: int = typer.Option(0, "--seed", help="seed for make_model() and make_inputs()"),
+    seed: Seed = 0,
     weights: Path = typer.Option(None, "--weights",
                                  help="Hugging Face model folder (config.json + safetensors): capture on meta "
                                       "tensors, validate the folder, each rank reads only its slices at run time"),
@@ -58,11 +82,9 @@ def compile(
 
     from fxshard.compiler import compile as compile_
     from fxshard.compiler import load_plan_file
-    from fxshard.context import Layout
 
     try:
-        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                        virtual_stages=virtual_stages, dtype=dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -76,20 +98,20 @@ def compile(
 
 @app.command()
 def plan(
-    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    dp: int = typer.Option(1, "--dp"),
-    zero: int = typer.Option(0, "--zero"),
-    schedule: str = typer.Option("1f1b", "--schedule"),
-    microbatches: int = typer.Option(None, "--microbatches"),
-    virtual_stages: int = typer.Option(None, "--virtual-stages"),
-    dtype: str = typer.Option("fp32", "--dtype"),
-    plan_file: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    model: ModelArg,
+    tp: TP = 1,
+    pp: PP = 1,
+    dp: DP = 1,
+    zero: Zero = 0,
+    schedule: Schedule = "1f1b",
+    microbatches: Microbatches = None,
+    virtual_stages: VirtualStages = None,
+    dtype: DType = "fp32",
+    plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Seed = 0,
 ):
     """Cost a layout without writing code: per rank memory, activations, communication per mesh axis
     (sympy expressions in B and S) and the pipeline bubble."""
@@ -98,12 +120,10 @@ def plan(
     from fxshard.cli.report import plan_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.context import Layout
     from fxshard.costs import plan_costs
 
     try:
-        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                        virtual_stages=virtual_stages, dtype=dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
         report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq)
     except FxshardError as e:
         _fail(e)
@@ -238,16 +258,16 @@ def export(
 
 @app.command()
 def verify(
-    model: Path = typer.Argument(..., help="model file defining make_model() and make_inputs()"),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    dp: int = typer.Option(1, "--dp"),
-    zero: int = typer.Option(0, "--zero"),
-    schedule: str = typer.Option("1f1b", "--schedule"),
-    microbatches: int = typer.Option(None, "--microbatches"),
-    virtual_stages: int = typer.Option(None, "--virtual-stages"),
-    dtype: str = typer.Option("fp32", "--dtype"),
-    plan: Path = typer.Option(None, "--plan", help="plan file defining PLAN = {fqn_glob: style}"),
+    model: ModelArg,
+    tp: TP = 1,
+    pp: PP = 1,
+    dp: DP = 1,
+    zero: Zero = 0,
+    schedule: Schedule = "1f1b",
+    microbatches: Microbatches = None,
+    virtual_stages: VirtualStages = None,
+    dtype: DType = "fp32",
+    plan: PlanFile = None,
     steps: int = typer.Option(3, "--steps", help="training steps"),
     lr: float = typer.Option(1e-3, "--lr"),
     clip_grad_norm: float = typer.Option(None, "--clip-grad-norm"),
@@ -256,7 +276,7 @@ def verify(
     param_rtol: float = typer.Option(None, "--param-rtol",
                                      help="parameters: tolerance of ‖distributed − single device‖ / ‖single device "
                                           "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: Seed = 0,
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
 ):
     """Train MODEL distributed (local gloo processes) and on one device; print the largest differences of
@@ -264,13 +284,11 @@ def verify(
     from fxshard.cli.report import verify_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.context import Layout
     from fxshard.training import OptimConfig
     from fxshard.verify import verify as verify_
 
     try:
-        layout = Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                        virtual_stages=virtual_stages, dtype=dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,
