@@ -184,6 +184,7 @@ _PLAN_ROWS = [  # key, label, unit
     ("params", "parameter bytes", "bytes"),
     ("grads", "gradient bytes", "bytes"),
     ("optimizer", "optimizer state bytes (Adam moments; + fp32 masters under bf16)", "bytes"),
+    ("params_peak", "parameter bytes held during forward (ZeRO 2/3: a stage gathered whole + its shard)", "bytes"),
     ("activations", "activation bytes per microbatch (all forward values)", "bytes"),
     ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
     ("tp_allgather", "tp all-gather elements per step", "count"),

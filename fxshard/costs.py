@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.context import Layout, spec
-from fxshard.memory import formula
+from fxshard.memory import formula, peak_params
 from fxshard.placement import local_shape
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -206,6 +206,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     mem = formula(layout.zero, layout.dp, layout.mixed, psi)
     for key in ("params", "grads", "optimizer"):
         row[key] = Cost(sympy.nsimplify(mem[key]), at)
+    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi)), at)
     row["activations"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)

@@ -51,6 +51,15 @@ def formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
     return out
 
 
+def peak_params(zero: int, dp: int, mixed: bool, psi: int) -> float:
+    """Parameter bytes a rank holds at once during forward, the transient the ZeRO formulas leave out.
+
+    ZeRO 0/1 hold the parameters in the compute dtype; under ZeRO 2/3 FSDP2 gathers a stage module's
+    parameters whole (one FSDP unit per generated stage module, which is flat) next to the fp32 shard."""
+    low = 2 if mixed else 4
+    return low * psi + (4 * psi / dp if zero >= 2 and dp > 1 else 0)
+
+
 def formula_text(zero: int, dp: int, mixed: bool) -> str:
     zero = zero if dp > 1 else 0
     rep = sum(r for r, _ in FORMULAS[(zero, mixed)].values())
