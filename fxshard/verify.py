@@ -63,8 +63,7 @@ class Verification:
     def param_rel(self) -> float:
         """||distributed - single|| / ||single - initial|| over all parameters: the difference as a share of
         what training changed (a gradient not synchronized, or applied twice, shows as a large share)."""
-        update = sum(p["update_sq"] for p in self.params) ** 0.5
-        return (sum(p["diff_sq"] for p in self.params) ** 0.5) / max(update, 1e-30)
+        return update_share(self.params)
 
     @property
     def worst(self) -> dict:
@@ -103,13 +102,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     mf = load_model_file(model_file)
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
     reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
-    rows = []
-    for fqn, got in sorted(trained.items()):
-        want = ref_state[fqn].float()
-        delta, update = got.float() - want, want - initial[fqn].detach().float()
-        rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
-                     "rel": _share(delta.norm().item(), update.norm().item()),
-                     "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item()})
+    rows = compare_parameters(trained, ref_state, initial)
     if len(distributed) != steps:
         raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
     return Verification(result.ctx.layout, reference, distributed, rows,
@@ -124,8 +117,10 @@ def _share(diff: float, update: float) -> float:
     return 0.0 if diff == 0 else float("inf")
 
 
-def gather_parameters(manifest: dict, layout: Layout, folder: Path) -> dict[str, torch.Tensor]:
-    """Full trained parameters by source FQN, from the dp-rank-0 slices every (pp, tp) rank wrote."""
+def gather_parameters(manifest: dict, layout: Layout, folder: Path | None = None,
+                      states: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """Full trained parameters by source FQN, from the dp-rank-0 slices every (pp, tp) rank wrote to
+    ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
     pieces: dict[str, dict[str, tuple]] = {}
     shapes: dict[str, list[int]] = {}
     for rank in range(layout.world_size):
@@ -133,7 +128,7 @@ def gather_parameters(manifest: dict, layout: Layout, folder: Path) -> dict[str,
         if coords["dp"] != 0:  # dp replicas hold the same values (ZeRO 2/3 shards are gathered on save)
             continue
         entry = rank_entry(manifest, coords)
-        state = load_file(str(folder / f"rank{rank}.safetensors"))
+        state = states[rank] if states is not None else load_file(str(folder / f"rank{rank}.safetensors"))
         for key, t in entry["tensors"].items():
             if t["kind"] != "parameter":
                 continue
@@ -141,3 +136,23 @@ def gather_parameters(manifest: dict, layout: Layout, folder: Path) -> dict[str,
             pieces.setdefault(t["source"], {})[json.dumps(t["slice"])] = (SliceSpec(**t["slice"]), state[key])
             shapes[t["source"]] = t["global_shape"]
     return {fqn: assemble(list(by_slice.values()), shapes[fqn]) for fqn, by_slice in pieces.items()}
+
+
+def compare_parameters(trained: dict[str, torch.Tensor], single: dict[str, torch.Tensor],
+                       initial: dict[str, torch.Tensor]) -> list[dict]:
+    """Per parameter: shape, largest absolute difference, ||diff|| / ||update|| of the tensor, and the squared
+    norms of the difference and of the single-device update (``Verification.param_rel`` sums these)."""
+    rows = []
+    for fqn, got in sorted(trained.items()):
+        want = single[fqn].float()
+        delta, update = got.float() - want, want - initial[fqn].detach().float()
+        rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
+                     "rel": _share(delta.norm().item(), update.norm().item()),
+                     "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item()})
+    return rows
+
+
+def update_share(rows: list[dict]) -> float:
+    """||distributed - single|| / ||single - initial|| over all parameters of ``rows``."""
+    update = sum(p["update_sq"] for p in rows) ** 0.5
+    return (sum(p["diff_sq"] for p in rows) ** 0.5) / max(update, 1e-30)

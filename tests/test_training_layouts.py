@@ -19,8 +19,10 @@ from harness import spawn
 from fxshard.compiler import compile as compile_model
 from fxshard.context import SCHEDULES, Layout
 from fxshard.modelfile import load_model_file
+from fxshard.output import layout_of
 from fxshard.reference import reference_losses
 from fxshard.training import OptimConfig
+from fxshard.verify import compare_parameters, gather_parameters, update_share
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -109,13 +111,21 @@ def trained(tmp_path_factory):
     return results
 
 
-_REFERENCE: dict[tuple, list[float]] = {}
+_REFERENCE: dict[tuple, tuple[list[float], dict]] = {}
+UPDATE_SHARE = {"fp32": 1e-3, "bf16": 0.25}  # fxshard.verify's defaults: ||diff|| / ||update||, all parameters
+
+
+def _reference_run(path: Path, optim: OptimConfig, dtype: str = "fp32") -> tuple[list[float], dict]:
+    """Single-device losses and trained parameters by FQN (cached per model, optimizer and dtype)."""
+    if (path, optim, dtype) not in _REFERENCE:
+        final: dict = {}
+        losses = reference_losses(load_model_file(path), STEPS, optim, dtype=dtype, final_state=final)
+        _REFERENCE[path, optim, dtype] = (losses, final)
+    return _REFERENCE[path, optim, dtype]
 
 
 def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[float]:
-    if (path, optim, dtype) not in _REFERENCE:
-        _REFERENCE[path, optim, dtype] = reference_losses(load_model_file(path), STEPS, optim, dtype=dtype)
-    return _REFERENCE[path, optim, dtype]
+    return _reference_run(path, optim, dtype)[0]
 
 
 @pytest.mark.distributed
@@ -123,12 +133,22 @@ def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[floa
 def test_pipeline_training_matches_single_device(trained, case):
     path, layout, _, optim = _case(case)
     per_rank, manifest = trained[case]
-    want = _reference(path, optim, layout.dtype)
+    want, single = _reference_run(path, optim, layout.dtype)
     rel = BF16_REL if layout.mixed else REL
     for rank, (losses, _) in enumerate(per_rank):
         assert len(losses) == STEPS
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
             assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
+    # the trained parameters too, reassembled from every rank's slices: the last step's update shows in no
+    # loss, and a gradient left unsynchronized on a few tensors barely moves the bf16 losses
+    params = gather_parameters(manifest, layout_of(manifest), states={r: st for r, (_, st) in enumerate(per_rank)})
+    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
+    rows = compare_parameters(params, single, initial)
+    assert len(rows) == len({t["source"] for e in manifest["ranks"] for t in e["tensors"].values()
+                             if t["kind"] == "parameter"})
+    share = update_share(rows)
+    worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
+    assert share <= UPDATE_SHARE[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update (most: {worst})"
     # weights held by several stages (tied embedding / head) stay bit-identical on all of them
     for tie in manifest.get("pipeline", {}).get("tied", []):
         copies = []
