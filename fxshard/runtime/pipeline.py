@@ -134,23 +134,24 @@ def all_reduce_grads(module: torch.nn.Module, group, bucket_bytes: int) -> None:
     dtype): what DDP would have done while backward ran, done once after it."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
     world = dist.get_world_size(group)
-    bucket: list[torch.Tensor] = []
 
-    def flush():
+    def flush(bucket: list[torch.Tensor]) -> None:
         flat = _flatten_dense_tensors(bucket)
         with guarded("all_reduce of the gradients over dp (after a split-backward pipeline schedule)", group, flat):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.div_(world)
         for g, r in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
             g.copy_(r)
-        bucket.clear()
 
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or sum(b.numel() for b in bucket) * g.element_size()
-                       + g.numel() * g.element_size() > bucket_bytes):
-            flush()
+    bucket: list[torch.Tensor] = []
+    held = 0  # bytes in the bucket
+    for g in (p.grad for p in module.parameters() if p.grad is not None):
+        size = g.numel() * g.element_size()
+        if bucket and (g.dtype != bucket[0].dtype or held + size > bucket_bytes):
+            flush(bucket)
+            bucket, held = [], 0
         bucket.append(g)
+        held += size
     if bucket:
-        flush()
+        flush(bucket)
