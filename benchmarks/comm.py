@@ -9,8 +9,9 @@ Three sources for the tensor-parallel step, side by side:
   are counted apart.  Bytes are each call's input buffer on one rank (an all-gather's local part).
 - **Megatron**: :func:`megatron_expected`, the textbook count for a GPT at tensor parallelism:
   2 all-reduces of B·S·H forward and 2 backward per layer, plus one forward all-reduce for the
-  vocab-parallel embedding, one backward all-reduce at the LM head's input and one all-gather of
-  the logits (B·S·V/tp per rank) for an ordinary cross entropy.
+  vocab-parallel embedding, one backward all-reduce at the LM head's input, and the vocab-parallel
+  cross entropy's 3 forward all-reduces of B·S fp32 values (max, target logit, sum of exponentials).
+  fxshard's cross entropy sends the same information in one all-gather of 2 values per token per rank.
 - **stated by fxshard**: the generated file's header line and ``manifest.json``'s
   ``ranks[i]["collectives"]``, before anything runs (:func:`fxshard_stated`).
 """
@@ -94,10 +95,9 @@ def megatron_expected(batch: int, seq: int, hidden: int, vocab: int, layers: int
                       dtype_bytes: int = 4) -> dict:
     """The Megatron-LM count for one training step of the GPT at ``tp`` (see the module docstring)."""
     act = batch * seq * hidden * dtype_bytes
-    logits = batch * seq * vocab // tp * dtype_bytes
+    loss = 3 * batch * seq * 4  # max, target logit, sum of exponentials: one fp32 value per token each
     return {
-        "forward": {"all_reduce": {"calls": 2 * layers + 1, "bytes": (2 * layers + 1) * act},
-                    "all_gather": {"calls": 1, "bytes": logits}},
+        "forward": {"all_reduce": {"calls": 2 * layers + 4, "bytes": (2 * layers + 1) * act + loss}},
         "backward": {"all_reduce": {"calls": 2 * layers + 1, "bytes": (2 * layers + 1) * act}},
     }
 
@@ -133,7 +133,11 @@ def describe(counts: dict, phase: str) -> str:
     kinds = counts.get(phase, {})
     if not kinds:
         return "none"
-    return ", ".join(f"{v['calls']} {k} ({v['bytes'] / 1e6:.2f} MB)" for k, v in sorted(kinds.items()))
+    return ", ".join(f"{v['calls']} {k} ({_size(v['bytes'])})" for k, v in sorted(kinds.items()))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 10_000 else f"{nbytes / 1e3:.2f} kB"
 
 
 def markdown(tp_results: list[dict]) -> str:

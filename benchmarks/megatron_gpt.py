@@ -8,12 +8,16 @@ This is the baseline fxshard's generated code should match: the same architectur
 - ``g`` (:class:`ReduceFromParallel`): all-reduce forward, identity backward, at the output of every
   row-parallel linear (the bias is added after the sum, once);
 - a vocab-parallel token embedding (each rank looks up its rows, then ``g``), tied to the LM head,
-  which is column-parallel over the vocabulary and all-gathers the logits for a plain cross entropy.
+  which is column-parallel over the vocabulary and feeds Megatron-LM's vocab-parallel cross entropy
+  (:class:`VocabParallelCrossEntropy`, as in ``megatron/core/tensor_parallel/cross_entropy.py``):
+  three all-reduces of one number per token (the logits' max, the target's logit, the sum of the
+  exponentials), and the logits are never gathered.
 
 Per layer that is 2 all-reduces forward and 2 backward; the embedding adds one forward, the LM
-head's ``f`` one backward, the logits one all-gather.  It does the same work, in the same order,
-as fxshard's code for that model (``fxshard compile benchmarks/models/gpt.py --tp 2``), so its
-losses must agree to rounding::
+head's ``f`` one backward, the loss three small forward all-reduces.  It does the same matrix work, in
+the same order, as fxshard's code for that model (``fxshard compile benchmarks/models/gpt.py --tp 2``),
+whose cross entropy gathers each rank's logsumexp and target logit instead (one all-gather), so the
+losses agree to rounding::
 
     model = MegatronGPT(full_model, group=dist.group.WORLD)   # slices full_model's weights
 """
@@ -57,20 +61,35 @@ class ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class GatherFromParallel(torch.autograd.Function):
-    """All-gather along the last dimension forward; keep this rank's part of the gradient backward."""
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's ``_VocabParallelCrossEntropy``: per-token loss from logits split over the vocabulary.
+
+    Forward all-reduces the max (for stability), the target's logit (held by one rank) and the sum of
+    the exponentials; backward is local: softmax minus the one-hot target, times the incoming gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+    def forward(ctx, logits, target, start, end, group):
+        logits_max = logits.max(dim=-1)[0]
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - logits_max.unsqueeze(-1)
+        outside = (target < start) | (target >= end)
+        local = (target - start).masked_fill(outside, 0)
+        predicted = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(predicted, group=group)
+        exp_logits = logits.exp_()
+        sum_exp = exp_logits.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local)
+        return torch.log(sum_exp) - predicted
 
     @staticmethod
     def backward(ctx, grad):
-        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(world, dim=-1)[rank].contiguous(), None
+        softmax, outside, local = ctx.saved_tensors
+        grad_input = softmax.clone()
+        grad_input.scatter_add_(-1, local.unsqueeze(-1), (outside.to(softmax.dtype) - 1).unsqueeze(-1))
+        return grad_input.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
 def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -180,5 +199,7 @@ class MegatronGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = CopyToParallel.apply(self.ln_f(x), self.group)
-        logits = GatherFromParallel.apply(F.linear(x, self.wte_weight), self.group)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        logits = F.linear(x, self.wte_weight)
+        losses = VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                 self.vocab_start, self.vocab_end, self.group)
+        return losses.mean()

@@ -10,7 +10,12 @@ step by step (:func:`benchmarks.common.interleave`):
 - ``hand-written``: :class:`benchmarks.megatron_gpt.MegatronGPT`, the same split written by hand;
 - ``DTensor``: the unmodified model under ``parallelize_module`` with ``ColwiseParallel`` /
   ``RowwiseParallel`` (torchtitan's recipe: q/k/v and fc_in column-wise, o_proj and fc_out row-wise,
-  the embedding row-wise over the vocabulary, the tied LM head column-wise with replicated logits).
+  the embedding row-wise over the vocabulary, the tied LM head column-wise with its logits left split
+  over the vocabulary for ``loss_parallel``'s cross entropy).
+
+Each contender computes the loss the way its own stack does at its best: fxshard's vocab-parallel cross
+entropy, Megatron-LM's ``_VocabParallelCrossEntropy`` in the hand-written code, DTensor's
+``loss_parallel``; none of them gathers the logits.
 
 All start from the same weights and batch (the model file's, seed 0), so their losses must agree;
 :func:`run` reports each one's first loss and the largest difference from fxshard over every step.
@@ -60,7 +65,8 @@ def model_size(size: str):
 
 @dataclass
 class Contender:
-    """A model ready to train: ``loss()`` runs its forward on the fixed batch, under ``context()``."""
+    """A model ready to train: ``loss()`` runs its forward on the fixed batch; forward and backward each run
+    under ``context()``."""
 
     loss: Callable[[], torch.Tensor]
     optimizer: torch.optim.Optimizer
@@ -73,7 +79,8 @@ class Contender:
         with sdpa_kernel(SDPBackend.MATH), self.context():
             loss = self.loss()
         phase("backward")
-        loss.backward()
+        with self.context():
+            loss.backward()
         phase("optimizer")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -125,14 +132,20 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
 
     model = copy.deepcopy(full)
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+            # logits stay split over the vocabulary for loss_parallel's cross entropy (torchtitan's default)
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.blocks)):
         # q/k/v stay DTensors: the model views them with its global head count
         plan |= {f"blocks.{i}.attn.{p}_proj": ColwiseParallel(use_local_output=False) for p in "qkv"}
@@ -141,7 +154,13 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
                  f"blocks.{i}.mlp.fc_out": RowwiseParallel()}
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.wte.weight  # parallelizing each module separately unties them
-    return Contender(lambda: model(**inputs), _optimizer(model.parameters()), context=implicit_replication)
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(implicit_replication())
+        stack.enter_context(loss_parallel())
+        return stack
+
+    return Contender(lambda: model(**inputs), _optimizer(model.parameters()), context=context)
 
 
 def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:

@@ -132,20 +132,30 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
         val2 = other.get(node.name)
         if not isinstance(val2, torch.Tensor) or val2.dim() != val.dim():
             val2 = _source_val(node, other)
-        if val2 is None:  # inserted by a pass (a bias add after an all-reduce): an input's fitted shape
-            same = next((out[a.name] for a in node.all_input_nodes if a.name in out
-                         and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == val.shape), None)
-            if same is not None:
-                out[node.name] = same
-                continue
-            out[node.name] = tuple(sympy.Integer(d) for d in val.shape)
-            unfitted += 1
+        if val2 is None:  # inserted by a pass (a bias add after an all-reduce): its inputs' fitted sizes
+            dims = _dims_from_inputs(node, out)
+            out[node.name] = dims
+            unfitted += all(isinstance(d, sympy.Integer) for d in dims)
             continue
         out[node.name] = tuple(_fit(d1, d2, b, s or 1, 2 * b, s2 or 1) for d1, d2 in zip(val.shape, val2.shape,
                                                                                          strict=True))
     if unfitted and second is not None:
         notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
     return out, notes
+
+
+def _dims_from_inputs(node: fx.Node, fitted: dict) -> tuple:
+    """Each dimension of ``node`` as the fitted expression of an input dimension of the same size: the one
+    at the same position if there is one, else the first; a size no input has stays a number (e.g. the
+    vocab-parallel cross entropy's ``[tokens, tp, 2]`` from logits ``[tokens, vocab]``)."""
+    inputs = [(a.meta["val"].shape, fitted[a.name]) for a in node.all_input_nodes
+              if a.name in fitted and isinstance(a.meta.get("val"), torch.Tensor)]
+    dims = []
+    for i, size in enumerate(node.meta["val"].shape):
+        same_place = [e[i] for shp, e in inputs if i < len(shp) and shp[i] == size]
+        anywhere = [e[j] for shp, e in inputs for j, d in enumerate(shp) if d == size]
+        dims.append((same_place or anywhere or [sympy.Integer(size)])[0])
+    return tuple(dims)
 
 
 def _source_val(node: fx.Node, other: dict):

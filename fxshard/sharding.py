@@ -30,7 +30,7 @@ class Decision:
 
     out: Placement | tuple[Placement, ...]
     inputs: tuple[Placement, ...]  # required placement of each tensor input, in ``tensor_args`` order
-    rewrite: str | None = None  # "vocab_embedding" | "bias_after_reduce"
+    rewrite: str | None = None  # "vocab_embedding" | "bias_after_reduce" | "vocab_cross_entropy"
 
 
 @dataclass
@@ -457,6 +457,22 @@ def _embedding(node, args, placements):
     if w == R and isinstance(ids, Shard):
         return Decision(ids, (w, ids))
     return None
+
+
+@rule(aten.cross_entropy_loss)
+def _cross_entropy(node, args, placements):
+    """Logits split over the classes (a column-parallel LM head): Megatron's vocab-parallel cross entropy.
+
+    Each rank reduces its own classes to two numbers per token (their logsumexp, and the target's logit
+    where this rank holds the target); those are gathered, so the logits themselves are never gathered.
+    Class weights and label smoothing are not supported: their logits are all-gathered first."""
+    x, target = placements[0], placements[1] if len(placements) > 1 else R
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    if (len(shape(args[0])) != 2 or x != Shard(1) or target != R or len(args) != 2 or weight is not None
+            or smoothing):
+        return None
+    return Decision(R, (x, target), "vocab_cross_entropy")
 
 
 @rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like, aten.ones_like,

@@ -62,7 +62,14 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     program = ctx.program
     state_names = program.state_by_name()
-    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    # the last stage returns the loss alone, so what computes only the model's other outputs (e.g. the
+    # logits gathered whole to be returned) runs nowhere
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out_node.args[0][0]
+    if not isinstance(loss, fx.Node) or loss.op != "call_function":
+        raise LayoutError("the loss is not computed by the model; pipeline parallelism needs a loss to train")
+    live = _ancestors(loss)
+    compute = [n for n in gm.graph.nodes if n.op == "call_function" and n in live]
     position = {n: i for i, n in enumerate(compute)}
     cut = _choose_cut(gm, compute, ctx)
     stage_of = {n: bisect.bisect_right(cut.starts, i) - 1 for i, n in enumerate(compute)}
@@ -127,10 +134,6 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             for a in n.all_input_nodes:
                 if a.op == "placeholder":
                     state[b].add(a)
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    loss = out_node.args[0][0]
-    if not isinstance(loss, fx.Node) or loss.op != "call_function":
-        raise LayoutError("the loss is not computed by the model; pipeline parallelism needs a loss to train")
     need(loss, S - 1)
     outputs[S - 1] = [loss]
 
@@ -161,6 +164,17 @@ def _requires_grad(gm: fx.GraphModule, ctx: CompileContext) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes) and _is_differentiable(n):
             out.add(n)
     return out
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it is computed from."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:

@@ -6,7 +6,10 @@ through every op (``fxshard.sharding``), then makes the graph compute one rank's
 * shape constants baked in by export (``view``/``reshape``/``expand`` sizes, ``split`` sizes) become
   per-rank values — e.g. ``view(q, [2, 8, 4, 16])`` becomes ``[2, 8, 2, 16]`` at tp=2;
 * a row-parallel bias is taken out of the matmul and added once, after the reduction;
-* a vocabulary-parallel embedding becomes a masked lookup of this rank's rows.
+* a vocabulary-parallel embedding becomes a masked lookup of this rank's rows;
+* a cross entropy over logits split by class (a column-parallel LM head) becomes Megatron's
+  vocab-parallel cross entropy: each rank reduces its classes to a logsumexp and the target's logit
+  per token, and only those are gathered, never the logits.
 
 Every split size is checked: a size the tp degree does not divide is a :class:`ShardingError`
 naming the module and the degrees that would work.  Inserting the communication is the next
@@ -68,6 +71,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             _bias_after_reduce(gm, node)
         elif d.rewrite == "vocab_embedding":
             _vocab_embedding(node, tp)
+        elif d.rewrite == "vocab_cross_entropy":
+            _vocab_cross_entropy(gm, node, tp)
     ctx.weight_placements = {n.name: p for n, p in weights.items()}
     gm.graph.lint()
     return gm
@@ -99,7 +104,10 @@ def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
                 )
             weights[tensor] = placement
             owner[tensor] = op.fqn
-        if style.gather_output:
+        if style.gather_output and _feeds_cross_entropy(op.node):
+            ctx.notes.append(f"{op.fqn}: its logits reach the cross entropy split by class (vocab-parallel), "
+                             "not gathered; they are gathered only where needed whole (e.g. returned)")
+        elif style.gather_output:
             forced[op.node] = Replicate()
         roles[op.fqn] = style.role
     for fqn, style in ctx.plan.styles.items():
@@ -109,6 +117,16 @@ def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
             ctx.plan.warnings.append(msg)
             ctx.notes.append(msg)
     return weights, forced, roles
+
+
+_TRANSPARENT = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.contiguous.default,
+                aten.clone.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.flatten.using_ints}
+
+
+def _feeds_cross_entropy(node: fx.Node) -> bool:
+    """Whether ``node`` (a head's logits) reaches a cross entropy through reshapes and casts only."""
+    return any(u.target is aten.cross_entropy_loss.default and u.args[0] is node
+               or u.target in _TRANSPARENT and u.args[0] is node and _feeds_cross_entropy(u) for u in node.users)
 
 
 def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext) -> None:
@@ -189,3 +207,33 @@ def _vocab_embedding(node: fx.Node, tp: int) -> None:
     node.args = (weight, ids)
     node.kwargs = {"start": RankValue("tp", tuple(r * rows for r in range(tp))),
                    "end": RankValue("tp", tuple((r + 1) * rows for r in range(tp)))}
+
+
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's Reduction enum
+
+
+def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
+    """``cross_entropy_loss(logits S(1), target)`` -> per-rank parts (S(1) of ``[N, tp, 2]``), then the loss
+    from the gathered parts; the collectives pass inserts the all-gather between the two."""
+    logits, target = node.args[:2]
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    classes = shape(logits)[1]
+    with gm.graph.inserting_before(node):
+        parts = gm.graph.call_function(rt_tp.vocab_cross_entropy_parts, (logits, target), {
+            "start": RankValue("tp", tuple(r * classes // tp for r in range(tp))),
+            "end": RankValue("tp", tuple((r + 1) * classes // tp for r in range(tp)))})
+    val = logits.meta["val"]
+    parts.meta["val"] = val.new_empty((shape(logits)[0], tp, 2), dtype=torch.float32)
+    parts.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    old = node.meta["fxshard"]
+    role = "vocab-parallel cross entropy"
+    parts.meta["fxshard"] = NodeSpec(Shard(1), old.fqn, role)
+    node.meta["fxshard"] = NodeSpec(old.placement, old.fqn, role)
+    parts.meta["fxshard_inputs"] = node.meta["fxshard_inputs"]
+    node.target = rt_tp.vocab_cross_entropy
+    node.args = (parts, target)
+    node.kwargs = {"ignore_index": ignore_index, "reduction": _REDUCTIONS[reduction]}
+    if val.dtype != torch.float32:
+        node.kwargs["dtype"] = val.dtype
+    node.meta["fxshard_inputs"] = (Replicate(), Replicate())

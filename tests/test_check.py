@@ -72,9 +72,9 @@ def test_generated_files_pass_and_compile_time_scan_agrees_with_the_meta_run(com
     assert ("tied-weight group [0, 2]", "sync_tied_grads", 0, 1) in traced
     assert report.links == ["stage 0 -> stage 1: 2 tensors per microbatch"]
     plain = check_output(gpt_tp2(compiled).out)
-    # 16 row-parallel all-reduces + the vocab-parallel embedding's + the LM head's all-gather; backward:
-    # one all-reduce per column-parallel input (copy_to)
-    assert [(g.label, g.forward, g.backward) for g in plain.groups] == [("tp group [0, 1]", 18, 17)]
+    # 16 row-parallel all-reduces + the vocab-parallel embedding's + the vocab-parallel cross entropy's
+    # all-gather + the returned logits' all-gather; backward: one all-reduce per column-parallel input (copy_to)
+    assert [(g.label, g.forward, g.backward) for g in plain.groups] == [("tp group [0, 1]", 19, 17)]
 
 
 def test_dropped_all_reduce_names_rank_line_and_collective(compiled, tmp_path):
@@ -85,7 +85,7 @@ def test_dropped_all_reduce_names_rank_line_and_collective(compiled, tmp_path):
                           "forward collective #4 is missing: ")
     assert f"rank_pp0_tp0.py:{line} (global rank 0) issues all_reduce float32 [8, 16, 64] " \
            "(all_reduce_3 = rt.all_reduce(...))" in msg
-    assert "issues 17 forward collectives there, the other 18; running this would hang" in msg
+    assert "issues 18 forward collectives there, the other 19; running this would hang" in msg
     assert msg.endswith("Recompile with `fxshard compile` instead of editing generated files.")
 
 

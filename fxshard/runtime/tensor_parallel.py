@@ -14,3 +14,36 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: in
     local = (ids - start).masked_fill(outside, 0)
     out = torch.nn.functional.embedding(local, weight)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_cross_entropy_parts(logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """This rank's share of a cross entropy over classes ``[start, end)`` of ``logits`` ``[N, C/tp]``.
+
+    Per token, two fp32 numbers (shape ``[N, 1, 2]``, to be all-gathered along dim 1): the logsumexp of
+    this rank's logits, and the target's logit if this rank holds the target's class (else 0).  They are
+    computed in fp32 whatever the logits' dtype, as Megatron-LM's cross entropy is by default.
+    """
+    x = logits.float()
+    outside = (target < start) | (target >= end)
+    local = (target - start).masked_fill(outside, 0)
+    picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    return torch.stack([torch.logsumexp(x, dim=-1), picked], dim=-1).unsqueeze(1)
+
+
+def vocab_cross_entropy(parts: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                        reduction: str = "mean", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Cross entropy from every rank's :func:`vocab_cross_entropy_parts` gathered (``[N, tp, 2]``).
+
+    ``logsumexp`` over the ranks' logsumexps is the logsumexp over all classes; the target's logit is
+    the sum of the ranks' parts (one holds it).  ``ignore_index`` and ``reduction`` mean what they do in
+    ``torch.nn.functional.cross_entropy``; the loss is computed in fp32 and returned in ``dtype`` (the
+    logits' dtype; default fp32).
+    """
+    loss = torch.logsumexp(parts[..., 0], dim=1) - parts[..., 1].sum(dim=1)
+    ignored = target == ignore_index
+    loss = loss.masked_fill(ignored, 0.0)
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / (~ignored).sum()
+    return loss if dtype is None else loss.to(dtype)

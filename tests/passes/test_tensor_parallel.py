@@ -13,6 +13,7 @@ from fxshard.context import Layout, spec
 from fxshard.errors import PlanError, ShardingError
 from fxshard.placement import Partial, Replicate, Shard
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import tensor_parallel as rt_tp
 
 aten = torch.ops.aten
 
@@ -61,8 +62,23 @@ def test_two_all_reduces_each_way_per_transformer_layer(samples, sample, layers)
     fwd, bwd = _counts(gm)
     # + 1 forward all-reduce for the vocabulary-parallel embedding, + 1 backward for the output head
     assert (fwd, bwd) == (2 * layers + 1, 2 * layers + 1)
+    # the loss is a vocab-parallel cross entropy: it gathers 2 numbers per token, never the logits; the
+    # logits are gathered once, for the model's returned output
     gathers = [n for n in _collectives(gm) if n.target is rtc.all_gather]
-    assert len(gathers) == 1 and spec(gathers[0]).fqn == "lm_head"
+    assert len(gathers) == 2
+    loss_parts, logits = gathers
+    assert loss_parts.args[0].target is rt_tp.vocab_cross_entropy_parts
+    assert [u.target for u in loss_parts.users] == [rt_tp.vocab_cross_entropy]
+    assert list(loss_parts.meta["val"].shape)[1:] == [2, 2]
+    assert [u.op for u in logits.users] == ["output"]
+
+
+def test_cross_entropy_needing_the_whole_logits_gathers_them(models):
+    """Label smoothing has no vocab-parallel rule: the logits are all-gathered first, and the compile says so."""
+    result = compile_program(models / "smoothed_loss.py", Layout(tp=2))
+    gathers = [n for n in _collectives(result.gm) if n.target is rtc.all_gather]
+    assert len(gathers) == 1 and [u.target for u in gathers[0].users] != [rt_tp.vocab_cross_entropy_parts]
+    assert any("aten.cross_entropy_loss.default has no sharding rule" in note for note in result.ctx.notes)
 
 
 def test_attention_shapes_are_localized_to_heads(samples):
