@@ -112,6 +112,8 @@ def fxshard_stated(out: Path, manifest: dict, rank: int = 0) -> dict:
     header = _HEADER.search((Path(out) / entry["file"]).read_text())
     counts: dict[str, dict[str, dict[str, int]]] = {}
     for c in entry["collectives"]:
+        if c.get("outputs_only"):  # not issued in training
+            continue
         nbytes = _DTYPE_BYTES.get(c["dtype"], 4)
         for s in c["shape"]:
             nbytes *= s

@@ -115,6 +115,7 @@ def fxshard_contender(out: Path, inputs: dict) -> Contender:
     entry = rank_entry(manifest, layout.coords(dist.get_rank()))
     code = import_rank_file(out / entry["file"])
     module = code.RankModule(groups, torch.device("cpu"))
+    module.return_outputs = False  # as fxshard.launch.train does
     load_state(module, out / entry["weights"])
     leaves = flatten_batch(inputs, manifest["inputs"])
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))

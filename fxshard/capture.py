@@ -187,6 +187,20 @@ def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Modu
     return keep, dict(sorted(tied.items()))
 
 
+def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
+    """The loss (output 0 of a captured graph) and every node it is computed from: what training runs.
+    The rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    seen: set[fx.Node] = set()
+    stack = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
 def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxshard.capture import loss_cone
 from fxshard.context import Layout, spec
 from fxshard.memory import formula, peak_params
 from fxshard.placement import local_shape
@@ -190,7 +191,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
         state = [n for st in stages for n in st.state]
     else:
         stages = []
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        cone = loss_cone(gm)  # training skips what only the model's other outputs need
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n in cone]
         state = [n for n in gm.graph.nodes if n.op == "placeholder" and n in ctx.params]
     micro = sympy.Rational(1, 1) * B / per_step_b
 

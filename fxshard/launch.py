@@ -162,6 +162,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
         module = code.RankModule(groups, device)
+        module.return_outputs = False  # training needs the loss alone
         runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters, reader, entry)
         params = list(runner.parameters())
         step_fn = _plain_step(runner)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.capture import node_fqn
+from fxshard.capture import loss_cone, node_fqn
 from fxshard.context import CompileContext, spec
 from fxshard.errors import LayoutError, PlanError
 from fxshard.pipeline import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
@@ -68,7 +68,7 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     loss = out_node.args[0][0]
     if not isinstance(loss, fx.Node) or loss.op != "call_function":
         raise LayoutError("the loss is not computed by the model; pipeline parallelism needs a loss to train")
-    live = _ancestors(loss)
+    live = loss_cone(gm)
     compute = [n for n in gm.graph.nodes if n.op == "call_function" and n in live]
     position = {n: i for i, n in enumerate(compute)}
     cut = _choose_cut(gm, compute, ctx)
@@ -164,17 +164,6 @@ def _requires_grad(gm: fx.GraphModule, ctx: CompileContext) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes) and _is_differentiable(n):
             out.add(n)
     return out
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every node it is computed from."""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:

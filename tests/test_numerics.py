@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _rank_forward_backward(rank: int, world: int, out: str):
+def _rank_module(rank: int, world: int, out: str):
+    """This tp rank's generated ``RankModule`` on a gloo mesh with its weights, and its example batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxshard.output import import_rank_file, rank_entry, read_manifest
@@ -37,7 +38,12 @@ def _rank_forward_backward(rank: int, world: int, out: str):
     module = import_rank_file(out / entry["file"]).RankModule({a: mesh.get_group(a) for a in ("dp", "pp", "tp")})
     load_state(module, out / entry["weights"])
     batch = load_model_file(out / "model.py").build_inputs(manifest["seed"])
-    outputs = module(*flatten_batch(batch, manifest["inputs"]))
+    return module, flatten_batch(batch, manifest["inputs"])
+
+
+def _rank_forward_backward(rank: int, world: int, out: str):
+    module, leaves = _rank_module(rank, world, out)
+    outputs = module(*leaves)
     outputs[0].backward()
     grads = {name: p.grad.clone() for name, p in module.named_parameters()}
     return [o.detach().clone() for o in outputs], grads
@@ -84,3 +90,42 @@ def test_rank_code_matches_unsharded_model(tmp_path, sample, tp):
         torch.testing.assert_close(full, ref_grads[source], **TOL, msg=lambda m, s=source: f"{s}: {m}")
     sharded = [t for e in manifest["ranks"] for t in e["tensors"].values() if t["slice"]["parts"] > 1]
     assert sharded, "the plan split some weights"
+
+
+def _training_forward(rank: int, world: int, out: str):
+    """One training forward (``return_outputs = False``, as ``fxshard run`` sets), counting its collectives."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.comm import CollectiveCounter
+
+    module, leaves = _rank_module(rank, world, out)
+    module.return_outputs = False
+    counter = CollectiveCounter()
+    counter.phase = "forward"
+    with counter:
+        outputs = module(*leaves)
+    return len(outputs), float(outputs[0]), counter.counts
+
+
+@pytest.mark.distributed
+def test_training_forward_skips_gathering_the_returned_logits(tmp_path):
+    """samples/gpt.py returns its logits; training needs only the loss, so it issues what the manifest states
+    per step: the cross entropy's small all-gather, not the logits' (which only ``return_outputs`` pays)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.comm import fxshard_stated
+
+    path = ROOT / "samples" / "gpt.py"
+    result = compile_model(path, Layout(tp=2), out=tmp_path)
+    entry = result.manifest["ranks"][0]
+    assert [c["op"] for c in entry["collectives"] if c.get("outputs_only")] == ["all_gather"]
+    ref_loss = _reference(path)[0][0]
+    stated = fxshard_stated(tmp_path, result.manifest)["manifest"]["forward"]
+    for count, loss, measured in spawn(_training_forward, 2, str(tmp_path)):
+        assert count == 1
+        torch.testing.assert_close(torch.tensor(loss), ref_loss.detach(), **TOL)
+        assert measured["forward"] == stated
+        tokens = 8 * 16  # samples/gpt.py: batch 8, sequence 16
+        assert measured["forward"]["all_gather"] == {"calls": 1, "bytes": tokens * 2 * 4}

@@ -17,6 +17,7 @@ import jinja2
 import torch
 import torch.fx as fx
 
+from fxshard.capture import loss_cone
 from fxshard.context import CompileContext, Group, RankValue, spec
 from fxshard.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import random as rt_random
@@ -70,7 +71,7 @@ class _Class:
     forward_lines: list[str]
 
 
-_RESERVED = {"device", "tp", "pp", "dp", "forward", "training", "INPUTS", "OUTPUTS"}
+_RESERVED = {"device", "tp", "pp", "dp", "forward", "training", "return_outputs", "INPUTS", "OUTPUTS"}
 
 
 def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], version: str,
@@ -92,10 +93,16 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     if pipe is None:
         state_nodes = [n for n in placeholders if n.name in state and n.users]
         inputs = [n for n in placeholders if n.name not in state]
+        cone = loss_cone(gm)
+        outputs_only = [n for n in compute if n not in cone]
         cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
                                     "parameters at their per-rank shapes, straight-line forward.",
-                                    [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None,
-                                    set(out_node.all_input_nodes))
+                                    [], [n for n in compute if n in cone] + outputs_only, state_nodes, inputs, set(),
+                                    ctx, coords, collectives, None, set(out_node.all_input_nodes),
+                                    _outputs_guard(out_node, outputs_only))
+        if outputs_only:
+            cls.attributes = ["return_outputs = True  # False: forward returns (loss,) and skips what only the "
+                              "model's other outputs need (fxshard run trains so)"]
         cls.forward_lines += ["", f"return {_arg(out_node.args[0], names, coords)}"]
         classes.append(cls)
         attrs.update(a)
@@ -218,8 +225,19 @@ def _dead_after(nodes: list[fx.Node], inputs: list[fx.Node], keep: set[fx.Node])
     return dead
 
 
+def _outputs_guard(out_node: fx.Node, outputs_only: list[fx.Node]) -> tuple[set[fx.Node], list[str]] | None:
+    """The early return before the nodes that compute only the model's other outputs (training skips them)."""
+    if not outputs_only:
+        return None
+    loss = out_node.args[0][0]
+    return set(outputs_only), ["if not self.return_outputs:  # training: the loss alone",
+                               f"    return ({loss.name},)"]
+
+
 def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx, coords, collectives, stage,
-                keep: set[fx.Node]):
+                keep: set[fx.Node], guard: tuple[set[fx.Node], list[str]] | None = None):
+    """One generated class; ``guard`` = (nodes, lines): the lines go before the first of those nodes, whose
+    collectives the manifest marks ``outputs_only``."""
     program = ctx.program
     state = program.state_by_name()
     tp = ctx.layout.tp
@@ -238,9 +256,13 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
     lines: list[str] = []
     group_key = None
     dead = _dead_after(nodes, inputs, keep)
+    guarded_nodes, guard_lines = guard or (set(), [])
     for node in nodes:
         again = node in recomputed
         key = (spec(node).fqn, spec(node).role, again)
+        if node in guarded_nodes and guard_lines:
+            lines += ["", *guard_lines]
+            guard_lines, group_key = [], None
         if key != group_key:
             group_key = key
             if lines:
@@ -264,6 +286,8 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
                 "backward": {"copy_to": "all_reduce", "all_reduce": None, "all_gather": None,
                              "scatter": "all_gather"}[target],
             })
+            if node in guarded_nodes:
+                collectives[-1]["outputs_only"] = True
     cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines)
     return cls, names, attrs
 
@@ -376,6 +400,8 @@ def collective_counts(collectives: list[dict]) -> tuple[str, str]:
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     for c in collectives:
+        if c.get("outputs_only"):  # not issued in training (return_outputs = False)
+            continue
         if c["op"] != "copy_to":
             fwd[c["op"]] = fwd.get(c["op"], 0) + 1
         if c["backward"]:
@@ -386,7 +412,12 @@ def collective_counts(collectives: list[dict]) -> tuple[str, str]:
 
 def _summary(collectives: list[dict]) -> str:
     f, b = collective_counts(collectives)
-    return f"forward {f}; backward {b}"
+    text = f"forward {f}; backward {b}"
+    extra = [c for c in collectives if c.get("outputs_only")]
+    if extra:
+        more, _ = collective_counts([c | {"outputs_only": False} for c in extra])
+        text += f" (returning the model's other outputs adds {more})"
+    return text
 
 
 def _state_line(attr: str, s, node: fx.Node, tp: int) -> str:

@@ -23,6 +23,12 @@ def _skip_an_all_reduce(out: Path) -> None:
     path.write_text(text.replace("all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9"))
 
 
+def _line(path, start: str) -> int:
+    """The line number of the one line of ``path`` that starts (after indentation) with ``start``."""
+    (number,) = [i for i, x in enumerate(path.read_text().splitlines(), 1) if x.strip().startswith(start)]
+    return number
+
+
 @pytest.mark.e2e
 def test_run_refuses_a_rank_file_that_would_hang_before_launching(tmp_path):
     out = tmp_path / "out"
@@ -42,7 +48,9 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
     _skip_an_all_reduce(out)
     # rank 1 now issues 17 forward all-reduces to rank 0's 18: the first 17 pair up (same shapes, wrong sums),
-    # then rank 0 waits in its 18th all-reduce while rank 1 waits in the LM head's all-gather
+    # then rank 0 waits in its 18th all-reduce while rank 1 waits in the cross entropy's all-gather
+    line0 = _line(out / "rank_pp0_tp0.py", "all_reduce_16 = rt.all_reduce(")
+    line1 = _line(out / "rank_pp0_tp1.py", "all_gather = rt.all_gather(vocab_cross_entropy_parts,")
     start = time.monotonic()
     # `fxshard run` refuses such a folder before launching (next test); --no-check launches it anyway, so the
     # run-time guard is what stops it
@@ -55,9 +63,9 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     # whichever rank gives up first is named with its collective, the line that issued it and its number
     # (the other may be stopped by the launcher before its own timeout)
     named = {
-        0: "rank 0 exited with code 2: CollectiveError: rank 0: all_reduce float32 [8, 16, 64] (rank_pp0_tp0.py:607, "
+        0: f"rank 0 exited with code 2: CollectiveError: rank 0: all_reduce float32 [8, 16, 64] (rank_pp0_tp0.py:{line0}, "
            "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
-        1: "rank 1 exited with code 2: CollectiveError: rank 1: all_gather float32 [8, 16, 128] (rank_pp0_tp1.py:619, "
+        1: f"rank 1 exited with code 2: CollectiveError: rank 1: all_gather float32 [128, 1, 2] (rank_pp0_tp1.py:{line1}, "
            "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
     }
     assert any(text in summary for text in named.values()), summary
