@@ -14,8 +14,11 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +131,26 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         dist.destroy_process_group()
 
 
+@dataclass
+class _Run:
+    """One rank's training, set up: what it holds, how one batch runs, and the optimizer."""
+
+    manifest: dict
+    layout: Any
+    entry: dict
+    coords: dict[str, int]
+    groups: dict
+    device: torch.device
+    batches: list
+    params: list[torch.nn.Parameter]
+    step_fn: Callable  # one batch's forward and backward; returns its loss
+    held: dict[str, torch.nn.Module]  # prefix ("" or "StageN.") -> generated module
+    finish: Callable | None  # after the batches of a step (pipeline: tied and dp gradient sums)
+    opt: torch.optim.Optimizer
+    weighted: list  # (parameter, weight) pairs of the global gradient norm
+    first_step: int
+
+
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
           memory: dict | None = None, checkpoint=None) -> list[float]:
@@ -139,8 +162,40 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
     layout) at its step: only steps after it run, and their losses are returned."""
-    out = Path(out)
-    device = device or torch.device("cpu")
+    run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint)
+    probe = MemoryProbe(list(run.held.values())) if memory is not None else None
+    rank = dist.get_rank()
+    losses = []
+    sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
+    try:
+        for step in range(run.first_step, steps + 1):
+            start = time.perf_counter()
+            value = _train_step(run, step, optim, probe)
+            losses.append(value)
+            if rank == 0:
+                log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
+                if sink:
+                    sink.write(json.dumps({"step": step, "loss": value}) + "\n")
+                    sink.flush()
+            if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
+                from fxshard.checkpoint import save_checkpoint
+
+                saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
+                                        run.manifest, run.coords, run.groups["dp"], optim)
+                if saved is not None:
+                    log(f"saved checkpoint {saved}")
+    finally:
+        if sink:
+            sink.close()
+    if memory is not None:
+        memory |= probe.sample | {"psi": _local_parameter_count(run.held, run.entry)}
+    if final_state is not None:
+        final_state |= _trained_state(run.held)
+    return losses
+
+
+def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint) -> _Run:
+    """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
     layout = layout_of(manifest)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -154,9 +209,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     coords = layout.coords(rank)
     entry = rank_entry(manifest, coords)
     code = import_rank_file(out / entry["file"])
-    mf = load_model_file(out / manifest["model_file"])
-    accum = optim.grad_accum
-    batches = mf.batches(steps * accum, manifest["seed"])
+    batches = load_model_file(out / manifest["model_file"]).batches(steps * optim.grad_accum, manifest["seed"])
     dp_mesh = mesh["dp"]
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
@@ -164,10 +217,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
         module = code.RankModule(groups, device)
         module.return_outputs = False  # training needs the loss alone
         runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters, reader, entry)
-        params = list(runner.parameters())
-        step_fn = _plain_step(runner)
-        held = {"": module}
-        finish = None
+        params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
     else:
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
@@ -179,63 +229,49 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
         from fxshard.checkpoint import load_optimizer
 
         load_optimizer(reader, opt, held, entry, groups["dp"])
-    probe = MemoryProbe(list(held.values())) if memory is not None else None
-    dp_rank, dp = coords["dp"], layout.dp
-    weighted = _norm_weights(held, entry, manifest, layout)
-    divisor = accum * (manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1)
-    losses = []
-    sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
-    try:
-        for step in range(1 + (reader.step if reader else 0), steps + 1):
-            set_context(step, f"training step {step}")
-            start = time.perf_counter()
-            value = 0.0
-            for number, batch in enumerate(batches[(step - 1) * accum:step * accum], (step - 1) * accum):
-                leaves = [_to_rank(v, dp, dp_rank, device, layout) for v in flatten_batch(batch, manifest["inputs"])]
-                begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
-                value += step_fn(leaves) / accum
-            if divisor > 1:  # gradients summed over batches and microbatches: average them
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.div_(divisor)
-            if finish is not None:
-                finish()
-            if dp > 1:
-                value = _dp_mean(value, groups["dp"], device)
-            if probe is not None:
-                probe.after_backward(params)
-            if optim.clip_grad_norm is not None:
-                clip_grad_norm_([(local(p.grad), w) for p, w in weighted if p.grad is not None],
-                                optim.clip_grad_norm)
-            opt.step()
-            if probe is not None:
-                probe.after_step(opt)
-            opt.zero_grad(set_to_none=True)
-            losses.append(value)
-            if rank == 0:
-                log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
-                if sink:
-                    sink.write(json.dumps({"step": step, "loss": value}) + "\n")
-                    sink.flush()
-            if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
-                from fxshard.checkpoint import save_checkpoint
+    return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
+                _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0))
 
-                saved = save_checkpoint(checkpoint.folder, step, out, held, entry, opt, manifest, coords,
-                                        groups["dp"], optim)
-                if saved is not None:
-                    log(f"saved checkpoint {saved}")
-    finally:
-        if sink:
-            sink.close()
-    if memory is not None:
-        memory |= probe.sample | {"psi": _local_parameter_count(held, entry)}
-    if final_state is not None:
-        for prefix, module in held.items():
-            for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-                if hasattr(t, "full_tensor"):  # ZeRO 2/3: gather the dp shards
-                    t = t.full_tensor()
-                final_state[prefix + name] = t.detach().cpu().clone()
-    return losses
+
+def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | None) -> float:
+    """The batches of one optimizer step, their gradients averaged, clipped and applied; the step's loss."""
+    set_context(step, f"training step {step}")
+    manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
+    dp_rank, dp = run.coords["dp"], layout.dp
+    value = 0.0
+    for number, batch in enumerate(run.batches[(step - 1) * accum:step * accum], (step - 1) * accum):
+        leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
+        begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
+        value += run.step_fn(leaves) / accum
+    divisor = accum * (manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1)
+    if divisor > 1:  # gradients summed over batches and microbatches: average them
+        for p in run.params:
+            if p.grad is not None:
+                p.grad.div_(divisor)
+    if run.finish is not None:
+        run.finish()
+    if dp > 1:
+        value = _dp_mean(value, run.groups["dp"], run.device)
+    if probe is not None:
+        probe.after_backward(run.params)
+    if optim.clip_grad_norm is not None:
+        clip_grad_norm_([(local(p.grad), w) for p, w in run.weighted if p.grad is not None], optim.clip_grad_norm)
+    run.opt.step()
+    if probe is not None:
+        probe.after_step(run.opt)
+    run.opt.zero_grad(set_to_none=True)
+    return value
+
+
+def _trained_state(held: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's trained tensors, keyed as in its weights file; ZeRO 2/3 shards gathered over dp."""
+    state = {}
+    for prefix, module in held.items():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            state[prefix + name] = t.detach().cpu().clone()
+    return state
 
 
 def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
