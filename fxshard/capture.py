@@ -188,11 +188,13 @@ def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Modu
 
 
 def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
-    """The loss (output 0 of a captured graph) and every node it is computed from: what training runs.
-    The rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
+    """What training runs: the loss (output 0 of a captured graph), every op with a side effect (an
+    in-place update, e.g. of a buffer or through a view), and every node these are computed from.  The
+    rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     seen: set[fx.Node] = set()
     stack = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
+    stack += [n for n in gm.graph.nodes if n.op == "call_function" and n.is_impure()]
     while stack:
         n = stack.pop()
         if n not in seen:

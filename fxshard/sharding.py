@@ -459,20 +459,30 @@ def _embedding(node, args, placements):
     return None
 
 
+def vocab_parallel_loss(node: fx.Node) -> bool:
+    """Whether this ``cross_entropy_loss`` can run vocab-parallel once its logits are split by class:
+    2-d logits ``[N, C]``, integer class targets ``[N]``, no class weights, no label smoothing."""
+    if node.target is not aten.cross_entropy_loss.default or len(node.args) < 2:
+        return False
+    logits, target = node.args[:2]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    t = target.meta.get("val") if isinstance(target, fx.Node) else None
+    return (isinstance(logits, fx.Node) and len(shape(logits)) == 2 and isinstance(t, torch.Tensor)
+            and t.dim() == 1 and not t.is_floating_point() and weight is None and not smoothing)
+
+
 @rule(aten.cross_entropy_loss)
 def _cross_entropy(node, args, placements):
     """Logits split over the classes (a column-parallel LM head): Megatron's vocab-parallel cross entropy.
 
     Each rank reduces its own classes to two numbers per token (their logsumexp, and the target's logit
     where this rank holds the target); those are gathered, so the logits themselves are never gathered.
-    Class weights and label smoothing are not supported: their logits are all-gathered first."""
-    x, target = placements[0], placements[1] if len(placements) > 1 else R
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    if (len(shape(args[0])) != 2 or x != Shard(1) or target != R or len(args) != 2 or weight is not None
-            or smoothing):
+    Class weights, label smoothing and probability targets are not supported: their logits are
+    all-gathered first."""
+    if not vocab_parallel_loss(node) or len(args) != 2 or placements[0] != Shard(1) or placements[1] != R:
         return None
-    return Decision(R, (x, target), "vocab_cross_entropy")
+    return Decision(R, tuple(placements), "vocab_cross_entropy")
 
 
 @rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like, aten.ones_like,

@@ -28,7 +28,7 @@ from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.layers import WeightOp, style_placements, weight_ops
 from fxshard.placement import Placement, Replicate, Shard, local_shape
 from fxshard.runtime import tensor_parallel as rt_tp
-from fxshard.sharding import Decision, Propagation, propagate, shape
+from fxshard.sharding import Decision, Propagation, propagate, shape, vocab_parallel_loss
 
 aten = torch.ops.aten
 
@@ -104,11 +104,14 @@ def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
                 )
             weights[tensor] = placement
             owner[tensor] = op.fqn
-        if style.gather_output and _feeds_cross_entropy(op.node):
+        if style.gather_output and _feeds_cross_entropy(op.node, vocab_parallel_loss):
             ctx.notes.append(f"{op.fqn}: its logits reach the cross entropy split by class (vocab-parallel), "
                              "not gathered; they are gathered only where needed whole (e.g. returned)")
         elif style.gather_output:
             forced[op.node] = Replicate()
+            if _feeds_cross_entropy(op.node, lambda u: u.target is aten.cross_entropy_loss.default):
+                ctx.notes.append(f"{op.fqn}: its logits are gathered whole for the cross entropy: class weights, "
+                                 "label smoothing and probability targets have no vocab-parallel form")
         roles[op.fqn] = style.role
     for fqn, style in ctx.plan.styles.items():
         if fqn not in styled and style.kind != "replicate":
@@ -123,10 +126,11 @@ _TRANSPARENT = {aten.view.default, aten.reshape.default, aten._unsafe_view.defau
                 aten.clone.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.flatten.using_ints}
 
 
-def _feeds_cross_entropy(node: fx.Node) -> bool:
-    """Whether ``node`` (a head's logits) reaches a cross entropy through reshapes and casts only."""
-    return any(u.target is aten.cross_entropy_loss.default and u.args[0] is node
-               or u.target in _TRANSPARENT and u.args[0] is node and _feeds_cross_entropy(u) for u in node.users)
+def _feeds_cross_entropy(node: fx.Node, loss) -> bool:
+    """Whether ``node`` (a head's logits) reaches, through reshapes and casts only, a node ``loss(node)``
+    accepts (a cross entropy)."""
+    return any(u.args and u.args[0] is node and (loss(u) or u.target in _TRANSPARENT and _feeds_cross_entropy(u, loss))
+               for u in node.users)
 
 
 def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext) -> None:
@@ -224,7 +228,7 @@ def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
             "start": RankValue("tp", tuple(r * classes // tp for r in range(tp))),
             "end": RankValue("tp", tuple((r + 1) * classes // tp for r in range(tp)))})
     val = logits.meta["val"]
-    parts.meta["val"] = val.new_empty((shape(logits)[0], tp, 2), dtype=torch.float32)
+    parts.meta["val"] = val.new_empty((shape(logits)[0], tp, 2), dtype=rt_tp.reduction_dtype(val.dtype))
     parts.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     old = node.meta["fxshard"]
     role = "vocab-parallel cross entropy"
@@ -233,7 +237,8 @@ def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
     parts.meta["fxshard_inputs"] = node.meta["fxshard_inputs"]
     node.target = rt_tp.vocab_cross_entropy
     node.args = (parts, target)
-    node.kwargs = {"ignore_index": ignore_index, "reduction": _REDUCTIONS[reduction]}
-    if val.dtype != torch.float32:
-        node.kwargs["dtype"] = val.dtype
+    kwargs = {"ignore_index": ignore_index, "reduction": _REDUCTIONS[reduction]}
+    if val.dtype != parts.meta["val"].dtype:
+        kwargs["dtype"] = val.dtype
+    node.kwargs = kwargs
     node.meta["fxshard_inputs"] = (Replicate(), Replicate())

@@ -40,6 +40,11 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "llama-tp2-pp2-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), None),
     # cut by markers in forward; a skip connection from stage 0 to stage 2 passes through stage 1
     "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
+    # in-place writes the loss needs without consuming their result (through a view; a buffer counter)
+    "inplace-view-tp2": (ROOT / "tests" / "models" / "inplace_view.py", Layout(tp=2), None),
+    "inplace-view-pp2-1f1b": (ROOT / "tests" / "models" / "inplace_view.py", Layout(pp=2), None),
+    # bf16 logits into the vocab-parallel cross entropy (reduced in fp32, the loss returned in bf16)
+    "gpt-tp2-bf16": (SAMPLES / "gpt.py", Layout(tp=2, dtype="bf16"), None),
     # data parallelism and ZeRO on the dp x pp x tp mesh
     **{f"gpt-dp2-zero{z}": (SAMPLES / "gpt.py", Layout(dp=2, zero=z), None) for z in (0, 1, 2, 3)},
     "llama-dp2-tp2-zero0": (SAMPLES / "llama.py", Layout(dp=2, tp=2), None),
@@ -182,3 +187,13 @@ def test_zero_bubble_bf16_trains_as_1f1b_does(trained):
     b, _ = trained["gpt-dp2-pp2-zero1-1f1b-bf16-clip"]
     for (la, _), (lb, _) in zip(a, b, strict=True):
         assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["inplace-view-tp2", "inplace-view-pp2-1f1b"])
+def test_buffer_updated_in_place_counts_every_training_forward(trained, case):
+    per_rank, manifest = trained[case]
+    counters = [value for _, state in per_rank for key, value in state.items() if key.endswith("calls")]
+    # pp=1: each forward (one per step); 1f1b: each microbatch's forward on the stage holding the buffer
+    forwards = STEPS * (manifest["pipeline"]["microbatches"] if manifest.get("pipeline") else 1)
+    assert counters and all(float(c) == forwards for c in counters), counters

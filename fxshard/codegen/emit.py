@@ -93,13 +93,11 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     if pipe is None:
         state_nodes = [n for n in placeholders if n.name in state and n.users]
         inputs = [n for n in placeholders if n.name not in state]
-        cone = loss_cone(gm)
-        outputs_only = [n for n in compute if n not in cone]
+        outputs_only = _outputs_only(gm, compute)
         cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
                                     "parameters at their per-rank shapes, straight-line forward.",
-                                    [], [n for n in compute if n in cone] + outputs_only, state_nodes, inputs, set(),
-                                    ctx, coords, collectives, None, set(out_node.all_input_nodes),
-                                    _outputs_guard(out_node, outputs_only))
+                                    [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None,
+                                    set(out_node.all_input_nodes), _outputs_guard(out_node, outputs_only))
         if outputs_only:
             cls.attributes = ["return_outputs = True  # False: forward returns (loss,) and skips what only the "
                               "model's other outputs need (fxshard run trains so)"]
@@ -223,6 +221,15 @@ def _dead_after(nodes: list[fx.Node], inputs: list[fx.Node], keep: set[fx.Node])
         if v in last and v not in keep:
             dead.setdefault(last[v], []).append(v)
     return dead
+
+
+def _outputs_only(gm: fx.GraphModule, compute: list[fx.Node]) -> list[fx.Node]:
+    """The trailing nodes that compute only the model's other outputs, which training can skip by returning
+    early; none when such a node comes before something training runs (the order stays as captured)."""
+    cone = loss_cone(gm)
+    first_rest = next((i for i, n in enumerate(compute) if n not in cone), len(compute))
+    rest = compute[first_rest:]
+    return rest if not any(n in cone for n in rest) else []
 
 
 def _outputs_guard(out_node: fx.Node, outputs_only: list[fx.Node]) -> tuple[set[fx.Node], list[str]] | None:

@@ -16,18 +16,41 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: in
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the vocab-parallel cross entropy reduces in: fp32, or fp64 for fp64 logits."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _LocalLogSumExp(torch.autograd.Function):
+    """``logsumexp`` over the last dim whose gradient is 0, not NaN, on a row that is all ``-inf`` (a rank
+    whose classes are all masked: its share of the softmax is 0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        lse = torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(x, lse)
+        return lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, lse = ctx.saved_tensors
+        share = torch.exp(x - lse.unsqueeze(-1)).masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+        return share.mul_(grad.unsqueeze(-1))
+
+
 def vocab_cross_entropy_parts(logits: torch.Tensor, target: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """This rank's share of a cross entropy over classes ``[start, end)`` of ``logits`` ``[N, C/tp]``.
 
-    Per token, two fp32 numbers (shape ``[N, 1, 2]``, to be all-gathered along dim 1): the logsumexp of
-    this rank's logits, and the target's logit if this rank holds the target's class (else 0).  They are
-    computed in fp32 whatever the logits' dtype, as Megatron-LM's cross entropy is by default.
+    Per token, two numbers (shape ``[N, 1, 2]``, to be all-gathered along dim 1): the logsumexp of this
+    rank's logits, and the target's logit if this rank holds the target's class (else 0).  They are
+    computed in fp32 (fp64 for fp64 logits) whatever the logits' dtype, as Megatron-LM's cross entropy is
+    by default.
     """
-    x = logits.float()
+    x = logits.to(reduction_dtype(logits.dtype))
     outside = (target < start) | (target >= end)
     local = (target - start).masked_fill(outside, 0)
     picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    return torch.stack([torch.logsumexp(x, dim=-1), picked], dim=-1).unsqueeze(1)
+    return torch.stack([_LocalLogSumExp.apply(x), picked], dim=-1).unsqueeze(1)
 
 
 def vocab_cross_entropy(parts: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
@@ -36,8 +59,8 @@ def vocab_cross_entropy(parts: torch.Tensor, target: torch.Tensor, ignore_index:
 
     ``logsumexp`` over the ranks' logsumexps is the logsumexp over all classes; the target's logit is
     the sum of the ranks' parts (one holds it).  ``ignore_index`` and ``reduction`` mean what they do in
-    ``torch.nn.functional.cross_entropy``; the loss is computed in fp32 and returned in ``dtype`` (the
-    logits' dtype; default fp32).
+    ``torch.nn.functional.cross_entropy``; the loss is computed in the parts' dtype and returned in
+    ``dtype`` (the logits' dtype; default: the parts').
     """
     loss = torch.logsumexp(parts[..., 0], dim=1) - parts[..., 1].sum(dim=1)
     ignored = target == ignore_index

@@ -73,12 +73,14 @@ def test_two_all_reduces_each_way_per_transformer_layer(samples, sample, layers)
     assert [u.op for u in logits.users] == ["output"]
 
 
-def test_cross_entropy_needing_the_whole_logits_gathers_them(models):
-    """Label smoothing has no vocab-parallel rule: the logits are all-gathered first, and the compile says so."""
-    result = compile_program(models / "smoothed_loss.py", Layout(tp=2))
+@pytest.mark.parametrize("model", ["smoothed_loss.py", "soft_targets.py"])
+def test_cross_entropy_needing_the_whole_logits_gathers_them(models, model):
+    """Label smoothing and probability targets have no vocab-parallel rule: the logits are all-gathered
+    first, and the compile says so."""
+    result = compile_program(models / model, Layout(tp=2))
     gathers = [n for n in _collectives(result.gm) if n.target is rtc.all_gather]
     assert len(gathers) == 1 and [u.target for u in gathers[0].users] != [rt_tp.vocab_cross_entropy_parts]
-    assert any("aten.cross_entropy_loss.default has no sharding rule" in note for note in result.ctx.notes)
+    assert any("gathered whole for the cross entropy" in note for note in result.ctx.notes)
 
 
 def test_attention_shapes_are_localized_to_heads(samples):

@@ -69,6 +69,33 @@ def test_vocab_parallel_cross_entropy_equals_cross_entropy_of_whole_logits(world
             assert (ours_loss - want).abs().max() <= (torch_loss.float() - want).abs().max()
 
 
+def _masked_rank(rank: int, world: int) -> tuple:
+    """Logits whose last rank's classes are all -inf (a padded vocabulary): that rank's logsumexp is -inf."""
+    import torch.distributed as dist
+
+    from fxshard import runtime as rt
+
+    logits, target = _inputs(torch.float32)
+    logits[:, C - C // world:] = float("-inf")
+    target = target.masked_fill(target >= C - C // world, 0)
+    mine = logits.chunk(world, dim=1)[rank].clone().requires_grad_(True)
+    parts = rt.vocab_cross_entropy_parts(mine, target, start=rank * C // world, end=(rank + 1) * C // world)
+    loss = rt.vocab_cross_entropy(rt.all_gather(parts, dist.group.WORLD, dim=1), target)
+    loss.backward()
+    return loss.detach(), mine.grad, logits, target
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_classes_are_all_masked_gets_zero_gradient_not_nan():
+    results = spawn(_masked_rank, 2)
+    logits, target = results[0][2], results[0][3]
+    want, want_grad = _cross_entropy(logits, target, "mean")
+    for rank, (loss, grad, _, _) in enumerate(results):
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+        assert not grad.isnan().any(), f"rank {rank}"
+        torch.testing.assert_close(grad, want_grad.chunk(2, dim=1)[rank], rtol=1e-6, atol=1e-6)
+
+
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: str):
     logits = logits.detach().requires_grad_(True)
     loss = F.cross_entropy(logits, target, ignore_index=-100, reduction=reduction)
