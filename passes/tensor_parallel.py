@@ -205,12 +205,16 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _vocab_embedding(node: fx.Node, tp: int) -> None:
     weight, ids = node.args[:2]
-    vocab = shape(weight)[0]
-    rows = vocab // tp
     node.target = rt_tp.vocab_embedding
     node.args = (weight, ids)
-    node.kwargs = {"start": RankValue("tp", tuple(r * rows for r in range(tp))),
-                   "end": RankValue("tp", tuple((r + 1) * rows for r in range(tp)))}
+    node.kwargs = _rank_range(shape(weight)[0], tp)
+
+
+def _rank_range(size: int, tp: int) -> dict[str, RankValue]:
+    """``start``/``end`` of each tp rank's equal part of a dimension of ``size`` (rows, classes)."""
+    part = size // tp
+    return {"start": RankValue("tp", tuple(r * part for r in range(tp))),
+            "end": RankValue("tp", tuple((r + 1) * part for r in range(tp)))}
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's Reduction enum
@@ -222,11 +226,9 @@ def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
     logits, target = node.args[:2]
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-    classes = shape(logits)[1]
     with gm.graph.inserting_before(node):
-        parts = gm.graph.call_function(rt_tp.vocab_cross_entropy_parts, (logits, target), {
-            "start": RankValue("tp", tuple(r * classes // tp for r in range(tp))),
-            "end": RankValue("tp", tuple((r + 1) * classes // tp for r in range(tp)))})
+        parts = gm.graph.call_function(rt_tp.vocab_cross_entropy_parts, (logits, target),
+                                       _rank_range(shape(logits)[1], tp))
     val = logits.meta["val"]
     parts.meta["val"] = val.new_empty((shape(logits)[0], tp, 2), dtype=rt_tp.reduction_dtype(val.dtype))
     parts.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})

@@ -7,6 +7,7 @@ slices through the manifest) agree with single-device autograd within 1e-5.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from fxshard.modelfile import load_model_file
 from fxshard.placement import SliceSpec, assemble
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks.comm: the collective counter
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -94,9 +97,6 @@ def test_rank_code_matches_unsharded_model(tmp_path, sample, tp):
 
 def _training_forward(rank: int, world: int, out: str):
     """One training forward (``return_outputs = False``, as ``fxshard run`` sets), counting its collectives."""
-    import sys
-
-    sys.path.insert(0, str(ROOT))
     from benchmarks.comm import CollectiveCounter
 
     module, leaves = _rank_module(rank, world, out)
@@ -112,9 +112,6 @@ def _training_forward(rank: int, world: int, out: str):
 def test_training_forward_skips_gathering_the_returned_logits(tmp_path):
     """samples/gpt.py returns its logits; training needs only the loss, so it issues what the manifest states
     per step: the cross entropy's small all-gather, not the logits' (which only ``return_outputs`` pays)."""
-    import sys
-
-    sys.path.insert(0, str(ROOT))
     from benchmarks.comm import fxshard_stated
 
     path = ROOT / "samples" / "gpt.py"

@@ -403,12 +403,15 @@ def _attr_of(attrs: dict[str, str], placeholder: fx.Node) -> str:
 
 
 def collective_counts(collectives: list[dict]) -> tuple[str, str]:
-    """``("1 all_gather, 5 all_reduce", "5 all_reduce")``: one rank's collectives per step, forward and backward."""
+    """``("1 all_gather, 5 all_reduce", "5 all_reduce")``: one rank's collectives per step, forward and backward
+    (without those only returning the model's other outputs needs, which training skips)."""
+    return _counts([c for c in collectives if not c.get("outputs_only")])
+
+
+def _counts(collectives: list[dict]) -> tuple[str, str]:
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     for c in collectives:
-        if c.get("outputs_only"):  # not issued in training (return_outputs = False)
-            continue
         if c["op"] != "copy_to":
             fwd[c["op"]] = fwd.get(c["op"], 0) + 1
         if c["backward"]:
@@ -422,7 +425,7 @@ def _summary(collectives: list[dict]) -> str:
     text = f"forward {f}; backward {b}"
     extra = [c for c in collectives if c.get("outputs_only")]
     if extra:
-        more, _ = collective_counts([c | {"outputs_only": False} for c in extra])
+        more, _ = _counts(extra)
         text += f" (returning the model's other outputs adds {more})"
     return text
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import torch
 
 
+def _local_ids(ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids - start, outside)``: indices into this rank's rows ``[start, end)``, 0 where ``outside`` them."""
+    outside = (ids < start) | (ids >= end)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Look up ids that fall in this rank's rows ``[start, end)``; other ids give zeros.
 
     The result is a partial sum over the tensor-parallel group: all-reduce it to get the embedding.
     """
-    outside = (ids < start) | (ids >= end)
-    local = (ids - start).masked_fill(outside, 0)
+    local, outside = _local_ids(ids, start, end)
     out = torch.nn.functional.embedding(local, weight)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
@@ -47,8 +52,7 @@ def vocab_cross_entropy_parts(logits: torch.Tensor, target: torch.Tensor, start:
     by default.
     """
     x = logits.to(reduction_dtype(logits.dtype))
-    outside = (target < start) | (target >= end)
-    local = (target - start).masked_fill(outside, 0)
+    local, outside = _local_ids(target, start, end)
     picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
     return torch.stack([_LocalLogSumExp.apply(x), picked], dim=-1).unsqueeze(1)
 
