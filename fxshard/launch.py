@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxshard.context import Layout
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.inputs import flatten_batch
 from fxshard.memory import MemoryProbe
@@ -136,7 +136,7 @@ class _Run:
     """One rank's training, set up: what it holds, how one batch runs, and the optimizer."""
 
     manifest: dict
-    layout: Any
+    layout: Layout
     entry: dict
     coords: dict[str, int]
     groups: dict
