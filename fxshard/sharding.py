@@ -376,8 +376,10 @@ def _linear(node, args, placements):
     x, w = placements[0], placements[1]
     b = placements[2] if len(args) > 2 else None
     n = len(shape(node))
-    if isinstance(w, Shard) and w.dim == 0 and x == R and b in (None, Shard(0, w.blocks)):
-        return Decision(Shard(n - 1, w.blocks), tuple(placements))
+    if isinstance(w, Shard) and w.dim == 0 and b in (None, Shard(0, w.blocks)):
+        # column-parallel needs its input whole: a partial sum (a vocab-parallel lookup feeding the layer
+        # directly, as in OLMo2's first block) is reduced first, never the weight gathered
+        return Decision(Shard(n - 1, w.blocks), (R, *placements[1:]))
     if isinstance(w, Shard) and w.dim == 1 and w.blocks == 1 and b in (None, R):
         need_x = Shard(len(shape(args[0])) - 1)
         return Decision(Partial(), (need_x, w) + ((R,) if b is not None else ()),
@@ -390,9 +392,9 @@ def _linear(node, args, placements):
 @rule(aten.addmm)
 def _addmm(node, args, placements):
     b, x, w = placements
-    if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(0, w.blocks)):
+    if isinstance(w, Shard) and w.dim == 1 and b in (R, Shard(0, w.blocks)):
         need_b = b if isinstance(b, Shard) else Shard(0, w.blocks)
-        return Decision(Shard(1, w.blocks), (need_b, x, w))
+        return Decision(Shard(1, w.blocks), (need_b, R, w))  # the input whole, as for aten.linear
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and b == R:
         return Decision(Partial(), (R, Shard(1), w), "bias_after_reduce")
     if w == R and b == R and x == Shard(0):
