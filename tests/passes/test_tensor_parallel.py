@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -108,6 +109,23 @@ def test_tp_that_does_not_divide_heads_names_module_and_valid_degrees(models):
         compile_program(models / "odd_heads.py", Layout(tp=4))
     msg = str(e.value)
     assert "attn" in msg and "6 heads (num_heads)" in msg and "tp=4" in msg and "{1, 2, 3, 6}" in msg
+
+
+def _suggested_degrees(path, tp: int) -> list[int]:
+    with pytest.raises(ShardingError) as e:
+        compile_program(path, Layout(tp=tp))
+    return [int(d) for d in re.search(r"use tp in \{([\d, ]+)\}", str(e.value)).group(1).split(", ")]
+
+
+@pytest.mark.parametrize("sample", ["gpt.py", "llama.py"])
+def test_every_suggested_tp_degree_compiles_and_the_others_fail(samples, sample):
+    # gpt: 4 heads of hidden 64 (tp=3 used to suggest {1, 2, 4, 8, ..., 64}: 8 fails on the heads);
+    # llama: 8 heads, 4 key/value heads, vocab 256
+    suggested = _suggested_degrees(samples / sample, 3)
+    assert suggested == [1, 2, 4]
+    for tp in suggested:
+        compile_program(samples / sample, Layout(tp=tp))
+    assert _suggested_degrees(samples / sample, 8) == suggested  # 8 divides hidden and vocab, not the heads
 
 
 def test_plan_key_matching_nothing_warns_with_its_name(models):
