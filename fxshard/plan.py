@@ -106,8 +106,8 @@ _HF_IMPLIED = {
     "local_params": "every rank file runs on its local shards",
 }
 
-_EXPERTS = ("experts stay whole on every tp rank (expert parallelism is a separate, later feature of fxshard): "
-            "they train exactly as on one device, at their full size on each rank")
+_EXPERTS = ("experts stay whole on every tp rank, training exactly as on one device at their full size on each "
+            "rank (expert parallelism is a separate, later feature of fxshard)")
 # Styles fxshard does not implement, with what it does instead; a compile note lists the entries.
 _HF_INSTEAD = {
     "moe_tp_experts": _EXPERTS,
