@@ -155,12 +155,15 @@ def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: Compil
         raise ShardingError(_divisibility_message(node, p, size, size // p.blocks, tp, ctx, ok))
 
 
+_LARGEST_TP = 1024  # degrees offered go no higher: each is checked by a propagation over the whole graph
+
+
 def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, size: int) -> list[int]:
     """The tp degrees to suggest: those dividing the failing ``size`` (a necessary condition) for which the
     same plan (re-planned at that degree when automatic) passes the same check on every split value —
     heads, key/value heads, packed blocks, vocabulary — so a suggested degree never fails on the next size."""
     ok = []
-    for d in divisors(size):
+    for d in (d for d in divisors(size) if d <= _LARGEST_TP):
         if ctx.plan.source == "auto":
             plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, d)
         else:
