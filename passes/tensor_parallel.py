@@ -180,7 +180,8 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
     if node.op == "placeholder":
         tensor = ctx.program.state_by_name()[node.name].fqn
         fqn = tensor.rsplit(".", 1)[0] if "." in tensor else fqn  # the module that holds the weight
-        what = f"dimension {p.dim} of {tensor} (size {size})"
+        blocks = f": {p.blocks} packed blocks of {per_block}" if p.blocks > 1 else ""
+        what = f"dimension {p.dim} of {tensor} (size {size}{blocks})"
     else:
         what = f"{_op_name(node)} output dimension {p.dim} (size {per_block}{' per packed block' if p.blocks > 1 else ''})"
         module = dict(ctx.program.model.named_modules()).get(fqn)
