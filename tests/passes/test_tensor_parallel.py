@@ -117,10 +117,10 @@ def _suggested_degrees(path, tp: int) -> list[int]:
     return [int(d) for d in re.search(r"use tp in \{([\d, ]+)\}", str(e.value)).group(1).split(", ")]
 
 
-@pytest.mark.parametrize("sample", ["gpt.py", "llama.py"])
+@pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
 def test_every_suggested_tp_degree_compiles_and_the_others_fail(samples, sample):
     # gpt: 4 heads of hidden 64 (tp=3 used to suggest {1, 2, 4, 8, ..., 64}: 8 fails on the heads);
-    # llama: 8 heads, 4 key/value heads, vocab 256
+    # llama: 8 heads, 4 key/value heads, vocab 256; gpt2: fused q/k/v, 3 packed blocks of 64, 4 heads
     suggested = _suggested_degrees(samples / sample, 3)
     assert suggested == [1, 2, 4]
     for tp in suggested:
