@@ -411,10 +411,11 @@ def _matmul(node, args, placements):
     n = len(shape(node))
     if isinstance(a, Shard) and a.dim == len(sa) - 1 and b == Shard(len(sb) - 2):
         return Decision(Partial(), (a, b))
-    if isinstance(a, Shard) and a.dim == len(sa) - 2 and b == R:
-        return Decision(Shard(n - 2, a.blocks), (a, b))
-    if isinstance(b, Shard) and b.dim == len(sb) - 1 and a == R:
-        return Decision(Shard(n - 1, b.blocks), (a, b))
+    # the other operand whole: a partial sum is reduced first (as for a column-parallel aten.linear)
+    if isinstance(a, Shard) and a.dim == len(sa) - 2 and not isinstance(b, Shard):
+        return Decision(Shard(n - 2, a.blocks), (a, R))
+    if isinstance(b, Shard) and b.dim == len(sb) - 1 and not isinstance(a, Shard):
+        return Decision(Shard(n - 1, b.blocks), (R, b))
     # batch dimensions
     batch = set()
     for s, p in ((sa, a), (sb, b)):

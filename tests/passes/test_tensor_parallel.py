@@ -169,3 +169,18 @@ def test_generated_code_imports_only_torch_and_runtime(samples, tmp_path):
     assert imports == ["import torch", "from fxshard import runtime as rt"]
     assert "# model.layers.0.mlp.down_proj  Linear  row-parallel" in code
     assert "start=128, end=256" in code  # rank 1's vocabulary rows
+
+
+def test_a_partial_sum_read_by_split_compute_is_reduced_not_the_weights_gathered(models):
+    # OLMo2's first block: the vocab-parallel lookup feeds q/k/v directly; here a Linear and a matmul
+    ctx = compile_program(models / "partial_into_split.py", Layout(tp=2)).ctx
+    assert not [n for n in ctx.notes if "aten.linear" in n or "aten.matmul" in n], ctx.notes
+    assert ctx.weight_placements["p_model_proj_weight"] == Shard(0)
+
+
+@pytest.mark.distributed
+def test_a_partial_sum_read_by_split_compute_trains_like_one_device(models):
+    from fxshard.verify import verify
+
+    result = verify(models / "partial_into_split.py", Layout(tp=2), steps=3)
+    assert result.ok, result.summary()
