@@ -103,6 +103,12 @@ def propagate(
             decision = Decision(_replicated_out(node), tuple(R for _ in args))
         else:
             decision = _rule(node, args, placements)
+            if decision is None and any(isinstance(p, Partial) for p in placements):
+                # a partial sum is reduced before use: ask the rule again with it whole, so a split operand
+                # beside it stays split (OLMo2's first q/k/v read the vocab-parallel lookup directly; gathering
+                # their weights computed that layer unlike the others)
+                whole = [R if isinstance(p, Partial) else p for p in placements]
+                decision = _rule(node, args, whole) if any(p != R for p in whole) else None
             if decision is None:
                 if any(isinstance(p, Shard) for p in placements):
                     prop.fallbacks.append(node)  # partial sums are reduced first: expected, not a fallback
@@ -376,10 +382,8 @@ def _linear(node, args, placements):
     x, w = placements[0], placements[1]
     b = placements[2] if len(args) > 2 else None
     n = len(shape(node))
-    if isinstance(w, Shard) and w.dim == 0 and b in (None, Shard(0, w.blocks)):
-        # column-parallel needs its input whole: a partial sum (a vocab-parallel lookup feeding the layer
-        # directly, as in OLMo2's first block) is reduced first, never the weight gathered
-        return Decision(Shard(n - 1, w.blocks), (R, *placements[1:]))
+    if isinstance(w, Shard) and w.dim == 0 and x == R and b in (None, Shard(0, w.blocks)):
+        return Decision(Shard(n - 1, w.blocks), tuple(placements))
     if isinstance(w, Shard) and w.dim == 1 and w.blocks == 1 and b in (None, R):
         need_x = Shard(len(shape(args[0])) - 1)
         return Decision(Partial(), (need_x, w) + ((R,) if b is not None else ()),
@@ -392,9 +396,9 @@ def _linear(node, args, placements):
 @rule(aten.addmm)
 def _addmm(node, args, placements):
     b, x, w = placements
-    if isinstance(w, Shard) and w.dim == 1 and b in (R, Shard(0, w.blocks)):
+    if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(0, w.blocks)):
         need_b = b if isinstance(b, Shard) else Shard(0, w.blocks)
-        return Decision(Shard(1, w.blocks), (need_b, R, w))  # the input whole, as for aten.linear
+        return Decision(Shard(1, w.blocks), (need_b, x, w))
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and b == R:
         return Decision(Partial(), (R, Shard(1), w), "bias_after_reduce")
     if w == R and b == R and x == Shard(0):
@@ -411,11 +415,10 @@ def _matmul(node, args, placements):
     n = len(shape(node))
     if isinstance(a, Shard) and a.dim == len(sa) - 1 and b == Shard(len(sb) - 2):
         return Decision(Partial(), (a, b))
-    # the other operand whole: a partial sum is reduced first (as for a column-parallel aten.linear)
-    if isinstance(a, Shard) and a.dim == len(sa) - 2 and not isinstance(b, Shard):
-        return Decision(Shard(n - 2, a.blocks), (a, R))
-    if isinstance(b, Shard) and b.dim == len(sb) - 1 and not isinstance(a, Shard):
-        return Decision(Shard(n - 1, b.blocks), (R, b))
+    if isinstance(a, Shard) and a.dim == len(sa) - 2 and b == R:
+        return Decision(Shard(n - 2, a.blocks), (a, b))
+    if isinstance(b, Shard) and b.dim == len(sb) - 1 and a == R:
+        return Decision(Shard(n - 1, b.blocks), (a, b))
     # batch dimensions
     batch = set()
     for s, p in ((sa, a), (sb, b)):
