@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from fxshard.errors import FxshardError
+from fxshard.errors import FxshardError, FxshardWarning
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile unmodified PyTorch models into readable per-rank distributed training code.")
 # not a terminal (a pipe, CI log): tables at 120 columns rather than rich's default of 80
 console = Console(width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """fxshard's warnings as one line, like its errors: a source line of the caller would mean nothing here."""
+    if not issubclass(category, FxshardWarning):
+        return _default(message, category, filename, lineno, file, line)
+    from rich.markup import escape
+
+    err.print(f"[bold yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+
+
+warnings.showwarning = _show_warning
 
 
 def _fail(e: Exception) -> None:

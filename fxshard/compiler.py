@@ -12,7 +12,6 @@ import builtins
 import dataclasses
 import json
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from fxshard.capture import Program, capture
 from fxshard.check import COMPILER_BUG, CheckReport, check_program
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
-from fxshard.errors import LayoutError, OutputFolderError, PlanError
+from fxshard.errors import LayoutError, OutputFolderError, PlanError, warn
 from fxshard.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
@@ -152,13 +151,13 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                                      virtual_stages=layout.stages_per_rank)
     markers = label_markers(program.gm)
     gm = program.gm
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resolved = resolve(program.model, plan)
-    for w in caught:
-        warnings.warn(str(w.message), stacklevel=2)
+    resolved = resolve(program.model, plan)
+    for message in resolved.warnings:
+        warn(message)
     ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest(),
                          split_before=split_before, microbatches=microbatches, batch=batch)
+    if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
+        ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:
         ctx.notes.append(f"{markers} fxshard.pipeline_split() marker(s) ignored at --pp 1")
     state = program.state_by_name()

@@ -50,3 +50,20 @@ def divisors(n: int) -> list[int]:
 
 class WeightsError(FxshardError):
     """A Hugging Face weights folder (``--weights DIR``) does not hold what the model needs."""
+
+
+class FxshardWarning(UserWarning):
+    """Something in the user's own input is probably a mistake (a plan key matching no module)."""
+
+
+def warn(message: str) -> None:
+    """Warn at the first caller outside fxshard, so Python shows the user's line, never one of ours."""
+    import sys
+    import warnings
+
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("fxshard"):
+        frame = frame.f_back
+    warnings.warn_explicit(message, FxshardWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))

@@ -13,13 +13,14 @@ the model code (``@fxshard.parallelize(fc_in=fxshard.colwise(), ...)`` on a clas
 ``fxshard.parallelize(module, ...)`` on an instance), the plan a Hugging Face model ships
 (``_tp_plan`` / ``config.base_model_tp_plan``), and, when none of these gives anything, automatic
 Megatron pairing (``fxshard/autoplan.py``).  Keys are globs over dotted path components
-(``*`` matches one component); a key that matches no module is a warning naming it.
+(``*`` matches one component); a key of the user's plan that matches no module is a warning naming it.
+What fxshard does differently from a model's own plan (expert layers, keys its configuration lacks) is
+one compile note, not a warning: the user did not write that plan.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -77,17 +78,62 @@ def replicate() -> Style:
     return Style("replicate")
 
 
+# Every parallel style transformers ships (its ALL_PARALLEL_STYLES registry, the plans of its models), by
+# name: what fxshard does with a module the model's own plan gives that style.  fxshard places each value
+# by propagation and inserts the communication that placement needs, so transformers' input/output
+# layouts (a replicated input to a row-parallel layer is sliced on each rank; a partial output is reduced)
+# come out of the split itself.
 _HF_STYLES = {
     "colwise": colwise(),
     "rowwise": rowwise(),
     "colwise_gather_output": colwise(gather_output=True),
     "colwise_rep": colwise(gather_output=True),
-    "packed_colwise": colwise(packed=0),
+    "rowwise_split_input": rowwise(),  # the replicated input is sliced on each rank, with no communication
+    "rowwise_rep": rowwise(),
+    "packed_colwise": colwise(packed=0),  # fused gate/up: the blocks come from the split that follows
     "embedding_rowwise": vocab_parallel(),
+    "embedding_colwise": colwise(),  # an Embedding split over its hidden dim
     "vocab": vocab_parallel(),
     "replicate": replicate(),
+    # the weight gradient's sum over ranks follows from the placements; no style of its own
     "replicated_with_grad_allreduce": replicate(),
+    "mla_kv_a_proj": replicate(),  # same: the rope part's gradient is summed because it meets split heads
 }
+
+# Styles that only say where transformers puts communication fxshard derives itself: nothing to attach.
+_HF_IMPLIED = {
+    "all_reduce": "the partial sums of a module's split layers are reduced where they are used",
+    "local_params": "every rank file runs on its local shards",
+}
+
+_EXPERTS = ("experts stay whole on every tp rank, training exactly as on one device at their full size on each "
+            "rank (expert parallelism is a separate, later feature of fxshard)")
+# Styles fxshard does not implement, with what it does instead; a compile note lists the entries.
+_HF_INSTEAD = {
+    "moe_tp_experts": _EXPERTS,
+    "moe_identity_expert": _EXPERTS,
+    "ep_dispatch_experts": _EXPERTS,
+    "grouped_gemm": _EXPERTS,
+    "packed_rowwise": _EXPERTS,  # shipped only on experts' fused gate/up weights
+    "sequence_parallel": "norms stay replicated over the whole sequence (fxshard has no sequence parallelism yet)",
+}
+_BARE_PARAMETER = ("bare parameters stay whole on every tp rank (fxshard splits the Linear/Conv1D/Embedding ops "
+                   "of modules; other tensors are placed by propagation)")
+
+
+def hf_style(name: str) -> Style | str | None:
+    """What fxshard makes of a transformers style: a :class:`Style`, ``None`` (implied by the split,
+    nothing to attach), or a sentence saying what fxshard does instead.  ``KeyError`` for a style this
+    version has not seen.
+
+    >>> hf_style("rowwise_split_input")
+    Style(kind='rowwise', packed=1, gather_output=False)
+    """
+    if name in _HF_STYLES:
+        return _HF_STYLES[name]
+    if name in _HF_IMPLIED:
+        return None
+    return _HF_INSTEAD[name]
 
 
 def as_style(value, where: str) -> Style:
@@ -148,7 +194,8 @@ class ResolvedPlan:
     styles: dict[str, Style] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     source: str = "none"
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the user's mistakes (a key matching nothing)
+    notes: list[str] = field(default_factory=list)  # what fxshard does with the model's own plan, where it differs
 
     def describe(self) -> list[str]:
         return [f"{fqn}: {self.styles[fqn]}  [{self.sources[fqn]}]" for fqn in sorted(self.styles, key=_natural)]
@@ -158,27 +205,61 @@ def _natural(fqn: str):
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in fqn.split(".")]
 
 
-def _apply(entries: dict, modules: list[str], source: str, resolved: ResolvedPlan, prefix: str = "") -> None:
+def _assign(pattern: str, style: Style, modules: list[str], source: str, resolved: ResolvedPlan) -> bool:
+    """Give ``style`` to the modules ``pattern`` matches that no higher-priority source styled; False if none."""
+    hits = [m for m in modules if glob_match(pattern, m)]
+    for m in hits:
+        if m not in resolved.styles:
+            resolved.styles[m] = style
+            resolved.sources[m] = source
+    return bool(hits)
+
+
+def _apply(entries: dict, modules: list[str], source: str, resolved: ResolvedPlan) -> None:
     for key, value in entries.items():
-        try:
-            style = as_style(value, f"{source} plan key {key!r}")
-        except PlanError as e:
-            if source != "model":
-                raise
-            # a shipped plan may use styles fxshard does not implement (experts, ...): say so, keep going
-            resolved.warnings.append(f"{e}; that entry of the model's own plan is ignored")
-            warnings.warn(resolved.warnings[-1], stacklevel=3)
-            continue
-        pattern = f"{prefix}.{key}" if prefix and key else (prefix or key)
-        hits = [m for m in modules if glob_match(pattern, m)]
-        if not hits:
-            msg = f"{source} plan key {pattern!r} matches no module of the model; check the path (modules look like {modules[1] if len(modules) > 1 else '...'!r})"
-            resolved.warnings.append(msg)
-            warnings.warn(msg, stacklevel=3)
-        for m in hits:
-            if m not in resolved.styles:  # higher-priority sources were applied first
-                resolved.styles[m] = style
-                resolved.sources[m] = source
+        style = as_style(value, f"{source} plan key {key!r}")
+        if not _assign(key, style, modules, source, resolved):
+            example = modules[1] if len(modules) > 1 else "..."
+            resolved.warnings.append(f"{source} plan key {key!r} matches no module of the model; check the path "
+                                     f"(modules look like {example!r})")
+
+
+_UNKNOWN = "styles this version of fxshard does not know: those modules stay whole on every tp rank"
+
+
+def _apply_shipped(model: torch.nn.Module, modules: list[str], resolved: ResolvedPlan) -> None:
+    """The model's own plans, which are not the user's to fix: what fxshard cannot follow is said in one
+    note (grouped by what it does instead), never as warnings."""
+    tp_plan, ep_plan = hf_plan(model), hf_plan(model, "ep")
+    params = [name for name, _ in model.named_parameters()]
+    experts = {k for k, v in {**tp_plan, **ep_plan}.items() if _HF_INSTEAD.get(v) == _EXPERTS}
+    instead: dict[str, dict[str, list[str]]] = {}  # what fxshard does -> plan key -> styles
+    unmatched = []
+    entries = [(k, v, False) for k, v in tp_plan.items()] + [(k, v, True) for k, v in ep_plan.items()]
+    for key, name, expert_parallel in entries:
+        what = _EXPERTS if expert_parallel else hf_style(name) if _known(name) else _UNKNOWN
+        if isinstance(what, Style):
+            if _assign(key, what, modules, "model", resolved):
+                continue
+            if not any(glob_match(key, p) for p in params):
+                unmatched.append(key)  # e.g. dense-MLP keys of a model whose layers are all MoE
+                continue
+            what = _EXPERTS if key.rsplit(".", 1)[0] in experts else _BARE_PARAMETER
+        if what is not None:
+            styles = instead.setdefault(what, {}).setdefault(key, [])
+            styles.extend([name] if name not in styles else [])
+    clauses = [f"{what}: " + ", ".join(f"{k} ({', '.join(v)})" for k, v in keys.items())
+               for what, keys in instead.items()]
+    if unmatched:
+        clauses.append(f"{len(unmatched)} entr{'y matches' if len(unmatched) == 1 else 'ies match'} no module of "
+                       f"this configuration and {'is' if len(unmatched) == 1 else 'are'} skipped: "
+                       + ", ".join(unmatched))
+    if clauses:
+        resolved.notes.append(f"{type(model).__name__}'s own parallel plan: " + "; ".join(clauses))
+
+
+def _known(name: str) -> bool:
+    return name in _HF_STYLES or name in _HF_IMPLIED or name in _HF_INSTEAD
 
 
 def decorator_plan(model: torch.nn.Module) -> dict[str, Style]:
@@ -192,13 +273,14 @@ def decorator_plan(model: torch.nn.Module) -> dict[str, Style]:
     return out
 
 
-def hf_plan(model: torch.nn.Module) -> dict[str, str]:
-    """The tensor-parallel plan a Hugging Face model ships, with keys relative to the model root."""
-    plan = getattr(model, "_tp_plan", None)
+def hf_plan(model: torch.nn.Module, kind: str = "tp") -> dict[str, str]:
+    """The tensor-parallel (``kind="ep"``: expert-parallel) plan a Hugging Face model ships, with keys
+    relative to the model root."""
+    plan = getattr(model, f"_{kind}_plan", None)
     if isinstance(plan, dict) and plan:
         return dict(plan)
     config = getattr(model, "config", None)
-    base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+    base = getattr(config, f"base_model_{kind}_plan", None) if config is not None else None
     if not base:
         return {}
     prefix = getattr(model, "base_model_prefix", "")
@@ -207,7 +289,10 @@ def hf_plan(model: torch.nn.Module) -> dict[str, str]:
 
 
 def resolve(model: torch.nn.Module, user_plan: dict | None) -> ResolvedPlan:
-    """Merge the plan sources in priority order; an empty result means 'plan automatically'."""
+    """Merge the plan sources in priority order; an empty result means 'plan automatically'.
+
+    Mistakes in the user's plan or decorators (a key matching nothing) are in ``warnings``; what fxshard
+    does differently from the model's own plan is in ``notes``."""
     modules = [fqn for fqn, _ in model.named_modules()]
     resolved = ResolvedPlan()
     if user_plan:
@@ -215,9 +300,7 @@ def resolve(model: torch.nn.Module, user_plan: dict | None) -> ResolvedPlan:
     deco = decorator_plan(model)
     if deco:
         _apply(deco, modules, "decorator", resolved)
-    shipped = hf_plan(model)
-    if shipped:
-        _apply(shipped, modules, "model", resolved)
+    _apply_shipped(model, modules, resolved)
     used = [s for s in ("user", "decorator", "model") if s in resolved.sources.values()]
     resolved.source = "+".join(used) if used else "auto"
     return resolved

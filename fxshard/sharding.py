@@ -103,6 +103,12 @@ def propagate(
             decision = Decision(_replicated_out(node), tuple(R for _ in args))
         else:
             decision = _rule(node, args, placements)
+            if decision is None and any(isinstance(p, Partial) for p in placements):
+                # a partial sum is reduced before use: ask the rule again with it whole, so a split operand
+                # beside it stays split (OLMo2's first q/k/v read the vocab-parallel lookup directly; gathering
+                # their weights computed that layer unlike the others)
+                whole = [R if isinstance(p, Partial) else p for p in placements]
+                decision = _rule(node, args, whole) if any(p != R for p in whole) else None
             if decision is None:
                 if any(isinstance(p, Shard) for p in placements):
                     prop.fallbacks.append(node)  # partial sums are reduced first: expected, not a fallback

@@ -64,11 +64,11 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
         return arg
     if isinstance(has, Partial):
         reduced = _make(gm, made, ("all_reduce", arg), rtc.all_reduce, (arg, GROUP), {}, R, arg, None)
-        return _redistribute(gm, reduced, need, consumer, sharded_out, ctx, made, tp)
+        return _redistribute(gm, _carries_grad(reduced, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
     if isinstance(has, Shard):
         gathered = _make(gm, made, ("all_gather", arg), rtc.all_gather, (arg, GROUP),
                          {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
-        return _redistribute(gm, gathered, need, consumer, sharded_out, ctx, made, tp)
+        return _redistribute(gm, _carries_grad(gathered, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
     assert isinstance(need, Shard), (arg, has, need)
     index = RankValue("tp", tuple(range(tp)))
     if grad:
@@ -76,6 +76,14 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
                      {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
     return _make(gm, made, ("shard", arg, need), rtc.shard, (arg,),
                  {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
+
+
+def _carries_grad(node: fx.Node, grad: bool, ctx: CompileContext) -> fx.Node:
+    """A reduced or gathered value needs a gradient when its source does: a whole value entering sharded
+    compute (a column-parallel layer right after a vocab-parallel lookup) then gets its ``copy_to``."""
+    if grad:
+        ctx.needs_grad.add(node)
+    return node
 
 
 def _make(gm, made, key, target, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:

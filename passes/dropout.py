@@ -121,9 +121,31 @@ def _check_rows(node: fx.Node, x: fx.Node, rows: int, ctx: CompileContext) -> No
     )
 
 
+def _argument(node: fx.Node, name: str, default=None):
+    """The value of the schema argument ``name`` of an ATen call (positional, keyword or the schema's
+    default); ``default`` if the op has no such argument."""
+    schema = getattr(node.target, "_schema", None)
+    arguments = {a.name: (i, a) for i, a in enumerate(schema.arguments)} if schema is not None else {}
+    if name not in arguments:
+        return default
+    i, arg = arguments[name]
+    if i < len(node.args) and not arg.kwarg_only:
+        return node.args[i]
+    return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether a call of an op tagged as random actually draws: torch tags the op, not the call, and
+    attention with ``dropout_p=0`` (every SDPA model in eval, or without attention dropout) or an op
+    called with ``training=False`` never touches the generator."""
+    if not _argument(node, "dropout_p", 1.0):
+        return False
+    return _argument(node, "training", _argument(node, "train", True)) is not False
+
+
 def _note_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
     tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags and node.target not in _VARIANTS:
+    if torch.Tag.nondeterministic_seeded in tags and node.target not in _VARIANTS and _draws(node):
         note = (f"{node_fqn(node) or 'model'}: {node.target} draws from torch's generator: its values differ "
                 "between layouts and from single-device training")
         if note not in ctx.notes:

@@ -18,6 +18,8 @@ pass's job (``passes/collectives.py``); this pass records required input placeme
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -27,6 +29,7 @@ from fxshard.context import CompileContext, NodeSpec, RankValue
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.layers import WeightOp, style_placements, weight_ops
 from fxshard.placement import Placement, Replicate, Shard, local_shape
+from fxshard.plan import ResolvedPlan
 from fxshard.runtime import tensor_parallel as rt_tp
 from fxshard.sharding import Decision, Propagation, propagate, shape, vocab_parallel_loss
 
@@ -41,18 +44,16 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     tp = ctx.layout.tp
     ops = weight_ops(gm, ctx.params)
     if tp == 1:  # nothing to split: every value stays replicated and no collective is inserted
-        from fxshard.plan import ResolvedPlan
-
         ctx.plan = ResolvedPlan(source="none (tp=1)")
     elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
-    weights, forced, roles = _weight_placements(ops, ctx)
+    weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
     prop = propagate(gm, weights, ctx.params, forced)
     ctx.needs_grad = prop.needs_grad
     for node in prop.fallbacks:
         ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule for its split "
                          "inputs; they are all-gathered first")
-    _check_divisible(gm, prop, tp, ctx)
+    _check_divisible(gm, prop, tp, ctx, ops)
     for node in gm.graph.nodes:
         d = prop.decisions[node]
         node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node_fqn(node), ""))
@@ -82,13 +83,13 @@ def _op_name(node: fx.Node) -> str:
     return str(node.target).replace("aten::", "aten.") if not callable(node.target) or hasattr(node.target, "_schema") else node.target.__name__
 
 
-def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
+def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str]):
     weights: dict[fx.Node, Placement] = {}
     owner: dict[fx.Node, str] = {}
     forced, roles = {}, {}
     styled = set()
     for op in ops:
-        style = ctx.plan.styles.get(op.fqn)
+        style = plan.styles.get(op.fqn)
         if style is None:
             continue
         styled.add(op.fqn)
@@ -105,20 +106,20 @@ def _weight_placements(ops: list[WeightOp], ctx: CompileContext):
             weights[tensor] = placement
             owner[tensor] = op.fqn
         if style.gather_output and _feeds_cross_entropy(op.node, vocab_parallel_loss):
-            ctx.notes.append(f"{op.fqn}: its logits reach the cross entropy split by class (vocab-parallel), "
-                             "not gathered; they are gathered only where needed whole (e.g. returned)")
+            notes.append(f"{op.fqn}: its logits reach the cross entropy split by class (vocab-parallel), "
+                         "not gathered; they are gathered only where needed whole (e.g. returned)")
         elif style.gather_output:
             forced[op.node] = Replicate()
             if _feeds_cross_entropy(op.node, lambda u: u.target is aten.cross_entropy_loss.default):
-                ctx.notes.append(f"{op.fqn}: its logits are gathered whole for the cross entropy: class weights, "
-                                 "label smoothing and probability targets have no vocab-parallel form")
+                notes.append(f"{op.fqn}: its logits are gathered whole for the cross entropy: class weights, "
+                             "label smoothing and probability targets have no vocab-parallel form")
         roles[op.fqn] = style.role
-    for fqn, style in ctx.plan.styles.items():
+    for fqn, style in plan.styles.items():
         if fqn not in styled and style.kind != "replicate":
-            msg = (f"{ctx.plan.sources.get(fqn, 'plan')} plan entry for {fqn!r} ({style}): the module has no "
+            msg = (f"{plan.sources.get(fqn, 'plan')} plan entry for {fqn!r} ({style}): the module has no "
                    "Linear/Conv1D/Embedding op of its own; name the layers inside it instead")
-            ctx.plan.warnings.append(msg)
-            ctx.notes.append(msg)
+            plan.warnings.append(msg)
+            notes.append(msg)
     return weights, forced, roles
 
 
@@ -133,26 +134,54 @@ def _feeds_cross_entropy(node: fx.Node, loss) -> bool:
                for u in node.users)
 
 
-def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext) -> None:
+def _unsplittable(gm: fx.GraphModule, prop: Propagation, tp: int) -> tuple[fx.Node, Shard, int] | None:
+    """The first value whose split dimension ``tp`` does not divide (per packed block): node, placement, size."""
     for node in gm.graph.nodes:
         outs = prop.decisions[node].out
         vals = node.meta.get("val")
         pairs = zip(outs, vals, strict=False) if isinstance(outs, tuple) else [(outs, vals)]
         for p, v in pairs:
-            if not isinstance(p, Shard) or not isinstance(v, torch.Tensor):
-                continue
-            size = int(v.shape[p.dim])
-            if size % (tp * p.blocks) == 0:
-                continue
-            per_block = size // p.blocks
-            raise ShardingError(_divisibility_message(node, p, size, per_block, tp, ctx))
+            if isinstance(p, Shard) and isinstance(v, torch.Tensor) and int(v.shape[p.dim]) % (tp * p.blocks):
+                return node, p, int(v.shape[p.dim])
+    return None
 
 
-def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ctx: CompileContext) -> str:
+def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext,
+                     ops: list[WeightOp]) -> None:
+    found = _unsplittable(gm, prop, tp)
+    if found is not None:
+        node, p, size = found
+        ok = _degrees_that_split(gm, ops, ctx, size // p.blocks)
+        raise ShardingError(_divisibility_message(node, p, size, size // p.blocks, tp, ctx, ok))
+
+
+_LARGEST_TP = 1024  # degrees offered go no higher: each is checked by a propagation over the whole graph
+
+
+def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, size: int) -> list[int]:
+    """The tp degrees to suggest: those dividing the failing ``size`` (a necessary condition) for which the
+    same plan (re-planned at that degree when automatic) passes the same check on every split value —
+    heads, key/value heads, packed blocks, vocabulary — so a suggested degree never fails on the next size."""
+    ok = []
+    for d in (d for d in divisors(size) if d <= _LARGEST_TP):
+        if ctx.plan.source == "auto":
+            plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, d)
+        else:
+            plan = dataclasses.replace(ctx.plan, warnings=[])
+        weights, forced, _ = _weight_placements(ops, plan, [])
+        if d == 1 or _unsplittable(gm, propagate(gm, weights, ctx.params, forced), d) is None:
+            ok.append(d)
+    return ok
+
+
+def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ctx: CompileContext,
+                          ok: list[int]) -> str:
     fqn = node_fqn(node) or "model"
-    ok = sorted(d for d in divisors(per_block))
     if node.op == "placeholder":
-        what = f"dimension {p.dim} of {ctx.program.state_by_name()[node.name].fqn} (size {size})"
+        tensor = ctx.program.state_by_name()[node.name].fqn
+        fqn = tensor.rsplit(".", 1)[0] if "." in tensor else fqn  # the module that holds the weight
+        blocks = f": {p.blocks} packed blocks of {per_block}" if p.blocks > 1 else ""
+        what = f"dimension {p.dim} of {tensor} (size {size}{blocks})"
     else:
         what = f"{_op_name(node)} output dimension {p.dim} (size {per_block}{' per packed block' if p.blocks > 1 else ''})"
         module = dict(ctx.program.model.named_modules()).get(fqn)

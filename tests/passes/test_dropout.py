@@ -114,3 +114,23 @@ def test_other_random_ops_are_noted(tmp_path):
     path = _model_file(tmp_path, "h = h + torch.randn_like(h)")
     ctx = compile_program(path, Layout()).ctx
     assert any("randn" in note and "differ between layouts" in note for note in ctx.notes), ctx.notes
+
+
+@pytest.mark.parametrize("call", ["F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)",
+                                  "F.scaled_dot_product_attention(q, q, q)"])
+def test_attention_without_dropout_draws_nothing_and_is_not_noted(tmp_path, call):
+    # torch tags the op random, not the call: dropout_p=0 (every SDPA model without attention dropout) never draws
+    path = _model_file(tmp_path, f"""
+        q = h.view(4, 6, 2, 4).transpose(1, 2)
+        h = {call}.transpose(1, 2).reshape(4, 6, 8)
+    """)
+    ctx = compile_program(path, Layout(tp=2)).ctx
+    assert not [note for note in ctx.notes if "generator" in note], ctx.notes
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_random_op_is_noted_only_when_the_call_draws(tmp_path, training):
+    path = _model_file(tmp_path, f"h = F.rrelu(h, training={training})")
+    ctx = compile_program(path, Layout()).ctx
+    noted = [note for note in ctx.notes if "rrelu" in note and "draws from torch's generator" in note]
+    assert bool(noted) == training, ctx.notes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -110,6 +111,23 @@ def test_tp_that_does_not_divide_heads_names_module_and_valid_degrees(models):
     assert "attn" in msg and "6 heads (num_heads)" in msg and "tp=4" in msg and "{1, 2, 3, 6}" in msg
 
 
+def _suggested_degrees(path, tp: int) -> list[int]:
+    with pytest.raises(ShardingError) as e:
+        compile_program(path, Layout(tp=tp))
+    return [int(d) for d in re.search(r"use tp in \{([\d, ]+)\}", str(e.value)).group(1).split(", ")]
+
+
+@pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
+def test_every_suggested_tp_degree_compiles_and_the_others_fail(samples, sample):
+    # gpt: 4 heads of hidden 64 (tp=3 used to suggest {1, 2, 4, 8, ..., 64}: 8 fails on the heads);
+    # llama: 8 heads, 4 key/value heads, vocab 256; gpt2: fused q/k/v, 3 packed blocks of 64, 4 heads
+    suggested = _suggested_degrees(samples / sample, 3)
+    assert suggested == [1, 2, 4]
+    for tp in suggested:
+        compile_program(samples / sample, Layout(tp=tp))
+    assert _suggested_degrees(samples / sample, 8) == suggested  # 8 divides hidden and vocab, not the heads
+
+
 def test_plan_key_matching_nothing_warns_with_its_name(models):
     with pytest.warns(UserWarning, match="'mlp.fc_middle' matches no module"):
         compile_program(models / "mlp.py", Layout(tp=2), plan={"mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
@@ -151,3 +169,18 @@ def test_generated_code_imports_only_torch_and_runtime(samples, tmp_path):
     assert imports == ["import torch", "from fxshard import runtime as rt"]
     assert "# model.layers.0.mlp.down_proj  Linear  row-parallel" in code
     assert "start=128, end=256" in code  # rank 1's vocabulary rows
+
+
+def test_a_partial_sum_read_by_split_compute_is_reduced_not_the_weights_gathered(models):
+    # OLMo2's first block: the vocab-parallel lookup feeds q/k/v directly; here a Linear and a matmul
+    ctx = compile_program(models / "partial_into_split.py", Layout(tp=2)).ctx
+    assert not [n for n in ctx.notes if "aten.linear" in n or "aten.matmul" in n], ctx.notes
+    assert ctx.weight_placements["p_model_proj_weight"] == Shard(0)
+
+
+@pytest.mark.distributed
+def test_a_partial_sum_read_by_split_compute_trains_like_one_device(models):
+    from fxshard.verify import verify
+
+    result = verify(models / "partial_into_split.py", Layout(tp=2), steps=3)
+    assert result.ok, result.summary()
