@@ -1,7 +1,7 @@
 """Pipeline and data-parallel traffic per training step: measured, the textbook figure, and ``fxshard plan``'s.
 
 One step's traffic is measured as the difference between training 2 steps and 1 step with
-``fxshard.launch.train`` (the code ``fxshard run`` runs), so set-up traffic (DDP's initial broadcast)
+``fxshard.train.launch.train`` (the code ``fxshard run`` runs), so set-up traffic (DDP's initial broadcast)
 cancels out.  Collectives are counted by :class:`benchmarks.comm.CollectiveCounter` (dispatch
 level); pipeline sends by wrapping the schedule's point-to-point batch.
 
@@ -59,7 +59,7 @@ class SendCounter:
 
 
 def _traffic(out: str, steps: int) -> dict:
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     counter, sends = CollectiveCounter(), SendCounter()
     with counter, sends:
@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, outs: dict[str, str]) -> dict:
 
 
 def _layouts(dp: int, pp: int):
-    from fxshard.context import Layout
+    from fxshard.ir.context import Layout
 
     out = {f"pp={pp} 1f1b": Layout(pp=pp)}
     out |= {f"dp={dp} zero={z}": Layout(dp=dp, zero=z) for z in (0, 1, 2, 3)}
@@ -96,7 +96,7 @@ def _layouts(dp: int, pp: int):
 
 def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
     from fxshard.compiler import compile as compile_model
-    from fxshard.costs import plan_costs
+    from fxshard.tools.costs import plan_costs
 
     rows = []
     for name, layout in _layouts(dp, pp).items():

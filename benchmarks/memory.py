@@ -1,6 +1,6 @@
 """Model-state bytes per rank under each ZeRO stage and precision, next to the ZeRO formulas.
 
-Reuses ``fxshard run --memory-report``'s measurement (:mod:`fxshard.memory`): every (dtype, zero) of
+Reuses ``fxshard run --memory-report``'s measurement (:mod:`fxshard.train.memory`): every (dtype, zero) of
 samples/gpt.py is compiled at dp = N and trained one step on N gloo processes; each rank walks the
 distinct storages behind its parameters, gradients and optimizer state.
 """
@@ -18,8 +18,8 @@ MIB = 2**20
 
 def run(dp: int, workdir: Path, log=print) -> dict:
     from fxshard.compiler import compile as compile_model
-    from fxshard.context import Layout
-    from fxshard.memory import measure_on_rank, report_rows
+    from fxshard.ir.context import Layout
+    from fxshard.train.memory import measure_on_rank, report_rows
 
     layouts, outs = {}, {}
     for dtype in ("fp32", "bf16"):

@@ -2,7 +2,7 @@
 
 ``benchmarks/models/mlp_stack.py`` (identical residual MLP blocks, so stages cost the same) is
 compiled with ``Layout(pp=p, schedule=s, microbatches=m)`` for every schedule fxshard offers
-(``fxshard.context.SCHEDULES``).  One set of ``p`` processes loads all of them and steps them
+(``fxshard.ir.context.SCHEDULES``).  One set of ``p`` processes loads all of them and steps them
 interleaved.  On each rank, the generated stage modules run under ``torch.distributed.pipelining``
 exactly as ``fxshard run`` drives them; :class:`BusyClock` wraps the ``PipelineStage``'s
 ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` (the compute of one
@@ -61,12 +61,12 @@ class PipelineRunner:
     def __init__(self, out: Path):
         from torch.distributed.device_mesh import init_device_mesh
 
-        from fxshard.inputs import flatten_batch
-        from fxshard.modelfile import load_model_file
-        from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
+        from fxshard.capture.inputs import flatten_batch
+        from fxshard.capture.modelfile import load_model_file
+        from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
         from fxshard.runtime import load_state
         from fxshard.runtime.pipeline import make_schedule, pipeline_stage
-        from fxshard.training import OptimConfig
+        from fxshard.train.optim import OptimConfig
 
         manifest = read_manifest(out)
         self.layout = layout = layout_of(manifest)
@@ -118,7 +118,7 @@ def theory(pp: int, microbatches: int, stages_per_rank: int) -> dict:
 def run(pp: int, microbatches: int, workdir: Path, rounds: int, warmup: int, schedules=None, log=print) -> dict:
     """Compile every schedule at ``pp`` and ``microbatches``, step them interleaved; idle fractions."""
     from fxshard.compiler import compile as compile_model
-    from fxshard.context import SCHEDULES, Layout
+    from fxshard.ir.context import SCHEDULES, Layout
 
     schedules = schedules or SCHEDULES
     outs, layouts = {}, {}

@@ -95,17 +95,17 @@ class Contender:
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
-    from fxshard.training import OptimConfig
+    from fxshard.train.optim import OptimConfig
 
     return OptimConfig().make(params)  # the AdamW settings `fxshard run` uses
 
 
 def fxshard_contender(out: Path, inputs: dict) -> Contender:
-    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.launch.train`` does."""
+    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.inputs import flatten_batch
-    from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
+    from fxshard.capture.inputs import flatten_batch
+    from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
     from fxshard.runtime import load_state
 
     manifest = read_manifest(out)
@@ -115,7 +115,7 @@ def fxshard_contender(out: Path, inputs: dict) -> Contender:
     entry = rank_entry(manifest, layout.coords(dist.get_rank()))
     code = import_rank_file(out / entry["file"])
     module = code.RankModule(groups, torch.device("cpu"))
-    module.return_outputs = False  # as fxshard.launch.train does
+    module.return_outputs = False  # as fxshard.train.launch.train does
     load_state(module, out / entry["weights"])
     leaves = flatten_batch(inputs, manifest["inputs"])
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
@@ -165,7 +165,7 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
 
 
 def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
-    from fxshard.modelfile import load_model_file
+    from fxshard.capture.modelfile import load_model_file
 
     with model_size(size):
         full, inputs = load_model_file(MODEL_FILE).build(seed=0)  # the weights and batch fxshard compiled
@@ -185,9 +185,9 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
 def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     """Compile, time and count one model size at tp=2; the result as JSON-ready data."""
     from benchmarks.models.gpt import SIZES
+    from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile as compile_model
-    from fxshard.context import Layout
-    from fxshard.modelfile import load_model_file
+    from fxshard.ir.context import Layout
 
     out = workdir / f"gpt-{size}-tp{TP}"
     with model_size(size):

@@ -62,7 +62,7 @@ Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and mak
 
 def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
             virtual_stages: int | None, dtype: str):
-    from fxshard.context import Layout
+    from fxshard.ir.context import Layout
 
     return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
                   virtual_stages=virtual_stages, dtype=dtype)
@@ -133,7 +133,7 @@ def plan(
     from fxshard.cli.report import plan_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.costs import plan_costs
+    from fxshard.tools.costs import plan_costs
 
     try:
         layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
@@ -169,7 +169,7 @@ def check(out: Path = typer.Argument(..., help="compiled output folder")):
     group issues the same collectives (run on meta tensors) and every pipeline send has its receive."""
     from fxshard.cli.report import check_report
 
-    from fxshard.check import check_output
+    from fxshard.tools.check import check_output
 
     try:
         with console.status(f"checking {out}"):
@@ -208,9 +208,9 @@ def run(
                                     "edited or mixed since compile are refused instead of hanging"),
 ):
     """Train: launch every rank locally, or run as one rank when started by torchrun."""
-    from fxshard.launch import launch_local, run_args, run_rank, under_torchrun
-    from fxshard.output import layout_of, read_manifest
-    from fxshard.training import OptimConfig
+    from fxshard.codegen.manifest import layout_of, read_manifest
+    from fxshard.train.launch import launch_local, run_args, run_rank, under_torchrun
+    from fxshard.train.optim import OptimConfig
 
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
@@ -228,7 +228,7 @@ def run(
         manifest = read_manifest(out)
         world = layout_of(manifest).world_size
         if check:
-            from fxshard.check import check_output
+            from fxshard.tools.check import check_output
 
             with console.status(f"checking {out}"):
                 report = check_output(out)
@@ -241,7 +241,7 @@ def run(
 
 
 def _checkpoint_config(folder: Path | None, save_every: int, resume: bool):
-    from fxshard.checkpoint import CheckpointConfig, CheckpointError
+    from fxshard.train.checkpoint import CheckpointConfig, CheckpointError
 
     if folder is None:
         if save_every or resume:
@@ -260,7 +260,7 @@ def export(
 ):
     """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
     transformers' from_pretrained loads."""
-    from fxshard.export import export_hf
+    from fxshard.train.export import export_hf
 
     try:
         path = export_hf(checkpoint, hf, model)
@@ -297,8 +297,8 @@ def verify(
     from fxshard.cli.report import verify_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.training import OptimConfig
-    from fxshard.verify import verify as verify_
+    from fxshard.tools.verify import verify as verify_
+    from fxshard.train.optim import OptimConfig
 
     try:
         layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)

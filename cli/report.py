@@ -9,7 +9,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from fxshard.codegen.emit import collective_counts
-from fxshard.output import layout_of, rank_entry, read_manifest
+from fxshard.codegen.manifest import layout_of, rank_entry, read_manifest
 
 
 def _collective_counts(entry: dict) -> str:
@@ -41,7 +41,7 @@ def _numel(shape) -> int:
 
 def _plan_lines(console: Console, manifest: dict) -> None:
     console.print(f"[bold]plan[/] ({manifest['plan_source']}):")
-    from fxshard.context import compress_plan
+    from fxshard.ir.context import compress_plan
 
     for line in compress_plan(manifest["plan"]) or ["(nothing split: every module replicated)"]:
         console.print(f"  {line}", highlight=False)

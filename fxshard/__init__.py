@@ -3,8 +3,8 @@
 __version__ = "0.1.0"
 
 from fxshard.errors import FxshardError  # noqa: E402
-from fxshard.pipeline import pipeline_split  # noqa: E402
-from fxshard.plan import colwise, parallelize, replicate, rowwise, vocab_parallel  # noqa: E402
+from fxshard.ir.cut import pipeline_split  # noqa: E402
+from fxshard.plan.styles import colwise, parallelize, replicate, rowwise, vocab_parallel  # noqa: E402
 
 
 def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, schedule: str = "1f1b",
@@ -18,7 +18,7 @@ def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero
     tensors); ``meta=True``: capture on meta tensors and write code and manifest only.
     """
     from fxshard.compiler import compile as _compile
-    from fxshard.context import Layout
+    from fxshard.ir.context import Layout
 
     return _compile(model_file, Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
                                           virtual_stages=virtual_stages), out=out, plan=plan, seed=seed,

@@ -21,24 +21,24 @@ from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from fxshard import __version__
-from fxshard.capture import Program, capture
-from fxshard.check import COMPILER_BUG, CheckReport, check_program
+from fxshard.capture.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
+from fxshard.capture.program import Program, capture
 from fxshard.codegen import emit_rank, rank_file_name
-from fxshard.context import CompileContext, Layout, spec
+from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata
 from fxshard.errors import LayoutError, OutputFolderError, PlanError, warn
-from fxshard.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
+from fxshard.ir.context import CompileContext, Layout, spec
+from fxshard.ir.cut import choose_microbatches, label_markers
+from fxshard.ir.placement import SliceSpec, local_shape, take
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
-from fxshard.pipeline import choose_microbatches, label_markers
-from fxshard.placement import SliceSpec, local_shape, take
-from fxshard.plan import resolve
-from fxshard.weights import checkpoint_source, external_weights, shard_metadata
+from fxshard.plan.styles import resolve
+from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
 PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
-from fxshard.output import FORMAT, MANIFEST  # noqa: E402
+from fxshard.codegen.manifest import FORMAT, MANIFEST  # noqa: E402
 
 
 @dataclass
@@ -48,7 +48,7 @@ class CompiledProgram:
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: dict = field(default_factory=dict)
-    checks: CheckReport | None = None  # the static checks of the generated files (fxshard.check)
+    checks: CheckReport | None = None  # the static checks of the generated files (fxshard.tools.check)
 
     @property
     def files(self) -> list[str]:

@@ -14,9 +14,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxshard.context import CompileContext, Group, RankValue, spec
 from fxshard.errors import ShardingError
-from fxshard.placement import local_shape
+from fxshard.ir.context import CompileContext, Group, RankValue, spec
+from fxshard.ir.placement import local_shape
 from fxshard.runtime import collectives as rtc
 
 

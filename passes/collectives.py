@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.context import CompileContext, Group, NodeSpec, RankValue, spec
-from fxshard.placement import Partial, Placement, Replicate, Shard
+from fxshard.ir.context import CompileContext, Group, NodeSpec, RankValue, spec
+from fxshard.ir.placement import Partial, Placement, Replicate, Shard
+from fxshard.ir.sharding import tensor_args
 from fxshard.runtime import collectives as rtc
-from fxshard.sharding import tensor_args
 
 R = Replicate()
 GROUP = Group("tp")

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.capture import node_fqn
-from fxshard.context import CompileContext, RankValue, spec
+from fxshard.capture.program import node_fqn
 from fxshard.errors import RandomnessError
-from fxshard.placement import Shard
+from fxshard.ir.context import CompileContext, RankValue, spec
+from fxshard.ir.placement import Shard
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten

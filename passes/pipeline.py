@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.capture import loss_cone, node_fqn
-from fxshard.context import CompileContext, spec
+from fxshard.capture.program import loss_cone, node_fqn
 from fxshard.errors import LayoutError, PlanError
-from fxshard.pipeline import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
-from fxshard.placement import local_shape
-from fxshard.sharding import _is_differentiable
+from fxshard.ir.context import CompileContext, spec
+from fxshard.ir.cut import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
+from fxshard.ir.placement import local_shape
+from fxshard.ir.sharding import _is_differentiable
 
 _RECOMPUTE_LIMIT = 400  # nodes: a larger constant sub-graph is sent instead
 

@@ -1,7 +1,7 @@
 """Split weights column/row-wise over the ``tp`` axis and rewrite the graph to per-rank sizes.
 
 Reads the resolved plan (``ctx.plan``), gives each weight its placement, propagates placements
-through every op (``fxshard.sharding``), then makes the graph compute one rank's part:
+through every op (``fxshard.ir.sharding``), then makes the graph compute one rank's part:
 
 * shape constants baked in by export (``view``/``reshape``/``expand`` sizes, ``split`` sizes) become
   per-rank values — e.g. ``view(q, [2, 8, 4, 16])`` becomes ``[2, 8, 2, 16]`` at tp=2;
@@ -23,15 +23,15 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from fxshard.autoplan import auto_plan
-from fxshard.capture import node_fqn
-from fxshard.context import CompileContext, NodeSpec, RankValue
+from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
-from fxshard.layers import WeightOp, style_placements, weight_ops
-from fxshard.placement import Placement, Replicate, Shard, local_shape
-from fxshard.plan import ResolvedPlan
+from fxshard.ir.context import CompileContext, NodeSpec, RankValue
+from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
+from fxshard.ir.sharding import Decision, Propagation, propagate, shape, vocab_parallel_loss
+from fxshard.plan.auto import auto_plan
+from fxshard.plan.layers import WeightOp, style_placements, weight_ops
+from fxshard.plan.styles import ResolvedPlan
 from fxshard.runtime import tensor_parallel as rt_tp
-from fxshard.sharding import Decision, Propagation, propagate, shape, vocab_parallel_loss
 
 aten = torch.ops.aten
 

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from fxshard.modelfile import load_model_file
-from fxshard.reference import reference_losses
+from fxshard.capture.modelfile import load_model_file
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out" / "demo-gpt-tp2"

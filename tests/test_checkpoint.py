@@ -1,7 +1,7 @@
 """Checkpoints: save during training, a kill in the middle of a save, resume under the same and other
 layouts (tp, pp, dp and ZeRO stages), export to a Hugging Face folder, and the errors of bad input.
 
-Every run goes through ``fxshard.launch.train`` (what ``fxshard run`` runs on each rank) on real gloo
+Every run goes through ``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank) on real gloo
 process groups.  The reference is one uninterrupted 4-step run at tp=2·pp=2 that saves at steps 2
 and 4; every resumed run starts from its step-2 checkpoint and must reproduce its steps 3 and 4.
 """
@@ -17,10 +17,10 @@ import torch
 import torch.multiprocessing as mp
 from harness import spawn
 
-from fxshard.checkpoint import CRASH_ENV, CheckpointConfig, CheckpointError, CheckpointReader
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
-from fxshard.training import OptimConfig
+from fxshard.ir.context import Layout
+from fxshard.train.checkpoint import CRASH_ENV, CheckpointConfig, CheckpointError, CheckpointReader
+from fxshard.train.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
@@ -43,7 +43,7 @@ def _train(rank: int, world: int, runs: list, crash_at: int | None = None):
     """Train each ``(out, steps, CheckpointConfig)``; {out: (losses, final state)}."""
     import os
 
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     if crash_at is not None:
         os.environ[CRASH_ENV] = str(crash_at)
@@ -138,9 +138,9 @@ def test_killed_mid_save_leaves_the_previous_checkpoint_and_resume_reaches_the_s
 def test_export_round_trip_is_bit_identical(saved, tmp_path, model):
     from transformers import AutoModelForCausalLM
 
-    from fxshard.export import export_hf
-    from fxshard.output import layout_of, read_manifest
-    from fxshard.verify import gather_parameters
+    from fxshard.codegen.manifest import layout_of, read_manifest
+    from fxshard.tools.verify import gather_parameters
+    from fxshard.train.export import export_hf
 
     out, ckpt, _ = saved[model]
     export_hf(ckpt, tmp_path / "hf")
@@ -241,7 +241,7 @@ def test_saved_under_data_parallelism_resumes_under_other_layouts(tmp_path):
 def test_export_of_a_plain_torch_model_writes_its_state_dict(tmp_path):
     from safetensors.torch import load_file
 
-    from fxshard.export import export_hf
+    from fxshard.train.export import export_hf
 
     out = _compile(tmp_path, "gpt", Layout(), "gpt-single")
     spawn(_train, 1, [(str(out), 2, CheckpointConfig(tmp_path / "ckpt", 2))], timeout=300)
@@ -254,7 +254,7 @@ def test_export_of_a_plain_torch_model_writes_its_state_dict(tmp_path):
 
 
 def test_export_with_the_model_of_another_checkpoint_is_refused(saved, tmp_path):
-    from fxshard.export import export_hf
+    from fxshard.train.export import export_hf
 
     with pytest.raises(CheckpointError, match="does not fit .*llama.py: tensor model.embed_tokens.weight is missing"):
         export_hf(saved["gpt2"][1], tmp_path / "hf", SAMPLES / "llama.py")

@@ -2,7 +2,7 @@
 
 GPT-2 (``tests/models/gpt2_dropout.py``: dropout p=0.1 on the embedding, the attention probabilities,
 the residual and the MLP) is trained 3 AdamW steps on real gloo process groups through
-``fxshard.launch.train``; losses must match ``reference_losses`` of the unmodified model within 1e-5
+``fxshard.train.launch.train``; losses must match ``reference_losses`` of the unmodified model within 1e-5
 relative.  That holds only if every rank draws, for each element it holds, the mask the element has
 on one device: tp slices (attention dropout is split by heads), dp shares of the batch, pipeline
 microbatches in any schedule order, batches accumulated into one step.  As in
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from harness import spawn
 
+from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
-from fxshard.modelfile import load_model_file
-from fxshard.reference import reference_losses
-from fxshard.training import OptimConfig
+from fxshard.ir.context import Layout
+from fxshard.train.optim import OptimConfig
+from fxshard.train.reference import reference_losses
 
 MODEL = Path(__file__).resolve().parent / "models" / "gpt2_dropout.py"
 STEPS = 3
@@ -42,7 +42,7 @@ CASES = {  # id -> (layout, optimizer settings)
 
 
 def _train_all(rank: int, world: int, outs: list[tuple[str, OptimConfig]]):
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     return {out: train(Path(out), STEPS, optim, log=lambda *_: None) for out, optim in outs}
 

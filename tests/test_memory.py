@@ -1,7 +1,7 @@
 """Bytes of model state each rank holds under every ZeRO stage and precision, against the ZeRO formulas.
 
 Every (precision, stage) of samples/gpt.py at dp=2 is compiled and trained for one step on real gloo
-processes; ``fxshard.launch.train(memory=...)`` walks the tensors each rank actually holds.  Each
+processes; ``fxshard.train.launch.train(memory=...)`` walks the tensors each rank actually holds.  Each
 category must equal the formula up to the replicated remainder: Adam's per-tensor step counters,
 FSDP2's shard padding, and at ZeRO 1 the imbalance of assigning whole tensors to ranks.
 """
@@ -13,11 +13,18 @@ from pathlib import Path
 import pytest
 from harness import spawn
 
+from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
-from fxshard.memory import FSDP2_ZERO2_EXTRA, formula, formula_text, measure_on_rank, peak_params, report_rows
-from fxshard.modelfile import load_model_file
-from fxshard.reference import reference_losses
+from fxshard.ir.context import Layout
+from fxshard.train.memory import (
+    FSDP2_ZERO2_EXTRA,
+    formula,
+    formula_text,
+    measure_on_rank,
+    peak_params,
+    report_rows,
+)
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "samples" / "gpt.py"

@@ -14,12 +14,12 @@ import pytest
 import torch
 from harness import spawn
 
-from fxshard.capture import _WithLoss
+from fxshard.capture.inputs import flatten_batch
+from fxshard.capture.modelfile import load_model_file
+from fxshard.capture.program import _WithLoss
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
-from fxshard.inputs import flatten_batch
-from fxshard.modelfile import load_model_file
-from fxshard.placement import SliceSpec, assemble
+from fxshard.ir.context import Layout
+from fxshard.ir.placement import SliceSpec, assemble
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -31,7 +31,7 @@ def _rank_module(rank: int, world: int, out: str):
     """This tp rank's generated ``RankModule`` on a gloo mesh with its weights, and its example batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.output import import_rank_file, rank_entry, read_manifest
+    from fxshard.codegen.manifest import import_rank_file, rank_entry, read_manifest
     from fxshard.runtime import load_state
 
     out = Path(out)

@@ -14,10 +14,10 @@ import transformers
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
 from fxshard.compiler import compile_program
-from fxshard.context import Layout, spec
 from fxshard.errors import FxshardWarning
-from fxshard.plan import Style, colwise, hf_style, replicate, rowwise, vocab_parallel
-from fxshard.verify import verify
+from fxshard.ir.context import Layout, spec
+from fxshard.plan.styles import Style, colwise, hf_style, replicate, rowwise, vocab_parallel
+from fxshard.tools.verify import verify
 
 MODELS = Path(__file__).resolve().parent / "models"
 _PLAN = re.compile(r"^\s*(base_model_tp_plan|_tp_plan|base_model_ep_plan|_ep_plan)\s*(?::[^=\n]*)?=\s*\{", re.M)
@@ -49,7 +49,7 @@ def test_every_transformers_style_is_followed_or_named_in_a_note():
             what = hf_style(name)
         except KeyError:
             pytest.fail(f"transformers style {name!r} (used by {sorted(shipped.get(name, []))[:5]}) has no entry in "
-                        "fxshard.plan: map it to a Style, mark it implied, or say what fxshard does instead")
+                        "fxshard.plan.styles: map it to a Style, mark it implied, or say what fxshard does instead")
         assert what is None or isinstance(what, Style) or (isinstance(what, str) and len(what) > 40), (name, what)
 
 

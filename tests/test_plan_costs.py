@@ -10,9 +10,9 @@ from pathlib import Path
 
 import sympy
 
-from fxshard.context import Layout
-from fxshard.costs import B, S, plan_costs
-from fxshard.memory import formula
+from fxshard.ir.context import Layout
+from fxshard.tools.costs import B, S, plan_costs
+from fxshard.train.memory import formula
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "samples" / "gpt.py"

@@ -2,7 +2,7 @@
 and ZeRO stages, alone and combined with tensor parallelism.
 
 Each case is compiled here, then trained for 3 AdamW steps on real gloo process groups through
-``fxshard.launch.train`` (the code ``fxshard run`` runs on each rank).  To keep the suite fast,
+``fxshard.train.launch.train`` (the code ``fxshard run`` runs on each rank).  To keep the suite fast,
 the cases of one world size share one set of spawned processes; each case is still its own test.
 Losses must match single-device training of the unmodified model within 1e-5 relative; weights
 shared by stages (tied embeddings) must be bit-identical on every stage after training.
@@ -16,13 +16,13 @@ import pytest
 import torch
 from harness import spawn
 
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.manifest import layout_of
 from fxshard.compiler import compile as compile_model
-from fxshard.context import SCHEDULES, Layout
-from fxshard.modelfile import load_model_file
-from fxshard.output import layout_of
-from fxshard.reference import reference_losses
-from fxshard.training import OptimConfig
-from fxshard.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.ir.context import SCHEDULES, Layout
+from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.train.optim import OptimConfig
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -86,7 +86,7 @@ def _case(case: str):
 
 
 def _train_all(rank: int, world: int, outs: list[tuple[str, OptimConfig]]):
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     results = {}
     for out, optim in outs:

@@ -23,14 +23,14 @@ import torch
 from harness import spawn
 from safetensors.torch import load_file, save_file, save_model
 
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.manifest import import_rank_file
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
 from fxshard.errors import OutputFolderError, WeightsError
-from fxshard.modelfile import load_model_file
-from fxshard.output import import_rank_file
-from fxshard.placement import SliceSpec, take
-from fxshard.reference import reference_losses
+from fxshard.ir.context import Layout
+from fxshard.ir.placement import SliceSpec, take
 from fxshard.runtime import load_state
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -138,7 +138,7 @@ def test_each_rank_holds_its_slices_and_reads_only_them(folders, name, tmp_path,
 
 
 def _train_all(rank: int, world: int, outs: list[str]):
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     return {out: train(Path(out), STEPS, log=lambda *_: None) for out in outs}
 

@@ -17,9 +17,9 @@ import jinja2
 import torch
 import torch.fx as fx
 
-from fxshard.capture import loss_cone
-from fxshard.context import CompileContext, Group, RankValue, spec
-from fxshard.placement import Partial, Replicate, Shard, local_shape
+from fxshard.capture.program import loss_cone
+from fxshard.ir.context import CompileContext, Group, RankValue, spec
+from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import random as rt_random
 
 _ENV = jinja2.Environment(

@@ -2,7 +2,7 @@
 
 A program compiled with ``--weights DIR`` writes no parameter shards.  Each rank's small shard file
 (buffers only) carries, in its safetensors metadata under :data:`KEY`, where each of its parameters
-lives: checkpoint file, tensor name and the :class:`~fxshard.placement.SliceSpec` it holds.  A rank
+lives: checkpoint file, tensor name and the :class:`~fxshard.ir.placement.SliceSpec` it holds.  A rank
 reads exactly those ranges with ``safe_open(file).get_slice(name)[...]`` (one read per packed block of
 a fused q/k/v), never the full tensor::
 
@@ -20,7 +20,7 @@ import torch
 
 from fxshard.errors import OutputFolderError
 
-KEY = "fxshard.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key: spec}} or {"dir": null}
+KEY = "fxshard.train.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key: spec}} or {"dir": null}
 NO_WEIGHTS = "compiled without weights (on meta tensors): recompile with --weights DIR, a Hugging Face folder"
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxshard.checkpoint import CRASH_ENV, CheckpointReader
-from fxshard.modelfile import load_model_file
-from fxshard.reference import reference_losses
+from fxshard.capture.modelfile import load_model_file
+from fxshard.train.checkpoint import CRASH_ENV, CheckpointReader
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 

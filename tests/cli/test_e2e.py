@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.modelfile import load_model_file
-from fxshard.reference import reference_losses
+from fxshard.capture.modelfile import load_model_file
+from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -110,7 +110,7 @@ def test_data_parallel_zero3_with_clipping_from_the_command_line(tmp_path, sampl
     assert "return rt.fully_shard(module, dp_mesh, reshard_after_forward=True)" in code
     fxshard("run", out, "--steps", 3, "--clip-grad-norm", 0.05, "--grad-accum", 2, "--metrics", tmp_path / "m.jsonl")
     got = [json.loads(x)["loss"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    from fxshard.training import OptimConfig
+    from fxshard.train.optim import OptimConfig
 
     want = reference_losses(load_model_file(samples / "gpt.py"), 3, OptimConfig(clip_grad_norm=0.05, grad_accum=2))
     for g, r in zip(got, want, strict=True):

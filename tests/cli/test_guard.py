@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fxshard.compiler import compile
-from fxshard.context import Layout
+from fxshard.ir.context import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 

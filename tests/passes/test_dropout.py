@@ -10,8 +10,8 @@ import torch
 
 from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
-from fxshard.context import Layout
 from fxshard.errors import RandomnessError
+from fxshard.ir.context import Layout
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten

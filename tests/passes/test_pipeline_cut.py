@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
-from fxshard.context import Layout
 from fxshard.errors import LayoutError, PlanError
-from fxshard.modelfile import load_model_file
-from fxshard.pipeline import balance
+from fxshard.ir.context import Layout
+from fxshard.ir.cut import balance
 
 
 def _blocks(result) -> list[int]:

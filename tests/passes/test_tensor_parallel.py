@@ -10,9 +10,9 @@ import torch
 
 from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
-from fxshard.context import Layout, spec
 from fxshard.errors import PlanError, ShardingError
-from fxshard.placement import Partial, Replicate, Shard
+from fxshard.ir.context import Layout, spec
+from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.runtime import collectives as rtc
 from fxshard.runtime import tensor_parallel as rt_tp
 
@@ -180,7 +180,7 @@ def test_a_partial_sum_read_by_split_compute_is_reduced_not_the_weights_gathered
 
 @pytest.mark.distributed
 def test_a_partial_sum_read_by_split_compute_trains_like_one_device(models):
-    from fxshard.verify import verify
+    from fxshard.tools.verify import verify
 
     result = verify(models / "partial_into_split.py", Layout(tp=2), steps=3)
     assert result.ok, result.summary()

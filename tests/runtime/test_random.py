@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxshard.placement import SliceSpec, take
+from fxshard.ir.placement import SliceSpec, take
 from fxshard.runtime.random import ReferenceDropout, begin_batch, begin_microbatch, dropout, keep_mask
 
 

@@ -12,7 +12,7 @@ Sources, highest priority first: the plan given to ``compile`` (``--plan plan.py
 the model code (``@fxshard.parallelize(fc_in=fxshard.colwise(), ...)`` on a class, or
 ``fxshard.parallelize(module, ...)`` on an instance), the plan a Hugging Face model ships
 (``_tp_plan`` / ``config.base_model_tp_plan``), and, when none of these gives anything, automatic
-Megatron pairing (``fxshard/autoplan.py``).  Keys are globs over dotted path components
+Megatron pairing (``fxshard/plan/auto.py``).  Keys are globs over dotted path components
 (``*`` matches one component); a key of the user's plan that matches no module is a warning naming it.
 What fxshard does differently from a model's own plan (expert layers, keys its configuration lacks) is
 one compile note, not a warning: the user did not write that plan.

@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxshard.capture.modelfile import ModelFile
 from fxshard.errors import CaptureError, ModelFileError
-from fxshard.modelfile import ModelFile
 
 WRAPPED = "model"  # attribute of the capture wrapper holding the user's model; stripped from FQNs
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.capture import node_fqn
-from fxshard.context import Layout
+from fxshard.capture.program import node_fqn
 from fxshard.errors import LayoutError, PlanError
+from fxshard.ir.context import Layout
 
 # ---------------------------------------------------------------- the marker
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxshard.capture import Program
+from fxshard.capture.program import Program
 from fxshard.errors import WeightsError
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

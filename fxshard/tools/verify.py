@@ -3,7 +3,7 @@
 The distributed run is the real thing — the compiled rank files launched as local gloo processes,
 exactly as ``fxshard run`` does — and every rank writes its trained tensors; their slices are
 reassembled by the manifest's slice records into full tensors and compared with the single-device
-model trained by :func:`fxshard.reference.reference_losses`::
+model trained by :func:`fxshard.train.reference.reference_losses`::
 
     result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
     assert result.ok, result.summary()
@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.manifest import rank_entry
 from fxshard.compiler import compile as compile_model
-from fxshard.context import Layout
 from fxshard.errors import FxshardError
-from fxshard.modelfile import load_model_file
-from fxshard.output import rank_entry
-from fxshard.placement import SliceSpec, assemble
-from fxshard.reference import reference_losses
-from fxshard.training import OptimConfig
+from fxshard.ir.context import Layout
+from fxshard.ir.placement import SliceSpec, assemble
+from fxshard.train.optim import OptimConfig
+from fxshard.train.reference import reference_losses
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
 # Parameters: ||distributed - single|| / ||single - initial|| over all trained parameters, the difference as
@@ -88,7 +88,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
-    from fxshard.launch import launch_local, run_args
+    from fxshard.train.launch import launch_local, run_args
 
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from fxshard.context import Layout
 from fxshard.errors import OutputFolderError
+from fxshard.ir.context import Layout
 
 MANIFEST = "manifest.json"
 FORMAT = 1

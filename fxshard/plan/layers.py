@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.capture import node_fqn
+from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError
-from fxshard.placement import Placement, Replicate, Shard
-from fxshard.plan import Style
+from fxshard.ir.placement import Placement, Replicate, Shard
+from fxshard.plan.styles import Style
 
 aten = torch.ops.aten
 

@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fxshard.context import Layout
+from fxshard.capture.inputs import flatten_batch
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
 from fxshard.errors import FxshardError, LayoutError
-from fxshard.inputs import flatten_batch
-from fxshard.memory import MemoryProbe
-from fxshard.modelfile import load_model_file
-from fxshard.output import import_rank_file, layout_of, rank_entry, read_manifest
+from fxshard.ir.context import Layout
 from fxshard.runtime import load_state
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.guard import set_context
 from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
-from fxshard.training import OptimConfig, clip_grad_norm_
+from fxshard.train.memory import MemoryProbe
+from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
 
 def under_torchrun() -> bool:
@@ -96,7 +96,7 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
              log=print, memory_report=None, final_state: Path | None = None, checkpoint=None) -> list[float]:
     """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses.
 
-    With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.memory.report_rows` of
+    With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.train.memory.report_rows` of
     every rank's measured model-state bytes after training."""
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
@@ -120,7 +120,7 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
             Path(final_state).mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(Path(final_state) / f"rank{rank}.safetensors"))
         if memory_report is not None:
-            from fxshard.memory import report_rows
+            from fxshard.train.memory import report_rows
 
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
@@ -158,8 +158,8 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
     weights file (``attr``, or ``StageN.attr`` under pipeline parallelism).  With ``memory`` (a dict),
-    it is filled with the bytes of model state this rank held (see :mod:`fxshard.memory`) and ``psi``,
-    its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.checkpoint.CheckpointConfig`)
+    it is filled with the bytes of model state this rank held (see :mod:`fxshard.train.memory`) and ``psi``,
+    its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
     layout) at its step: only steps after it run, and their losses are returned."""
     run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint)
@@ -178,7 +178,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
                     sink.write(json.dumps({"step": step, "loss": value}) + "\n")
                     sink.flush()
             if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
-                from fxshard.checkpoint import save_checkpoint
+                from fxshard.train.checkpoint import save_checkpoint
 
                 saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
                                         run.manifest, run.coords, run.groups["dp"], optim)
@@ -226,7 +226,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
                          masters=[masters[id(p)] for p in params] if masters else None)
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
     if reader is not None:
-        from fxshard.checkpoint import load_optimizer
+        from fxshard.train.checkpoint import load_optimizer
 
         load_optimizer(reader, opt, held, entry, groups["dp"])
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
@@ -278,7 +278,7 @@ def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
     """The checkpoint to resume from (checked against the compiled model), or None."""
     if checkpoint is None or not checkpoint.resume:
         return None
-    from fxshard.checkpoint import CheckpointError, CheckpointReader
+    from fxshard.train.checkpoint import CheckpointError, CheckpointReader
 
     reader = CheckpointReader(checkpoint.folder)
     reader.check_model(manifest, out)
@@ -299,7 +299,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
         promote(module)
     load_state(module, weights, prefix=prefix)
     if reader is not None:  # --resume: the trained values (fp32 masters under bf16) replace the compiled ones
-        from fxshard.checkpoint import load_parameters
+        from fxshard.train.checkpoint import load_parameters
 
         load_parameters(reader, module, entry, prefix)
     if layout.mixed and not (layout.dp > 1 and layout.zero >= 2):

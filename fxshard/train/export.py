@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fxshard.checkpoint import CheckpointError, CheckpointReader
-from fxshard.modelfile import load_model_file
+from fxshard.capture.modelfile import load_model_file
+from fxshard.train.checkpoint import CheckpointError, CheckpointReader
 
 
 def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) -> tuple[torch.nn.Module, Path]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from fxshard.capture import _WithLoss
+from fxshard.capture.modelfile import ModelFile
+from fxshard.capture.program import _WithLoss
 from fxshard.compiler import cast_inputs
-from fxshard.context import DTYPES
-from fxshard.modelfile import ModelFile
+from fxshard.ir.context import DTYPES
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch
-from fxshard.training import OptimConfig, clip_grad_norm_
+from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
 
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
@@ -37,7 +37,7 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     for i in range(steps):
         total = 0.0
         for k, batch in enumerate(batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]):
-            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in fxshard.launch.train
+            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in fxshard.train.launch.train
             with ReferenceDropout():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
             (loss / optim.grad_accum).backward()

@@ -7,7 +7,7 @@ A dimension that fits no such term (or several) stays a number.  ``b`` is then w
 the global batch per step: ``b = B / (dp * microbatches)``.
 
 Per pipeline rank (tp ranks hold equal shares) it reports bytes of parameters, gradients and
-optimizer state (the ZeRO formulas of :mod:`fxshard.memory`), the activations of one microbatch
+optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the activations of one microbatch
 (every forward intermediate: an upper bound of what autograd saves), and the communication of one
 step on each mesh axis; and the schedule's bubble fraction::
 
@@ -26,10 +26,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from fxshard.capture import loss_cone
-from fxshard.context import Layout, spec
-from fxshard.memory import formula, peak_params
-from fxshard.placement import local_shape
+from fxshard.capture.program import loss_cone
+from fxshard.ir.context import Layout, spec
+from fxshard.ir.placement import local_shape
+from fxshard.train.memory import formula, peak_params
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 _b = sympy.Symbol("b", positive=True, integer=True)  # microbatch rows, replaced by B / (dp * M)
@@ -82,8 +82,8 @@ def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
 def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None, seed: int = 0,
                batch: int | None = None, seq: int | None = None) -> CostReport:
     """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's)."""
+    from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile_program
-    from fxshard.modelfile import load_model_file
 
     mf = load_model_file(model_file)
     result = compile_program(mf, layout, plan, seed, meta=True)  # shapes only: a 70B shape costs in seconds

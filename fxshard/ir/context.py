@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.capture import Program
+from fxshard.capture.program import Program
 from fxshard.errors import LayoutError
-from fxshard.placement import Placement, Replicate
-from fxshard.plan import ResolvedPlan
+from fxshard.ir.placement import Placement, Replicate
+from fxshard.plan.styles import ResolvedPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank

@@ -10,7 +10,7 @@ files in the folder, so an edited or stale file is caught before it hangs a run)
 - every pipeline send has its receive: stage ``s``'s ``OUTPUTS`` are stage ``s + 1``'s ``INPUTS``;
 - the parameters each rank file creates match the manifest and the weight shards.
 
-The collectives come from the rank files themselves (``fxshard.rank_trace``)::
+The collectives come from the rank files themselves (``fxshard.tools.rank_trace``)::
 
     report = check_output("out/gpt-tp2")        # raises CheckError naming file:line and collective
     [g.label for g in report.groups]            # ['tp group [0, 1]']
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.codegen import rank_file_name
-from fxshard.collective_diff import first_difference
+from fxshard.codegen.manifest import layout_of, read_manifest
 from fxshard.errors import CheckError
-from fxshard.output import layout_of, read_manifest
-from fxshard.placement import Partial, Replicate, Shard, local_shape
-from fxshard.rank_trace import Collective, RankTrace, trace_rank
+from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
+from fxshard.tools.collective_diff import first_difference
+from fxshard.tools.rank_trace import Collective, RankTrace, trace_rank
 
 RECOMPILE = "Recompile with `fxshard compile` instead of editing generated files."
 COMPILER_BUG = ("This is a bug in fxshard (it generated inconsistent rank files); please report it with the "

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.capture import node_fqn
-from fxshard.layers import WeightOp, infer_packing, style_placements
-from fxshard.plan import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
-from fxshard.sharding import propagate
+from fxshard.capture.program import node_fqn
+from fxshard.ir.sharding import propagate
+from fxshard.plan.layers import WeightOp, infer_packing, style_placements
+from fxshard.plan.styles import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
 
 
 def _within(fqn: str, scope: str) -> bool:

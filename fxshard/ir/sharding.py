@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.placement import Partial, Placement, Replicate, Shard
+from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
 R = Replicate()

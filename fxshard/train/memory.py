@@ -142,7 +142,7 @@ def report_rows(samples: list[dict], layout) -> list[dict]:
         note = ""
         if zero == 2:
             extra = FSDP2_ZERO2_EXTRA[layout.mixed] * m["psi"] / layout.dp
-            note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.memory"
+            note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.train.memory"
         rows.append({"rank": rank, "coords": layout.coords(rank), "psi": m["psi"], "params": m["params"],
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
                      "live": m["live"],
@@ -156,7 +156,7 @@ def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1)
     steps and return what the rank held, by name (a spawn target for tests and benchmarks)."""
     from pathlib import Path
 
-    from fxshard.launch import train
+    from fxshard.train.launch import train
 
     found = {}
     for name, out in outs.items():

@@ -1,0 +1,1 @@
+"""Plans: styles, decorators, FQN-glob plans, shipped Hugging Face plans, automatic pairing."""

@@ -1,0 +1,1 @@
+"""Tools over compiled programs: static checks, rank traces, the cost plan, verification."""

@@ -1,0 +1,1 @@
+"""Training the compiled program: launcher, optimizer settings, memory, checkpoints, export, reference."""
