@@ -19,7 +19,8 @@ MIB = 2**20
 def run(dp: int, workdir: Path, log=print) -> dict:
     from fxshard.compiler import compile as compile_model
     from fxshard.ir.context import Layout
-    from fxshard.train.memory import measure_on_rank, report_rows
+    from fxshard.testing import measure_on_rank
+    from fxshard.train.memory import report_rows
 
     layouts, outs = {}, {}
     for dtype in ("fp32", "bf16"):

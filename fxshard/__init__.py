@@ -3,8 +3,23 @@
 __version__ = "0.1.0"
 
 from fxshard.errors import FxshardError  # noqa: E402
-from fxshard.ir.cut import pipeline_split  # noqa: E402
-from fxshard.plan.styles import colwise, parallelize, replicate, rowwise, vocab_parallel  # noqa: E402
+
+# The public names below load the compiler when first used, not when a rank file imports
+# ``fxshard.runtime`` (which must run with torch and the runtime alone).
+_LAZY = {
+    "pipeline_split": "fxshard.ir.cut",
+    **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "parallelize")},
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fxshard' has no attribute {name!r}")
 
 
 def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, schedule: str = "1f1b",

@@ -62,3 +62,16 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1) -> li
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1) -> dict[str, dict]:
+    """On this rank of an initialized process group: train each compiled folder of ``outs`` for ``steps``
+    steps and return what the rank held, by name (a spawn target for tests and benchmarks)."""
+    from fxshard.train.launch import train
+
+    found = {}
+    for name, out in outs.items():
+        memory: dict = {}
+        train(Path(out), steps, log=lambda *_: None, memory=memory)
+        found[name] = memory
+    return found

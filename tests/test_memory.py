@@ -16,11 +16,11 @@ from harness import spawn
 from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import measure_on_rank
 from fxshard.train.memory import (
     FSDP2_ZERO2_EXTRA,
     formula,
     formula_text,
-    measure_on_rank,
     peak_params,
     report_rows,
 )

@@ -122,11 +122,6 @@ def check_inputs(inputs: Any, where: str) -> None:
         )
 
 
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """Call ``model`` with a batch in the model-file convention (dict = kwargs, tuple = args)."""
-    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-
-
 def load_model_file(path: str | Path) -> ModelFile:
     """Import ``path`` and check it follows the model-file convention."""
     path = Path(path).resolve()

@@ -14,7 +14,6 @@ aten.embedding nn.Embedding                 weight S(1)           weight S(0) (v
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +97,3 @@ def style_placements(op: WeightOp, style: Style) -> dict[fx.Node, Placement]:
         w = Shard(out_dim, packed)
         return {op.weight: w} | ({op.bias: Shard(0, packed)} if op.bias is not None else {})
     return {op.weight: Shard(in_dim)} | ({op.bias: r} if op.bias is not None else {})
-
-
-def output_getitems(node: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if u.target is operator.getitem]

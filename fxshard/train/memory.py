@@ -149,18 +149,3 @@ def report_rows(samples: list[dict], layout) -> list[dict]:
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
                      "ratio": total / want["total"], "note": note})
     return rows
-
-
-def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1) -> dict[str, dict]:
-    """On this rank of an initialized process group: train each compiled folder of ``outs`` for ``steps``
-    steps and return what the rank held, by name (a spawn target for tests and benchmarks)."""
-    from pathlib import Path
-
-    from fxshard.train.launch import train
-
-    found = {}
-    for name, out in outs.items():
-        memory: dict = {}
-        train(Path(out), steps, log=lambda *_: None, memory=memory)
-        found[name] = memory
-    return found

@@ -53,7 +53,3 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         for name, p in model.named_parameters(remove_duplicate=False):
             final_state[name] = p.detach().clone()
     return losses
-
-
-def set_threads(n: int = 1) -> None:
-    torch.set_num_threads(n)
