@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).
+test-fast: setup
+	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q -m "not distributed and not e2e"
+
 bench: setup
+	$(PY) -m pytest -q benchmarks/test_benchmarks.py
 	$(PY) -m benchmarks.run
 
 lint: setup

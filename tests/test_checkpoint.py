@@ -134,6 +134,7 @@ def test_killed_mid_save_leaves_the_previous_checkpoint_and_resume_reaches_the_s
     assert not partial[0].exists()  # the next complete save drops partial folders
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_export_round_trip_is_bit_identical(saved, tmp_path, model):
     from transformers import AutoModelForCausalLM
@@ -170,6 +171,7 @@ def _resume_error(out: Path, ckpt: Path) -> str:
     return str(e.value)
 
 
+@pytest.mark.distributed
 def test_a_tensor_missing_from_the_checkpoint_names_file_and_tensor(saved, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -185,6 +187,7 @@ def test_a_tensor_missing_from_the_checkpoint_names_file_and_tensor(saved, tmp_p
     assert "CheckpointError" in msg and str(shard) in msg and "transformer.h.0.ln_1.weight" in msg
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
     out = _compile(tmp_path, "llama", Layout(), "llama-single")
     msg = _resume_error(out, saved["gpt2"][1])
@@ -199,6 +202,7 @@ def test_reader_errors_name_the_folder(tmp_path):
         CheckpointReader(tmp_path)
 
 
+@pytest.mark.distributed
 def test_index_records_slices_of_the_saving_layout(saved):
     index = json.loads((saved["gpt2"][1] / "step-00000002" / "index.json").read_text())
     c_attn = index["tensors"]["transformer.h.0.attn.c_attn.weight"]
@@ -238,6 +242,7 @@ def test_saved_under_data_parallelism_resumes_under_other_layouts(tmp_path):
             assert abs(g - w) <= rel * abs(w), f"{case} step {step}: {g} vs uninterrupted {w}"
 
 
+@pytest.mark.distributed
 def test_export_of_a_plain_torch_model_writes_its_state_dict(tmp_path):
     from safetensors.torch import load_file
 
@@ -253,6 +258,7 @@ def test_export_of_a_plain_torch_model_writes_its_state_dict(tmp_path):
         assert torch.equal(value, reader.tensor(name)), name
 
 
+@pytest.mark.distributed
 def test_export_with_the_model_of_another_checkpoint_is_refused(saved, tmp_path):
     from fxshard.train.export import export_hf
 
