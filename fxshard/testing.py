@@ -14,6 +14,7 @@ import pickle
 import socket
 import tempfile
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -75,3 +76,58 @@ def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1)
         train(Path(out), steps, log=lambda *_: None, memory=memory)
         found[name] = memory
     return found
+
+
+@dataclass(frozen=True)
+class CaseFailure:
+    """Why one case of a shared spawn has no result: its own traceback (every rank that raised), or the case
+    before it that failed, since the process group may be left mid-collective and later cases are not run."""
+
+    message: str
+
+
+def _cases_worker(rank: int, world: int, fn, items: list[tuple[str, tuple]]) -> dict:
+    results = {}
+    for key, args in items:
+        try:
+            results[key] = ("ok", fn(*args))
+        except BaseException:
+            results[key] = ("error", f"rank {rank}:\n{traceback.format_exc()}")
+            break
+    return results
+
+
+def spawn_cases(fn, world: int, items: list[tuple[str, tuple]], timeout: float = 600.0) -> dict:
+    """Run ``fn(*args)`` for each ``(key, args)`` of ``items`` in one set of ``world`` spawned processes (spawning
+    costs seconds; cases cost less).  Returns ``{key: [result per rank]}``, or ``{key: CaseFailure}`` for a case
+    that raised on some rank or could not run, so each case's test fails with its own cause::
+
+        results = spawn_cases(train_one, 2, [("gpt-tp2", (out,)), ...])
+    """
+    try:
+        per_rank = spawn(_cases_worker, world, fn, items, timeout=timeout)
+    except Exception as e:  # a rank died or the spawn timed out: no case of it has a result
+        return {key: CaseFailure(f"the shared spawn of {world} processes failed: {e}") for key, _ in items}
+    found: dict = {}
+    failed = None
+    for key, _ in items:
+        rows = [r.get(key) for r in per_rank]
+        errors = [row[1] for row in rows if row is not None and row[0] == "error"]
+        if errors:
+            found[key] = CaseFailure("\n".join(errors))
+            failed = failed or key
+        elif any(row is None for row in rows):
+            found[key] = CaseFailure(f"not run: case {failed!r} failed before it in the same process group")
+        else:
+            found[key] = [row[1] for row in rows]
+    return found
+
+
+def case_result(results: dict, key: str):
+    """The per-rank results of one case of :func:`spawn_cases`; fails the calling test with the case's cause."""
+    import pytest
+
+    result = results[key]
+    if isinstance(result, CaseFailure):
+        pytest.fail(f"{key}: {result.message}", pytrace=False)
+    return result

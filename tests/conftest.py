@@ -32,7 +32,8 @@ if os.environ.get("FXSHARD_TEST_FAST") == "1":
     import fxshard.testing
 
     fxshard.testing.spawn = _refuse
-    import fxshard.train.launch
     import harness
+
+    import fxshard.train.launch
 
     harness.spawn = fxshard.train.launch.launch_local = _refuse

@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from harness import spawn
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import case_result, spawn_cases
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 
@@ -41,15 +41,15 @@ CASES = {  # id -> (layout, optimizer settings)
 }
 
 
-def _train_all(rank: int, world: int, outs: list[tuple[str, OptimConfig]]):
+def _train_one(out: str, optim: OptimConfig) -> list[float]:
     from fxshard.train.launch import train
 
-    return {out: train(Path(out), STEPS, optim, log=lambda *_: None) for out, optim in outs}
+    return train(Path(out), STEPS, optim, log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Compile every case and train each world size's cases in one spawn; {case: per-rank losses}."""
+    """Compile every case and train each world size's cases in one spawn; {case: per-rank losses or CaseFailure}."""
     folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
     for case, (layout, optim) in CASES.items():
         out = tmp_path_factory.mktemp(case)
@@ -57,9 +57,7 @@ def trained(tmp_path_factory):
         folders.setdefault(layout.world_size, []).append((case, out, optim))
     results = {}
     for world, items in folders.items():
-        per_rank = spawn(_train_all, world, [(str(o), opt) for _, o, opt in items], timeout=600)
-        for case, out, _ in items:
-            results[case] = [r[str(out)] for r in per_rank]
+        results |= spawn_cases(_train_one, world, [(case, (str(o), opt)) for case, o, opt in items])
     return results
 
 
@@ -76,7 +74,7 @@ def _reference(path: Path, optim: OptimConfig) -> list[float]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_with_dropout_matches_single_device(trained, case):
     want = _reference(MODEL, CASES[case][1])
-    for rank, losses in enumerate(trained[case]):
+    for rank, losses in enumerate(case_result(trained, case)):
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
             assert abs(got - ref) <= REL * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
 

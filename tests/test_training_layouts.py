@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import spawn
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import layout_of
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
+from fxshard.testing import CaseFailure, case_result, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
@@ -85,34 +85,36 @@ def _case(case: str):
     return path, layout, plan, (rest[0] if rest else OptimConfig())
 
 
-def _train_all(rank: int, world: int, outs: list[tuple[str, OptimConfig]]):
+def _train_one(out: str, optim: OptimConfig):
     from fxshard.train.launch import train
 
-    results = {}
-    for out, optim in outs:
-        state: dict = {}
-        losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state)
-        results[out] = (losses, state)
-    return results
+    state: dict = {}
+    losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state)
+    return losses, state
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Compile every case, train each world size's cases in one spawn; {case: (per-rank results, manifest)}."""
+    """Compile every case, train each world size's cases in one spawn.  {case: (per-rank results, manifest)}, or
+    a CaseFailure naming the case's own compile error or traceback (so one bad case fails one test)."""
     import json
 
-    folders: dict[int, list[tuple[str, Path]]] = {}
+    folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
+    results: dict = {}
     for case in CASES:
         path, layout, plan, optim = _case(case)
         out = tmp_path_factory.mktemp(case)
-        compile_model(path, layout, out=out, plan=plan)
+        try:
+            compile_model(path, layout, out=out, plan=plan)
+        except Exception as e:
+            results[case] = CaseFailure(f"compile failed: {type(e).__name__}: {e}")
+            continue
         folders.setdefault(layout.world_size, []).append((case, out, optim))
-    results = {}
     for world, items in folders.items():
-        per_rank = spawn(_train_all, world, [(str(o), opt) for _, o, opt in items], timeout=600)
+        found = spawn_cases(_train_one, world, [(case, (str(o), opt)) for case, o, opt in items])
         for case, out, _ in items:
             manifest = json.loads((out / "manifest.json").read_text())
-            results[case] = ([r[str(out)] for r in per_rank], manifest)
+            results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], manifest)
     return results
 
 
@@ -136,7 +138,7 @@ def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[floa
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_training_matches_single_device(trained, case):
     path, layout, _, optim = _case(case)
-    per_rank, manifest = trained[case]
+    per_rank, manifest = case_result(trained, case)
     want, single = _reference_run(path, optim, layout.dtype)
     rel = BF16_REL if layout.mixed else REL
     for rank, (losses, _) in enumerate(per_rank):
@@ -183,8 +185,8 @@ def test_tied_weights_are_held_by_first_and_last_stage():
 @pytest.mark.distributed
 def test_zero_bubble_bf16_trains_as_1f1b_does(trained):
     # same microbatches and dp reduction; only the order of the passes differs, which bf16 rounding does not see
-    a, _ = trained["gpt-dp2-pp2-zero1-zero-bubble-bf16-clip"]
-    b, _ = trained["gpt-dp2-pp2-zero1-1f1b-bf16-clip"]
+    a, _ = case_result(trained, "gpt-dp2-pp2-zero1-zero-bubble-bf16-clip")
+    b, _ = case_result(trained, "gpt-dp2-pp2-zero1-1f1b-bf16-clip")
     for (la, _), (lb, _) in zip(a, b, strict=True):
         assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(la, lb, strict=True)), (la, lb)
 
@@ -192,7 +194,7 @@ def test_zero_bubble_bf16_trains_as_1f1b_does(trained):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", ["inplace-view-tp2", "inplace-view-pp2-1f1b"])
 def test_buffer_updated_in_place_counts_every_training_forward(trained, case):
-    per_rank, manifest = trained[case]
+    per_rank, manifest = case_result(trained, case)
     counters = [value for _, state in per_rank for key, value in state.items() if key.endswith("calls")]
     # pp=1: each forward (one per step); 1f1b: each microbatch's forward on the stage holding the buffer
     forwards = STEPS * (manifest["pipeline"]["microbatches"] if manifest.get("pipeline") else 1)

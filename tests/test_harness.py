@@ -1,0 +1,23 @@
+"""The shared-spawn harness reports each case on its own: a case that raises fails with its own traceback, and
+the cases after it in the same process group say which case stopped them."""
+
+import pytest
+
+from fxshard.testing import CaseFailure, spawn_cases
+
+
+def _case(value: int) -> int:
+    import torch.distributed as dist
+
+    if value < 0 and dist.get_rank() == 1:
+        raise ValueError(f"bad case {value}")
+    return value * 10 + dist.get_rank()
+
+
+@pytest.mark.distributed
+def test_one_bad_case_fails_alone_and_names_itself():
+    found = spawn_cases(_case, 2, [("good", (1,)), ("bad", (-1,)), ("after", (2,))], timeout=120)
+    assert found["good"] == [10, 11]
+    assert isinstance(found["bad"], CaseFailure)
+    assert "rank 1" in found["bad"].message and "ValueError: bad case -1" in found["bad"].message
+    assert isinstance(found["after"], CaseFailure) and "'bad' failed before it" in found["after"].message
