@@ -234,9 +234,15 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _vocab_embedding(node: fx.Node, tp: int) -> None:
     weight, ids = node.args[:2]
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    rows = _rank_range(shape(weight)[0], tp)
     node.target = rt_tp.vocab_embedding
     node.args = (weight, ids)
-    node.kwargs = _rank_range(shape(weight)[0], tp)
+    node.kwargs = rows
+    if padding_idx >= 0:  # the padding row, indexed among the rows of the rank that holds it
+        starts, ends = rows["start"].values, rows["end"].values
+        node.kwargs = rows | {"padding_idx": RankValue("tp", tuple(
+            padding_idx - s if s <= padding_idx < e else -1 for s, e in zip(starts, ends, strict=True)))}
 
 
 def _rank_range(size: int, tp: int) -> dict[str, RankValue]:

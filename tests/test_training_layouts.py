@@ -40,6 +40,8 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "llama-tp2-pp2-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), None),
     # cut by markers in forward; a skip connection from stage 0 to stage 2 passes through stage 1
     "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
+    # vocab-parallel lookups whose padding rows (one on each tp rank) are in the batch: they get no gradient
+    "padded-embedding-tp2": (ROOT / "tests" / "models" / "padded_embedding.py", Layout(tp=2), None),
     # in-place writes the loss needs without consuming their result (through a view; a buffer counter)
     "inplace-view-tp2": (ROOT / "tests" / "models" / "inplace_view.py", Layout(tp=2), None),
     "inplace-view-pp2-1f1b": (ROOT / "tests" / "models" / "inplace_view.py", Layout(pp=2), None),

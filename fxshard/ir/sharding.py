@@ -454,8 +454,15 @@ def _sdpa(node, args, placements):
 
 @rule(aten.embedding)
 def _embedding(node, args, placements):
+    """Split rows (vocab-parallel: a masked lookup whose padding row keeps no gradient), split columns, or
+    split ids.  ``scale_grad_by_freq`` counts each id over the whole lookup, and ``sparse`` gradients are not
+    what the split lookups produce: both decline (the weight is gathered, the lookup runs whole)."""
     w, ids = placements
     n = len(shape(node))
+    scale_grad_by_freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
+    if scale_grad_by_freq or sparse:
+        return None
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and ids == R:
         return Decision(Partial(), (w, ids), "vocab_embedding")
     if isinstance(w, Shard) and w.dim == 1 and ids == R:

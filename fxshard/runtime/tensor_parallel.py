@@ -11,13 +11,15 @@ def _local_ids(ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, t
     return (ids - start).masked_fill(outside, 0), outside
 
 
-def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int, padding_idx: int = -1) -> torch.Tensor:
     """Look up ids that fall in this rank's rows ``[start, end)``; other ids give zeros.
 
     The result is a partial sum over the tensor-parallel group: all-reduce it to get the embedding.
+    ``padding_idx``: the padding row's index among this rank's rows (-1 where this rank does not hold it);
+    its row gets no gradient, as in the unsplit ``aten.embedding``.
     """
     local, outside = _local_ids(ids, start, end)
-    out = torch.nn.functional.embedding(local, weight)
+    out = torch.ops.aten.embedding.default(weight, local, padding_idx)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,3 +185,14 @@ def test_a_partial_sum_read_by_split_compute_trains_like_one_device(models):
 
     result = verify(models / "partial_into_split.py", Layout(tp=2), steps=3)
     assert result.ok, result.summary()
+
+
+def test_an_embedding_scaling_gradients_by_frequency_is_looked_up_whole(tmp_path):
+    # the frequencies are counted over the whole lookup: split rows would count every other rank's ids as row 0
+    model = tmp_path / "freq.py"
+    model.write_text((Path(__file__).resolve().parents[1] / "models" / "padded_embedding.py").read_text()
+                     .replace("nn.Embedding(64, 16, padding_idx=1)", "nn.Embedding(64, 16, scale_grad_by_freq=True)"))
+    sources = compile_model(model, Layout(tp=2)).sources
+    code = sources["rank_pp0_tp0.py"]
+    assert code.count("rt.vocab_embedding(") == 1  # the other lookup (padding row, no frequency scaling) stays split
+    assert "aten.embedding.default(" in code and "True)" in code.split("aten.embedding.default(")[1].split("\n")[0]
