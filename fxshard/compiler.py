@@ -24,8 +24,9 @@ from fxshard import __version__
 from fxshard.capture.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
 from fxshard.capture.program import Program, capture
 from fxshard.codegen import emit_rank, rank_file_name
+from fxshard.codegen.folder import check_target, staged_output
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata
-from fxshard.errors import LayoutError, OutputFolderError, PlanError, warn
+from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import CompileContext, Layout, spec
 from fxshard.ir.cut import choose_microbatches, label_markers
 from fxshard.ir.placement import SliceSpec, local_shape, take
@@ -219,6 +220,8 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
     ``weights``: a Hugging Face folder; the model is captured on meta tensors, the folder validated,
     and each rank reads its slices from it at run time (no parameter shards are written).
     ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize."""
+    if out is not None:
+        check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
     mf = load_model_file(model_file)
     meta = meta or weights is not None
     result = compile_program(mf, layout, plan, seed, meta=meta)
@@ -325,20 +328,15 @@ def _batch_shape(shape, ctx: CompileContext) -> list[int]:
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise OutputFolderError(f"{out}: exists and is not an fxshard output folder (no {MANIFEST}); "
-                                "choose an empty or new folder")
-    if out.exists() and (out / MANIFEST).is_file():
-        for old in list(out.glob("rank_*.py")) + [out / "weights"]:
-            if old.is_dir():
-                shutil.rmtree(old)
-            elif old.exists():
-                old.unlink()
-    (out / "weights").mkdir(parents=True, exist_ok=True)
-    for name, text in result.sources.items():
-        (out / name).write_text(text)
-    for name, tensors in shards.items():
-        save_file(tensors, str(out / name), metadata=shard_metadata(result.manifest, name))
-    shutil.copyfile(mf.path, out / "model.py")
-    (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
+    """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.codegen.folder`):
+    a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted."""
+    names = {*result.sources, "weights", "model.py", MANIFEST}
+    with staged_output(out, names) as stage:
+        (stage / "weights").mkdir()
+        for name, text in result.sources.items():
+            (stage / name).write_text(text)
+        for name, tensors in shards.items():
+            save_file(tensors, str(stage / name), metadata=shard_metadata(result.manifest, name))
+        shutil.copyfile(mf.path, stage / "model.py")  # a copy: never written through a link in ``out``
+        (stage / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
     result.out = out
