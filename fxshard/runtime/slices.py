@@ -20,7 +20,7 @@ import torch
 
 from fxshard.errors import OutputFolderError
 
-KEY = "fxshard.train.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key: spec}} or {"dir": null}
+KEY = "fxshard.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key: spec}} or {"dir": null}
 NO_WEIGHTS = "compiled without weights (on meta tensors): recompile with --weights DIR, a Hugging Face folder"
 
 
