@@ -111,3 +111,49 @@ def test_a_symlinked_model_copy_is_not_written_through(tmp_path):
     compile_model(GPT, Layout(tp=2), out=out)
     assert outside.read_text() == "# someone else's file\n"
     assert not (out / "model.py").is_symlink() and (out / "model.py").read_bytes() == GPT.read_bytes()
+
+
+@pytest.mark.parametrize("key, value", [("file", "../../../../etc/passwd"), ("weights", "/etc/hostname"),
+                                        ("model_file", "/etc/passwd"), ("model_file", "../o.py")])
+def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path, key, value):
+    from fxshard.codegen.manifest import read_manifest
+    from fxshard.tools.check import check_output
+
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    (tmp_path / "o.py").write_text("raise SystemExit('ran a file outside the folder')\n")
+    manifest = json.loads((out / "manifest.json").read_text())
+    if key == "model_file":
+        manifest[key] = value
+    else:
+        manifest["ranks"][1][key] = value
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(OutputFolderError, match=f"{value!r}, which lies outside the folder"):
+        read_manifest(out)
+    with pytest.raises(OutputFolderError, match="outside the folder"):
+        check_output(out)
+
+
+def test_the_show_command_refuses_a_rank_file_outside_the_folder(tmp_path):
+    from fxshard.cli.app import app
+    from typer.testing import CliRunner
+
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["ranks"][1]["file"] = "../../../../etc/passwd"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(app, ["show", str(out), "--rank", "1"])
+    assert result.exit_code != 0
+    assert "root:" not in result.output and "outside the folder" in result.output
+
+
+def test_a_checkpoint_whose_latest_climbs_out_is_refused(tmp_path):
+    from fxshard.train.checkpoint import CheckpointError, find_checkpoint
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "index.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("../elsewhere")
+    with pytest.raises(CheckpointError, match="outside the folder"):
+        find_checkpoint(tmp_path / "ckpt")

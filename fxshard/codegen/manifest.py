@@ -14,6 +14,19 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
+def inside(folder: Path, name, what: str, error: type[Exception] = OutputFolderError) -> Path:
+    """``folder / name``, after checking ``name`` leads to a place inside ``folder``: a relative path with no
+    ``..`` or link that climbs out.  Every path a manifest or checkpoint index names goes through here, so a
+    damaged or hostile one cannot make fxshard read, show or run a file elsewhere."""
+    root = Path(folder).resolve()
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or \
+            not (root / name).resolve().is_relative_to(root):
+        raise error(f"{folder}: {what} is {name!r}, which lies outside the folder; a compiled folder and a "
+                    "checkpoint name only files inside themselves — recompile (or re-save), and do not use a folder "
+                    "from an untrusted source")
+    return Path(folder) / name
+
+
 def read_manifest(out: str | Path) -> dict:
     """The manifest of an fxshard output folder, after checking the folder is one."""
     out = Path(out)
@@ -31,9 +44,9 @@ def read_manifest(out: str | Path) -> dict:
         raise OutputFolderError(f"{path}: not an fxshard manifest of format {FORMAT}; recompile with this fxshard")
     for entry in manifest["ranks"]:
         for key in ("file", "weights"):
-            if not (out / entry[key]).is_file():
+            if not inside(out, entry.get(key), f"the manifest's rank {key!r}").is_file():
                 raise OutputFolderError(f"{out}: {entry[key]} listed in the manifest is missing; recompile")
-    if not (out / manifest["model_file"]).is_file():
+    if not inside(out, manifest.get("model_file"), "the manifest's 'model_file'").is_file():
         raise OutputFolderError(f"{out}: {manifest['model_file']} (the copied model file) is missing; recompile")
     return manifest
 

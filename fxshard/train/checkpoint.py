@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fxshard.codegen.manifest import inside
 from fxshard.errors import FxshardError
 from fxshard.ir.placement import SliceSpec, assemble, take
 
@@ -76,7 +77,7 @@ def find_checkpoint(path: str | Path) -> Path:
     if not latest.is_file():
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {LATEST}); save one with "
                               "`fxshard run OUT --checkpoint DIR --save-every K`")
-    target = path / latest.read_text().strip()
+    target = inside(path, latest.read_text().strip(), f"{LATEST}'s target", CheckpointError)
     if not (target / INDEX).is_file():
         raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}: the checkpoint is damaged")
     return target
@@ -240,7 +241,7 @@ class CheckpointReader:
         if name not in self._files:
             from safetensors import safe_open
 
-            path = self.path / name
+            path = inside(self.path, name, "a shard file the index names", CheckpointError)
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard file missing from the checkpoint")
             self._files[name] = safe_open(str(path), framework="pt")
