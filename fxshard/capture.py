@@ -148,9 +148,12 @@ def _to_program(ep, model, args, kwargs) -> Program:
     tensors = dict(model.state_dict(keep_vars=True))
     for name, buf in model.named_buffers():
         tensors.setdefault(name, buf)
+    # a tensor made inside forward (an index list, torch.tensor(...)) is lifted as a constant; export
+    # keys ep.constants by the wrapper's names ("model.blocks.0.lifted_tensor_1"), the state by the model's
+    constants = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in ep.constants.items()}
     for spec in state:
         if spec.kind == "constant":
-            tensors[spec.fqn] = getattr(gm, spec.name, None) if hasattr(gm, spec.name) else ep.constants[spec.fqn]
+            tensors[spec.fqn] = constants[spec.fqn].detach()
     module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
 
     _strip_prefix(gm, WRAPPED)
