@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxshard.custom_ops import custom_op_modules
 from fxshard.errors import CaptureError, ModelFileError
 from fxshard.modelfile import ModelFile
 
@@ -62,6 +63,7 @@ class Program:
     tied: dict[str, str]  # fqn -> the fqn export kept for the same tensor
     model: torch.nn.Module
     notes: list[str] = field(default_factory=list)
+    custom_ops: dict[str, str] = field(default_factory=dict)  # "ns::op" -> module registering it (custom_ops.py)
 
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}
@@ -160,7 +162,8 @@ def _to_program(ep, model, args, kwargs) -> Program:
     _inline_wrappers(gm)
     _drop_noise(gm)
     state, tied = _merge_tied(gm, state, model)
-    return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model)
+    return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model,
+                   custom_ops=custom_op_modules(gm))
 
 
 def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Module):

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from fxshard import __version__
 from fxshard.capture import Program, capture
-from fxshard.check import COMPILER_BUG, CheckReport, check_program
+from fxshard.check import COMPILER_BUG, CheckReport, check_program, source_digest
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.context import CompileContext, Layout, spec
 from fxshard.errors import LayoutError, OutputFolderError, PlanError
@@ -276,7 +276,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                 }
             shards[wname] = tensors
             entry = {"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
-                     "tensors": entries, "collectives": code.collectives}
+                     "sha256": source_digest(code.source), "tensors": entries, "collectives": code.collectives}
             if ctx.pipeline is not None:
                 entry["stages"] = code.stages
             ranks.append(entry)
@@ -301,6 +301,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                    for i in program.inputs],
         "outputs": program.output_paths,
         "tied": dict(sorted(program.tied.items())),
+        "custom_ops": program.custom_ops,  # op -> module the rank files import for it
         "ranks": ranks,
     }
     if ctx.pipeline is not None:
