@@ -14,6 +14,8 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import linecache
 import traceback
 from dataclasses import dataclass, field
@@ -104,12 +106,63 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     wrapper = _WithLoss(model, mf.loss_fn, positional)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     try:
-        ep = torch.export.export(wrapper, args, kwargs, strict=False)
+        with _autograd_functions(model) as functions:
+            ep = torch.export.export(wrapper, args, kwargs, strict=False)
     except ModelFileError:
         raise
     except Exception as e:
         raise CaptureError(_explain_export_failure(e, mf.path)) from e
+    if functions:
+        _refuse_autograd_functions(functions)
     return _to_program(ep, model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _autograd_functions(model: torch.nn.Module):
+    """Record every ``torch.autograd.Function`` the forward applies, with the module FQN applying it.
+
+    Non-strict export runs ``Function.forward`` and keeps its ops only: the Function's own ``backward``
+    is lost, and training would differentiate the forward's ops instead."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    stack: list[str] = []
+    found: list[tuple[type, str]] = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):  # torch's own (e.g. checkpointing) keep their gradient
+            found.append((cls, stack[-1] if stack else ""))
+        return original.__func__(cls, *args, **kwargs)
+
+    def push(mod, _args):
+        stack.append(names.get(id(mod), stack[-1] if stack else ""))
+
+    def pop(mod, _args, _out):
+        stack.pop()
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(push),
+               torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)]
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield found
+    finally:
+        torch.autograd.Function.apply = original
+        for h in handles:
+            h.remove()
+
+
+def _refuse_autograd_functions(functions: list[tuple[type, str]]) -> None:
+    cls, fqn = functions[0]
+    where = sorted({f for c, f in functions if c is cls})
+    origin = cls.__module__
+    if origin.startswith("fxshard_model_"):  # modelfile's import name of the model file
+        origin = Path(inspect.getsourcefile(cls) or "model file").name
+    raise CaptureError(
+        f"{fqn or 'model'}: applies the custom torch.autograd.Function {cls.__qualname__} (from {origin})"
+        f"{f' (also in {len(where) - 1} other module(s))' if len(where) > 1 else ''}; torch.export keeps only "
+        "its forward's operations, so training would take their gradient instead of the Function's backward and "
+        "differ from single-device training. fxshard refuses it: write the computation without a custom "
+        "autograd.Function (plain torch ops whose autograd is the gradient you want), or register it as a "
+        "torch.library.custom_op with register_autograd in an importable module")
 
 
 def _to_program(ep, model, args, kwargs) -> Program:

@@ -13,7 +13,9 @@ so every rank computes exactly the decisions of its own elements::
 Runs after the collectives pass (placements are final) and before the pipeline cut.  Refused, with
 the module named: dropout inside ``scaled_dot_product_attention`` (the fused kernel draws its own
 mask), the channel-wise and alpha variants, and — when the batch is split over dp ranks or
-microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples.
+microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples; and under
+any parallel layout, every other op that draws random numbers (``rand_like``, ``exponential_``, ``bernoulli``,
+``multinomial``, ...), whose values would differ from single-device training.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         _refuse_unreproducible(node)
         if node.target not in _DROPOUT:
-            _note_other_randomness(node, ctx)
+            _refuse_other_randomness(node, ctx)
             continue
         x, p, train = node.args
         if not train:
@@ -121,10 +123,21 @@ def _check_rows(node: fx.Node, x: fx.Node, rows: int, ctx: CompileContext) -> No
     )
 
 
-def _note_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
+def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
+    """Refuse a random op other than dropout under a parallel layout: its draws depend on the generator's
+    state on each rank, the tp slice, the stage and the microbatch, so they differ from single-device
+    training (dropout alone gets masks keyed by sample and element).  An op that only takes a ``dropout_p``
+    (attention) draws nothing at p = 0; p > 0 is refused by ``_refuse_unreproducible``."""
     tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags and node.target not in _VARIANTS:
-        note = (f"{node_fqn(node) or 'model'}: {node.target} draws from torch's generator: its values differ "
-                "between layouts and from single-device training")
-        if note not in ctx.notes:
-            ctx.notes.append(note)
+    if torch.Tag.nondeterministic_seeded not in tags or node.target in _VARIANTS or ctx.layout.world_size == 1:
+        return
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
+        return
+    raise RandomnessError(
+        f"{node_fqn(node) or 'model'}: {node.name} = {node.target} draws random numbers in training; fxshard makes "
+        "only dropout draw the single-device values under a parallel layout, and this op would draw other values "
+        f"on each rank, stage and microbatch ({ctx.layout.describe()}), so training would differ from one device. "
+        "Draw the values outside the model and pass them in as an input, switch the randomness off for training "
+        "(e.g. a jitter/noise setting of the config), or compile for one device"
+    )

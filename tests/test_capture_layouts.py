@@ -1,5 +1,7 @@
 """What capture must carry beyond parameters and buffers trains exactly under every layout: tensors a
-model makes inside ``forward`` (lifted constants), Hugging Face Falcon and T5 which make them.
+model makes inside ``forward`` (lifted constants), Hugging Face Falcon and T5 which make them.  What it
+cannot carry exactly is refused at compile: a custom autograd.Function's backward, randomness other
+than dropout under a parallel layout.
 
 Each case is compiled here and trained 3 AdamW steps on real gloo process groups through
 ``fxshard.launch.train`` (the code ``fxshard run`` runs), all cases in one spawn of 2 processes; losses
@@ -16,6 +18,7 @@ from harness import spawn
 
 from fxshard.compiler import compile as compile_model
 from fxshard.context import Layout
+from fxshard.errors import CaptureError, RandomnessError
 from fxshard.modelfile import load_model_file
 from fxshard.output import layout_of
 from fxshard.reference import reference_losses
@@ -75,3 +78,27 @@ def test_constants_made_in_forward_reach_the_rank_files(tmp_path):
     result = compile_model(MODELS / "forward_constants.py", Layout(tp=2), out=tmp_path)
     constants = [t for e in result.manifest["ranks"] for t in e["tensors"].values() if t["kind"] == "constant"]
     assert {t["source"] for t in constants} >= {"lifted_tensor_0", "blocks.3.lifted_tensor_8"}
+
+
+# A custom autograd.Function loses its backward in torch.export (only its forward's ops are kept): refused.
+# Phimoe's router also draws random numbers in training; the Function is what capture meets first.
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(("model", "function", "module"), [
+    ("straight_through.py", "RoundStraightThrough (from straight_through.py)", "blocks.0"),
+    ("hf_phimoe.py", "PhimoeMultiplier (from transformers.models.phimoe.modeling_phimoe)", "model.layers.0.mlp.router"),
+])
+def test_custom_autograd_function_is_refused_naming_it(model, function, module, layout):
+    with pytest.raises(CaptureError) as e:
+        compile_model(MODELS / model, layout)
+    assert str(e.value).startswith(f"{module}: applies the custom torch.autograd.Function {function}")
+
+
+# Random ops other than dropout would draw other values per rank, stage and microbatch: refused, op named.
+@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2), Layout(dp=2)], ids=["tp2", "pp2", "dp2"])
+def test_randomness_other_than_dropout_is_refused_naming_the_op(layout):
+    with pytest.raises(RandomnessError, match=r"^blocks\.0: rand_like = aten\.rand_like\.default draws random"):
+        compile_model(MODELS / "noisy.py", layout)
+
+
+def test_randomness_compiles_for_one_device():
+    compile_model(MODELS / "noisy.py", Layout())
