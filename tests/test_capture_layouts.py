@@ -28,11 +28,15 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
 STEPS = 3
 REL = 1e-5
-CASES = {  # id -> (model file, layout)
+CASES = {  # id -> (model file, layout[, plan])
     **{f"forward-constants-{n}": (MODELS / "forward_constants.py", lay) for n, lay in
        (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     **{f"falcon-{n}": (MODELS / "hf_falcon.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     **{f"t5-{n}": (MODELS / "hf_t5.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
+    # rand_like replicated over the tp ranks: each draws the whole tensor from the same seeded generator
+    "noisy-tp2": (MODELS / "noisy.py", Layout(tp=2)),
+    "noisy-tp2-split-plan": (MODELS / "noisy.py", Layout(tp=2), {"blocks.*.fc_in": "colwise",
+                                                                  "blocks.*.fc_out": "rowwise"}),
 }
 
 
@@ -50,9 +54,9 @@ def _train_all(rank: int, world: int, outs: list[str]):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     outs = {}
-    for case, (path, layout) in CASES.items():
+    for case, (path, layout, *plan) in CASES.items():
         outs[case] = tmp_path_factory.mktemp(case)
-        compile_model(path, layout, out=outs[case])
+        compile_model(path, layout, out=outs[case], plan=plan[0] if plan else None)
     per_rank = spawn(_train_all, 2, [str(o) for o in outs.values()], timeout=600)
     return {case: ([r[str(o)] for r in per_rank], json.loads((o / "manifest.json").read_text()))
             for case, o in outs.items()}
@@ -61,7 +65,7 @@ def trained(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_as_on_one_device(trained, case):
-    path, layout = CASES[case]
+    path, layout, *_ = CASES[case]
     per_rank, manifest = trained[case]
     single: dict = {}
     want = reference_losses(load_model_file(path), STEPS, final_state=single)
@@ -93,8 +97,9 @@ def test_custom_autograd_function_is_refused_naming_it(model, function, module, 
     assert str(e.value).startswith(f"{module}: applies the custom torch.autograd.Function {function}")
 
 
-# Random ops other than dropout would draw other values per rank, stage and microbatch: refused, op named.
-@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2), Layout(dp=2)], ids=["tp2", "pp2", "dp2"])
+# Random ops other than dropout would draw other values per pipeline microbatch or dp rank: refused, op named
+# (replicated over tp ranks they are exact: the noisy-tp2 cases above, also with the plan splitting their input)
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
 def test_randomness_other_than_dropout_is_refused_naming_the_op(layout):
     with pytest.raises(RandomnessError, match=r"^blocks\.0: rand_like = aten\.rand_like\.default draws random"):
         compile_model(MODELS / "noisy.py", layout)

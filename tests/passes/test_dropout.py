@@ -110,8 +110,8 @@ def test_a_dropout_input_without_leading_batch_is_refused_when_the_batch_is_spli
         compile_program(path, Layout(dp=2))
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2), Layout(dp=2)], ids=["tp2", "pp2", "dp2"])
-def test_other_random_ops_are_refused_under_a_parallel_layout(tmp_path, layout):
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
+def test_other_random_ops_are_refused_under_pipeline_or_data_parallelism(tmp_path, layout):
     path = _model_file(tmp_path, "h = h + torch.randn_like(h)")
     compile_program(path, Layout())  # one device draws as the model does
     with pytest.raises(RandomnessError, match=r"randn_like.* draws random numbers in training"):
