@@ -33,6 +33,9 @@ CASES = {  # id -> (model file, layout[, plan])
        (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     **{f"falcon-{n}": (MODELS / "hf_falcon.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     **{f"t5-{n}": (MODELS / "hf_t5.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
+    # a straight-through estimator as a custom op with its autograd registered (the refused Function's fix)
+    **{f"straight-through-op-{n}": (MODELS / "straight_through_op.py", lay)
+       for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     # rand_like replicated over the tp ranks: each draws the whole tensor from the same seeded generator
     "noisy-tp2": (MODELS / "noisy.py", Layout(tp=2)),
     "noisy-tp2-split-plan": (MODELS / "noisy.py", Layout(tp=2), {"blocks.*.fc_in": "colwise",
