@@ -31,6 +31,9 @@ REL = 1e-5
 CASES = {  # id -> (model file, layout[, plan])
     **{f"forward-constants-{n}": (MODELS / "forward_constants.py", lay) for n, lay in
        (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
+    # the plan splits the activations the constants multiply and index: they meet split tensors
+    "forward-constants-tp2-split-plan": (MODELS / "forward_constants.py", Layout(tp=2),
+                                         {"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"}),
     **{f"falcon-{n}": (MODELS / "hf_falcon.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     **{f"t5-{n}": (MODELS / "hf_t5.py", lay) for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
     # a straight-through estimator as a custom op with its autograd registered (the refused Function's fix)
