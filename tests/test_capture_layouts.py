@@ -18,7 +18,7 @@ from harness import spawn
 
 from fxshard.compiler import compile as compile_model
 from fxshard.context import Layout
-from fxshard.errors import CaptureError, RandomnessError
+from fxshard.errors import CaptureError, RandomnessError, WeightsError
 from fxshard.modelfile import load_model_file
 from fxshard.output import layout_of
 from fxshard.reference import reference_losses
@@ -113,3 +113,12 @@ def test_randomness_other_than_dropout_is_refused_naming_the_op(layout):
 
 def test_randomness_compiles_for_one_device():
     compile_model(MODELS / "noisy.py", Layout())
+
+
+def test_meta_compile_names_a_constant_made_from_meta_tensors(tmp_path):
+    # --weights captures on meta tensors: Falcon's index list is then made on meta, its values unknown
+    mf = load_model_file(MODELS / "hf_falcon.py")
+    mf.build_model(0).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(WeightsError, match=r"transformer\.h\.0\.self_attention\.lifted_tensor_0 is a tensor made "
+                                           r"inside forward \(a lifted constant\)"):
+        compile_model(MODELS / "hf_falcon.py", Layout(tp=2), weights=tmp_path / "ckpt")
