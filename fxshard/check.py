@@ -83,7 +83,8 @@ def _fix_for(sources: dict[str, str], manifest: dict) -> str:
         return RECOMPILE
     edited = [e["file"] for e in entries if source_digest(sources[e["file"]]) != e["sha256"]]
     if edited:
-        return f"{', '.join(edited)} differ(s) from what fxshard compile wrote. {RECOMPILE}"
+        were = "was" if len(edited) == 1 else "were"
+        return f"{', '.join(edited)} {were} changed after fxshard compile wrote it (sha256). {RECOMPILE}"
     return AS_COMPILED
 
 

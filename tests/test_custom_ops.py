@@ -45,7 +45,7 @@ def test_check_blames_an_edit_only_when_a_rank_file_was_edited():
     manifest = {"ranks": [{"file": "a.py", "sha256": _digest("x = 1\n")}, {"file": "b.py", "sha256": _digest("y\n")}]}
     assert _fix_for({"a.py": "x = 1\n", "b.py": "y\n"}, manifest) == AS_COMPILED
     edited = _fix_for({"a.py": "x = 2\n", "b.py": "y\n"}, manifest)
-    assert edited.startswith("a.py differ") and edited.endswith(RECOMPILE)
+    assert edited.startswith("a.py was changed after fxshard compile") and edited.endswith(RECOMPILE)
 
 
 def _digest(text):

@@ -46,8 +46,8 @@ class _Stage(PipelineStage):
         begin_microbatch(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    # gloo sends contiguous tensors only; a stage's output may be a view (T5 hands a transposed
-    # attention bias to the next stage) and an input's gradient may be strided the same way
+    # gloo sends contiguous tensors only; a stage's output may be a strided view (T5 at pp=2 sends one:
+    # "input tensor has to be contiguous") and an input's gradient may be strided the same way
     def forward_maybe_with_nosync(self, *args, **kwargs):
         out = super().forward_maybe_with_nosync(*args, **kwargs)
         return tuple(_contiguous(o) for o in out) if isinstance(out, tuple) else _contiguous(out)
