@@ -21,7 +21,12 @@ from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from fxshard import __version__
-from fxshard.capture.modelfile import ModelFile, buffers_to_meta, load_model_file, to_meta
+from fxshard.capture.modelfile import (
+    ModelFile,
+    buffers_to_meta,
+    load_model_file,
+    to_meta,
+)
 from fxshard.capture.program import Program, capture
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.codegen.folder import check_target, staged_output
@@ -36,7 +41,7 @@ from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.plan.styles import resolve
-from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
+from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program, source_digest
 
 PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
 from fxshard.codegen.manifest import FORMAT, MANIFEST  # noqa: E402
@@ -278,7 +283,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                 }
             shards[wname] = tensors
             entry = {"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
-                     "tensors": entries, "collectives": code.collectives}
+                     "sha256": source_digest(code.source), "tensors": entries, "collectives": code.collectives}
             if ctx.pipeline is not None:
                 entry["stages"] = code.stages
             ranks.append(entry)
@@ -303,6 +308,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                    for i in program.inputs],
         "outputs": program.output_paths,
         "tied": dict(sorted(program.tied.items())),
+        "custom_ops": program.custom_ops,  # op -> module the rank files import for it
         "ranks": ranks,
     }
     if ctx.pipeline is not None:

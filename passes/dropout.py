@@ -13,7 +13,9 @@ so every rank computes exactly the decisions of its own elements::
 Runs after the collectives pass (placements are final) and before the pipeline cut.  Refused, with
 the module named: dropout inside ``scaled_dot_product_attention`` (the fused kernel draws its own
 mask), the channel-wise and alpha variants, and — when the batch is split over dp ranks or
-microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples.
+microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples; and every
+other op that draws random numbers (``rand_like``, ``exponential_``, ``bernoulli``, ``multinomial``, ...)
+under pipeline or data parallelism or split over tp ranks, where its values would differ from one device.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.fx as fx
 from fxshard.capture.program import node_fqn
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import CompileContext, RankValue, spec
-from fxshard.ir.placement import Shard
+from fxshard.ir.placement import Replicate, Shard
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten
@@ -50,7 +52,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         _refuse_unreproducible(node)
         if node.target not in _DROPOUT:
-            _note_other_randomness(node, ctx)
+            _refuse_other_randomness(node, ctx)
             continue
         x, p, train = node.args
         if not train:
@@ -143,10 +145,28 @@ def _draws(node: fx.Node) -> bool:
     return _argument(node, "training", _argument(node, "train", True)) is not False
 
 
-def _note_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
+def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
+    """Refuse a random op other than dropout where its draws would differ from single-device training
+    (dropout alone gets masks keyed by sample and element): split over tp ranks (each would draw its own
+    slice), per pipeline microbatch or per dp rank.  Replicated at pp = dp = 1 it is exact: every tp rank
+    draws the whole tensor from the same seeded generator in the model's order.  An op that only takes a
+    ``dropout_p`` (attention) draws nothing at p = 0; p > 0 is refused by ``_refuse_unreproducible``."""
     tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags and node.target not in _VARIANTS and _draws(node):
-        note = (f"{node_fqn(node) or 'model'}: {node.target} draws from torch's generator: its values differ "
-                "between layouts and from single-device training")
-        if note not in ctx.notes:
-            ctx.notes.append(note)
+    if torch.Tag.nondeterministic_seeded not in tags or node.target in _VARIANTS or ctx.layout.world_size == 1 \
+            or not _draws(node):
+        return
+    # the inputs count too: rand_like of a split tensor draws a local-shaped tensor on each rank
+    values = [node, *node.all_input_nodes]
+    if ctx.layout.pp == ctx.layout.dp == 1 and all(spec(v).placement == Replicate() for v in values):
+        return
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
+        return
+    raise RandomnessError(
+        f"{node_fqn(node) or 'model'}: {node.name} = {node.target} draws random numbers in training; fxshard makes "
+        "only dropout draw the single-device values under any layout, and this op would draw other values per "
+        f"tp slice, pipeline microbatch or dp rank ({ctx.layout.describe()}), so training would differ from one "
+        "device (replicated at pp = dp = 1 it is exact). Draw the values outside the model and pass them in as an "
+        "input, switch the randomness off for training (e.g. a jitter/noise setting of the config), or use a "
+        "layout without pipeline and data parallelism"
+    )

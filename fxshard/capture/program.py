@@ -14,6 +14,8 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import linecache
 import traceback
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.modelfile import ModelFile
 from fxshard.errors import CaptureError, ModelFileError
 
@@ -62,6 +65,7 @@ class Program:
     tied: dict[str, str]  # fqn -> the fqn export kept for the same tensor
     model: torch.nn.Module
     notes: list[str] = field(default_factory=list)
+    custom_ops: dict[str, str] = field(default_factory=dict)  # "ns::op" -> module registering it (custom_ops.py)
 
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}
@@ -102,12 +106,63 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     wrapper = _WithLoss(model, mf.loss_fn, positional)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     try:
-        ep = torch.export.export(wrapper, args, kwargs, strict=False)
+        with _autograd_functions(model) as functions:
+            ep = torch.export.export(wrapper, args, kwargs, strict=False)
     except ModelFileError:
         raise
     except Exception as e:
         raise CaptureError(_explain_export_failure(e, mf.path)) from e
+    if functions:
+        _refuse_autograd_functions(functions)
     return _to_program(ep, model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _autograd_functions(model: torch.nn.Module):
+    """Record every ``torch.autograd.Function`` the forward applies, with the module FQN applying it.
+
+    Non-strict export runs ``Function.forward`` and keeps its ops only: the Function's own ``backward``
+    is lost, and training would differentiate the forward's ops instead."""
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+    stack: list[str] = []
+    found: list[tuple[type, str]] = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):  # torch's own (e.g. checkpointing) keep their gradient
+            found.append((cls, stack[-1] if stack else ""))
+        return original.__func__(cls, *args, **kwargs)
+
+    def push(mod, _args):
+        stack.append(names.get(id(mod), stack[-1] if stack else ""))
+
+    def pop(mod, _args, _out):
+        stack.pop()
+
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(push),
+               torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)]
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield found
+    finally:
+        torch.autograd.Function.apply = original
+        for h in handles:
+            h.remove()
+
+
+def _refuse_autograd_functions(functions: list[tuple[type, str]]) -> None:
+    cls, fqn = functions[0]
+    where = sorted({f for c, f in functions if c is cls})
+    origin = cls.__module__
+    if origin.startswith("fxshard_model_"):  # modelfile's import name of the model file
+        origin = Path(inspect.getsourcefile(cls) or "model file").name
+    raise CaptureError(
+        f"{fqn or 'model'}: applies the custom torch.autograd.Function {cls.__qualname__} (from {origin})"
+        f"{f' (also in {len(where) - 1} other module(s))' if len(where) > 1 else ''}; torch.export keeps only "
+        "its forward's operations, so training would take their gradient instead of the Function's backward and "
+        "differ from single-device training. fxshard refuses it: write the computation without a custom "
+        "autograd.Function (plain torch ops whose autograd is the gradient you want), or register it as a "
+        "torch.library.custom_op with register_autograd in an importable module")
 
 
 def _to_program(ep, model, args, kwargs) -> Program:
@@ -148,16 +203,20 @@ def _to_program(ep, model, args, kwargs) -> Program:
     tensors = dict(model.state_dict(keep_vars=True))
     for name, buf in model.named_buffers():
         tensors.setdefault(name, buf)
+    # a tensor made inside forward (an index list, torch.tensor(...)) is lifted as a constant; export
+    # keys ep.constants by the wrapper's names ("model.blocks.0.lifted_tensor_1"), the state by the model's
+    constants = {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in ep.constants.items()}
     for spec in state:
         if spec.kind == "constant":
-            tensors[spec.fqn] = getattr(gm, spec.name, None) if hasattr(gm, spec.name) else ep.constants[spec.fqn]
+            tensors[spec.fqn] = constants[spec.fqn].detach()
     module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
 
     _strip_prefix(gm, WRAPPED)
     _inline_wrappers(gm)
     _drop_noise(gm)
     state, tied = _merge_tied(gm, state, model)
-    return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model)
+    return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model,
+                   custom_ops=custom_op_modules(gm))
 
 
 def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Module):

@@ -17,6 +17,7 @@ import jinja2
 import torch
 import torch.fx as fx
 
+from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
@@ -143,6 +144,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         model_file=ctx.model_file_name,
         digest=ctx.model_digest,
         model_class=type(program.model).__name__,
+        custom_op_imports=import_lines(program.custom_ops),
         layout=layout.describe(),
         mesh=layout.mesh_shape,
         coords_text=_coords_text(coords, layout),

@@ -157,6 +157,11 @@ def external_weights(manifest: dict, shards: dict[str, dict], source: Checkpoint
             if name is not None:
                 t["checkpoint"] = {"name": name, "file": source.files[name]}
             elif tensors[key].is_meta:
+                if source is not None and t["kind"] == "constant":
+                    raise WeightsError(f"{source.dir}: {t['source']} is a tensor made inside forward (a lifted "
+                                       "constant) from tensors on the meta device, so its values are unknown "
+                                       "to a compile without weights; compile without --weights (the model "
+                                       "built with real weights) to keep it")
                 if source is not None:
                     raise WeightsError(f"{source.dir}: {t['kind']} {t['source']} is in no checkpoint file and "
                                        "make_model() left it on the meta device; create it with a real value in "

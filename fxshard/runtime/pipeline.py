@@ -46,6 +46,21 @@ class _Stage(PipelineStage):
         begin_microbatch(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    # gloo sends contiguous tensors only; a stage's output may be a strided view (T5 at pp=2 sends one:
+    # "input tensor has to be contiguous") and an input's gradient may be strided the same way
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        return tuple(_contiguous(o) for o in out) if isinstance(out, tuple) else _contiguous(out)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        if bwd_chunk_id in self.bwd_cache:
+            self.bwd_cache[bwd_chunk_id] = tuple(_contiguous(g) for g in self.bwd_cache[bwd_chunk_id])
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
+
+def _contiguous(x):
+    return x.contiguous() if isinstance(x, torch.Tensor) else x
+
 
 def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group,
                    generated: torch.nn.Module | None = None) -> PipelineStage:

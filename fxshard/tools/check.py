@@ -18,6 +18,7 @@ The collectives come from the rank files themselves (``fxshard.tools.rank_trace`
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,9 @@ from fxshard.tools.collective_diff import first_difference
 from fxshard.tools.rank_trace import Collective, RankTrace, trace_rank
 
 RECOMPILE = "Recompile with `fxshard compile` instead of editing generated files."
+AS_COMPILED = ("The rank files are as fxshard compile wrote them (their sha256 matches manifest.json), so "
+               "recompiling will not help: a library they import may be missing or of another version here, or "
+               "this is a bug in fxshard; please report it with the model file and the command line.")
 COMPILER_BUG = ("This is a bug in fxshard (it generated inconsistent rank files); please report it with the "
                 "model file and the command line.")
 
@@ -63,7 +67,25 @@ def check_output(out: str | Path) -> CheckReport:
     weights = _weight_shapes(out, manifest, problems)
     if problems:
         _fail(problems, RECOMPILE)
-    return check_program(sources, manifest, weights, run=True, fix=RECOMPILE)
+    return check_program(sources, manifest, weights, run=True, fix=_fix_for(sources, manifest))
+
+
+def source_digest(source: str) -> str:
+    """The sha256 of a rank file's text, recorded in the manifest so an edit is told from a compiler bug."""
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def _fix_for(sources: dict[str, str], manifest: dict) -> str:
+    """Blame an edit only where a rank file differs from what the compile wrote (older manifests record no
+    digest: an edit cannot be ruled out)."""
+    entries = manifest["ranks"]
+    if any("sha256" not in e for e in entries):
+        return RECOMPILE
+    edited = [e["file"] for e in entries if source_digest(sources[e["file"]]) != e["sha256"]]
+    if edited:
+        were = "was" if len(edited) == 1 else "were"
+        return f"{', '.join(edited)} {were} changed after fxshard compile wrote it (sha256). {RECOMPILE}"
+    return AS_COMPILED
 
 
 def check_program(sources: dict[str, str], manifest: dict, weights: dict[str, dict[str, tuple]] | None = None,

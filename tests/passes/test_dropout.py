@@ -110,10 +110,12 @@ def test_a_dropout_input_without_leading_batch_is_refused_when_the_batch_is_spli
         compile_program(path, Layout(dp=2))
 
 
-def test_other_random_ops_are_noted(tmp_path):
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
+def test_other_random_ops_are_refused_under_pipeline_or_data_parallelism(tmp_path, layout):
     path = _model_file(tmp_path, "h = h + torch.randn_like(h)")
-    ctx = compile_program(path, Layout()).ctx
-    assert any("randn" in note and "differ between layouts" in note for note in ctx.notes), ctx.notes
+    compile_program(path, Layout())  # one device draws as the model does
+    with pytest.raises(RandomnessError, match=r"randn_like.* draws random numbers in training"):
+        compile_program(path, layout)
 
 
 @pytest.mark.parametrize("call", ["F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)",
@@ -129,8 +131,10 @@ def test_attention_without_dropout_draws_nothing_and_is_not_noted(tmp_path, call
 
 
 @pytest.mark.parametrize("training", [True, False])
-def test_a_random_op_is_noted_only_when_the_call_draws(tmp_path, training):
+def test_a_random_op_is_refused_only_when_the_call_draws(tmp_path, training):
     path = _model_file(tmp_path, f"h = F.rrelu(h, training={training})")
-    ctx = compile_program(path, Layout()).ctx
-    noted = [note for note in ctx.notes if "rrelu" in note and "draws from torch's generator" in note]
-    assert bool(noted) == training, ctx.notes
+    if training:
+        with pytest.raises(RandomnessError, match="rrelu.* draws random numbers in training"):
+            compile_program(path, Layout(dp=2))
+    else:
+        compile_program(path, Layout(dp=2))
