@@ -25,7 +25,7 @@ from pathlib import Path
 from fxshard.codegen import rank_file_name
 from fxshard.collective_diff import first_difference
 from fxshard.errors import CheckError
-from fxshard.output import layout_of, read_manifest
+from fxshard.output import layout_of, read_manifest, refuse_edited
 from fxshard.placement import Partial, Replicate, Shard, local_shape
 from fxshard.rank_trace import Collective, RankTrace, trace_rank
 
@@ -54,16 +54,35 @@ class CheckReport:
     links: list[str] = field(default_factory=list)  # pipeline send/recv pairs checked
 
 
-def check_output(out: str | Path) -> CheckReport:
-    """Check a compiled output folder: manifest, rank files (run on meta tensors) and weight shards."""
+def check_output(out: str | Path, allow_edited: bool = False) -> CheckReport:
+    """Check a compiled output folder: manifest, rank files (run on meta tensors), weight shards, the
+    ``--weights`` folder they read from, and (unless ``allow_edited``) that no generated file was edited."""
     out = Path(out)
     manifest = read_manifest(out)
     sources = {e["file"]: (out / e["file"]).read_text() for e in manifest["ranks"]}  # read_manifest: they exist
     problems: list[str] = []
     weights = _weight_shapes(out, manifest, problems)
+    problems += _external_weights(manifest)
     if problems:
         _fail(problems, RECOMPILE)
-    return check_program(sources, manifest, weights, run=True, fix=RECOMPILE)
+    report = check_program(sources, manifest, weights, run=True, fix=RECOMPILE)
+    # after the checks above, whose messages say more about a broken edit; this catches the edits they cannot
+    # see (a changed number), before anything trains on them
+    if not allow_edited:
+        refuse_edited(out, manifest)
+    return report
+
+
+def _external_weights(manifest: dict) -> list[str]:
+    """The ``--weights`` folder and files the ranks read their tensors from at run time still exist."""
+    source = manifest.get("weights") or {}
+    if source.get("dir") is None:
+        return []
+    if not Path(source["dir"]).is_dir():
+        return [f"the --weights folder {source['dir']} the ranks read their weights from is missing; restore it, "
+                "or recompile with --weights pointing at its new place"]
+    missing = sorted({f for f in source.get("files", {}).values() if not Path(f).is_file()})
+    return [f"{f}: a --weights file the ranks read from is missing; restore it or recompile" for f in missing]
 
 
 def check_program(sources: dict[str, str], manifest: dict, weights: dict[str, dict[str, tuple]] | None = None,

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import hashlib
 import json
+import os
 import shutil
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,7 @@ from fxshard.plan import resolve
 from fxshard.weights import checkpoint_source, external_weights, shard_metadata
 
 PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
-from fxshard.output import FORMAT, MANIFEST  # noqa: E402
+from fxshard.output import FORMAT, MANIFEST, is_fxshard_manifest  # noqa: E402
 
 
 @dataclass
@@ -161,6 +164,9 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                          split_before=split_before, microbatches=microbatches, batch=batch)
     if markers and layout.pp == 1:
         ctx.notes.append(f"{markers} fxshard.pipeline_split() marker(s) ignored at --pp 1")
+    if layout.zero and layout.dp == 1:  # a note, not an error: the layout trains correctly, it just shards nothing
+        ctx.notes.append(f"--zero {layout.zero} has no effect at --dp 1: ZeRO shards optimizer state, gradients and "
+                         "parameters over the data-parallel ranks; add --dp N (N > 1) or leave --zero 0")
     state = program.state_by_name()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -326,20 +332,70 @@ def _batch_shape(shape, ctx: CompileContext) -> list[int]:
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise OutputFolderError(f"{out}: exists and is not an fxshard output folder (no {MANIFEST}); "
-                                "choose an empty or new folder")
-    if out.exists() and (out / MANIFEST).is_file():
-        for old in list(out.glob("rank_*.py")) + [out / "weights"]:
-            if old.is_dir():
-                shutil.rmtree(old)
-            elif old.exists():
-                old.unlink()
-    (out / "weights").mkdir(parents=True, exist_ok=True)
-    for name, text in result.sources.items():
-        (out / name).write_text(text)
-    for name, tensors in shards.items():
-        save_file(tensors, str(out / name), metadata=shard_metadata(result.manifest, name))
-    shutil.copyfile(mf.path, out / "model.py")
-    (out / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
+    """Write the program into a fresh sibling folder, then swap it in: a failed or interrupted compile leaves
+    ``out`` as it was, and only the files an earlier fxshard manifest lists are ever replaced."""
+    result.manifest["digests"] = {name: hashlib.sha256(text.encode()).hexdigest()
+                                  for name, text in result.sources.items()}
+    result.manifest["digests"]["model.py"] = hashlib.sha256(mf.path.read_bytes()).hexdigest()
+    new = [*result.sources, *shards, "model.py", MANIFEST]  # the manifest last: it names a complete program
+    old = _replaceable(out, new)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.fxshard-new-{uuid.uuid4().hex[:8]}"
+    try:
+        (tmp / "weights").mkdir(parents=True)
+        for name, text in result.sources.items():
+            (tmp / name).write_text(text)
+        for name, tensors in shards.items():
+            save_file(tensors, str(tmp / name), metadata=shard_metadata(result.manifest, name))
+        (tmp / "model.py").write_bytes(mf.path.read_bytes())  # read before anything in out is moved
+        (tmp / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
+        _swap_in(out, tmp, old, new)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     result.out = out
+
+
+def _replaceable(out: Path, new: list[str]) -> list[str]:
+    """The files of ``out`` a new compile replaces: those its fxshard manifest lists; refuse anything else."""
+    if out.exists() and not out.is_dir():
+        raise OutputFolderError(f"--out {out}: is a file, not a folder; choose a new or empty folder")
+    if not out.exists() or not any(out.iterdir()):
+        return []
+    manifest = is_fxshard_manifest(out / MANIFEST)
+    if manifest is None:
+        found = sorted(p.name for p in out.iterdir())
+        why = f"{MANIFEST} is not fxshard's" if (out / MANIFEST).exists() else f"no {MANIFEST}"
+        raise OutputFolderError(f"--out {out}: exists and is not an fxshard output folder ({why}; it holds "
+                                f"{', '.join(found[:5])}{' ...' if len(found) > 5 else ''}); fxshard replaces only "
+                                "folders it wrote: choose an empty or new folder")
+    listed = [e.get(k) for e in manifest["ranks"] if isinstance(e, dict) for k in ("file", "weights")]
+    listed += [manifest["model_file"], MANIFEST]
+    # a name that would leave the folder is never touched (lexically: a symlink is moved, not followed)
+    old = [n for n in listed if isinstance(n, str) and n and not Path(n).is_absolute() and ".." not in Path(n).parts]
+    clash = sorted(n for n in new if n not in old and os.path.lexists(out / n))
+    if clash:
+        raise OutputFolderError(f"--out {out}: {', '.join(clash)} would be overwritten but the folder's manifest "
+                                "does not list them (fxshard did not write them); move them, or choose another folder")
+    return old
+
+
+def _swap_in(out: Path, tmp: Path, old: list[str], new: list[str]) -> None:
+    """Move ``out``'s old program aside, the new one in, then drop the old; put everything back on failure."""
+    aside = tmp / ".old"
+    moved, placed = [], []
+    try:
+        for name in old:
+            if os.path.lexists(out / name):
+                (aside / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(out / name, aside / name)
+                moved.append(name)
+        for name in new:
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / name, out / name)
+            placed.append(name)
+    except BaseException:  # Ctrl-C included: the old program goes back
+        for name in placed:
+            (out / name).unlink(missing_ok=True)
+        for name in moved:
+            os.replace(aside / name, out / name)
+        raise
