@@ -336,7 +336,8 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
     ``out`` as it was, and only the files an earlier fxshard manifest lists are ever replaced."""
     result.manifest["digests"] = {name: hashlib.sha256(text.encode()).hexdigest()
                                   for name, text in result.sources.items()}
-    result.manifest["digests"]["model.py"] = hashlib.sha256(mf.path.read_bytes()).hexdigest()
+    model_bytes = mf.path.read_bytes()  # read once, before anything in out moves (it may be out/model.py)
+    result.manifest["digests"]["model.py"] = hashlib.sha256(model_bytes).hexdigest()
     new = [*result.sources, *shards, "model.py", MANIFEST]  # the manifest last: it names a complete program
     old = _replaceable(out, new)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -347,7 +348,7 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
             (tmp / name).write_text(text)
         for name, tensors in shards.items():
             save_file(tensors, str(tmp / name), metadata=shard_metadata(result.manifest, name))
-        (tmp / "model.py").write_bytes(mf.path.read_bytes())  # read before anything in out is moved
+        (tmp / "model.py").write_bytes(model_bytes)
         (tmp / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
         _swap_in(out, tmp, old, new)
     finally:
