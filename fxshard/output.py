@@ -91,7 +91,8 @@ def edited_files(out: Path, manifest: dict) -> list[str]:
 def refuse_edited(out: Path, manifest: dict) -> None:
     edited = edited_files(Path(out), manifest)
     if edited:
-        raise OutputFolderError(f"{out}: {', '.join(edited)} differ from what fxshard compile wrote (sha256 in "
+        verb = "differs" if len(edited) == 1 else "differ"
+        raise OutputFolderError(f"{out}: {', '.join(edited)} {verb} from what fxshard compile wrote (sha256 in "
                                 "manifest.json): edited after compile. Recompile, or pass --allow-edited to run "
                                 "the edited files anyway")
 
