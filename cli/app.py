@@ -163,17 +163,23 @@ def show(
         _fail(e)
 
 
+AllowEdited = Annotated[bool, typer.Option("--allow-edited",
+                                           help="accept rank files and model.py whose sha256 differs from the one "
+                                                "manifest.json recorded at compile (files edited by hand)")]
+
+
 @app.command()
-def check(out: Path = typer.Argument(..., help="compiled output folder")):
+def check(out: Path = typer.Argument(..., help="compiled output folder"), allow_edited: AllowEdited = False):
     """Re-run the static checks on OUT's files: layout, headers, weights, and that every rank of each process
-    group issues the same collectives (run on meta tensors) and every pipeline send has its receive."""
+    group issues the same collectives (run on meta tensors) and every pipeline send has its receive; refuse
+    files edited after compile. The checks import and run the rank files: check only folders you trust."""
     from fxshard.cli.report import check_report
 
     from fxshard.tools.check import check_output
 
     try:
         with console.status(f"checking {out}"):
-            report = check_output(out)
+            report = check_output(out, allow_edited)
     except FxshardError as e:
         _fail(e)
     check_report(console, out, report)
@@ -205,10 +211,16 @@ def run(
                                 help="continue from DIR/latest (saved under any layout); --steps counts from step 0"),
     check: bool = typer.Option(True, "--check/--no-check",
                                help="before launching locally, run `fxshard check`'s static checks: rank files "
-                                    "edited or mixed since compile are refused instead of hanging"),
+                                    "from different compiles, or whose collectives or sends do not match, are "
+                                    "refused instead of hanging"),
+    allow_edited: AllowEdited = False,
 ):
-    """Train: launch every rank locally, or run as one rank when started by torchrun."""
-    from fxshard.codegen.manifest import layout_of, read_manifest
+    """Train: launch every rank locally, or run as one rank when started by torchrun.
+
+    Refused before launch (with or without --check): a rank file or model.py edited after compile (its
+    sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
+    folder is Python code that runs on every rank: run only folders you trust."""
+    from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
     from fxshard.train.launch import launch_local, run_args, run_rank, under_torchrun
     from fxshard.train.optim import OptimConfig
 
@@ -216,6 +228,8 @@ def run(
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         ckpt = _checkpoint_config(checkpoint, save_every, resume)
         if under_torchrun():
+            if not allow_edited:
+                refuse_edited(out, read_manifest(out))
             from fxshard.cli.report import memory_table
 
             from fxshard.runtime.guard import recorded
@@ -231,10 +245,13 @@ def run(
             from fxshard.tools.check import check_output
 
             with console.status(f"checking {out}"):
-                report = check_output(out)
+                report = check_output(out, allow_edited)
             console.print(f"static checks: OK ({report.ranks} rank files agree on every collective and send)")
+        elif not allow_edited:
+            refuse_edited(out, manifest)
         console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
         argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state, checkpoint=ckpt)
+        argv += ["--allow-edited"] if allow_edited else []
         launch_local(out, argv, world)
     except FxshardError as e:
         _fail(e)

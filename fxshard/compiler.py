@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import hashlib
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.plan.styles import resolve
-from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program, source_digest
+from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
 PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
 from fxshard.codegen.manifest import FORMAT, MANIFEST  # noqa: E402
@@ -166,6 +166,9 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:
         ctx.notes.append(f"{markers} fxshard.pipeline_split() marker(s) ignored at --pp 1")
+    if layout.zero and layout.dp == 1:  # a note, not an error: the layout trains correctly, it just shards nothing
+        ctx.notes.append(f"--zero {layout.zero} has no effect at --dp 1: ZeRO shards optimizer state, gradients and "
+                         "parameters over the data-parallel ranks; add --dp N (N > 1) or leave --zero 0")
     state = program.state_by_name()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -283,7 +286,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                 }
             shards[wname] = tensors
             entry = {"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
-                     "sha256": source_digest(code.source), "tensors": entries, "collectives": code.collectives}
+                     "tensors": entries, "collectives": code.collectives}
             if ctx.pipeline is not None:
                 entry["stages"] = code.stages
             ranks.append(entry)
@@ -335,14 +338,20 @@ def _batch_shape(shape, ctx: CompileContext) -> list[int]:
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
     """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.codegen.folder`):
-    a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted."""
-    names = {*result.sources, "weights", "model.py", MANIFEST}
+    a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted.  The manifest
+    records the sha256 of every generated file, so ``check`` and ``run`` can refuse one edited afterwards."""
+    model_bytes = mf.path.read_bytes()  # read once: it may be out/model.py itself
+    result.manifest["digests"] = {name: hashlib.sha256(text.encode()).hexdigest()
+                                  for name, text in result.sources.items()}
+    result.manifest["digests"]["model.py"] = hashlib.sha256(model_bytes).hexdigest()
+    names = {*result.sources, *shards, "model.py", MANIFEST}
     with staged_output(out, names) as stage:
         (stage / "weights").mkdir()
         for name, text in result.sources.items():
             (stage / name).write_text(text)
         for name, tensors in shards.items():
             save_file(tensors, str(stage / name), metadata=shard_metadata(result.manifest, name))
-        shutil.copyfile(mf.path, stage / "model.py")  # a copy: never written through a link in ``out``
+        (stage / "model.py").write_bytes(model_bytes)  # a new file: never written through a link in ``out``
         (stage / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
     result.out = out
+

@@ -41,17 +41,17 @@ def test_op_registered_in_the_model_file_is_refused_naming_it():
         capture(load_model_file(MODELS / "custom_op_in_model.py"))
 
 
-def test_check_blames_an_edit_only_when_a_rank_file_was_edited():
-    manifest = {"ranks": [{"file": "a.py", "sha256": _digest("x = 1\n")}, {"file": "b.py", "sha256": _digest("y\n")}]}
-    assert _fix_for({"a.py": "x = 1\n", "b.py": "y\n"}, manifest) == AS_COMPILED
-    edited = _fix_for({"a.py": "x = 2\n", "b.py": "y\n"}, manifest)
-    assert edited.startswith("a.py was changed after fxshard compile") and edited.endswith(RECOMPILE)
+def test_check_blames_an_edit_only_when_a_rank_file_was_edited(tmp_path):
+    from fxshard.compiler import compile as compile_model
+    from fxshard.ir.context import Layout
 
-
-def _digest(text):
-    from fxshard.tools.check import source_digest
-
-    return source_digest(text)
+    compile_model(MODELS / "mlp.py", Layout(tp=2), out=tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert _fix_for(tmp_path, manifest) == AS_COMPILED
+    rank = tmp_path / "rank_pp0_tp1.py"
+    rank.write_text(rank.read_text() + "\n# edited\n")
+    edited = _fix_for(tmp_path, manifest)
+    assert edited.startswith("rank_pp0_tp1.py was changed after fxshard compile") and edited.endswith(RECOMPILE)
 
 
 @pytest.mark.e2e

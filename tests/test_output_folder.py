@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_a_folder_with_a_foreign_manifest_is_refused_and_left_alone(tmp_path):
     (out / "manifest.json").write_text('{"name": "app"}')
     (out / "weights" / "final_model.bin").write_text("precious")
     before = _snapshot(out)
-    with pytest.raises(OutputFolderError, match="not an fxshard manifest"):
+    with pytest.raises(OutputFolderError, match="manifest.json is not fxshard's"):
         compile_model(GPT, Layout(tp=2), out=out)
     assert _snapshot(out) == before
 
@@ -128,9 +129,9 @@ def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path,
     else:
         manifest["ranks"][1][key] = value
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(OutputFolderError, match=f"{value!r}, which lies outside the folder"):
+    with pytest.raises(OutputFolderError, match=f"is {re.escape(repr(value))}, which resolves to"):
         read_manifest(out)
-    with pytest.raises(OutputFolderError, match="outside the folder"):
+    with pytest.raises(OutputFolderError, match="outside"):
         check_output(out)
 
 
@@ -145,7 +146,7 @@ def test_the_show_command_refuses_a_rank_file_outside_the_folder(tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     result = CliRunner().invoke(app, ["show", str(out), "--rank", "1"])
     assert result.exit_code != 0
-    assert "root:" not in result.output and "outside the folder" in result.output
+    assert "root:" not in result.output and "outside" in result.output
 
 
 def test_a_checkpoint_whose_latest_climbs_out_is_refused(tmp_path):
@@ -155,5 +156,5 @@ def test_a_checkpoint_whose_latest_climbs_out_is_refused(tmp_path):
     (tmp_path / "elsewhere" / "index.json").write_text("{}")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest").write_text("../elsewhere")
-    with pytest.raises(CheckpointError, match="outside the folder"):
+    with pytest.raises(CheckpointError, match="outside"):
         find_checkpoint(tmp_path / "ckpt")

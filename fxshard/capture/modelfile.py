@@ -37,7 +37,11 @@ class ModelFile:
         """``make_model()`` after seeding; ``meta=True``: parameters on the meta device (no memory)."""
         torch.manual_seed(seed)
         with meta_parameters() if meta else contextlib.nullcontext():
-            model = self.make_model()
+            try:
+                model = self.make_model()
+            except Exception as e:  # the user's code: its error, named, not a traceback through fxshard
+                raise ModelFileError(f"{self.path}: make_model() raised {type(e).__name__}: {e}; fix the model "
+                                     "file (run make_model() on its own to see the traceback)") from e
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
                 f"{self.path}: make_model() returned {type(model).__name__}; expected a torch.nn.Module. "

@@ -16,35 +16,31 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from fxshard.codegen.manifest import FORMAT, MANIFEST
+from fxshard.codegen.manifest import FORMAT, MANIFEST, is_fxshard_manifest
 from fxshard.errors import OutputFolderError
 
 
-def ours(manifest_path: Path) -> dict | None:
-    """The manifest at ``manifest_path`` if it is an fxshard manifest, else None."""
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if isinstance(manifest, dict) and manifest.get("format") == FORMAT and "fxshard_version" in manifest \
-            and isinstance(manifest.get("ranks"), list):
-        return manifest
-    return None
-
-
 def listed_files(manifest: dict) -> set[str]:
-    """Every top-level name an fxshard manifest says its compile wrote (rank files, weights/, model copy)."""
-    names = {MANIFEST, "weights", str(manifest.get("model_file", "model.py")).split("/")[0]}
+    """Every file an fxshard manifest says its compile wrote (rank files, weight shards, the model copy)."""
+    names = {MANIFEST, str(manifest.get("model_file", "model.py"))}
     for entry in manifest["ranks"]:
-        for key in ("file", "weights"):
-            if isinstance(entry.get(key), str):
-                names.add(entry[key].split("/")[0])
+        names |= {entry[key] for key in ("file", "weights") if isinstance(entry.get(key), str)}
+    return names
+
+
+def _files(folder: Path) -> set[str]:
+    """The folder's entries as paths relative to it; inside ``weights/`` (fxshard's, which may also hold a
+    user's file), its files one by one."""
+    names = {p.name for p in folder.iterdir() if p.name != "weights"}
+    if (folder / "weights").is_dir():
+        names |= {f"weights/{p.name}" for p in (folder / "weights").iterdir()}
+    elif (folder / "weights").exists():
+        names.add("weights")
     return names
 
 
@@ -59,16 +55,15 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
     if not manifest_path.is_file():
         raise OutputFolderError(f"{out}: exists and is not an fxshard output folder (no {MANIFEST}); "
                                 "choose an empty or new folder")
-    manifest = ours(manifest_path)
+    manifest = is_fxshard_manifest(manifest_path)
     if manifest is None:
-        raise OutputFolderError(f"{manifest_path}: not an fxshard manifest (no format {FORMAT} and fxshard_version), "
-                                "so the folder is not fxshard's to replace; choose an empty or new folder")
-    foreign = {p.name for p in out.iterdir()} - listed_files(manifest)
+        raise OutputFolderError(f"{out}: its {MANIFEST} is not fxshard's (no format {FORMAT}, fxshard_version and rank "
+                                "list), so the folder is not fxshard's to replace; choose an empty or new folder")
+    foreign = _files(out) - listed_files(manifest)
     clash = sorted(foreign & new_names)
     if clash:
-        raise OutputFolderError(f"{out}: {', '.join(clash)} would be overwritten by the new program but the folder's "
-                                "manifest does not list them (not written by fxshard); move them away or choose "
-                                "another folder")
+        raise OutputFolderError(f"{out}: {', '.join(clash)} would be overwritten but the folder's manifest does not "
+                                "list them (fxshard did not write them); move them away or choose another folder")
     return foreign
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -12,19 +13,6 @@ from fxshard.ir.context import Layout
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-
-
-def inside(folder: Path, name, what: str, error: type[Exception] = OutputFolderError) -> Path:
-    """``folder / name``, after checking ``name`` leads to a place inside ``folder``: a relative path with no
-    ``..`` or link that climbs out.  Every path a manifest or checkpoint index names goes through here, so a
-    damaged or hostile one cannot make fxshard read, show or run a file elsewhere."""
-    root = Path(folder).resolve()
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or \
-            not (root / name).resolve().is_relative_to(root):
-        raise error(f"{folder}: {what} is {name!r}, which lies outside the folder; a compiled folder and a "
-                    "checkpoint name only files inside themselves — recompile (or re-save), and do not use a folder "
-                    "from an untrusted source")
-    return Path(folder) / name
 
 
 def read_manifest(out: str | Path) -> dict:
@@ -42,13 +30,71 @@ def read_manifest(out: str | Path) -> dict:
         raise OutputFolderError(f"{path}: not valid JSON ({e}); recompile") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "ranks" not in manifest:
         raise OutputFolderError(f"{path}: not an fxshard manifest of format {FORMAT}; recompile with this fxshard")
-    for entry in manifest["ranks"]:
+    for i, entry in enumerate(manifest["ranks"]):
         for key in ("file", "weights"):
-            if not inside(out, entry.get(key), f"the manifest's rank {key!r}").is_file():
+            if not inside(out, entry[key], f"ranks[{i}].{key}", path).is_file():
                 raise OutputFolderError(f"{out}: {entry[key]} listed in the manifest is missing; recompile")
-    if not inside(out, manifest.get("model_file"), "the manifest's 'model_file'").is_file():
+    if not inside(out, manifest["model_file"], "model_file", path).is_file():
         raise OutputFolderError(f"{out}: {manifest['model_file']} (the copied model file) is missing; recompile")
     return manifest
+
+
+def inside(folder: Path, name, key: str, where: Path, error: type[Exception] = OutputFolderError) -> Path:
+    """``folder / name`` with symlinks resolved, refused unless it stays inside ``folder``.
+
+    Every reader of a manifest or checkpoint index goes through here: those files are plain JSON anyone
+    can edit, and a path such as ``../../etc/passwd`` must not make ``show`` print or ``run`` execute it."""
+    if not isinstance(name, str) or not name:
+        raise error(f"{where}: {key} is {name!r}; expected a file name relative to {folder}")
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    if Path(name).is_absolute() or not path.is_relative_to(root):
+        raise error(f"{where}: {key} is {name!r}, which resolves to {path}, outside {folder}; a manifest or "
+                    "checkpoint index may only name files inside its own folder. Recompile (or save the checkpoint "
+                    "again) rather than editing its paths")
+    return path
+
+
+def is_fxshard_manifest(path: Path) -> dict | None:
+    """The manifest at ``path`` if fxshard wrote it (format, version and rank list), else None."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if (isinstance(manifest, dict) and manifest.get("format") == FORMAT and "fxshard_version" in manifest
+            and isinstance(manifest.get("ranks"), list) and isinstance(manifest.get("model_file"), str)):
+        return manifest
+    return None
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def edited_files(out: Path, manifest: dict) -> list[str]:
+    """The generated files (rank files, model.py) whose sha256 differs from the one recorded at compile.
+
+    Weights are not digested: they are data (safetensors runs no code), can be many GB to hash on every
+    run, and ``check`` already compares each shard's tensors and shapes with the code."""
+    digests = manifest.get("digests")
+    if not isinstance(digests, dict):
+        return ["manifest.json (it records no file digests: compiled by an older fxshard)"]
+    names = [e["file"] for e in manifest["ranks"]] + [manifest["model_file"]]
+    return [n for n in names
+            if digests.get(n) != file_digest(inside(out, n, f"digests[{n!r}]", out / MANIFEST))]
+
+
+def refuse_edited(out: Path, manifest: dict) -> None:
+    edited = edited_files(Path(out), manifest)
+    if edited:
+        verb = "differs" if len(edited) == 1 else "differ"
+        raise OutputFolderError(f"{out}: {', '.join(edited)} {verb} from what fxshard compile wrote (sha256 in "
+                                "manifest.json): edited after compile. Recompile, or pass --allow-edited to run "
+                                "the edited files anyway")
 
 
 def layout_of(manifest: dict) -> Layout:

@@ -13,6 +13,7 @@ tensor data is checked here, from the safetensors headers and ``config.json``::
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,25 @@ def _check_config(folder: Path, program: Program) -> None:
             raise WeightsError(f"{path}: {key} is {saved[key]!r}, the model file's model "
                                f"({type(program.model).__name__}) has {model[key]!r}: a checkpoint of a different "
                                f"model; {FIX}")
+    _warn_other_keys(path, saved, model)
+
+
+# bookkeeping that differs between a saved config and a built one without changing what the model computes
+_NOT_COMPARED = {"transformers_version", "architectures", "torch_dtype", "dtype", "use_cache", "return_dict",
+                 "output_hidden_states", "output_attentions", "name_or_path"}
+
+
+def _warn_other_keys(path: Path, saved: dict, model: dict) -> None:
+    """Keys beyond the shapes (``rope_theta``, ``hidden_act``, ...) change what the model computes with the
+    same weights; the compile goes on (the weights fit) but says which differ."""
+    differ = sorted(k for k in saved.keys() & model.keys()
+                    if k not in SHAPE_KEYS and k not in _NOT_COMPARED and not k.startswith("_")
+                    and saved[k] != model[k])
+    if differ:
+        pairs = "; ".join(f"{k}: {saved[k]!r} in the folder, {model[k]!r} in make_model()" for k in differ[:8])
+        warnings.warn(f"{path}: the weights fit, but the model file's configuration differs from the folder's in "
+                      f"{len(differ)} key(s) ({pairs}); the model will compute differently from the one these "
+                      f"weights were trained as — {FIX}", stacklevel=2)
 
 
 def _is_float(dtype: str) -> bool:

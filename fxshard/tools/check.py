@@ -18,13 +18,12 @@ The collectives come from the rank files themselves (``fxshard.tools.rank_trace`
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.codegen import rank_file_name
-from fxshard.codegen.manifest import layout_of, read_manifest
+from fxshard.codegen.manifest import edited_files, layout_of, read_manifest, refuse_edited
 from fxshard.errors import CheckError
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.tools.collective_diff import first_difference
@@ -58,34 +57,47 @@ class CheckReport:
     links: list[str] = field(default_factory=list)  # pipeline send/recv pairs checked
 
 
-def check_output(out: str | Path) -> CheckReport:
-    """Check a compiled output folder: manifest, rank files (run on meta tensors) and weight shards."""
+def check_output(out: str | Path, allow_edited: bool = False) -> CheckReport:
+    """Check a compiled output folder: manifest, rank files (run on meta tensors), weight shards, the
+    ``--weights`` folder they read from, and (unless ``allow_edited``) that no generated file was edited."""
     out = Path(out)
     manifest = read_manifest(out)
     sources = {e["file"]: (out / e["file"]).read_text() for e in manifest["ranks"]}  # read_manifest: they exist
     problems: list[str] = []
     weights = _weight_shapes(out, manifest, problems)
+    problems += _external_weights(manifest)
     if problems:
         _fail(problems, RECOMPILE)
-    return check_program(sources, manifest, weights, run=True, fix=_fix_for(sources, manifest))
+    report = check_program(sources, manifest, weights, run=True, fix=_fix_for(out, manifest))
+    # after the checks above, whose messages say more about a broken edit; this catches the edits they cannot
+    # see (a changed number), before anything trains on them
+    if not allow_edited:
+        refuse_edited(out, manifest)
+    return report
 
 
-def source_digest(source: str) -> str:
-    """The sha256 of a rank file's text, recorded in the manifest so an edit is told from a compiler bug."""
-    return hashlib.sha256(source.encode()).hexdigest()
-
-
-def _fix_for(sources: dict[str, str], manifest: dict) -> str:
-    """Blame an edit only where a rank file differs from what the compile wrote (older manifests record no
-    digest: an edit cannot be ruled out)."""
-    entries = manifest["ranks"]
-    if any("sha256" not in e for e in entries):
+def _fix_for(out: Path, manifest: dict) -> str:
+    """Blame an edit only where a generated file differs from what the compile wrote (older manifests record
+    no digest: an edit cannot be ruled out)."""
+    if not isinstance(manifest.get("digests"), dict):
         return RECOMPILE
-    edited = [e["file"] for e in entries if source_digest(sources[e["file"]]) != e["sha256"]]
+    edited = edited_files(out, manifest)
     if edited:
         were = "was" if len(edited) == 1 else "were"
         return f"{', '.join(edited)} {were} changed after fxshard compile wrote it (sha256). {RECOMPILE}"
     return AS_COMPILED
+
+
+def _external_weights(manifest: dict) -> list[str]:
+    """The ``--weights`` folder and files the ranks read their tensors from at run time still exist."""
+    source = manifest.get("weights") or {}
+    if source.get("dir") is None:
+        return []
+    if not Path(source["dir"]).is_dir():
+        return [f"the --weights folder {source['dir']} the ranks read their weights from is missing; restore it, "
+                "or recompile with --weights pointing at its new place"]
+    missing = sorted({f for f in source.get("files", {}).values() if not Path(f).is_file()})
+    return [f"{f}: a --weights file the ranks read from is missing; restore it or recompile" for f in missing]
 
 
 def check_program(sources: dict[str, str], manifest: dict, weights: dict[str, dict[str, tuple]] | None = None,

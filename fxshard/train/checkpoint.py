@@ -77,7 +77,7 @@ def find_checkpoint(path: str | Path) -> Path:
     if not latest.is_file():
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {LATEST}); save one with "
                               "`fxshard run OUT --checkpoint DIR --save-every K`")
-    target = inside(path, latest.read_text().strip(), f"{LATEST}'s target", CheckpointError)
+    target = inside(path, latest.read_text().strip(), "the step it names", latest, CheckpointError)
     if not (target / INDEX).is_file():
         raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}: the checkpoint is damaged")
     return target
@@ -241,7 +241,7 @@ class CheckpointReader:
         if name not in self._files:
             from safetensors import safe_open
 
-            path = inside(self.path, name, "a shard file the index names", CheckpointError)
+            path = inside(self.path, name, "a tensor piece's file", self.path / INDEX, CheckpointError)
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard file missing from the checkpoint")
             self._files[name] = safe_open(str(path), framework="pt")

@@ -52,10 +52,10 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     line0 = _line(out / "rank_pp0_tp0.py", "all_reduce_16 = rt.all_reduce(")
     line1 = _line(out / "rank_pp0_tp1.py", "all_gather = rt.all_gather(vocab_cross_entropy_parts,")
     start = time.monotonic()
-    # `fxshard run` refuses such a folder before launching (next test); --no-check launches it anyway, so the
-    # run-time guard is what stops it
+    # `fxshard run` refuses such a folder before launching (next test); --no-check --allow-edited launches it
+    # anyway (without --allow-edited the edit is refused by its digest), so the run-time guard is what stops it
     proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "10",
-                           "--no-check"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--no-check", "--allow-edited"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert elapsed < 150, f"took {elapsed:.0f} s with a 10 s collective timeout"
