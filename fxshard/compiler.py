@@ -40,10 +40,11 @@ from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
+from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
-PASSES = [tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
+PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
 from fxshard.codegen.manifest import FORMAT, MANIFEST  # noqa: E402
 
 

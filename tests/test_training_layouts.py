@@ -42,6 +42,12 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
     # vocab-parallel lookups whose padding rows (one on each tp rank) are in the batch: they get no gradient
     "padded-embedding-tp2": (ROOT / "tests" / "models" / "padded_embedding.py", Layout(tp=2), None),
+    # a token-mean loss over a right-padded batch (and a masked LM whose microbatches count 5, 1, 0, 3 tokens):
+    # divided by the whole step's count under every split of the batch, not averaged per part
+    **{f"llama-padded-{name}": (ROOT / "tests" / "models" / "llama_padded.py", layout, None, *optim)
+       for name, layout, *optim in [("dp2", Layout(dp=2)), ("pp2-4-microbatches", Layout(pp=2, microbatches=4)),
+                                    ("tp2", Layout(tp=2)), ("dp2-accum2", Layout(dp=2), OptimConfig(grad_accum=2))]},
+    "bert-mlm-pp2-4-microbatches": (ROOT / "tests" / "models" / "bert_mlm.py", Layout(pp=2, microbatches=4), None),
     # in-place writes the loss needs without consuming their result (through a view; a buffer counter)
     "inplace-view-tp2": (ROOT / "tests" / "models" / "inplace_view.py", Layout(tp=2), None),
     "inplace-view-pp2-1f1b": (ROOT / "tests" / "models" / "inplace_view.py", Layout(pp=2), None),

@@ -158,8 +158,22 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         classes=classes,
         tied_lines=tied_fn,
     )
+    if ctx.token_count is not None:
+        text += _count_tokens_function(ctx.token_count)
     text = "\n".join(ln.rstrip() for ln in text.splitlines()) + "\n"
     return RankCode(text, attrs, collectives, stages)
+
+
+def _count_tokens_function(count: fx.GraphModule) -> str:
+    """``count_tokens(*inputs)``: how many targets of one microbatch the token-mean loss counts.  The runtime
+    calls it on every microbatch of a step before the step, and divides the summed loss by the total."""
+    body = count.code.strip().splitlines()
+    args = body[0][len("def forward(self, "):-len("):")]
+    lines = [f"def count_tokens({args}):",
+             '    """The targets of one microbatch that the loss counts (passes/token_mean.py); the runtime sums',
+             '    them over the whole step and divides the summed loss by that count (rt.token_mean)."""']
+    lines += [ln.replace("torch.ops.aten.", "aten.").replace("device(type=", "torch.device(type=") for ln in body[1:]]
+    return "\n\n" + "\n".join(lines) + "\n"
 
 
 _ZERO_TEXT = {

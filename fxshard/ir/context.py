@@ -170,6 +170,7 @@ class CompileContext:
     microbatches: int = 1
     batch: int | None = None  # examples per step (the leading size of the inputs)
     pipeline: object | None = None  # passes/pipeline.py: PipelineProgram, when pp > 1
+    token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
 
     @property
     def plan_summary(self) -> list[str]:

@@ -7,6 +7,7 @@ JSON lines to a file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from fxshard.ir.context import Layout
 from fxshard.runtime import load_state
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.guard import set_context
+from fxshard.runtime.loss import step_tokens
 from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
 from fxshard.train.memory import MemoryProbe
@@ -149,6 +151,7 @@ class _Run:
     opt: torch.optim.Optimizer
     weighted: list  # (parameter, weight) pairs of the global gradient norm
     first_step: int
+    count_tokens: Callable | None = None  # the rank file's count of a microbatch's counted targets (token mean)
 
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
@@ -230,7 +233,8 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
 
         load_optimizer(reader, opt, held, entry, groups["dp"])
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
-                _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0))
+                _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
+                getattr(code, "count_tokens", None))
 
 
 def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | None) -> float:
@@ -238,12 +242,19 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     set_context(step, f"training step {step}")
     manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
     dp_rank, dp = run.coords["dp"], layout.dp
+    batches = run.batches[(step - 1) * accum:step * accum]
+    microbatches = manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1
+    counting = contextlib.nullcontext()
+    if run.count_tokens is not None:  # a token-mean loss: the step's count, from the whole step's batches
+        counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
+        counting = step_tokens(counted, accum * microbatches * dp)
     value = 0.0
-    for number, batch in enumerate(run.batches[(step - 1) * accum:step * accum], (step - 1) * accum):
-        leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
-        begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
-        value += run.step_fn(leaves) / accum
-    divisor = accum * (manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1)
+    with counting:
+        for number, batch in enumerate(batches, (step - 1) * accum):
+            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
+            begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
+            value += run.step_fn(leaves) / accum
+    divisor = accum * microbatches
     if divisor > 1:  # gradients summed over batches and microbatches: average them
         for p in run.params:
             if p.grad is not None:
@@ -261,6 +272,19 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         probe.after_step(run.opt)
     run.opt.zero_grad(set_to_none=True)
     return value
+
+
+def _count_tokens(count: Callable, batch, manifest: dict) -> int:
+    """The targets a token-mean loss counts in one whole batch: ``count`` runs on each microbatch-sized run of
+    rows (the shapes it was compiled for), whichever rank and microbatch those rows go to."""
+    leaves = flatten_batch(batch, manifest["inputs"])
+    rows = next((i["microbatch_shape"][0] for i in manifest["inputs"] if i["is_tensor"] and i["microbatch_shape"]),
+                None)
+    total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
+    if rows is None or total is None or rows == total:
+        return int(count(*leaves))
+    return sum(int(count(*[v[i:i + rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in leaves]))
+               for i in range(0, total, rows))
 
 
 def _trained_state(held: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:

@@ -33,23 +33,52 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     batches = mf.batches(steps * optim.grad_accum, seed)
     if dtype != "fp32":
         batches = [cast_inputs(b, getattr(torch, DTYPES[dtype])) for b in batches]
+    counter = _token_counter(mf, seed) if optim.grad_accum > 1 else None
     losses = []
     for i in range(steps):
         total = 0.0
-        for k, batch in enumerate(batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]):
+        step_batches = batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]
+        # --grad-accum k is one step over the k batches: a token-mean loss weighs each batch by its counted tokens
+        counts = [counter(b) for b in step_batches] if counter is not None else [1] * len(step_batches)
+        for k, batch in enumerate(step_batches):
+            if counts[k] == 0:
+                continue  # no counted token: no share of the step's loss or gradient
             begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in fxshard.train.launch.train
             with ReferenceDropout():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
-            (loss / optim.grad_accum).backward()
-            total += float(loss.detach())
+            share = counts[k] / sum(counts)
+            (loss * share).backward()
+            total += float(loss.detach()) * share
         if optim.clip_grad_norm is not None and dtype != "fp32":
             clip_grad_norm_([(p.grad, 1.0) for p in params if p.grad is not None], optim.clip_grad_norm)
         elif optim.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad_norm, foreach=False)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(total / optim.grad_accum)
+        losses.append(total)
     if final_state is not None:  # the trained parameters by FQN (tied ones under every name)
         for name, p in model.named_parameters(remove_duplicate=False):
             final_state[name] = p.detach().clone()
     return losses
+
+
+def _token_counter(mf: ModelFile, seed: int):
+    """``batch -> counted targets`` when the model's loss is a token mean (from its captured graph), else None."""
+    from torch.utils import _pytree as pytree
+
+    from fxshard.capture.program import capture
+    from fxshard.passes.token_mean import token_counter
+
+    rng = torch.random.get_rng_state()
+    program = capture(mf, seed)  # seeds torch: the training that follows draws as if it had not run
+    torch.random.set_rng_state(rng)
+    graph = token_counter(program)
+    if graph is None:
+        return None
+
+    def count(batch) -> int:
+        leaves = [leaf for _, leaf in pytree.tree_flatten_with_path(
+            (tuple(batch), {}) if not isinstance(batch, dict) else ((), dict(batch)))[0]]
+        return int(graph(*leaves))
+
+    return count

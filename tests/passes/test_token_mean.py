@@ -1,0 +1,51 @@
+"""The token-mean pass: a cross entropy averaged over counted targets becomes a sum divided by the step's count,
+with the count emitted as ``count_tokens``; any other loss keeps the averaging and says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fxshard.capture.modelfile import load_model_file
+from fxshard.compiler import compile as compile_model
+from fxshard.ir.context import Layout
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def _module(source: str, name: str):
+    scope: dict = {}
+    exec(compile(source, name, "exec"), scope)
+    return scope
+
+
+def test_a_padded_causal_lm_counts_its_targets_in_the_rank_file():
+    result = compile_model(MODELS / "llama_padded.py", Layout(dp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert "aten.cross_entropy_loss.default(" in code and "None, 2, -100)" in code  # the cross entropy sums
+    assert "token_mean = rt.token_mean(cross_entropy_loss, " in code and "ignore_index=-100)" in code
+    batch = load_model_file(MODELS / "llama_padded.py").build_inputs(0)
+    count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
+    rows = batch["input_ids"][:2], batch["attention_mask"][:2], batch["labels"][:2], False  # dp rank 0's rows
+    assert int(count(*rows)) == (16 - 1) + (3 - 1)  # causal LM: the labels shifted by one, pads not counted
+    assert any("a token mean" in note for note in result.ctx.notes)
+
+
+def test_a_loss_that_is_not_a_token_mean_keeps_averaging_and_says_so():
+    result = compile_model(MODELS / "mlp.py", Layout(dp=2))
+    assert "count_tokens" not in result.sources["rank_pp0_tp0.py"]
+    assert any("not a token mean" in note for note in result.ctx.notes)
+
+
+def test_class_weights_are_not_a_token_mean(tmp_path):
+    model = tmp_path / "weighted.py"
+    model.write_text((MODELS / "padded_embedding.py").read_text().replace(
+        "F.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), target.flatten())",
+        "F.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), target.flatten(), weight=torch.arange(1.0, 9.0))"))
+    result = compile_model(model, Layout(dp=2))
+    assert "count_tokens" not in result.sources["rank_pp0_tp0.py"]
+
+
+def test_the_returned_loss_is_the_mean_too():
+    # the model's own output (HF .loss) is the same node as the loss training uses
+    code = compile_model(MODELS / "llama_padded.py", Layout()).sources["rank_pp0_tp0.py"]
+    assert "return (token_mean, token_mean" in code
