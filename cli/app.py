@@ -221,12 +221,13 @@ def run(
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
     from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
-    from fxshard.train.launch import launch_local, run_args, run_rank, under_torchrun
+    from fxshard.train.launch import check_run_options, launch_local, run_args, run_rank, under_torchrun
     from fxshard.train.optim import OptimConfig
 
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         ckpt = _checkpoint_config(checkpoint, save_every, resume)
+        check_run_options(out, steps, metrics, timeout, ckpt)
         if under_torchrun():
             if not allow_edited:
                 refuse_edited(out, read_manifest(out))

@@ -48,6 +48,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class OptionError(FxshardError):
+    """A run option out of its range (steps, learning rate, paths), refused before anything launches."""
+
+
 class WeightsError(FxshardError):
     """A Hugging Face weights folder (``--weights DIR``) does not hold what the model needs."""
 

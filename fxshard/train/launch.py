@@ -74,6 +74,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint) -> None:
+    """Refuse run options that could only fail later, before any process starts (the optimizer's own are
+    checked by :class:`~fxshard.train.optim.OptimConfig`)."""
+    from fxshard.errors import OptionError
+
+    if steps < 1:
+        raise OptionError(f"--steps {steps}: expected at least 1 step (steps count from the start, resumed or not)")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise OptionError(f"--timeout {timeout_s}: expected a positive number of seconds, e.g. --timeout 300")
+    if metrics is not None:
+        if metrics.is_dir():
+            raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
+        if not metrics.parent.is_dir():
+            raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+    if checkpoint is not None:
+        if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
+            raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+        if checkpoint.resume:
+            from fxshard.train.checkpoint import find_checkpoint
+
+            find_checkpoint(checkpoint.folder)  # a clear CheckpointError when there is nothing to resume
+
+
 def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
              memory_report: bool = False, final_state: Path | None = None, checkpoint=None) -> list[str]:
     """The ``fxshard run`` arguments each launched rank receives (``checkpoint``: a CheckpointConfig)."""

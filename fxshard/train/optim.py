@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,27 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None  # clip the global gradient norm (all shards together) to this
-    grad_accum: int = 1  # batches per optimizer step; gradients are averaged over them
+    grad_accum: int = 1  # batches per optimizer step: one step over them all (see passes/token_mean.py)
+
+    def __post_init__(self):
+        from fxshard.errors import OptionError
+
+        def bad(flag: str, value, expected: str) -> OptionError:
+            return OptionError(f"--{flag} {value}: expected {expected}")
+
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise bad("lr", self.lr, "a finite learning rate >= 0, e.g. --lr 1e-3")
+        for flag, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not (math.isfinite(beta) and 0 <= beta < 1):
+                raise bad(flag, beta, "a number in [0, 1), e.g. 0.9 / 0.999")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise bad("eps", self.eps, "a small positive number, e.g. 1e-8")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight-decay", self.weight_decay, "a finite number >= 0")
+        if self.clip_grad_norm is not None and not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm > 0):
+            raise bad("clip-grad-norm", self.clip_grad_norm, "a positive norm, e.g. 1.0 (leave it out not to clip)")
+        if not (isinstance(self.grad_accum, int) and self.grad_accum >= 1):
+            raise bad("grad-accum", self.grad_accum, "at least 1 batch per optimizer step")
 
     def kwargs(self) -> dict:
         # foreach=False: the per-tensor loop gives the same update for a tensor whether or not it is
