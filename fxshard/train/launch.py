@@ -192,11 +192,16 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     probe = MemoryProbe(list(run.held.values())) if memory is not None else None
     rank = dist.get_rank()
     losses = []
-    sink = open(metrics, "w") if metrics is not None and rank == 0 else None  # noqa: SIM115
+    # a resumed run appends to the metrics of the run it continues
+    mode = "a" if run.first_step > 1 else "w"
+    sink = open(metrics, mode) if metrics is not None and rank == 0 else None  # noqa: SIM115
     try:
         for step in range(run.first_step, steps + 1):
             start = time.perf_counter()
             value = _train_step(run, step, optim, probe)
+            if not math.isfinite(value):  # every rank has the same step loss: all stop here, none saves
+                raise FxshardError(f"step {step}: the loss is {value}; training stops at the first non-finite loss "
+                                   "(check the weights and inputs for inf/nan, or lower --lr)")
             losses.append(value)
             if rank == 0:
                 log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
