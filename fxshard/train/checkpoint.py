@@ -68,8 +68,11 @@ def _shard_name(coords: dict) -> str:
     return f"shard-pp{coords['pp']}-tp{coords['tp']}.safetensors"
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: itself (it holds index.json), or ``path/latest``'s target."""
+def find_checkpoint(path: str | Path, say=None) -> Path:
+    """The checkpoint folder ``path`` names: itself (it holds index.json), or ``path/latest``'s target.
+
+    A ``latest`` naming a step with no index (a crash between the save's two renames, or a step deleted by
+    hand) falls back to the newest complete ``step-*`` folder, and ``say`` is told which."""
     path = Path(path)
     if (path / INDEX).is_file():
         return path
@@ -78,9 +81,52 @@ def find_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {LATEST}); save one with "
                               "`fxshard run OUT --checkpoint DIR --save-every K`")
     target = inside(path, latest.read_text().strip(), "the step it names", latest, CheckpointError)
-    if not (target / INDEX).is_file():
-        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}: the checkpoint is damaged")
-    return target
+    if (target / INDEX).is_file():
+        return target
+    complete = sorted(p for p in path.glob("step-*") if p.is_dir() and "." not in p.name and (p / INDEX).is_file())
+    if not complete:
+        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}, and no other step of {path} is "
+                              "complete: the checkpoint is damaged")
+    if say is not None:
+        say(f"{latest} names {target.name}, which has no {INDEX} (a save interrupted between its renames?); "
+            f"using {complete[-1].name}, the newest complete checkpoint")
+    return complete[-1]
+
+
+def check_checkpoint(path: str | Path, say=None) -> Path:
+    """Before launch: the checkpoint ``path`` leads to is whole — its index parses and every shard file it names
+    exists with a safetensors header whose tensors fit in the file.  Returns the checkpoint folder; a damaged
+    one is a :class:`CheckpointError` naming the file."""
+    folder = find_checkpoint(path, say)
+    try:
+        index = json.loads((folder / INDEX).read_text())
+        files = {piece["file"] for rec in index["tensors"].values() for piece in rec["pieces"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{folder / INDEX}: not a readable checkpoint index ({type(e).__name__}: {e}); the "
+                              "checkpoint is damaged — resume from an earlier one") from e
+    for name in sorted(files):
+        _check_shard(inside(folder, name, "a tensor piece's file", folder / INDEX, CheckpointError))
+    return folder
+
+
+def _check_shard(file: Path) -> None:
+    """A safetensors file: an 8-byte header length, a JSON header, and the data its offsets promise."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: shard file missing from the checkpoint; resume from an earlier one")
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if size < 8 or 8 + length > size:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{file}: not a whole safetensors file ({e}); the checkpoint is damaged — resume from an "
+                              "earlier one") from e
+    if 8 + length + end > size:
+        raise CheckpointError(f"{file}: truncated ({size} bytes, its header promises {8 + length + end}); the "
+                              "checkpoint is damaged — resume from an earlier one")
 
 
 # ---------------------------------------------------------------- save

@@ -18,14 +18,15 @@ import torch
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import inside
-from fxshard.train.checkpoint import CheckpointError, CheckpointReader
+from fxshard.train.checkpoint import CheckpointError, CheckpointReader, check_checkpoint
 
 
 def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) -> tuple[torch.nn.Module, Path]:
     """The unmodified model with the checkpoint's trained parameters, and the checkpoint folder read."""
-    reader = CheckpointReader(checkpoint)
-    model_file = Path(model_file) if model_file is not None else inside(reader.path, "model.py", "the model copy",
-                                                                                  reader.path, CheckpointError)
+    reader = CheckpointReader(check_checkpoint(checkpoint, print))  # a damaged file named before any reading
+    if model_file is None:
+        model_file = inside(reader.path, "model.py", "the model copy", reader.path, CheckpointError)
+    model_file = Path(model_file)
     if not model_file.is_file():
         raise CheckpointError(f"{model_file}: model file missing; pass the model with --model MODEL.py")
     model = load_model_file(model_file).build_model(int(reader.index.get("seed", 0)))

@@ -74,7 +74,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint) -> None:
+def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print) -> None:
     """Refuse run options that could only fail later, before any process starts (the optimizer's own are
     checked by :class:`~fxshard.train.optim.OptimConfig`)."""
     from fxshard.errors import OptionError
@@ -92,9 +92,9 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
         if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
             raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
         if checkpoint.resume:
-            from fxshard.train.checkpoint import find_checkpoint
+            from fxshard.train.checkpoint import check_checkpoint
 
-            find_checkpoint(checkpoint.folder)  # a clear CheckpointError when there is nothing to resume
+            check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
 
 
 def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,

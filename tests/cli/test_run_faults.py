@@ -48,3 +48,50 @@ def test_a_resumed_run_appends_to_its_metrics(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A folder trained 2 steps with a checkpoint after each: ckpt/step-00000001, step-00000002, latest."""
+    root = tmp_path_factory.mktemp("saved")
+    out, ckpt = root / "o", root / "ckpt"
+    compile_model(MLP, Layout(tp=2), out=out)
+    run = _fxshard("run", out, "--steps", 2, "--checkpoint", ckpt, "--save-every", 1)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return out, ckpt
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    out, ckpt = saved
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    return out, tmp_path / "ckpt"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("damage", ["truncate", "header", "remove"])
+def test_a_damaged_checkpoint_is_named_before_launch_and_by_export(saved, tmp_path, damage):
+    out, ckpt = _copy(saved, tmp_path)
+    shard = ckpt / "step-00000002" / "shard-pp0-tp1.safetensors"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "header":
+        shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + shard.read_bytes()[24:])
+    else:
+        shard.unlink()
+    run = _fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume")
+    assert run.returncode == 2 and "shard-pp0-tp1.safetensors" in run.stderr and "launching" not in run.stdout
+    export = _fxshard("export", ckpt, "--hf", tmp_path / "hf")
+    assert export.returncode == 2 and "shard-pp0-tp1.safetensors" in export.stderr
+    assert "Traceback" not in run.stderr + export.stderr
+
+
+@pytest.mark.e2e
+def test_latest_naming_a_step_without_index_falls_back_to_the_previous_one(saved, tmp_path):
+    out, ckpt = _copy(saved, tmp_path)
+    (ckpt / "step-00000002" / "index.json").unlink()  # as if killed between writing the shards and the index
+    run = _fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "using step-00000001, the newest complete checkpoint" in run.stdout
+    assert "step 2/3" in run.stdout and "step 3/3" in run.stdout  # resumed after step 1
