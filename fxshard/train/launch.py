@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -55,8 +56,13 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
     env_threads = os.environ.get("OMP_NUM_THREADS")
     if env_threads is None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
+    except (SignalException, KeyboardInterrupt) as e:  # the agent has stopped every worker before this
+        name = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
+        raise FxshardError(f"interrupted by {name}: the {world} worker processes were stopped") from None
     except ChildFailedError as e:
         lines = []
         for rank, failure in sorted(e.failures.items()):
@@ -91,6 +97,10 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
     if checkpoint is not None:
         if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
             raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+        if not under_torchrun():
+            from fxshard.train.supervise import check_unlocked
+
+            check_unlocked(checkpoint.folder)
         if checkpoint.resume:
             from fxshard.train.checkpoint import check_checkpoint
 
@@ -123,6 +133,9 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
 
     With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.train.memory.report_rows` of
     every rank's measured model-state bytes after training."""
+    from fxshard.train.supervise import die_with_parent
+
+    die_with_parent()  # a killed launcher takes its workers with it
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
@@ -188,6 +201,16 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
     layout) at its step: only steps after it run, and their losses are returned."""
+    locked = contextlib.nullcontext()
+    if checkpoint is not None and dist.get_rank() == 0:
+        from fxshard.train.supervise import checkpoint_lock
+
+        locked = checkpoint_lock(Path(checkpoint.folder))  # one run writes a checkpoint folder at a time
+    with locked:
+        return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint)
+
+
+def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint) -> list[float]:
     run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint)
     probe = MemoryProbe(list(run.held.values())) if memory is not None else None
     rank = dist.get_rank()

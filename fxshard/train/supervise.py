@@ -1,0 +1,69 @@
+"""Keep a run supervised: workers die with whoever started them, and one run at a time writes a checkpoint.
+
+A worker asks the kernel for SIGKILL when its parent (the ``fxshard run`` launcher, or torchrun's agent) dies
+(``prctl(PR_SET_PDEATHSIG)``), so a ``kill -9`` of the launcher cannot leave ranks training and saving
+unsupervised.  A checkpoint folder is locked (``flock`` on ``DIR/.lock``, released by the kernel when its
+holder exits however it exits) by the run writing it; a second run is refused, naming the holder's pid::
+
+    with checkpoint_lock(Path("ckpt")):
+        ...   # train and save
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import os
+import signal
+from pathlib import Path
+
+from fxshard.errors import FxshardError
+
+_PR_SET_PDEATHSIG = 1
+LOCK = ".lock"
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens)."""
+    parent = os.getppid()
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request: nobody supervises this rank
+        os._exit(1)
+
+
+class CheckpointBusyError(FxshardError):
+    """Another run holds the checkpoint folder."""
+
+
+@contextlib.contextmanager
+def checkpoint_lock(folder: Path):
+    """Hold ``folder``'s lock for the block; refuse when another live process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointBusyError(
+                f"{folder}: another run (pid {holder}) is writing this checkpoint folder; wait for it to finish or "
+                "stop it, or choose another --checkpoint folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def check_unlocked(folder: Path) -> None:
+    """Before launch: refuse a checkpoint folder another run holds."""
+    if folder.is_dir():
+        with checkpoint_lock(folder):
+            pass

@@ -1,0 +1,102 @@
+"""Workers never train unsupervised: real signals sent by pid to a real `fxshard run`.
+
+A kill -9 of the launcher takes its workers with it; SIGTERM / SIGINT on the launcher ends the run with one line
+and no worker left; a checkpoint folder in use by a run is refused to a second one, naming the holder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fxshard.compiler import compile as compile_model
+from fxshard.ir.context import Layout
+
+MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start(out: Path, ckpt: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
+                             "--checkpoint", str(ckpt), "--save-every", "1", "--no-check"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:  # training has begun once rank 0 has saved a step
+        if "saved checkpoint" in line or time.monotonic() > deadline:
+            break
+    return proc
+
+
+@pytest.fixture
+def out(tmp_path):
+    folder = tmp_path / "o"
+    compile_model(MLP, Layout(tp=2), out=folder)
+    return folder
+
+
+def _gone_within(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return {p for p in pids if _alive(p)}
+
+
+@pytest.mark.e2e
+def test_kill_9_of_the_launcher_takes_its_workers_with_it(out, tmp_path):
+    proc = _start(out, tmp_path / "ckpt")
+    workers = _children(proc.pid)
+    assert len(workers) >= 2, "the run's workers were not found"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    left = _gone_within(workers, 20)
+    for pid in left:  # leave nothing behind even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {sorted(left)} kept running after the launcher was killed"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
+    ckpt = tmp_path / "ckpt"
+    proc = _start(out, ckpt)
+    workers = _children(proc.pid)
+    second = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "3",
+                             "--checkpoint", str(ckpt), "--no-check"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "another run (pid" in second.stderr and "launching" not in second.stdout
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
+    left = _gone_within(workers, 20)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {sorted(left)} kept running after {sig.name}"
+    assert proc.returncode != 0
+    assert f"interrupted by {sig.name}" in err and "Traceback" not in err, err[-2000:]
