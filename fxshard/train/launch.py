@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -45,13 +46,18 @@ def under_torchrun() -> bool:
 
 def launch_local(out: Path, argv: list[str], world: int) -> None:
     """Run ``fxshard <argv>`` as ``world`` local processes under torch's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # one machine: rendezvous and workers on the loopback address only; torch's per-run log folder (the
+    # workers' error files) inside a temporary folder removed after the run
+    logs = tempfile.TemporaryDirectory(prefix="fxshard-run-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint=f"localhost:{_free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     env_threads = os.environ.get("OMP_NUM_THREADS")
     if env_threads is None:
@@ -70,13 +76,14 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
             lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:500]}")
         raise FxshardError("distributed run failed:\n  " + "\n  ".join(lines)) from None
     finally:
+        logs.cleanup()
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("localhost", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 

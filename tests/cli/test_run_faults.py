@@ -95,3 +95,16 @@ def test_latest_naming_a_step_without_index_falls_back_to_the_previous_one(saved
     assert run.returncode == 0, run.stdout + run.stderr
     assert "using step-00000001, the newest complete checkpoint" in run.stdout
     assert "step 2/3" in run.stdout and "step 3/3" in run.stdout  # resumed after step 1
+
+
+@pytest.mark.e2e
+def test_a_run_leaves_no_temporary_folder_behind(tmp_path):
+    import os
+
+    out, tmp = tmp_path / "o", tmp_path / "tmp"
+    tmp.mkdir()
+    compile_model(MLP, Layout(tp=2), out=out)
+    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1"],
+                         capture_output=True, text=True, timeout=300, env=os.environ | {"TMPDIR": str(tmp)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in tmp.iterdir()) == []  # torch's torchelastic_* log folder included
