@@ -33,6 +33,11 @@ class CollectiveError(FxshardError, RuntimeError):
 
 HINT = ("every rank of a process group must issue the same collectives in the same order; "
         "`fxshard check OUT` names the line where edited or stale rank files differ")
+PEER_GONE = ("a peer rank of this group died or was killed (its own error, if it had time to report one, names "
+             "the cause); the rank files are not at fault")
+STOPPED = ("a peer rank of this group did not reach this point within --timeout: it is stopped (e.g. SIGSTOP), "
+           "stuck or far slower; the rank files are not at fault")
+_GONE = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|EOF", re.IGNORECASE)
 
 _current_step = {"step": None, "label": ""}
 _issued: dict[int, int] = {}  # id of a process group -> collectives issued over it in this step
@@ -55,7 +60,7 @@ def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
         raise CollectiveError(_message(what, group, tensor, site, number, e)) from e
 
 
-def _message(what: str, group, tensor, site, number: int, e: Exception) -> str:
+def _message(what: str, group, tensor, site, number: int | None, e: Exception, hint: str | None = None) -> str:
     rank = dist.get_rank() if dist.is_initialized() else -1
     try:
         ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else []
@@ -65,11 +70,37 @@ def _message(what: str, group, tensor, site, number: int, e: Exception) -> str:
         what += f" {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}"
     step = _current_step["label"] or (f"step {_current_step['step']}" if _current_step["step"] is not None else "")
     at = [f"{os.path.basename(site[0])}:{site[1]}"] if site else []
-    at.append(f"collective #{number} over this group" + (f" in {step}" if step else ""))
+    if number is not None:
+        at.append(f"collective #{number} over this group" + (f" in {step}" if step else ""))
+    elif step:
+        at.append(step)
     cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
     cause = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
+    hint = PEER_GONE if _GONE.search(cause) else (hint or HINT)
     return (f"rank {rank}: {what} ({', '.join(at)}) over process group ranks {ranks} did not complete: "
-            f"{type(e).__name__}: {cause}; {HINT}")
+            f"{type(e).__name__}: {cause}; {hint}")
+
+
+@contextlib.contextmanager
+def named_phase(what: str, group=None):
+    """Around communication torch issues itself (DDP's bucketed all-reduce, FSDP2's all-gathers and
+    reduce-scatters, process-group start-up): a backend error becomes a :class:`CollectiveError` naming the
+    rank, the phase and the group.  Errors fxshard already named pass through."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except Exception as e:
+        if not _is_backend_error(e):
+            raise
+        raise CollectiveError(_message(what, group, None, None, None, e, STOPPED)) from e
+
+
+def _is_backend_error(e: Exception) -> bool:
+    kinds = tuple(k for k in (getattr(dist, "DistError", None), getattr(dist, "DistBackendError", None),
+                              getattr(dist, "DistStoreError", None)) if k is not None)
+    text = str(e)
+    return isinstance(e, kinds) or ("gloo" in text.lower() or "nccl" in text.lower() or "Timed out" in text)
 
 
 @contextlib.contextmanager

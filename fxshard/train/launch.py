@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -32,7 +33,7 @@ from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state
 from fxshard.runtime.data_parallel import local, make_optimizer
-from fxshard.runtime.guard import set_context
+from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
 from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
@@ -114,6 +115,26 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
             check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
 
 
+def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Exception:
+    """A process group that did not form: name the ranks that never joined (from the store keys torch waited
+    for) instead of torch's ``DistStoreError: wait timeout ... keys: /default_pg/0//cpu//0/1``."""
+    from fxshard.runtime.guard import CollectiveError
+
+    text = str(e)
+    missing = sorted({int(m) for m in re.findall(r"/(\d+)(?=[\s,\]'\"]|$)", text.split("keys", 1)[-1])}
+                     - {rank}) if "keys" in text else []
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if missing:
+        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world}"
+    elif joined:
+        who = f"{int(joined[2]) - int(joined[1])} of {world} ranks"
+    else:
+        who = f"some of the {world} ranks"
+    return CollectiveError(
+        f"rank {rank}: start-up: {who} did not join the process group within --timeout {timeout_s:g} s "
+        f"(not started, stopped, or died before connecting); {type(e).__name__}: {text.strip().splitlines()[0][:200]}")
+
+
 def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
              memory_report: bool = False, final_state: Path | None = None, checkpoint=None) -> list[str]:
     """The ``fxshard run`` arguments each launched rank receives (``checkpoint``: a CheckpointConfig)."""
@@ -153,7 +174,10 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), timeout_s) from e
     try:
         memory = {} if memory_report is not None else None
         state = {} if final_state is not None else None
@@ -265,7 +289,8 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
                           f"{world} were started; launch with --nproc-per-node {layout.world_size}")
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    with named_phase("start-up: the process groups of the dp x pp x tp mesh"):
+        mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     coords = layout.coords(rank)
     entry = rank_entry(manifest, coords)
@@ -307,7 +332,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
         counting = step_tokens(counted, accum * microbatches * dp)
     value = 0.0
-    with counting:
+    with counting, named_phase(_torch_issued(layout, step), run.groups["dp"]):
         for number, batch in enumerate(batches, (step - 1) * accum):
             leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
             begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
@@ -325,11 +350,20 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         probe.after_backward(run.params)
     if optim.clip_grad_norm is not None:
         clip_grad_norm_([(local(p.grad), w) for p, w in run.weighted if p.grad is not None], optim.clip_grad_norm)
-    run.opt.step()
+    with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups["dp"]):
+        run.opt.step()  # ZeRO 1 broadcasts the updated parameters
     if probe is not None:
         probe.after_step(run.opt)
     run.opt.zero_grad(set_to_none=True)
     return value
+
+
+def _torch_issued(layout: Layout, step: int) -> str:
+    """What torch itself communicates in a training step (fxshard's own collectives name their lines)."""
+    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "DDP's bucketed gradient all-reduce over dp",
+            2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
+            3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
+    return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
 
 
 def _count_tokens(count: Callable, batch, manifest: dict) -> int:

@@ -1,0 +1,68 @@
+"""A rank that stops or never starts is named, with the phase or collective it left waiting, within the timeout.
+
+Real processes and real signals: a worker SIGSTOPped under dp=2 ZeRO 3 (FSDP2's own collectives), and a
+rank 1 of 2 that never starts (rank 0 started by hand, as torchrun would).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxshard.compiler import compile as compile_model
+from fxshard.ir.context import Layout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_supervision import _alive, _children  # noqa: E402
+
+MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_a_rank_that_never_starts_is_named_at_start_up(tmp_path):
+    out = tmp_path / "o"
+    compile_model(MLP, Layout(tp=2), out=out)
+    env = os.environ | {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(_port())}
+    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "5"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2
+    assert "rank 0: start-up: 1 of 2 ranks did not join the process group within --timeout 5 s" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.e2e
+def test_a_stopped_rank_under_zero3_is_named_with_the_phase(tmp_path):
+    out = tmp_path / "o"
+    compile_model(MLP, Layout(dp=2, zero=3), out=out)
+    proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
+                             "--timeout", "8", "--no-check"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "step 2/" in line:
+            break
+    workers = _children(proc.pid)
+    stopped = max(workers)  # one of the two ranks
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        out_text, err = proc.communicate(timeout=180)
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3) in training step" in err, err
+    assert "did not reach this point within --timeout" in err
+    assert "fxshard check" not in err  # the code was fine: a peer stopped
