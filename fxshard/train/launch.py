@@ -54,9 +54,10 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
     # one machine: rendezvous and workers on the loopback address only; torch's per-run log folder (the
     # workers' error files) inside a temporary folder removed after the run
     logs = tempfile.TemporaryDirectory(prefix="fxshard-run-")
+    store, port = _loopback_store()  # the rendezvous store, which the agent and the workers connect to
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": False}, max_restarts=0,
         monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
         logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
@@ -66,7 +67,8 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
-        elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
+        with _loopback_rendezvous():
+            elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
     except (SignalException, KeyboardInterrupt) as e:  # the agent has stopped every worker before this
         name = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
         raise FxshardError(f"interrupted by {name}: the {world} worker processes were stopped") from None
@@ -77,15 +79,40 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
             lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:500]}")
         raise FxshardError("distributed run failed:\n  " + "\n  ".join(lines)) from None
     finally:
+        del store
         logs.cleanup()
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_store(port: int = 0):
+    """A TCPStore server listening on 127.0.0.1 only (a TCPStore binds every interface; given a socket bound
+    here, it listens on that one), and its port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=listener.detach())
+    return store, port
+
+
+@contextlib.contextmanager
+def _loopback_rendezvous():
+    """While launching locally, the store torch's elastic agent creates for its workers (torch 2.13:
+    ``DynamicRendezvousHandler._create_tcp_store_server``) listens on 127.0.0.1 only, like the rendezvous's."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = getattr(DynamicRendezvousHandler, "_create_tcp_store_server", None)
+    if original is None:  # another torch: its own store, on every interface
+        yield
+        return
+    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: _loopback_store(port)[0]
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler._create_tcp_store_server = original
+
 
 
 def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print) -> None:

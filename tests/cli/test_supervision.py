@@ -100,3 +100,38 @@ def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
     assert not left, f"workers {sorted(left)} kept running after {sig.name}"
     assert proc.returncode != 0
     assert f"interrupted by {sig.name}" in err and "Traceback" not in err, err[-2000:]
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """``addr:port`` of every listening TCP socket the processes ``pids`` hold (from /proc/net/tcp{,6})."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addr, port = fields[1].split(":")
+                if width == 8:
+                    addr = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+                found.append(f"{addr}:{int(port, 16)}")
+    return found
+
+
+@pytest.mark.e2e
+def test_the_local_launcher_and_its_workers_listen_on_loopback_only(out, tmp_path):
+    proc = _start(out, tmp_path / "ckpt")
+    try:
+        listening = _listening({proc.pid} | _children(proc.pid))
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert listening, "no listening socket found: the probe is broken"
+    assert all(a.startswith("127.") for a in listening), [a for a in listening if not a.startswith("127.")]
