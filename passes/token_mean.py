@@ -99,7 +99,9 @@ def _count_graph(gm: fx.GraphModule, user_inputs: set[fx.Node], target: fx.Node,
         if n.op == "placeholder" and n in user_inputs:
             env[n] = graph.placeholder(n.name)
         elif n in keep and n.op == "call_function":
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = copy = graph.node_copy(n, lambda a: env[a])
+            # the count runs where the batch is (captured on meta under --weights): conversions keep the device
+            copy.kwargs = {k: v for k, v in copy.kwargs.items() if k != "device"}
     counted = graph.call_function(aten.ne.Scalar, (env[target], ignore_index))
     graph.output(graph.call_function(aten.sum.default, (counted,)))
     return fx.GraphModule(torch.nn.Module(), graph)

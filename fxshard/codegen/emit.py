@@ -172,7 +172,7 @@ def _count_tokens_function(count: fx.GraphModule) -> str:
     lines = [f"def count_tokens({args}):",
              '    """The targets of one microbatch that the loss counts (passes/token_mean.py); the runtime sums',
              '    them over the whole step and divides the summed loss by that count (rt.token_mean)."""']
-    lines += [ln.replace("torch.ops.aten.", "aten.").replace("device(type=", "torch.device(type=") for ln in body[1:]]
+    lines += [ln.replace("torch.ops.aten.", "aten.") for ln in body[1:]]
     return "\n\n" + "\n".join(lines) + "\n"
 
 
