@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench zoo clean
 
 setup: $(STAMP)
 
@@ -21,12 +21,16 @@ test: setup
 test-fast: setup
 	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q -m "not distributed and not e2e"
 
+# The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md
+zoo: setup
+	$(PY) -m zoo.run
+
 bench: setup
 	$(PY) -m pytest -q benchmarks/test_benchmarks.py
 	$(PY) -m benchmarks.run
 
 lint: setup
-	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts benchmarks
+	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts benchmarks zoo
 
 clean:
 	rm -rf out $(VENV) .pytest_cache

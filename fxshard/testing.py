@@ -131,3 +131,54 @@ def case_result(results: dict, key: str):
     if isinstance(result, CaseFailure):
         pytest.fail(f"{key}: {result.message}", pytrace=False)
     return result
+
+
+# ---------------------------------------------------------------- batches for the model zoo (zoo/models/*.py)
+
+LENGTHS = (16, 3, 12, 5)  # real tokens per row: right padding, unevenly, so every split of the batch differs
+
+
+def padded_batch(vocab: int, pad: int, seq: int = 16, lengths=LENGTHS, first_id: int = 1):
+    """``(input_ids, attention_mask)`` of a right-padded batch whose pads are the ``pad`` id."""
+    import torch
+
+    ids = torch.randint(first_id, vocab, (len(lengths), seq))
+    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    return ids.masked_fill(mask == 0, pad), mask
+
+
+def causal_lm_batch(vocab: int, pad: int, seq: int = 16) -> dict:
+    """A causal LM batch with padding, its attention mask and labels -100 on the pads."""
+    ids, mask = padded_batch(vocab, pad, seq)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100), "use_cache": False}
+
+
+def masked_lm_batch(vocab: int, pad: int, mask_id: int, seq: int = 16, masked=(5, 1, 0, 3)) -> dict:
+    """A masked LM batch: padding, and labels -100 except at a few masked positions per row (none in one)."""
+    import torch
+
+    ids, mask = padded_batch(vocab, pad, seq, first_id=max(pad, mask_id) + 1)
+    labels = torch.full_like(ids, -100)
+    for row, (n, k) in enumerate(zip(LENGTHS, masked, strict=True)):
+        where = torch.randperm(n)[:k]
+        labels[row, where] = ids[row, where]
+        ids[row, where] = mask_id
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def seq2seq_batch(vocab: int, pad: int, seq: int = 16, target: int = 8) -> dict:
+    """An encoder-decoder batch: padded sources with their mask, padded targets labelled -100 on the pads."""
+    ids, mask = padded_batch(vocab, pad, seq)
+    labels, label_mask = padded_batch(vocab, pad, target, lengths=(8, 2, 5, 3))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100),
+            "use_cache": False}
+
+
+def without_dropout(config):
+    """``config`` with every dropout probability at 0 (the zoo compares training without dropout)."""
+    for name in list(vars(config)):
+        if ("dropout" in name or "pdrop" in name or name.endswith("_drop")) and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
+    return config
