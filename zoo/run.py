@@ -30,7 +30,7 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
         return "FAILED", f"no verdict within {LIMIT_S} s"
     text = " ".join((proc.stdout + proc.stderr).split())
     found = re.search(r"losses max abs \S+ rel (\S+); parameters max abs \S+, \|\|diff\|\| / \|\|update\|\| (\S+)", text)
-    if proc.returncode == 0 and found and text.rstrip().endswith("OK"):
+    if proc.returncode == 0 and found and " ".join(proc.stdout.split()).endswith(": OK"):
         return "exact", f"loss {found[1]}, params {found[2]}"
     if found:
         return "FAILED", f"loss {found[1]}, params {found[2]}"
