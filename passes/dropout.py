@@ -27,6 +27,7 @@ from fxshard.capture.program import node_fqn
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import CompileContext, RankValue, spec
 from fxshard.ir.placement import Replicate, Shard
+from fxshard.ir.sharding import argument
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten
@@ -123,26 +124,13 @@ def _check_rows(node: fx.Node, x: fx.Node, rows: int, ctx: CompileContext) -> No
     )
 
 
-def _argument(node: fx.Node, name: str, default=None):
-    """The value of the schema argument ``name`` of an ATen call (positional, keyword or the schema's
-    default); ``default`` if the op has no such argument."""
-    schema = getattr(node.target, "_schema", None)
-    arguments = {a.name: (i, a) for i, a in enumerate(schema.arguments)} if schema is not None else {}
-    if name not in arguments:
-        return default
-    i, arg = arguments[name]
-    if i < len(node.args) and not arg.kwarg_only:
-        return node.args[i]
-    return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
-
-
 def _draws(node: fx.Node) -> bool:
     """Whether a call of an op tagged as random actually draws: torch tags the op, not the call, and
     attention with ``dropout_p=0`` (every SDPA model in eval, or without attention dropout) or an op
     called with ``training=False`` never touches the generator."""
-    if not _argument(node, "dropout_p", 1.0):
+    if not argument(node, "dropout_p", 1.0):
         return False
-    return _argument(node, "training", _argument(node, "train", True)) is not False
+    return argument(node, "training", argument(node, "train", True)) is not False
 
 
 def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:

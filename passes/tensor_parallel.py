@@ -27,7 +27,15 @@ from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.ir.context import CompileContext, NodeSpec, RankValue
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
-from fxshard.ir.sharding import Decision, Propagation, propagate, shape, vocab_parallel_loss
+from fxshard.ir.sharding import (
+    Decision,
+    Propagation,
+    argument,
+    propagate,
+    shape,
+    vocab_parallel_loss,
+    written_inputs,
+)
 from fxshard.plan.auto import auto_plan
 from fxshard.plan.layers import WeightOp, style_placements, weight_ops
 from fxshard.plan.styles import ResolvedPlan
@@ -42,6 +50,7 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_hea
 
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
+    _refuse_parameter_writes(gm, ctx)
     ops = weight_ops(gm, ctx.params)
     if tp == 1:  # nothing to split: every value stays replicated and no collective is inserted
         ctx.plan = ResolvedPlan(source="none (tp=1)")
@@ -64,6 +73,10 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             continue
         if node.target in _SIZED:
             node.update_arg(1, list(local_shape(shape(node), d.out, tp)))
+        elif node.target is aten.unflatten.int and isinstance(d.out, Shard):
+            dim = argument(node, "dim") % len(shape(node.args[0]))
+            sizes = local_shape(shape(node), d.out, tp)[dim:dim + len(argument(node, "sizes"))]
+            node.update_arg(2, list(sizes))
         elif node.target is aten.split.Tensor and isinstance(d.inputs[0], Shard):
             _localize_split(node, d, tp)
         elif node.target is aten.split_with_sizes.default and isinstance(d.inputs[0], Shard):
@@ -77,6 +90,34 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     ctx.weight_placements = {n.name: p for n, p in weights.items()}
     gm.graph.lint()
     return gm
+
+
+def _refuse_parameter_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """A forward that writes a parameter in place (nn.Embedding's ``max_norm`` renormalizes the rows it looks
+    up) writes, under data parallelism, only the rows of its own part of the batch: the replicas would hold
+    different weights from then on, where one device writes the rows of the whole batch."""
+    if ctx.layout.dp == 1:
+        return
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in written_inputs(node):
+            base = target
+            while base.op == "call_function" and base.args and isinstance(base.args[0], fx.Node) \
+                    and base.target in _VIEWS:
+                base = base.args[0]
+            if base in ctx.params:
+                what = ("nn.Embedding(max_norm=...) renormalizes the rows of its weight it looks up"
+                        if node.target is aten.embedding_renorm_.default else f"{_op_name(node)} writes it")
+                raise ShardingError(
+                    f"{node_fqn(node) or 'model'}: the forward writes the parameter "
+                    f"{ctx.program.state_by_name()[base.name].fqn} in place ({what}); under dp={ctx.layout.dp} "
+                    "each replica would write only the rows of its own part of the batch and the replicas would "
+                    "drift apart. Drop the in-place update (e.g. max_norm=None) or use dp=1")
+
+
+_VIEWS = {aten.detach.default, aten.view.default, aten.alias.default, aten.t.default, aten.transpose.int,
+          aten.slice.Tensor, aten.select.int}
 
 
 def _op_name(node: fx.Node) -> str:
@@ -200,8 +241,7 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
 
 def _localize_split(node: fx.Node, d: Decision, tp: int) -> None:
     p = d.inputs[0]
-    dim_arg = node.args[2] if len(node.args) > 2 else 0
-    dim = dim_arg % len(shape(node.args[0]))
+    dim = argument(node, "dim") % len(shape(node.args[0]))
     if dim != p.dim:
         return
     if node.target is aten.split.Tensor:
@@ -234,7 +274,7 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _vocab_embedding(node: fx.Node, tp: int) -> None:
     weight, ids = node.args[:2]
-    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    padding_idx = argument(node, "padding_idx")
     rows = _rank_range(shape(weight)[0], tp)
     node.target = rt_tp.vocab_embedding
     node.args = (weight, ids)
@@ -259,8 +299,7 @@ def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
     """``cross_entropy_loss(logits S(1), target)`` -> per-rank parts (S(1) of ``[N, tp, 2]``), then the loss
     from the gathered parts; the collectives pass inserts the all-gather between the two."""
     logits, target = node.args[:2]
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    ignore_index = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    reduction, ignore_index = argument(node, "reduction"), argument(node, "ignore_index")
     with gm.graph.inserting_before(node):
         parts = gm.graph.call_function(rt_tp.vocab_cross_entropy_parts, (logits, target),
                                        _rank_range(shape(logits)[1], tp))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from fxshard.errors import ShardingError
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -62,6 +63,33 @@ def shape(n: fx.Node) -> tuple[int, ...]:
 
 def _norm(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+def argument(node: fx.Node, name: str, default=None):
+    """The value of the schema argument ``name`` of an ATen call, however it was passed (positional, keyword,
+    or left to the schema's default); ``default`` if the op has no such argument.  Rules read every argument
+    through this, so a keyword-passed ``dim`` is honored as a positional one."""
+    schema = getattr(node.target, "_schema", None)
+    arguments = {a.name: (i, a) for i, a in enumerate(schema.arguments)} if schema is not None else {}
+    if name not in arguments:
+        return default
+    i, arg = arguments[name]
+    if i < len(node.args) and not arg.kwarg_only:
+        return node.args[i]
+    return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
+
+
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor arguments an op writes in place (``add_``'s self, ``embedding_renorm_``'s weight)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for a in schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = argument(node, a.name)
+            found += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node)]
+    return found
 
 
 def propagate(
@@ -113,8 +141,36 @@ def propagate(
                 if any(isinstance(p, Shard) for p in placements):
                     prop.fallbacks.append(node)  # partial sums are reduced first: expected, not a fallback
                 decision = Decision(_replicated_out(node), tuple(R for _ in args))
+            decision = _in_place(node, args, placements, decision, prop)
         prop.decisions[node] = decision
     return prop
+
+
+def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], decision: Decision,
+              prop: Propagation) -> Decision:
+    """An op that writes an input in place must write the tensor itself, never a redistributed copy (the
+    write would land on the copy and later readers of the input would not see it).  A replicated written
+    input keeps the op whole (its other inputs are gathered); a split one that the rule would move is
+    refused."""
+    written = written_inputs(node)
+    moved = [a for a in written for i, b in enumerate(args) if b is a and decision.inputs[i] != placements[i]]
+    if not moved:
+        return decision
+    if all(placements[args.index(a)] == R for a in written):
+        if any(isinstance(p, Shard) for p in placements) and node not in prop.fallbacks:
+            prop.fallbacks.append(node)
+        return Decision(_replicated_out(node), tuple(R for _ in args))
+    from fxshard.capture.program import node_fqn
+
+    a = moved[0]
+    hint = (" (nn.Embedding's max_norm renormalizes the looked-up rows of the weight in place: give this "
+            "embedding replicate() in the plan, or drop max_norm)" if node.target is aten.embedding_renorm_.default
+            else "")
+    raise ShardingError(
+        f"{node_fqn(node) or 'model'}: {node.target} writes {a.name} in place, which is split over tp "
+        f"({placements[args.index(a)]}); no sharding rule computes this op on the split, and gathering it would "
+        f"update a copy, not the tensor{hint}. Replicate the weights this value is computed from, or make the "
+        "update out of place")
 
 
 def _is_differentiable(node: fx.Node) -> bool:
@@ -249,7 +305,7 @@ def _expand(node, args, placements):
 @rule(aten.unsqueeze)
 def _unsqueeze(node, args, placements):
     p = placements[0]
-    d = _norm(node.args[1], len(shape(node)))
+    d = _norm(argument(node, "dim"), len(shape(node)))
     return Decision(Shard(p.dim + (d <= p.dim), p.blocks), (p,)) if isinstance(p, Shard) else None
 
 
@@ -259,8 +315,9 @@ def _squeeze(node, args, placements):
     if not isinstance(p, Shard):
         return None
     src = shape(args[0])
-    if len(node.args) > 1:
-        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    dim = argument(node, "dim")
+    if dim is not None:
+        dims = dim if isinstance(dim, (list, tuple)) else [dim]
         dims = {_norm(d, len(src)) for d in dims if src[_norm(d, len(src))] == 1}
     else:
         dims = {d for d, s in enumerate(src) if s == 1}
@@ -275,7 +332,7 @@ def _transpose(node, args, placements):
     if not isinstance(p, Shard):
         return None
     n = len(shape(node))
-    a, b = _norm(node.args[1], n), _norm(node.args[2], n)
+    a, b = _norm(argument(node, "dim0"), n), _norm(argument(node, "dim1"), n)
     d = b if p.dim == a else a if p.dim == b else p.dim
     return Decision(Shard(d, p.blocks), (p,))
 
@@ -294,7 +351,7 @@ def _permute(node, args, placements):
     if not isinstance(p, Shard):
         return None
     n = len(shape(node))
-    perm = [_norm(d, n) for d in node.args[1]]
+    perm = [_norm(d, n) for d in argument(node, "dims")]
     return Decision(Shard(perm.index(p.dim), p.blocks), (p,))
 
 
@@ -304,7 +361,7 @@ def _slice(node, args, placements):
     if not isinstance(p, Shard):
         return None
     n_in = len(shape(args[0]))
-    dim = _norm(node.args[1] if len(node.args) > 1 else 0, n_in)
+    dim = _norm(argument(node, "dim"), n_in)
     if dim == p.dim:
         return None
     d = p.dim - (1 if node.target.overloadpacket is aten.select and dim < p.dim else 0)
@@ -318,11 +375,7 @@ def _split(node, args, placements):
         return None
     val = node.meta["val"]
     n_in = len(shape(args[0]))
-    default_dim = 0
-    dim_arg = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", default_dim)
-    if node.target.overloadpacket is aten.unbind:
-        dim_arg = node.args[1] if len(node.args) > 1 else 0
-    dim = _norm(dim_arg, n_in)
+    dim = _norm(argument(node, "dim"), n_in)
     if dim != p.dim:
         shift = node.target.overloadpacket is aten.unbind and dim < p.dim
         return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in val), (p,))
@@ -335,7 +388,7 @@ def _split(node, args, placements):
 @rule(aten.cat)
 def _cat(node, args, placements):
     n = len(shape(node))
-    dim = _norm(node.args[1] if len(node.args) > 1 else 0, n)
+    dim = _norm(argument(node, "dim"), n)
     if len(set(placements)) != 1 or not isinstance(placements[0], Shard) or placements[0].dim == dim:
         return None
     if any(len(shape(a)) != n for a in args):
@@ -346,7 +399,7 @@ def _cat(node, args, placements):
 @rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
 def _softmax(node, args, placements):
     p = placements[0]
-    dim = _norm(node.args[1], len(shape(node)))
+    dim = _norm(argument(node, "dim"), len(shape(node)))
     if not isinstance(p, Shard) or p.dim == dim:
         return None
     return Decision(p, (p,))
@@ -358,7 +411,7 @@ def _norm_layer(node, args, placements):
     if not isinstance(p, Shard) or any(not q == R for q in placements[1:]):
         return None
     n = len(shape(node))
-    if p.dim >= n - len(node.args[1]):
+    if p.dim >= n - len(argument(node, "normalized_shape")):
         return None
     return Decision(p, tuple(placements))
 
@@ -366,11 +419,12 @@ def _norm_layer(node, args, placements):
 @rule(aten.sum, aten.mean, aten.amax, aten.amin)
 def _reduce(node, args, placements):
     p = placements[0]
-    if not isinstance(p, Shard) or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+    dim = argument(node, "dim")
+    if not isinstance(p, Shard) or not isinstance(dim, (list, tuple)):  # sum(x), mean(x): every dim
         return None
     n = len(shape(args[0]))
-    dims = {_norm(d, n) for d in node.args[1]}
-    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = {_norm(d, n) for d in dim}
+    keepdim = argument(node, "keepdim", False)
     if p.dim in dims or not dims:
         return None
     d = p.dim if keepdim else p.dim - sum(x < p.dim for x in dims)
@@ -395,14 +449,21 @@ def _linear(node, args, placements):
 
 @rule(aten.addmm)
 def _addmm(node, args, placements):
+    """``beta * b + alpha * (x @ w)``, ``b`` broadcast to ``[N, out]`` (a Conv1D bias ``[out]``, or a full
+    ``[N, out]``).  Split columns scale each local part alike; split rows make partial sums, to which the bias
+    is added once after the reduction, which only ``beta = alpha = 1`` keeps exact (otherwise declined)."""
     b, x, w = placements
-    if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(0, w.blocks)):
-        need_b = b if isinstance(b, Shard) else Shard(0, w.blocks)
+    nb = len(shape(args[0]))
+    if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(nb - 1, w.blocks)):
+        need_b = b if isinstance(b, Shard) or shape(args[0])[-1] == 1 else Shard(nb - 1, w.blocks)
         return Decision(Shard(1, w.blocks), (need_b, x, w))
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and b == R:
+        if argument(node, "beta", 1) != 1 or argument(node, "alpha", 1) != 1:
+            return None
         return Decision(Partial(), (R, Shard(1), w), "bias_after_reduce")
-    if w == R and b == R and x == Shard(0):
-        return Decision(Shard(0), tuple(placements))
+    if w == R and x == Shard(0) and b in (R, Shard(0)):
+        need_b = Shard(0) if nb == 2 and shape(args[0])[0] != 1 else R
+        return Decision(Shard(0), (need_b, x, w))
     return None
 
 
@@ -459,9 +520,7 @@ def _embedding(node, args, placements):
     what the split lookups produce: both decline (the weight is gathered, the lookup runs whole)."""
     w, ids = placements
     n = len(shape(node))
-    scale_grad_by_freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
-    sparse = node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False)
-    if scale_grad_by_freq or sparse:
+    if argument(node, "scale_grad_by_freq") or argument(node, "sparse"):
         return None
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and ids == R:
         return Decision(Partial(), (w, ids), "vocab_embedding")
@@ -478,8 +537,7 @@ def vocab_parallel_loss(node: fx.Node) -> bool:
     if node.target is not aten.cross_entropy_loss.default or len(node.args) < 2:
         return False
     logits, target = node.args[:2]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    weight, smoothing = argument(node, "weight"), argument(node, "label_smoothing")
     t = target.meta.get("val") if isinstance(target, fx.Node) else None
     return (isinstance(logits, fx.Node) and len(shape(logits)) == 2 and isinstance(t, torch.Tensor)
             and t.dim() == 1 and not t.is_floating_point() and weight is None and not smoothing)
@@ -501,6 +559,9 @@ def _cross_entropy(node, args, placements):
 @rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.zeros_like, aten.ones_like,
       aten.empty_like, aten.full_like)
 def _factory_like(node, args, placements):
-    if node.target.overloadpacket in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like):
+    """Only the input's shape is read: a split input makes a split result; anything else (a partial sum, or
+    ``new_*`` with its own global size) makes a whole one, without moving the input."""
+    if node.target.overloadpacket in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like) \
+            and isinstance(placements[0], Shard):
         return Decision(placements[0], tuple(placements))
     return Decision(R, tuple(placements))
