@@ -15,9 +15,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.errors import ShardingError
+from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.placement import local_shape
-from fxshard.runtime import collectives as rtc
 
 
 def local_value_shapes(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int]) -> dict[fx.Node, tuple]:
@@ -32,7 +32,6 @@ def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], m
     ``mode``), a node is re-run only when an argument depends on the rank (a ``RankValue``) or an input
     came out different from ``base``: fake values are shapes, dtypes and strides, so every other node
     gives the same result.  This keeps the check of all tp ranks close to the cost of one."""
-    tp = ctx.layout.tp
     env: dict[fx.Node, object] = {}
     changed: set[fx.Node] = set()
 
@@ -52,7 +51,7 @@ def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], m
             if base is not None and node.op != "placeholder" and not _depends_on_rank(node, changed):
                 env[node] = base[node]
                 continue
-            env[node] = _fake_value(node, value, coords, tp)
+            env[node] = _fake_value(node, value, coords, ctx)
             if base is not None and not _same_fake(env[node], base[node]):
                 changed.add(node)
     return env
@@ -71,25 +70,21 @@ def _same_fake(a, b) -> bool:
     return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
 
 
-def _fake_value(node: fx.Node, value, coords: dict[str, int], tp: int):
+def _fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext):
     if node.op == "placeholder":
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return torch.empty(local_shape(tuple(val.shape), spec(node).placement, tp), dtype=val.dtype)
+            return torch.empty(local_shape(tuple(val.shape), spec(node).placement, ctx.layout.tp), dtype=val.dtype)
         return val
     args = torch.utils._pytree.tree_map(value, fx.node.map_arg(node.args, value))
     kwargs = torch.utils._pytree.tree_map(value, fx.node.map_arg(node.kwargs, value))
     if node.target is operator.getitem:
         return args[0][args[1]]
-    if node.target in (rtc.all_reduce, rtc.copy_to):
-        return args[0].clone()
-    if node.target is rtc.all_gather:
-        x = args[0]
-        size = list(x.shape)
-        size[kwargs["dim"]] *= tp
-        return torch.empty(size, dtype=x.dtype)
-    if node.target is rtc.scatter:
-        return rtc.shard(args[0], kwargs["dim"], kwargs["index"], kwargs["parts"], kwargs["blocks"])
+    kind = kind_of(node.target)
+    if kind is not None:  # what the collective makes of this rank's input (fxshard.ir.comm)
+        groups = [a for a in args if isinstance(a, Group)]
+        size = ctx.layout.size(groups[0].axis) if groups else 1
+        return kind.fake(args[0], size, **kwargs)
     args = tuple(a for a in args if not isinstance(a, Group))
     try:
         return node.target(*args, **kwargs)

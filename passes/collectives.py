@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.ir.context import CompileContext, Group, NodeSpec, RankValue, spec
+from fxshard.ir.comm import KINDS
+from fxshard.ir.context import TP, CompileContext, Group, NodeSpec, RankValue, spec
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 from fxshard.ir.sharding import tensor_args
-from fxshard.runtime import collectives as rtc
 
 R = Replicate()
-GROUP = Group("tp")
+GROUP = Group(TP)
 
 
 def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -60,21 +60,21 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
     grad = arg in ctx.needs_grad
     if has == need:
         if has == R and sharded_out and grad and consumer.op != "output":
-            return _make(gm, made, ("copy_to", arg), rtc.copy_to, (arg, GROUP), {}, R, consumer, consumer)
+            return _make(gm, made, ("copy_to", arg), (arg, GROUP), {}, R, consumer, consumer)
         return arg
     if isinstance(has, Partial):
-        reduced = _make(gm, made, ("all_reduce", arg), rtc.all_reduce, (arg, GROUP), {}, R, arg, None)
+        reduced = _make(gm, made, ("all_reduce", arg), (arg, GROUP), {}, R, arg, None)
         return _redistribute(gm, _carries_grad(reduced, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
     if isinstance(has, Shard):
-        gathered = _make(gm, made, ("all_gather", arg), rtc.all_gather, (arg, GROUP),
+        gathered = _make(gm, made, ("all_gather", arg), (arg, GROUP),
                          {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
         return _redistribute(gm, _carries_grad(gathered, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
     assert isinstance(need, Shard), (arg, has, need)
-    index = RankValue("tp", tuple(range(tp)))
+    index = RankValue(TP, tuple(range(tp)))
     if grad:
-        return _make(gm, made, ("scatter", arg, need), rtc.scatter, (arg, GROUP),
+        return _make(gm, made, ("scatter", arg, need), (arg, GROUP),
                      {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
-    return _make(gm, made, ("shard", arg, need), rtc.shard, (arg,),
+    return _make(gm, made, ("shard", arg, need), (arg,),
                  {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
 
 
@@ -86,8 +86,9 @@ def _carries_grad(node: fx.Node, grad: bool, ctx: CompileContext) -> fx.Node:
     return node
 
 
-def _make(gm, made, key, target, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:
-    """Create (once per key) a redistribution node; provenance (FQN, role) from ``owner``.
+def _make(gm, made, key, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:
+    """Create (once per key) a redistribution node of kind ``key[0]`` (:mod:`fxshard.ir.comm`); provenance
+    (FQN, role) from ``owner``.
 
     It goes before its first consumer ``before``, or right after the value it reduces when
     ``before`` is None (a reduction belongs to the layer that made the partial sums).
@@ -97,10 +98,10 @@ def _make(gm, made, key, target, args, kwargs, placement, owner: fx.Node, before
     src = args[0]
     where = gm.graph.inserting_after(src) if before is None else gm.graph.inserting_before(before)
     with where:
-        node = gm.graph.call_function(target, args, kwargs)
+        node = gm.graph.call_function(KINDS[key[0]].function, args, kwargs)
     node.meta["val"] = src.meta.get("val")
     node.meta["nn_module_stack"] = owner.meta.get("nn_module_stack", {})
-    node.meta["fxshard"] = NodeSpec(placement, spec(owner).fqn, spec(owner).role, target.__name__)
+    node.meta["fxshard"] = NodeSpec(placement, spec(owner).fqn, spec(owner).role, key[0])
     node.meta["fxshard_inputs"] = None
     made[key] = node
     return node

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
+from fxshard.ir.comm import KINDS
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import random as rt_random
@@ -298,16 +299,15 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         note = _note(node, tp)
         lines.append(f"{line}  # {note}" if note else line)
         target = getattr(node.target, "__name__", "")
-        if spec(node).collective and target != "shard":
+        if spec(node).collective and KINDS[target].communicates:
             val = node.meta.get("val")
             collectives.append({
                 "op": target,
-                "group": "tp",
+                "group": next(a.axis for a in node.args if isinstance(a, Group)),
                 "value": node.name,
                 "shape": list(local_shape(tuple(val.shape), spec(node.args[0]).placement, tp)),
                 "dtype": str(val.dtype).removeprefix("torch."),
-                "backward": {"copy_to": "all_reduce", "all_reduce": None, "all_gather": None,
-                             "scatter": "all_gather"}[target],
+                "backward": KINDS[target].backward,
             })
             if node in guarded_nodes:
                 collectives[-1]["outputs_only"] = True
@@ -428,8 +428,9 @@ def _counts(collectives: list[dict]) -> tuple[str, str]:
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     for c in collectives:
-        if c["op"] != "copy_to":
-            fwd[c["op"]] = fwd.get(c["op"], 0) + 1
+        forward = KINDS[c["op"]].forward
+        if forward:
+            fwd[forward] = fwd.get(forward, 0) + 1
         if c["backward"]:
             bwd[c["backward"]] = bwd.get(c["backward"], 0) + 1
     return (", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "none",

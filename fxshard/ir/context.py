@@ -18,7 +18,8 @@ from fxshard.plan.styles import ResolvedPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
-MESH_AXES = ("dp", "pp", "tp")  # outermost first: a tp group is consecutive ranks
+DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
+MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
 
 
@@ -78,8 +79,12 @@ class Layout:
         return self.dp * self.pp * self.tp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.pp, self.tp)
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.size(axis) for axis in MESH_AXES)
+
+    def size(self, axis: str) -> int:
+        """The number of ranks along mesh ``axis``."""
+        return getattr(self, axis)
 
     @property
     def stages_per_rank(self) -> int:
@@ -101,11 +106,17 @@ class Layout:
         return list(range(pp_rank, self.num_stages, self.pp))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a global rank; tp varies fastest."""
-        return {"dp": rank // (self.pp * self.tp), "pp": rank // self.tp % self.pp, "tp": rank % self.tp}
+        """Mesh coordinates of a global rank; the innermost axis (tp) varies fastest."""
+        coords = {}
+        for axis in reversed(MESH_AXES):
+            rank, coords[axis] = divmod(rank, self.size(axis))
+        return {axis: coords[axis] for axis in MESH_AXES}
 
     def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+        rank = 0
+        for axis, index in zip(MESH_AXES, (dp, pp, tp), strict=True):
+            rank = rank * self.size(axis) + index
+        return rank
 
     def describe(self) -> str:
         text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"

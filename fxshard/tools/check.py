@@ -25,6 +25,7 @@ from pathlib import Path
 from fxshard.codegen import rank_file_name
 from fxshard.codegen.manifest import edited_files, layout_of, read_manifest, refuse_edited
 from fxshard.errors import CheckError
+from fxshard.ir.comm import SUM_TIED_GRADS, communicating
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.tools.collective_diff import first_difference
 from fxshard.tools.rank_trace import Collective, RankTrace, trace_rank
@@ -378,13 +379,13 @@ def _matches_manifest(seq: list[Collective], entry: dict) -> bool:
     """Whether ``seq`` issues what the compiler recorded for these lines (values of the same stage), in order."""
     if not seq:
         return True
-    calls = {"forward": ("all_reduce", "all_gather"), "backward": ("copy_to", "scatter"),
-             "after backward": ("sum_tied_grads",)}[seq[0].direction]
+    direction = seq[0].direction
+    calls = {SUM_TIED_GRADS} if direction == "after backward" else {k.name for k in communicating(direction)}
     recorded = [c for c in entry.get("collectives", []) if c["op"] in calls]
     stages = {c.get("stage") for c in recorded if c["value"] in {x.value for x in seq}}
     expected = [(c["value"], c["op"]) for c in recorded if c.get("stage") in stages]
     mine = [(c.value, c.call) for c in seq]
-    return mine == expected if seq[0].direction == "forward" else sorted(mine) == sorted(expected)
+    return mine == expected if direction == "forward" else sorted(mine) == sorted(expected)
 
 
 def _check_links(manifest: dict, layout, traces: dict[str, RankTrace], sources: dict[str, str],

@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.program import loss_cone
+from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import local_shape
 from fxshard.train.memory import formula, peak_params
@@ -209,9 +210,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     psi = sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
               for n in state if n in ctx.params)
     m = ctx.microbatches
-    fwd_ar = sum((numel(n) for n in tensors if spec(n).collective == "all_reduce"), sympy.Integer(0))
-    bwd_ar = sum((numel(n) for n in tensors if spec(n).collective == "copy_to"), sympy.Integer(0))
-    gathers = sum((numel(n) for n in tensors if spec(n).collective in ("all_gather", "scatter")), sympy.Integer(0))
+    moved = _tp_elements(tensors, numel)
     row = {"pp_rank": pp_rank,
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r)["pp"] == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
@@ -222,11 +221,28 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["activations"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
-    row["tp_allreduce"] = Cost(sympy.expand((fwd_ar + bwd_ar) * m) if layout.tp > 1 else sympy.Integer(0), at)
-    row["tp_allgather"] = Cost(sympy.expand(gathers * m) if layout.tp > 1 else sympy.Integer(0), at)
+    for op in ("all_reduce", "all_gather"):
+        row[f"tp_{op.replace('_', '')}"] = Cost(sympy.expand(moved.get(op, 0) * m) if layout.tp > 1
+                                                else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return row
+
+
+def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
+    """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
+    and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
+    moved: dict[str, sympy.Expr] = {}
+    for n in tensors:
+        kind = KINDS.get(spec(n).collective)
+        if kind is None:
+            continue
+        for direction in ("forward", "backward"):
+            op = getattr(kind, direction)
+            if op:
+                whole = numel(n.args[0]) if buffer_is_input(kind, direction) else numel(n)
+                moved[op] = moved.get(op, sympy.Integer(0)) + whole
+    return moved
 
 
 def _pipeline_elements(stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr:

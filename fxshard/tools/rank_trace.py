@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import inspect
 import re
 import sys
 import traceback
@@ -27,7 +28,7 @@ import torch
 
 from fxshard import runtime
 from fxshard.errors import CheckError
-from fxshard.runtime.collectives import _take
+from fxshard.ir.comm import KINDS, SUM_TIED_GRADS
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
 
@@ -146,26 +147,36 @@ class Recorder:
         self.events.append(Collective(kind, name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
                                       direction, call, site[1], self._file, site[0]))
 
-    def copy_to(self, x, group):
+    def _collective(self, kind, x, group, **kwargs):
+        """What the runtime's ``kind`` would do: note its forward operation now, its backward operation when
+        autograd reaches it (charged to this line), and return the local value it makes."""
         site = self._site()
-        return _OnGrad.apply(x, lambda g: self._note("all_reduce", group, g, "backward", "copy_to", site))
-
-    def all_reduce(self, x, group):
-        self._note("all_reduce", group, x, "forward", "all_reduce", self._site())
-        return x.clone()
-
-    def all_gather(self, x, group, dim, blocks=1):
-        self._note("all_gather", group, x, "forward", "all_gather", self._site())
-        return torch.cat([x] * (group.size if isinstance(group, FakeGroup) else 1), dim=dim)
-
-    def scatter(self, x, group, dim, index, parts, blocks=1):
-        site = self._site()
-        y = _take(x, dim, index, parts, blocks)
-        return _OnGrad.apply(y, lambda g: self._note("all_gather", group, g, "backward", "scatter", site))
+        if kind.forward:
+            self._note(kind.forward, group, x, "forward", kind.name, site)
+        size = group.size if isinstance(group, FakeGroup) else 1
+        y = kind.fake(x, size, **kwargs)
+        if kind.backward:
+            y = _OnGrad.apply(y, lambda g: self._note(kind.backward, group, g, "backward", kind.name, site))
+        return y
 
     def sum_tied_grads(self, copies, group):
         if group is not None:
-            self._note("all_reduce", group, copies[0], "after backward", "sum_tied_grads", self._site())
+            self._note("all_reduce", group, copies[0], "after backward", SUM_TIED_GRADS, self._site())
+
+
+def _recording(kind):
+    params = list(inspect.signature(kind.function).parameters)[2:]  # after (x, group)
+
+    def call(self, x, group, *args, **kwargs):
+        return self._collective(kind, x, group, **dict(zip(params, args, strict=False)), **kwargs)
+
+    call.__name__ = kind.name
+    return call
+
+
+for _kind in KINDS.values():
+    if _kind.communicates:
+        setattr(Recorder, _kind.name, _recording(_kind))
 
 
 def _line_of(e: BaseException, file: str) -> str:
@@ -282,9 +293,9 @@ def trace_rank(source: str, file: str, manifest: dict, entry: dict, run: bool = 
     return trace
 
 
-_COMMUNICATES = {"all_reduce": ("all_reduce", "forward"), "all_gather": ("all_gather", "forward"),
-                 "copy_to": ("all_reduce", "backward"), "scatter": ("all_gather", "backward"),
-                 "sum_tied_grads": ("all_reduce", "after backward")}
+# rt.<call> -> [(backend operation, direction), ...] of every call that communicates, as the source reads
+_COMMUNICATES = {k.name: [(op, d) for d, op in (("forward", k.forward), ("backward", k.backward)) if op]
+                 for k in KINDS.values() if k.communicates} | {SUM_TIED_GRADS: [("all_reduce", "after backward")]}
 
 
 class _Scan:
@@ -322,14 +333,14 @@ class _Scan:
                  and isinstance(n.func.value, ast.Name) and n.func.value.id == "rt" and n.func.attr in _COMMUNICATES]
         out = []
         for call in sorted(found, key=lambda n: (n.lineno, n.col_offset)):
-            kind, direction = _COMMUNICATES[call.func.attr]
             group = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "group"),
                                                                    None)
             m = _ASSIGNED.match(self.lines[call.lineno - 1])
             value = m.group(1) if m else ""
             shape, dtype = self._shape(call, value)
-            out.append(Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
-                                  self.file, call.lineno))
+            for kind, direction in _COMMUNICATES[call.func.attr]:
+                out.append(Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
+                                      self.file, call.lineno))
         return out
 
     def _shape(self, call: ast.Call, value: str) -> tuple[tuple[int, ...], str]:

@@ -1,0 +1,106 @@
+"""The collectives a rank file can issue: one table entry per kind, the one home of what each kind means.
+
+Every part of fxshard that needs to know what a collective does reads it here: the collectives pass (which
+runtime function to insert), the static checks (the fake value of its output), code generation (the legend
+of the rank-file header and the manifest's record), ``fxshard check`` (which backend operation each call
+issues, forward and backward, and how to record it on meta tensors), the cost model (which buffer goes over
+the wire) and the benchmarks.  Adding a kind (reduce-scatter for sequence parallelism, all-to-all for
+experts) is one entry::
+
+    >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
+    ('all_reduce', 'all_reduce')
+    >>> [k.name for k in communicating("backward")]
+    ['copy_to', 'scatter']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fxshard.runtime import collectives as rtc
+
+# the bytes a rank sends, as a multiple of the collective's whole buffer, for ring algorithms over n ranks
+WIRE: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,  # of the gathered buffer: (n - 1) parts of 1/n each
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+}
+
+
+@dataclass(frozen=True)
+class CollectiveKind:
+    """One ``rt.<name>`` call of a rank file.
+
+    ``forward`` / ``backward``: the backend operation it issues when the forward runs / when autograd
+    reaches it (``None``: nothing).  ``legend``: what it does, once in the rank-file header.  ``fake``:
+    its local output from its local input (shapes only), given the group size.  The whole buffer that goes
+    over the wire is the unsplit one: the input of a reduction, the output of a gather."""
+
+    name: str
+    forward: str | None
+    backward: str | None
+    legend: str
+    fake: Callable[..., torch.Tensor]
+    grouped: bool = True  # takes a process group (``shard`` does not: it keeps a part, no communication)
+
+    @property
+    def function(self):
+        return getattr(rtc, self.name)
+
+    @property
+    def communicates(self) -> bool:
+        return self.forward is not None or self.backward is not None
+
+
+def _gathered(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
+    return torch.cat([x] * size, dim=dim)  # the shape, and a gradient path for fxshard check's meta run
+
+
+def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
+    return rtc.shard(x, dim, index, parts, blocks)
+
+
+def _same(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x.clone()
+
+
+KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
+    CollectiveKind("copy_to", None, "all_reduce",
+                   "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
+    CollectiveKind("all_reduce", "all_reduce", None,
+                   "P(sum) -> R: all-reduce forward; the gradient passes unchanged backward", _same),
+    CollectiveKind("all_gather", "all_gather", None,
+                   "S(d) -> R: all-gather along d forward; backward keeps this rank's part of the gradient",
+                   _gathered),
+    CollectiveKind("scatter", None, "all_gather",
+                   "R -> S(d): keeps this rank's part forward; all-gather of the gradient backward", _part),
+    CollectiveKind("shard", None, None,
+                   "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
+                   grouped=False),
+)}
+BY_FUNCTION = {k.function: k for k in KINDS.values()}
+
+# the collectives the runtime issues on its own behalf, which fxshard check records too
+SUM_TIED_GRADS = "sum_tied_grads"  # all-reduce of a tied weight's gradient between pipeline stages
+
+
+def kind_of(target) -> CollectiveKind | None:
+    """The kind of a graph node's target (a runtime collective), or None for anything else."""
+    return BY_FUNCTION.get(target)
+
+
+def communicating(direction: str) -> list[CollectiveKind]:
+    """The kinds that issue a backend operation in ``direction`` (``forward`` or ``backward``)."""
+    return [k for k in KINDS.values() if getattr(k, direction) is not None]
+
+
+def buffer_is_input(kind: CollectiveKind, direction: str) -> bool:
+    """Whether the whole buffer of ``kind``'s operation in ``direction`` has the shape of the call's input
+    (a reduction, or a scatter whose gradient is gathered back to the input's shape) rather than its output
+    (a gather)."""
+    op = getattr(kind, direction)
+    return op is not None and not (op == "all_gather" and direction == "forward")
