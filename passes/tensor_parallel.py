@@ -58,11 +58,28 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
     prop = propagate(gm, weights, ctx.params, forced)
+    _check_divisible(gm, prop, tp, ctx, ops)
+    apply_propagation(gm, prop, ctx, roles)
+    ctx.weight_placements = {n.name: p for n, p in weights.items()}
+    gm.graph.lint()
+    return gm
+
+
+def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext,
+                      roles: dict[str, str] | None = None) -> None:
+    """Make ``gm`` compute one tp rank's part as ``prop`` decided: record each node's placement and the
+    placements its inputs need (for the collectives pass), localize shape constants, and apply the rules'
+    rewrites.  Split across from :func:`tensor_parallel_pass` so a test can drive any placements of its
+    own through the same rewrites::
+
+        apply_propagation(gm, propagate(gm, {weight: Shard(0)}, ctx.params), ctx)
+    """
+    tp = ctx.layout.tp
+    roles = roles or {}
     ctx.needs_grad = prop.needs_grad
     for node in prop.fallbacks:
         ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule for its split "
                          "inputs; they are all-gathered first")
-    _check_divisible(gm, prop, tp, ctx, ops)
     for node in gm.graph.nodes:
         d = prop.decisions[node]
         node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node_fqn(node), ""))
@@ -87,9 +104,6 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             _vocab_embedding(node, tp)
         elif d.rewrite == "vocab_cross_entropy":
             _vocab_cross_entropy(gm, node, tp)
-    ctx.weight_placements = {n.name: p for n, p in weights.items()}
-    gm.graph.lint()
-    return gm
 
 
 def _refuse_parameter_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
