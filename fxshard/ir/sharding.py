@@ -79,6 +79,16 @@ def argument(node: fx.Node, name: str, default=None):
     return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
 
 
+def set_argument(node: fx.Node, name: str, value) -> None:
+    """Set the schema argument ``name`` of an ATen call where it was passed: positionally, else by keyword."""
+    arguments = node.target._schema.arguments
+    i = next(k for k, a in enumerate(arguments) if a.name == name)
+    if i < len(node.args) and not arguments[i].kwarg_only:
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
+
+
 def written_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor arguments an op writes in place (``add_``'s self, ``embedding_renorm_``'s weight)."""
     schema = getattr(node.target, "_schema", None)
@@ -313,18 +323,22 @@ def _unsqueeze(node, args, placements):
     return Decision(Shard(p.dim + (d <= p.dim), p.blocks), (p,)) if isinstance(p, Shard) else None
 
 
+def squeezed_dims(node: fx.Node) -> list[int]:
+    """The dimensions a ``squeeze`` removes from its (global) input: those it names, or all, that have size 1.
+    A rank's part may have size 1 where the whole does not (a split of size tp): the tensor-parallel pass
+    then names these dimensions, so that the rank squeezes what the model squeezes."""
+    src = shape(node.args[0])
+    dim = argument(node, "dim")
+    named = range(len(src)) if dim is None else dim if isinstance(dim, (list, tuple)) else [dim]
+    return sorted({_norm(d, len(src)) for d in named if src[_norm(d, len(src))] == 1})
+
+
 @rule(aten.squeeze)
 def _squeeze(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
         return None
-    src = shape(args[0])
-    dim = argument(node, "dim")
-    if dim is not None:
-        dims = dim if isinstance(dim, (list, tuple)) else [dim]
-        dims = {_norm(d, len(src)) for d in dims if src[_norm(d, len(src))] == 1}
-    else:
-        dims = {d for d, s in enumerate(src) if s == 1}
+    dims = squeezed_dims(node)
     if p.dim in dims:
         return None
     return Decision(Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), (p,))
