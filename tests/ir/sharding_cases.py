@@ -334,6 +334,9 @@ case("embedding-vocab-freq", emb(scale_grad_by_freq=True), [TOKENS, x(VOCAB, 4)]
 case("embedding-columns-freq", emb(scale_grad_by_freq=True), [TOKENS, x(VOCAB, 4)], [R, S(1)], E, "declined")
 case("embedding-ids-freq", emb(scale_grad_by_freq=True, padding_idx=3), [TOKENS, x(VOCAB, 4)], [S(0), R], E,
      "declined")
+case("embedding-vocab-sparse", emb(sparse=True), [TOKENS, x(VOCAB, 4)], [R, S(0)], E, "declined")
+case("embedding-columns-sparse", emb(sparse=True, padding_idx=3), [TOKENS, x(VOCAB, 4)], [R, S(1)], E, "declined")
+case("embedding-ids-sparse", emb(sparse=True), [TOKENS, x(VOCAB, 4)], [S(0), R], E, "declined")
 case("embedding-ids-max-norm", emb(max_norm=1.0), [TOKENS, x(VOCAB, 4)], [S(0), R], E)
 case("embedding-vocab-max-norm", emb(max_norm=1.0), [TOKENS, x(VOCAB, 4)], [R, S(0)], E, "refused")
 case("embedding-columns-max-norm", emb(max_norm=1.0, norm_type=1.0), [TOKENS, x(VOCAB, 4)], [R, S(1)], E, "refused")

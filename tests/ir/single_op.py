@@ -133,6 +133,7 @@ def _reference(case: Case):
     _backward(outputs, cotangents)
     grads = {i: getattr(model, f"a{i}").grad for i in range(len(case.inputs))
              if isinstance(getattr(model, f"a{i}", None), torch.nn.Parameter)}
+    grads = {i: g.to_dense() if g is not None and g.is_sparse else g for i, g in grads.items()}
     after = {i: getattr(model, f"a{i}").detach().clone() for i in range(len(case.inputs)) if i not in case.batch}
     return ([o.detach() for o in outputs], grads, after), cotangents
 
@@ -157,7 +158,8 @@ def run_rank(sources: list[str], states: list[dict], batch: tuple, cotangents: l
             own[name].copy_(value)
     outputs = list(module(*batch))
     _backward(outputs, cotangents)
-    grads = {name: p.grad for name, p in module.named_parameters()}
+    grads = {name: p.grad.to_dense() if p.grad is not None and p.grad.is_sparse else p.grad
+             for name, p in module.named_parameters()}
     after = {name: t.detach().clone() for name, t in own.items()}
     return [o.detach() for o in outputs], grads, after
 
