@@ -55,7 +55,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if node.target not in _DROPOUT:
             _refuse_other_randomness(node, ctx)
             continue
-        x, p, train = node.args
+        x, p, train = (argument(node, name) for name in ("input", "p", "train"))
         if not train:
             node.replace_all_uses_with(x)
             gm.graph.erase_node(node)
@@ -106,7 +106,7 @@ def _refuse_unreproducible(node: fx.Node) -> None:
 
 def _training_p(node: fx.Node) -> float:
     """``p`` of a dropout-like op in training mode, 0 when it is off."""
-    p, train = (list(node.args[1:3]) + [None])[:2]
+    p, train = argument(node, "p"), argument(node, "train")
     return float(p) if train is not False else 0.0  # native_dropout's train=None means training
 
 

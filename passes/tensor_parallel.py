@@ -32,7 +32,9 @@ from fxshard.ir.sharding import (
     Propagation,
     argument,
     propagate,
+    set_argument,
     shape,
+    squeezed_dims,
     vocab_parallel_loss,
     written_inputs,
 )
@@ -43,7 +45,8 @@ from fxshard.runtime import tensor_parallel as rt_tp
 
 aten = torch.ops.aten
 
-_SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SIZED = {aten.view.default: "size", aten.reshape.default: "shape", aten._unsafe_view.default: "size",
+          aten.expand.default: "size"}  # op -> its argument of global sizes
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads",
                "num_kv_heads")
 
@@ -58,11 +61,28 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
     prop = propagate(gm, weights, ctx.params, forced)
+    _check_divisible(gm, prop, tp, ctx, ops)
+    apply_propagation(gm, prop, ctx, roles)
+    ctx.weight_placements = {n.name: p for n, p in weights.items()}
+    gm.graph.lint()
+    return gm
+
+
+def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext,
+                      roles: dict[str, str] | None = None) -> None:
+    """Make ``gm`` compute one tp rank's part as ``prop`` decided: record each node's placement and the
+    placements its inputs need (for the collectives pass), localize shape constants, and apply the rules'
+    rewrites.  Split across from :func:`tensor_parallel_pass` so a test can drive any placements of its
+    own through the same rewrites::
+
+        apply_propagation(gm, propagate(gm, {weight: Shard(0)}, ctx.params), ctx)
+    """
+    tp = ctx.layout.tp
+    roles = roles or {}
     ctx.needs_grad = prop.needs_grad
     for node in prop.fallbacks:
         ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule for its split "
                          "inputs; they are all-gathered first")
-    _check_divisible(gm, prop, tp, ctx, ops)
     for node in gm.graph.nodes:
         d = prop.decisions[node]
         node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node_fqn(node), ""))
@@ -72,24 +92,21 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         if node.op != "call_function":
             continue
         if node.target in _SIZED:
-            node.update_arg(1, list(local_shape(shape(node), d.out, tp)))
+            set_argument(node, _SIZED[node.target], list(local_shape(shape(node), d.out, tp)))
         elif node.target is aten.unflatten.int and isinstance(d.out, Shard):
             dim = argument(node, "dim") % len(shape(node.args[0]))
             sizes = local_shape(shape(node), d.out, tp)[dim:dim + len(argument(node, "sizes"))]
-            node.update_arg(2, list(sizes))
-        elif node.target is aten.split.Tensor and isinstance(d.inputs[0], Shard):
+            set_argument(node, "sizes", list(sizes))
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(d.inputs[0], Shard):
             _localize_split(node, d, tp)
-        elif node.target is aten.split_with_sizes.default and isinstance(d.inputs[0], Shard):
-            _localize_split(node, d, tp)
+        elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(d.inputs[0], Shard):
+            _localize_squeeze(node, d.inputs[0], tp)
         if d.rewrite == "bias_after_reduce":
             _bias_after_reduce(gm, node)
         elif d.rewrite == "vocab_embedding":
             _vocab_embedding(node, tp)
         elif d.rewrite == "vocab_cross_entropy":
             _vocab_cross_entropy(gm, node, tp)
-    ctx.weight_placements = {n.name: p for n, p in weights.items()}
-    gm.graph.lint()
-    return gm
 
 
 def _refuse_parameter_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
@@ -245,22 +262,30 @@ def _localize_split(node: fx.Node, d: Decision, tp: int) -> None:
     if dim != p.dim:
         return
     if node.target is aten.split.Tensor:
-        node.update_arg(1, node.args[1] // tp)
+        set_argument(node, "split_size", argument(node, "split_size") // tp)
     else:
-        node.update_arg(1, [s // tp for s in node.args[1]])
+        set_argument(node, "split_sizes", [s // tp for s in argument(node, "split_sizes")])
+
+
+def _localize_squeeze(node: fx.Node, p: Shard, tp: int) -> None:
+    """A split of size tp has parts of size 1, which the rank's ``squeeze`` would remove where the model's
+    does not: name the dimensions the model removes (``squeeze.dims``, possibly none)."""
+    if shape(node.args[0])[p.dim] // tp == 1:
+        dims = squeezed_dims(node)
+        node.target = aten.squeeze.dims
+        node.args, node.kwargs = (node.args[0], dims), {}
 
 
 def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
     """``linear(x, W, b)`` -> ``linear(x, W)`` (partial sums) then ``+ b`` after the all-reduce."""
     if node.target is aten.linear.default:
-        x, w, b = node.args[:3]
-        node.args = (x, w)
+        x, w, b = (argument(node, name) for name in ("input", "weight", "bias"))
         inputs = node.meta["fxshard_inputs"][:2]
     else:  # addmm(b, x, w) -> mm(x, w)
-        b, x, w = node.args
+        b, x, w = (argument(node, name) for name in ("self", "mat1", "mat2"))
         node.target = aten.mm.default
-        node.args = (x, w)
         inputs = node.meta["fxshard_inputs"][1:]
+    node.args, node.kwargs = (x, w), {}
     node.meta["fxshard_inputs"] = inputs
     with gm.graph.inserting_after(node):
         add = gm.graph.call_function(aten.add.Tensor, (node, b))

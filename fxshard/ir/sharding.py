@@ -79,6 +79,16 @@ def argument(node: fx.Node, name: str, default=None):
     return node.kwargs.get(name, arg.default_value if arg.has_default_value() else default)
 
 
+def set_argument(node: fx.Node, name: str, value) -> None:
+    """Set the schema argument ``name`` of an ATen call where it was passed: positionally, else by keyword."""
+    arguments = node.target._schema.arguments
+    i = next(k for k, a in enumerate(arguments) if a.name == name)
+    if i < len(node.args) and not arguments[i].kwarg_only:
+        node.update_arg(i, value)
+    else:
+        node.update_kwarg(name, value)
+
+
 def written_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor arguments an op writes in place (``add_``'s self, ``embedding_renorm_``'s weight)."""
     schema = getattr(node.target, "_schema", None)
@@ -212,6 +222,17 @@ def rule(*ops):
     return register
 
 
+def _aligned(s: tuple[int, ...], p: Placement, od: int, n: int, blocks: int) -> Placement:
+    """The placement an operand of shape ``s`` placed ``p`` needs beside an ``n``-d result split on ``od``
+    (``blocks`` packed blocks), broadcasting as torch does: its own split as it is; whole where it has no such
+    dimension or broadcasts along it (size 1); else split alike.  A partial sum is reduced first: summing the
+    result over the ranks would sum every other operand's contribution too."""
+    ad = od - (n - len(s))
+    if isinstance(p, Shard):
+        return p
+    return R if ad < 0 or s[ad] == 1 else Shard(ad, blocks)
+
+
 @rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy, aten.type_as,
       aten.masked_fill, aten.where, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.relu, aten.tanh,
       aten.sigmoid)
@@ -231,15 +252,8 @@ def _pointwise(node, args, placements):
     if len(sharded) != 1:
         return None
     od, blocks = sharded.pop()
-    need = []
-    for a, p in zip(args, placements, strict=True):
-        s = shape(a)
-        ad = od - (n - len(s))
-        if isinstance(p, Shard) or ad < 0 or s[ad] == 1:
-            need.append(p)
-        else:
-            need.append(Shard(ad, blocks))
-    return Decision(Shard(od, blocks), tuple(need))
+    need = tuple(_aligned(shape(a), p, od, n, blocks) for a, p in zip(args, placements, strict=True))
+    return Decision(Shard(od, blocks), need)
 
 
 @rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten)
@@ -309,18 +323,22 @@ def _unsqueeze(node, args, placements):
     return Decision(Shard(p.dim + (d <= p.dim), p.blocks), (p,)) if isinstance(p, Shard) else None
 
 
+def squeezed_dims(node: fx.Node) -> list[int]:
+    """The dimensions a ``squeeze`` removes from its (global) input: those it names, or all, that have size 1.
+    A rank's part may have size 1 where the whole does not (a split of size tp): the tensor-parallel pass
+    then names these dimensions, so that the rank squeezes what the model squeezes."""
+    src = shape(node.args[0])
+    dim = argument(node, "dim")
+    named = range(len(src)) if dim is None else dim if isinstance(dim, (list, tuple)) else [dim]
+    return sorted({_norm(d, len(src)) for d in named if src[_norm(d, len(src))] == 1})
+
+
 @rule(aten.squeeze)
 def _squeeze(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
         return None
-    src = shape(args[0])
-    dim = argument(node, "dim")
-    if dim is not None:
-        dims = dim if isinstance(dim, (list, tuple)) else [dim]
-        dims = {_norm(d, len(src)) for d in dims if src[_norm(d, len(src))] == 1}
-    else:
-        dims = {d for d, s in enumerate(src) if s == 1}
+    dims = squeezed_dims(node)
     if p.dim in dims:
         return None
     return Decision(Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), (p,))
@@ -455,7 +473,7 @@ def _addmm(node, args, placements):
     b, x, w = placements
     nb = len(shape(args[0]))
     if isinstance(w, Shard) and w.dim == 1 and x == R and b in (R, Shard(nb - 1, w.blocks)):
-        need_b = b if isinstance(b, Shard) or shape(args[0])[-1] == 1 else Shard(nb - 1, w.blocks)
+        need_b = b if isinstance(b, Shard) or nb == 0 or shape(args[0])[-1] == 1 else Shard(nb - 1, w.blocks)
         return Decision(Shard(1, w.blocks), (need_b, x, w))
     if isinstance(w, Shard) and w.dim == 0 and w.blocks == 1 and b == R:
         if argument(node, "beta", 1) != 1 or argument(node, "alpha", 1) != 1:
@@ -474,7 +492,8 @@ def _matmul(node, args, placements):
     if len(sa) < 2 or len(sb) < 2:
         return None
     n = len(shape(node))
-    if isinstance(a, Shard) and a.dim == len(sa) - 1 and b == Shard(len(sb) - 2):
+    if isinstance(a, Shard) and a.dim == len(sa) - 1 and b == Shard(len(sb) - 2, a.blocks):
+        # packed blocks pair up: each rank contracts the same columns of a as rows of b
         return Decision(Partial(), (a, b))
     if isinstance(a, Shard) and a.dim == len(sa) - 2 and b == R:
         return Decision(Shard(n - 2, a.blocks), (a, b))
@@ -486,15 +505,11 @@ def _matmul(node, args, placements):
         if isinstance(p, Shard):
             if p.dim >= len(s) - 2:
                 return None
-            batch.add(p.dim + n - len(s))
+            batch.add((p.dim + n - len(s), p.blocks))
     if len(batch) != 1:
         return None
-    od = batch.pop()
-    need = []
-    for s, p in ((sa, a), (sb, b)):
-        ad = od - (n - len(s))
-        need.append(p if isinstance(p, Shard) or ad < 0 or s[ad] == 1 else Shard(ad))
-    return Decision(Shard(od), tuple(need))
+    od, blocks = batch.pop()
+    return Decision(Shard(od, blocks), tuple(_aligned(s, p, od, n, blocks) for s, p in ((sa, a), (sb, b))))
 
 
 @rule(aten.scaled_dot_product_attention)
@@ -502,15 +517,11 @@ def _sdpa(node, args, placements):
     q, k, v = placements[:3]
     if not (isinstance(q, Shard) and q == k == v and q.dim < len(shape(args[0])) - 2 and q.blocks == 1):
         return None
-    need = [q, k, v]
     n = len(shape(node))
-    for a, p in zip(args[3:], placements[3:], strict=True):  # attention mask
-        s = shape(a)
-        ad = q.dim - (n - len(s))
-        need.append(p if isinstance(p, Shard) or ad < 0 or s[ad] == 1 else Shard(ad))
-    if any(isinstance(p, Shard) and p.dim != q.dim - (n - len(shape(a))) for a, p in zip(args[3:], need[3:], strict=True)):
+    masks = [_aligned(shape(a), p, q.dim, n, 1) for a, p in zip(args[3:], placements[3:], strict=True)]
+    if any(isinstance(p, Shard) and p != Shard(q.dim - (n - len(shape(a)))) for a, p in zip(args[3:], masks, strict=True)):
         return None
-    return Decision(q, tuple(need))
+    return Decision(q, (q, k, v, *masks))
 
 
 @rule(aten.embedding)

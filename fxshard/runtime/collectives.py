@@ -31,8 +31,14 @@ def _site() -> tuple[str, int]:
     return frame.f_code.co_filename, frame.f_lineno
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """A gradient as a strided tensor: ``Embedding(sparse=True)``, looked up whole (its rule declines the
+    split), gives its weight a sparse one, which the collectives' backwards slice and sum."""
+    return x.to_dense() if x.is_sparse else x
+
+
 def _all_reduce(x: torch.Tensor, group, what: str, site=None) -> torch.Tensor:
-    x = x.contiguous().clone()
+    x = _dense(x).contiguous().clone()
     with guarded(what, group, x, site):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
@@ -86,7 +92,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         index, parts = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return _take(grad, ctx.dim, index, parts, ctx.blocks), None, None, None, None
+        return _take(_dense(grad), ctx.dim, index, parts, ctx.blocks), None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
