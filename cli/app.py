@@ -106,6 +106,8 @@ def compile(
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta)
     except FxshardError as e:
         _fail(e)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder)
+        _fail(f"compile interrupted by {e.args[0] if e.args else 'SIGINT'}: {out} was left as it was")
     compile_report(console, result)
 
 

@@ -114,6 +114,40 @@ def test_a_symlinked_model_copy_is_not_written_through(tmp_path):
     assert not (out / "model.py").is_symlink() and (out / "model.py").read_bytes() == GPT.read_bytes()
 
 
+def test_out_dot_from_inside_the_folder_recompiles_it(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.chdir(out)
+    compile_model(Path("model.py"), Layout(tp=4), out=Path("."))  # was OSError: Device or resource busy: '.'
+    assert json.loads((out / "manifest.json").read_text())["layout"]["tp"] == 4
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in out.iterdir() if "fxshard-" in p.name] == [] and _siblings(out) == []
+
+
+def test_out_naming_a_symlink_replaces_the_folder_it_points_at(tmp_path):
+    real, link = tmp_path / "real", tmp_path / "link"
+    compile_model(GPT, Layout(tp=2), out=real)
+    (real / "notes.txt").write_text("mine")
+    link.symlink_to(real)
+    compile_model(GPT, Layout(tp=4), out=link)  # was: link replaced by a folder, then rmtree on a symlink raised
+    assert link.is_symlink() and json.loads((real / "manifest.json").read_text())["layout"]["tp"] == 4
+    assert (real / "notes.txt").read_text() == "mine"
+    assert _siblings(real) == [] and _siblings(link) == []
+
+
+def test_a_compiled_folder_keeps_ordinary_permissions(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        compile_model(GPT, Layout(tp=2), out=tmp_path / "new")
+        assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755  # not a temporary folder's 0700
+        (tmp_path / "new").chmod(0o750)
+        compile_model(GPT, Layout(tp=4), out=tmp_path / "new")
+        assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750  # a recompile keeps the folder's own mode
+    finally:
+        os.umask(mask)
+
+
 @pytest.mark.parametrize("key, value", [("file", "../../../../etc/passwd"), ("weights", "/etc/hostname"),
                                         ("model_file", "/etc/passwd"), ("model_file", "../o.py")])
 def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path, key, value):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from fxshard.train.checkpoint import CheckpointError, CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "tests" / "models" / "mlp.py"
+GPT = ROOT / "samples" / "gpt.py"
 
 
 def fxshard(*args):
@@ -114,6 +116,36 @@ def test_an_interrupted_compile_leaves_the_old_folder_untouched(tmp_path, monkey
     assert _snapshot(out) == before
     assert _leftovers(tmp_path) == []
     assert after == 0 or len(calls) > after + 1  # the swap had moved files, and the rollback moved them back
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_compile_writes_leaves_the_old_folder_untouched(tmp_path, sig):
+    """The real signal, sent by pid while the new program is being written into its staging sibling (the
+    compile is stopped there with SIGSTOP, so the signal lands mid-write however fast the disk)."""
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    before = _snapshot(out)
+    for _attempt in range(5):  # a compile that wrote faster than we looked is simply tried again
+        proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "compile", str(GPT), "--tp", "4",
+                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+        caught = False
+        while proc.poll() is None and not caught:
+            if _leftovers(tmp_path):
+                proc.send_signal(signal.SIGSTOP)
+                caught = bool(_leftovers(tmp_path))  # still writing: the signal lands mid-write
+                if caught:
+                    proc.send_signal(sig)
+                proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+        if caught:
+            break
+        compile_model(GPT, Layout(tp=2), out=out)  # the compile finished: put the tp=2 folder back, try again
+        before = _snapshot(out)
+    assert caught, "never saw the compile writing its staging folder"
+    assert proc.returncode == 2, err
+    assert err.strip() == f"error: compile interrupted by {sig.name}: {out} was left as it was", err
+    assert _snapshot(out) == before and _leftovers(tmp_path) == []
 
 
 def test_a_symlinked_model_py_is_not_written_through(tmp_path):
