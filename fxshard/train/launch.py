@@ -66,6 +66,10 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from fxshard.train.supervise import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers' parent: one that finds another exits (supervise)
+
     try:
         with _loopback_rendezvous():
             elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
@@ -83,6 +87,7 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
         logs.cleanup()
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        os.environ.pop(LAUNCHER_PID, None)
 
 
 def _loopback_store(port: int = 0):

@@ -23,17 +23,20 @@ from fxshard.errors import FxshardError
 
 _PR_SET_PDEATHSIG = 1
 LOCK = ".lock"
+LAUNCHER_PID = "FXSHARD_LAUNCHER_PID"  # set by the local launcher for its workers: the parent they must have
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens)."""
-    parent = os.getppid()
+    """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens).
+
+    The request only covers a parent still alive when it is made; a worker whose launcher died while it was
+    starting (importing torch takes seconds) has already been handed to init, so it compares its parent with
+    the launcher's pid it was given and exits."""
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
     libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
+    if libc_name is not None:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request: nobody supervises this rank
         os._exit(1)
 

@@ -84,6 +84,27 @@ def test_kill_9_of_the_launcher_takes_its_workers_with_it(out, tmp_path):
 
 
 @pytest.mark.e2e
+def test_kill_9_of_the_launcher_while_its_workers_start_leaves_none(out, tmp_path):
+    """Killed before a worker could ask for PDEATHSIG (it is still importing torch): the worker is init's child by
+    then, and must notice on its own instead of waiting --timeout for a store that died with the launcher."""
+    proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
+                             "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "1", "--no-check"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    workers: set[int] = set()
+    while len(workers) < 2 and time.monotonic() < deadline:
+        workers = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert len(workers) >= 2, "the run's workers were not found"
+    left = _gone_within(workers, 60)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {sorted(left)} outlived their launcher"
+    assert not list((tmp_path / "ckpt").glob("step-*"))  # none trained
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
     ckpt = tmp_path / "ckpt"
