@@ -223,7 +223,8 @@ def run(
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
     from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
-    from fxshard.train.launch import check_run_options, launch_local, run_args, run_rank, under_torchrun
+    from fxshard.train.launch import check_run_options, run_args, run_rank, under_torchrun
+    from fxshard.train.local import launch_local
     from fxshard.train.optim import OptimConfig
 
     try:

@@ -17,6 +17,7 @@ import ctypes.util
 import fcntl
 import os
 import signal
+import sys
 from pathlib import Path
 
 from fxshard.errors import FxshardError
@@ -24,6 +25,17 @@ from fxshard.errors import FxshardError
 _PR_SET_PDEATHSIG = 1
 LOCK = ".lock"
 LAUNCHER_PID = "FXSHARD_LAUNCHER_PID"  # set by the local launcher for its workers: the parent they must have
+
+
+def become_worker() -> None:
+    """Set up a rank process started by a launcher: it dies with the launcher (:func:`die_with_parent`), Ctrl-C
+    ends it at once as SIGTERM does (a KeyboardInterrupt unwinding while gloo's and the store's threads run can
+    abort with C++'s "terminate called without an active exception"), and its step lines reach the launcher's
+    output as they are printed, not in blocks when a pipe's buffer fills."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def die_with_parent() -> None:
