@@ -130,6 +130,10 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         except Exception as e:
             raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), timeout_s) from e
+    from fxshard.runtime import liveness
+    from fxshard.runtime.guard import doing
+
+    liveness.start(rank, doing)  # so that a rank whose collective fails can tell a stopped peer from a busy one
     try:
         memory = {} if memory_report is not None else None
         state = {} if final_state is not None else None
