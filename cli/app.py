@@ -230,7 +230,7 @@ def run(
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         ckpt = _checkpoint_config(checkpoint, save_every, resume)
-        check_run_options(out, steps, metrics, timeout, ckpt)
+        check_run_options(out, steps, metrics, timeout, ckpt, final_state=final_state)
         if under_torchrun():
             if not allow_edited:
                 refuse_edited(out, read_manifest(out))

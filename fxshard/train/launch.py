@@ -40,9 +40,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print) -> None:
+def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print,
+                      final_state: Path | None = None) -> None:
     """Refuse run options that could only fail later, before any process starts (the optimizer's own are
-    checked by :class:`~fxshard.train.optim.OptimConfig`)."""
+    checked by :class:`~fxshard.train.optim.OptimConfig`).  The launcher also tries the files it will write:
+    a --metrics file and a --checkpoint folder that cannot be written are named here, not by rank 0's
+    traceback after launch."""
     from fxshard.errors import OptionError
 
     if steps < 1:
@@ -50,21 +53,43 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise OptionError(f"--timeout {timeout_s}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
-        if metrics.is_dir():
-            raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
-        if not metrics.parent.is_dir():
-            raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+        try:
+            if metrics.is_dir():
+                raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
+            if not metrics.parent.is_dir():
+                raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+            if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
+                existed = metrics.exists()
+                with open(metrics, "a"):  # as rank 0 will
+                    pass
+                if not existed:
+                    metrics.unlink()
+        except OSError as e:
+            raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
+                              "write to") from None
+    if final_state is not None and final_state.exists() and not final_state.is_dir():
+        raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
     if checkpoint is not None:
-        if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
-            raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-        if not under_torchrun():
-            from fxshard.train.supervise import check_unlocked
+        try:
+            _check_checkpoint_option(checkpoint, say)
+        except OSError as e:
+            raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
+                              "folder you can write to") from None
 
-            check_unlocked(checkpoint.folder)
-        if checkpoint.resume:
-            from fxshard.train.checkpoint import check_checkpoint
 
-            check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+def _check_checkpoint_option(checkpoint, say) -> None:
+    from fxshard.errors import OptionError
+
+    if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
+        raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+    if checkpoint.resume:
+        from fxshard.train.checkpoint import check_checkpoint
+
+        check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+    if not under_torchrun():
+        from fxshard.train.supervise import check_unlocked
+
+        check_unlocked(checkpoint.folder)  # creates the folder and its lock file: both must be possible
 
 
 def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Exception:

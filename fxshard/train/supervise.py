@@ -78,7 +78,6 @@ def checkpoint_lock(folder: Path):
 
 
 def check_unlocked(folder: Path) -> None:
-    """Before launch: refuse a checkpoint folder another run holds."""
-    if folder.is_dir():
-        with checkpoint_lock(folder):
-            pass
+    """Before launch: refuse a checkpoint folder another run holds (the folder is created if new)."""
+    with checkpoint_lock(folder):
+        pass

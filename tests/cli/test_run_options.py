@@ -39,6 +39,11 @@ def _run(*args):
     (["--metrics", "{tmp}/missing/m.jsonl"], "the folder {tmp}/missing does not exist"),
     (["--checkpoint", "{tmp}/a-file"], "is a file; --checkpoint names a folder"),
     (["--checkpoint", "{tmp}/empty", "--resume"], "no checkpoint here"),
+    # names the file system refuses even to root (too long): before, rank 0's OSError traceback after launch
+    (["--metrics", "{tmp}/" + "m" * 300], "cannot be written (File name too long)"),
+    (["--checkpoint", "{tmp}/" + "c" * 300], "cannot be written (File name too long)"),
+    (["--checkpoint", "{tmp}/a-file/ckpt"], "cannot be written (Not a directory)"),
+    (["--final-state", "{tmp}/a-file"], "is a file; --final-state names a folder"),
 ])
 def test_a_bad_option_is_refused_before_launch(out, tmp_path, args, says):
     (tmp_path / "a-file").write_text("not a folder")
