@@ -192,3 +192,32 @@ def test_a_checkpoint_whose_latest_climbs_out_is_refused(tmp_path):
     (tmp_path / "ckpt" / "latest").write_text("../elsewhere")
     with pytest.raises(CheckpointError, match="outside"):
         find_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_latest_that_is_a_link_out_of_the_folder_is_not_read(tmp_path):
+    from fxshard.train.checkpoint import CheckpointError, find_checkpoint
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("step-but-secret")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="the file itself is 'latest', which resolves to .*outside") as info:
+        find_checkpoint(tmp_path / "ckpt")
+    assert "step-but-secret" not in str(info.value)  # its content was shown in the fallback message before
+
+
+def test_the_fallback_never_picks_a_step_that_links_out_of_the_folder(tmp_path):
+    from fxshard.train.checkpoint import find_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    for step in ("step-00000001", "step-00000002.tmp-1234abcd"):
+        (ckpt / step).mkdir(parents=True)
+        (ckpt / step / "index.json").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "index.json").write_text("{}")
+    (ckpt / "step-00000099").symlink_to(tmp_path / "elsewhere")
+    (ckpt / "latest").write_text("step-00000005\n")  # names a step that does not exist
+    said = []
+    assert find_checkpoint(ckpt, said.append) == ckpt / "step-00000001"
+    assert said == [f"{ckpt / 'latest'} names step-00000005, which does not exist; using step-00000001, the newest "
+                    "complete checkpoint"]

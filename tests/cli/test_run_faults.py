@@ -82,6 +82,9 @@ def test_a_damaged_checkpoint_is_named_before_launch_and_by_export(saved, tmp_pa
         shard.unlink()
     run = _fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume")
     assert run.returncode == 2 and "shard-pp0-tp1.safetensors" in run.stderr and "launching" not in run.stdout
+    # and how to go on: the complete step before it, and how to point latest at it
+    assert f"resume from step-00000001, the newest complete step before it: echo step-00000001 > {ckpt / 'latest'}" \
+        in run.stderr, run.stderr
     export = _fxshard("export", ckpt, "--hf", tmp_path / "hf")
     assert export.returncode == 2 and "shard-pp0-tp1.safetensors" in export.stderr
     assert "Traceback" not in run.stderr + export.stderr
