@@ -102,6 +102,22 @@ def test_a_failed_compile_leaves_the_old_folder_untouched(tmp_path, monkeypatch)
     assert _siblings(out) == []
 
 
+def test_a_file_written_into_the_folder_during_the_compile_is_kept(tmp_path, monkeypatch):
+    import fxshard.compiler
+
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    real_save = fxshard.compiler.save_file
+
+    def save_while_a_run_writes(tensors, path, metadata=None):
+        (out / "metrics.jsonl").write_text('{"step": 7}\n')  # e.g. a run of the old program, started meanwhile
+        return real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(fxshard.compiler, "save_file", save_while_a_run_writes)
+    compile_model(GPT, Layout(tp=4), out=out)  # the old folder, with that file in it, was deleted after the swap
+    assert (out / "metrics.jsonl").read_text() == '{"step": 7}\n'
+
+
 def test_a_symlinked_model_copy_is_not_written_through(tmp_path):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)

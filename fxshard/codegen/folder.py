@@ -74,17 +74,22 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
 def staged_output(out: Path, new_names: set[str]):
     """Yield an empty staging folder beside ``out``; on a clean exit, swap it in as ``out``."""
     out = Path(out).resolve()  # '.' has no name to put a sibling beside; a symlink: replace what it points at
-    foreign = check_target(out, new_names)
+    check_target(out, new_names)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _terminate_as_interrupt():
         stage = _sibling(out, "new")
+        swapping = False
         try:
             yield stage
+            with _signals_held():  # from here the new program is complete: the swap runs to its end
+                # listed again: a file written into ``out`` while the program was (a run's metrics) stays theirs
+                foreign = check_target(out, new_names)
+                swapping = True  # the stage may hold the old folder from now on: never remove it
+                _swap_in(stage, out, foreign)
         except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
+            if not swapping:
+                shutil.rmtree(stage, ignore_errors=True)
             raise
-        with _signals_held():  # from here the new program is complete: the swap runs to its end
-            _swap_in(stage, out, foreign)
 
 
 def _sibling(out: Path, tag: str) -> Path:
