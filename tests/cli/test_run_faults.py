@@ -91,6 +91,20 @@ def test_a_damaged_checkpoint_is_named_before_launch_and_by_export(saved, tmp_pa
 
 
 @pytest.mark.e2e
+def test_export_refuses_an_edited_model_copy_before_running_it(saved, tmp_path):
+    out, ckpt = _copy(saved, tmp_path)
+    copy = ckpt / "step-00000002" / "model.py"
+    ran = tmp_path / "ran"
+    copy.write_text(copy.read_text() + f"\nopen({str(ran)!r}, 'w').write('ran')\n")
+    export = _fxshard("export", ckpt, "--hf", tmp_path / "hf")
+    assert export.returncode == 2 and f"{copy}: differs from the model file this checkpoint was saved with" in \
+        export.stderr, export.stderr
+    assert not ran.exists() and "Traceback" not in export.stderr
+    trusted = _fxshard("export", ckpt, "--hf", tmp_path / "hf", "--model", MLP)  # the override
+    assert trusted.returncode == 0, trusted.stdout + trusted.stderr
+
+
+@pytest.mark.e2e
 def test_latest_naming_a_step_without_index_falls_back_to_the_previous_one(saved, tmp_path):
     out, ckpt = _copy(saved, tmp_path)
     (ckpt / "step-00000002" / "index.json").unlink()  # as if killed between writing the shards and the index
