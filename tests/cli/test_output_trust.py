@@ -232,6 +232,11 @@ def test_an_edit_that_changes_only_numbers_is_refused_by_check_and_run(tmp_path)
     (out / "model.py").write_text((out / "model.py").read_text() + "\nprint('injected')\n")
     check = fxshard("check", out)
     assert check.returncode == 2 and "model.py" in check.stderr and "rank_pp0_tp1.py" in check.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["digests"]  # as an older fxshard wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    check = fxshard("check", out)
+    assert check.returncode == 2 and "records no sha256 of the generated files" in check.stderr, check.stderr
     helptext = fxshard("run", "--help").stdout
     assert "--allow-edited" in helptext and "sha256" in helptext
 
