@@ -105,6 +105,9 @@ def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Ex
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world}"
     elif joined:
         who = f"{int(joined[2]) - int(joined[1])} of {world} ranks"
+    elif rank != 0 and "connect" in text:  # the store lives in rank 0 (or the launcher): nothing to join
+        host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"rank 0, which hosts the store at {host} (MASTER_ADDR:MASTER_PORT),"
     else:
         who = f"some of the {world} ranks"
     return CollectiveError(

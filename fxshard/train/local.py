@@ -146,7 +146,7 @@ def failure_lines(failures: dict) -> list[str]:
     for rank, failure in sorted(failures.items()):
         if failure.exitcode >= 0 or failure.error_file_data.get("message") != "<NONE>":  # torch's "no error file"
             msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-            lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:500]}")
+            lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:2000]}")
         elif failure.exitcode == -signal.SIGTERM and caused:
             first = ", ".join(f"rank {r}" for r in sorted(caused))
             lines.append(f"rank {rank} was stopped by the launcher (SIGTERM) because {first} failed")

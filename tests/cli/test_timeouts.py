@@ -46,6 +46,21 @@ def test_a_rank_that_never_starts_is_named_at_start_up(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
+    out = tmp_path / "o"
+    compile_model(MLP, Layout(tp=2), out=out)
+    port = _port()
+    env = os.environ | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}
+    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "5"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2
+    assert (f"error: rank 1: start-up: rank 0, which hosts the store at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT), "
+            "did not join the process group within --timeout 5 s") in run.stderr, run.stderr  # was 'some of the 2'
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("model, layout, waiting", [
     (MLP, Layout(dp=2, zero=3),
      "rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3) in training step"),
