@@ -58,6 +58,7 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
                 raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
             if not metrics.parent.is_dir():
                 raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+            _refuse_generated(out, metrics)
             if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
                 existed = metrics.exists()
                 with open(metrics, "a"):  # as rank 0 will
@@ -75,6 +76,22 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
         except OSError as e:
             raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
                               "folder you can write to") from None
+
+
+def _refuse_generated(out: Path, metrics: Path) -> None:
+    """--metrics naming one of the files the compile wrote (model.py, manifest.json, a rank file or shard) would
+    overwrite the program being run."""
+    from fxshard.codegen.folder import listed_files
+    from fxshard.codegen.manifest import MANIFEST, is_fxshard_manifest
+    from fxshard.errors import OptionError
+
+    manifest = is_fxshard_manifest(Path(out) / MANIFEST)
+    if manifest is None:
+        return
+    for name in sorted(listed_files(manifest)):
+        if (Path(out) / name).resolve() == metrics.resolve():
+            raise OptionError(f"--metrics {metrics}: is {name} of the compiled folder {out}, which the metrics would "
+                              f"overwrite; name another file, e.g. {Path(out) / 'metrics.jsonl'}")
 
 
 def _check_checkpoint_option(checkpoint, say) -> None:

@@ -112,8 +112,10 @@ def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
     ckpt = tmp_path / "ckpt"
     proc = _start(out, ckpt)
     workers = _children(proc.pid)
-    second = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "3",
-                             "--checkpoint", str(ckpt), "--no-check"], capture_output=True, text=True, timeout=120)
+    # the second writer: a --resume run on the folder the first is saving into
+    second = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
+                             "--checkpoint", str(ckpt), "--save-every", "1", "--resume", "--no-check"],
+                            capture_output=True, text=True, timeout=120)
     assert second.returncode == 2 and "another run (pid" in second.stderr and "launching" not in second.stdout
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
