@@ -301,4 +301,24 @@ def test_weights_config_differing_beyond_the_shapes_warns(tmp_path, llama_folder
     (folder / "config.json").write_text(json.dumps(config))
     proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", folder, "--out", tmp_path / "o")
     assert proc.returncode == 0, proc.stderr
-    assert "hidden_act: 'gelu' in the folder, 'silu' in make_model()" in proc.stderr
+    assert "warning: " in proc.stderr and "hidden_act: 'gelu' in the folder, 'silu' in make_model()" in proc.stderr
+    assert "weights.py" not in proc.stderr  # one line, not Python's warning with fxshard's source line
+
+
+def test_weights_config_of_an_older_transformers_is_compared_as_read(tmp_path, llama_folder):
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"]
+    config["rope_theta"] = 500000.0  # where transformers 4 wrote it; transformers 5 reads it into rope_parameters
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", folder, "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    assert "rope_parameters: {'rope_theta': 500000.0" in proc.stderr, proc.stderr  # was silent
+
+
+def test_an_unchanged_weights_config_warns_nothing(tmp_path, llama_folder):
+    proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", llama_folder, "--out", tmp_path / "o")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
