@@ -48,6 +48,19 @@ def test_an_out_path_that_is_a_file_is_refused(tmp_path):
     assert out.read_text() == "a file"
 
 
+def test_out_naming_the_model_files_own_folder_or_the_root_is_refused(tmp_path):
+    model = tmp_path / "src" / "gpt.py"
+    model.parent.mkdir()
+    model.write_bytes(GPT.read_bytes())
+    (model.parent / "data.txt").write_text("mine")
+    before = _snapshot(model.parent)
+    with pytest.raises(OutputFolderError, match="is not an fxshard output folder"):
+        compile_model(model, Layout(tp=2), out=model.parent)
+    assert _snapshot(model.parent) == before and _siblings(model.parent) == []
+    with pytest.raises(OutputFolderError, match="/: exists and is not an fxshard output folder"):
+        compile_model(GPT, Layout(tp=2), out=Path("/"))
+
+
 def test_recompiling_keeps_the_users_files_and_replaces_only_fxshards_own(tmp_path):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)
