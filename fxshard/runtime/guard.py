@@ -37,6 +37,8 @@ class CollectiveError(FxshardError, RuntimeError):
 HINT = ("every rank of a process group must issue the same collectives in the same order; "
         "`fxshard check OUT` names the line where edited or stale rank files differ")
 NOT_THE_CODE = "the rank files are not at fault"
+STOPPED = ("a peer rank of this group did not reach this point within --timeout: it is stopped (e.g. SIGSTOP), "
+           f"stuck or far slower; {NOT_THE_CODE}")
 _GONE = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|EOF", re.IGNORECASE)
 _GLOO_NOISE = re.compile(r"\s*This is typically caused by .*$")  # gloo's advice ("... GLHF!"), said better here
 
@@ -66,7 +68,7 @@ def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
         raise CollectiveError(_message(what, group, tensor, site, number, e)) from e
 
 
-def _message(what: str, group, tensor, site, number: int | None, e: Exception) -> str:
+def _message(what: str, group, tensor, site, number: int | None, e: Exception, unknown: str = HINT) -> str:
     rank = dist.get_rank() if dist.is_initialized() else -1
     try:
         ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else []
@@ -84,27 +86,30 @@ def _message(what: str, group, tensor, site, number: int | None, e: Exception) -
     cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
     cause = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
     cause = _GLOO_NOISE.sub("", cause)
-    peers, hint = _peers(ranks, rank, cause)
+    peers, hint = _peers(ranks, rank, cause, unknown)
     return (f"rank {rank}: {what}{where} over process group ranks {ranks} did not complete: {peers}"
             f"{type(e).__name__}: {cause}; {hint}")
 
 
-def _peers(ranks: list[int], me: int, cause: str) -> tuple[str, str]:
+def _peers(ranks: list[int], me: int, cause: str, unknown: str) -> tuple[str, str]:
     """What the group's other ranks were doing (from their heartbeats), and the hint that follows from it: a
     silent peer (stopped, killed, crashed) is named and the code is not blamed; peers alive elsewhere mean the
-    ranks issue different collectives."""
+    ranks issue different collectives; without heartbeats, ``unknown``."""
     states = peer_states([r for r in ranks if r != me])
     gone = bool(_GONE.search(cause))
     if states is None:  # no heartbeat to ask: judge by the error alone
         if gone:
             return "", f"a peer rank of this group died or was killed; {NOT_THE_CODE}"
-        return "", HINT
+        return "", unknown
     silent = [s for s in states.values() if not s.alive]
     if silent:
         names = ", ".join(f"rank {s.rank} (last seen in {s.doing or 'start-up'})" for s in silent)
-        fate = "died or was killed" if gone else "is stopped (e.g. SIGSTOP), hung or dead"
-        verb = "does" if len(silent) == 1 else "do"
-        return (f"{names} {verb} not answer, its heartbeat stopped: it {fate}; ",
+        one = len(silent) == 1
+        fate = ("died or was killed" if gone else
+                f"{'is' if one else 'are'} stopped (e.g. SIGSTOP), hung or dead")
+        answer = "does not answer, its heartbeat stopped: it" if one else \
+            "do not answer, their heartbeats stopped: they"
+        return (f"{names} {answer} {fate}; ",
                 f"{NOT_THE_CODE} (a rank's own error, if it reported one, names its cause)")
     busy = ", ".join(f"rank {s.rank} ({s.doing})" for s in states.values())
     return f"{busy} {'is' if len(states) == 1 else 'are'} alive but not in this collective; ", HINT
@@ -122,7 +127,7 @@ def named_phase(what: str, group=None):
     except Exception as e:
         if not _is_backend_error(e):
             raise
-        raise CollectiveError(_message(what, group, None, None, None, e)) from e
+        raise CollectiveError(_message(what, group, None, None, None, e, STOPPED)) from e
 
 
 def _is_backend_error(e: Exception) -> bool:
