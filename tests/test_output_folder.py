@@ -143,6 +143,21 @@ def test_a_symlinked_model_copy_is_not_written_through(tmp_path):
     assert not (out / "model.py").is_symlink() and (out / "model.py").read_bytes() == GPT.read_bytes()
 
 
+def test_a_read_only_folder_is_refused_before_any_work(tmp_path, monkeypatch):
+    import fxshard.codegen.folder as folder
+
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    (out / "notes.txt").write_text("mine")
+    before = _snapshot(out)
+    # root may write anywhere, so the kernel's answer for a 0555 folder is given here: moving the user's files out
+    # of it would fail half-way through the swap
+    monkeypatch.setattr(folder.os, "access", lambda path, mode: Path(path) != out)
+    with pytest.raises(OutputFolderError, match=r"is read-only, so fxshard cannot replace the program in it"):
+        compile_model(GPT, Layout(tp=4), out=out)
+    assert _snapshot(out) == before and _siblings(out) == []
+
+
 def test_out_dot_from_inside_the_folder_recompiles_it(tmp_path, monkeypatch):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)

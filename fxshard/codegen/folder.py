@@ -58,6 +58,9 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
     if not manifest_path.is_file():
         raise OutputFolderError(f"{out}: exists and is not an fxshard output folder (no {MANIFEST}); "
                                 "choose an empty or new folder")
+    if not os.access(out, os.W_OK):  # the swap moves the user's files out of it: refuse before any work
+        raise OutputFolderError(f"{out}: is read-only, so fxshard cannot replace the program in it; make it "
+                                f"writable (chmod u+w {out}) or choose another folder")
     manifest = is_fxshard_manifest(manifest_path)
     if manifest is None:
         raise OutputFolderError(f"{out}: its {MANIFEST} is not fxshard's (no format {FORMAT}, fxshard_version and rank "
@@ -84,6 +87,8 @@ def staged_output(out: Path, new_names: set[str]):
             with _signals_held():  # from here the new program is complete: the swap runs to its end
                 # listed again: a file written into ``out`` while the program was (a run's metrics) stays theirs
                 foreign = check_target(out, new_names)
+                if out.is_dir():  # a recompiled folder keeps its mode (set now: a read-only one was still written)
+                    os.chmod(stage, stat.S_IMODE(out.stat().st_mode))
                 swapping = True  # the stage may hold the old folder from now on: never remove it
                 _swap_in(stage, out, foreign)
         except BaseException:
@@ -93,16 +98,14 @@ def staged_output(out: Path, new_names: set[str]):
 
 
 def _sibling(out: Path, tag: str) -> Path:
-    """A new hidden folder beside ``out``, with ``out``'s permissions (or the umask's, as mkdir gives), not the
-    0700 of a temporary folder: a compiled folder others could read stays readable."""
+    """A new hidden folder beside ``out``, with the umask's permissions as mkdir gives them, not the 0700 of a
+    temporary folder: a compiled folder others could read stays readable."""
     while True:
         path = out.parent / f".{out.name}.fxshard-{tag}-{secrets.token_hex(4)}"
         try:
             path.mkdir()
         except FileExistsError:
             continue
-        if out.is_dir():
-            os.chmod(path, stat.S_IMODE(out.stat().st_mode))
         return path
 
 
