@@ -100,10 +100,13 @@ def _stopped_workers_woken():
     """When torch's agent stops its workers, a SIGCONT follows the death signal: a worker stopped with SIGSTOP
     otherwise holds its SIGTERM pending for the agent's 30 s grace before the SIGKILL (torch 2.13:
     ``SubprocessHandler.close``)."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
-        SubprocessHandler,
-    )
-
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+            SubprocessHandler,
+        )
+    except ImportError:  # another torch: a stopped worker waits out the agent's grace
+        yield
+        return
     original = SubprocessHandler.close
 
     def close(self, death_sig=None):
