@@ -106,6 +106,8 @@ def compile(
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta)
     except FxshardError as e:
         _fail(e)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder)
+        _fail(f"compile interrupted by {e.args[0] if e.args else 'SIGINT'}: {out} was left as it was")
     compile_report(console, result)
 
 
@@ -221,13 +223,14 @@ def run(
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
     from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
-    from fxshard.train.launch import check_run_options, launch_local, run_args, run_rank, under_torchrun
+    from fxshard.train.launch import check_run_options, run_args, run_rank, under_torchrun
+    from fxshard.train.local import launch_local
     from fxshard.train.optim import OptimConfig
 
     try:
         optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
         ckpt = _checkpoint_config(checkpoint, save_every, resume)
-        check_run_options(out, steps, metrics, timeout, ckpt)
+        check_run_options(out, steps, metrics, timeout, ckpt, final_state=final_state)
         if under_torchrun():
             if not allow_edited:
                 refuse_edited(out, read_manifest(out))

@@ -34,6 +34,6 @@ if os.environ.get("FXSHARD_TEST_FAST") == "1":
     fxshard.testing.spawn = _refuse
     import harness
 
-    import fxshard.train.launch
+    import fxshard.train.local
 
-    harness.spawn = fxshard.train.launch.launch_local = _refuse
+    harness.spawn = fxshard.train.local.launch_local = _refuse

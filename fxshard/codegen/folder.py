@@ -17,8 +17,11 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import secrets
 import shutil
-import tempfile
+import signal
+import stat
+import threading
 from pathlib import Path
 
 from fxshard.codegen.manifest import FORMAT, MANIFEST, is_fxshard_manifest
@@ -55,6 +58,9 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
     if not manifest_path.is_file():
         raise OutputFolderError(f"{out}: exists and is not an fxshard output folder (no {MANIFEST}); "
                                 "choose an empty or new folder")
+    if not os.access(out, os.W_OK):  # the swap moves the user's files out of it: refuse before any work
+        raise OutputFolderError(f"{out}: is read-only, so fxshard cannot replace the program in it; make it "
+                                f"writable (chmod u+w {out}) or choose another folder")
     manifest = is_fxshard_manifest(manifest_path)
     if manifest is None:
         raise OutputFolderError(f"{out}: its {MANIFEST} is not fxshard's (no format {FORMAT}, fxshard_version and rank "
@@ -70,16 +76,74 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
 @contextlib.contextmanager
 def staged_output(out: Path, new_names: set[str]):
     """Yield an empty staging folder beside ``out``; on a clean exit, swap it in as ``out``."""
-    out = Path(out)
-    foreign = check_target(out, new_names)
+    out = Path(out).resolve()  # '.' has no name to put a sibling beside; a symlink: replace what it points at
+    check_target(out, new_names)
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.fxshard-new-", dir=out.parent))
+    with _terminate_as_interrupt():
+        stage = _sibling(out, "new")
+        swapping = False
+        try:
+            yield stage
+            with _signals_held():  # from here the new program is complete: the swap runs to its end
+                # listed again: a file written into ``out`` while the program was (a run's metrics) stays theirs
+                foreign = check_target(out, new_names)
+                if out.is_dir():  # a recompiled folder keeps its mode (set now: a read-only one was still written)
+                    os.chmod(stage, stat.S_IMODE(out.stat().st_mode))
+                swapping = True  # the stage may hold the old folder from now on: never remove it
+                _swap_in(stage, out, foreign)
+        except BaseException:
+            if not swapping:
+                shutil.rmtree(stage, ignore_errors=True)
+            raise
+
+
+def _sibling(out: Path, tag: str) -> Path:
+    """A new hidden folder beside ``out``, with the umask's permissions as mkdir gives them, not the 0700 of a
+    temporary folder: a compiled folder others could read stays readable."""
+    while True:
+        path = out.parent / f".{out.name}.fxshard-{tag}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+
+
+_INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so a terminated compile removes its staging folder
+    (Python's default for SIGTERM ends the process on the spot)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        yield stage
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    _swap_in(stage, out, foreign)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM back for the block; one that arrived meanwhile is dropped: the compile it meant to
+    stop has finished, and the folder holds the complete new program."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _INTERRUPTS)
+    try:
+        yield
+    finally:
+        for _ in _INTERRUPTS & signal.sigpending():
+            signal.sigwait(_INTERRUPTS)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _INTERRUPTS)
 
 
 def _swap_in(stage: Path, out: Path, foreign: set[str]) -> None:
@@ -89,7 +153,7 @@ def _swap_in(stage: Path, out: Path, foreign: set[str]) -> None:
     if _exchange(stage, out):  # one atomic step: out is the new program, stage holds the old folder
         old, trash = stage, stage
     else:
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.fxshard-old-", dir=out.parent))
+        trash = _sibling(out, "old")
         old = trash / out.name
         os.rename(out, old)
         os.rename(stage, out)

@@ -89,6 +89,10 @@ def edited_files(out: Path, manifest: dict) -> list[str]:
 
 
 def refuse_edited(out: Path, manifest: dict) -> None:
+    if not isinstance(manifest.get("digests"), dict):
+        raise OutputFolderError(f"{Path(out) / MANIFEST}: records no sha256 of the generated files (compiled by an "
+                                "older fxshard), so an edit cannot be ruled out; recompile, or pass --allow-edited "
+                                "to run the files as they are")
     edited = edited_files(Path(out), manifest)
     if edited:
         verb = "differs" if len(edited) == 1 else "differ"

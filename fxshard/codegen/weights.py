@@ -13,12 +13,11 @@ tensor data is checked here, from the safetensors headers and ``config.json``::
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from fxshard.capture.program import Program
-from fxshard.errors import WeightsError
+from fxshard.errors import WeightsError, warn
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 # configuration entries that fix tensor shapes, under the names Llama-like and GPT-2-like configs use
@@ -135,7 +134,16 @@ def _check_config(folder: Path, program: Program) -> None:
             raise WeightsError(f"{path}: {key} is {saved[key]!r}, the model file's model "
                                f"({type(program.model).__name__}) has {model[key]!r}: a checkpoint of a different "
                                f"model; {FIX}")
-    _warn_other_keys(path, saved, model)
+    _warn_other_keys(path, _as_read(config, saved), model)
+
+
+def _as_read(config, saved: dict) -> dict:
+    """The folder's config as the model's configuration class reads it: older key names (a top-level
+    ``rope_theta``, now inside ``rope_parameters``) land where the model's own config keeps them."""
+    try:
+        return type(config).from_dict(dict(saved)).to_dict()
+    except Exception:  # a config its class cannot read: compare the file as written
+        return saved
 
 
 # bookkeeping that differs between a saved config and a built one without changing what the model computes
@@ -151,9 +159,9 @@ def _warn_other_keys(path: Path, saved: dict, model: dict) -> None:
                     and saved[k] != model[k])
     if differ:
         pairs = "; ".join(f"{k}: {saved[k]!r} in the folder, {model[k]!r} in make_model()" for k in differ[:8])
-        warnings.warn(f"{path}: the weights fit, but the model file's configuration differs from the folder's in "
-                      f"{len(differ)} key(s) ({pairs}); the model will compute differently from the one these "
-                      f"weights were trained as — {FIX}", stacklevel=2)
+        warn(f"{path}: the weights fit, but the model file's configuration differs from the folder's in "
+             f"{len(differ)} key(s) ({pairs}); the model will compute differently from the one these "
+             f"weights were trained as — {FIX}")
 
 
 def _is_float(dtype: str) -> bool:

@@ -5,7 +5,9 @@ a peer died, a peer issued a different collective, the timeout expired — the e
 :class:`CollectiveError` saying which rank, which group and which collective did not complete: its
 kind, shape and dtype, the line of the generated rank file that issued it, and its number among the
 collectives this rank issued over that group in this step (ranks that agree issue the same one as
-number N).  A bare backend traceback or a hang is what it replaces::
+number N).  The group's other ranks are asked through their heartbeats (:mod:`fxshard.runtime.liveness`): one
+that stopped answering is named and the rank files are not blamed; peers alive elsewhere mean the ranks issue
+different collectives.  A bare backend traceback or a hang is what it replaces::
 
     rank 1: all_gather float32 [8, 16, 128] (rank_pp0_tp1.py:619, collective #18 over this group in
     training step 1) over process group ranks [0, 1] did not complete: RuntimeError: Timed out ...
@@ -25,6 +27,7 @@ import time
 import torch.distributed as dist
 
 from fxshard.errors import FxshardError
+from fxshard.runtime.liveness import peer_states
 
 
 class CollectiveError(FxshardError, RuntimeError):
@@ -33,11 +36,11 @@ class CollectiveError(FxshardError, RuntimeError):
 
 HINT = ("every rank of a process group must issue the same collectives in the same order; "
         "`fxshard check OUT` names the line where edited or stale rank files differ")
-PEER_GONE = ("a peer rank of this group died or was killed (its own error, if it had time to report one, names "
-             "the cause); the rank files are not at fault")
+NOT_THE_CODE = "the rank files are not at fault"
 STOPPED = ("a peer rank of this group did not reach this point within --timeout: it is stopped (e.g. SIGSTOP), "
-           "stuck or far slower; the rank files are not at fault")
+           f"stuck or far slower; {NOT_THE_CODE}")
 _GONE = re.compile(r"connection (closed|reset)|broken pipe|peer|socket closed|EOF", re.IGNORECASE)
+_GLOO_NOISE = re.compile(r"\s*This is typically caused by .*$")  # gloo's advice ("... GLHF!"), said better here
 
 _current_step = {"step": None, "label": ""}
 _issued: dict[int, int] = {}  # id of a process group -> collectives issued over it in this step
@@ -46,6 +49,11 @@ _issued: dict[int, int] = {}  # id of a process group -> collectives issued over
 def set_context(step: int | None = None, label: str = "") -> None:
     _current_step["step"], _current_step["label"] = step, label
     _issued.clear()
+
+
+def doing() -> str:
+    """What this rank is doing, as its heartbeat tells its peers (:mod:`fxshard.runtime.liveness`)."""
+    return _current_step["label"] or "start-up"
 
 
 @contextlib.contextmanager
@@ -60,7 +68,7 @@ def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
         raise CollectiveError(_message(what, group, tensor, site, number, e)) from e
 
 
-def _message(what: str, group, tensor, site, number: int | None, e: Exception, hint: str | None = None) -> str:
+def _message(what: str, group, tensor, site, number: int | None, e: Exception, unknown: str = HINT) -> str:
     rank = dist.get_rank() if dist.is_initialized() else -1
     try:
         ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else []
@@ -72,13 +80,39 @@ def _message(what: str, group, tensor, site, number: int | None, e: Exception, h
     at = [f"{os.path.basename(site[0])}:{site[1]}"] if site else []
     if number is not None:
         at.append(f"collective #{number} over this group" + (f" in {step}" if step else ""))
-    elif step:
+    elif step and step not in what:
         at.append(step)
+    where = f" ({', '.join(at)})" if at else ""
     cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
     cause = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", cause)  # gloo's source location
-    hint = PEER_GONE if _GONE.search(cause) else (hint or HINT)
-    return (f"rank {rank}: {what} ({', '.join(at)}) over process group ranks {ranks} did not complete: "
+    cause = _GLOO_NOISE.sub("", cause)
+    peers, hint = _peers(ranks, rank, cause, unknown)
+    return (f"rank {rank}: {what}{where} over process group ranks {ranks} did not complete: {peers}"
             f"{type(e).__name__}: {cause}; {hint}")
+
+
+def _peers(ranks: list[int], me: int, cause: str, unknown: str) -> tuple[str, str]:
+    """What the group's other ranks were doing (from their heartbeats), and the hint that follows from it: a
+    silent peer (stopped, killed, crashed) is named and the code is not blamed; peers alive elsewhere mean the
+    ranks issue different collectives; without heartbeats, ``unknown``."""
+    states = peer_states([r for r in ranks if r != me])
+    gone = bool(_GONE.search(cause))
+    if states is None:  # no heartbeat to ask: judge by the error alone
+        if gone:
+            return "", f"a peer rank of this group died or was killed; {NOT_THE_CODE}"
+        return "", unknown
+    silent = [s for s in states.values() if not s.alive]
+    if silent:
+        names = ", ".join(f"rank {s.rank} (last seen in {s.doing or 'start-up'})" for s in silent)
+        one = len(silent) == 1
+        fate = ("died or was killed" if gone else
+                f"{'is' if one else 'are'} stopped (e.g. SIGSTOP), hung or dead")
+        answer = "does not answer, its heartbeat stopped: it" if one else \
+            "do not answer, their heartbeats stopped: they"
+        return (f"{names} {answer} {fate}; ",
+                f"{NOT_THE_CODE} (a rank's own error, if it reported one, names its cause)")
+    busy = ", ".join(f"rank {s.rank} ({s.doing})" for s in states.values())
+    return f"{busy} {'is' if len(states) == 1 else 'are'} alive but not in this collective; ", HINT
 
 
 @contextlib.contextmanager

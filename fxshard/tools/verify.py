@@ -88,7 +88,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
-    from fxshard.train.launch import launch_local, run_args
+    from fxshard.train.launch import run_args
+    from fxshard.train.local import launch_local
 
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"

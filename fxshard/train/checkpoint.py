@@ -80,39 +80,65 @@ def find_checkpoint(path: str | Path, say=None) -> Path:
     if not latest.is_file():
         raise CheckpointError(f"{path}: no checkpoint here (neither {INDEX} nor {LATEST}); save one with "
                               "`fxshard run OUT --checkpoint DIR --save-every K`")
-    target = inside(path, latest.read_text().strip(), "the step it names", latest, CheckpointError)
+    name = inside(path, LATEST, "the file itself", latest, CheckpointError).read_text().strip()  # not a link out
+    target = inside(path, name, "the step it names", latest, CheckpointError)
     if (target / INDEX).is_file():
         return target
-    complete = sorted(p for p in path.glob("step-*") if p.is_dir() and "." not in p.name and (p / INDEX).is_file())
+    complete = _complete_steps(path)
+    what = "which has no index.json (a save interrupted between its renames?)" if target.is_dir() else \
+        "which does not exist"
     if not complete:
-        raise CheckpointError(f"{latest} names {target.name}, which has no {INDEX}, and no other step of {path} is "
-                              "complete: the checkpoint is damaged")
+        raise CheckpointError(f"{latest} names {name}, {what}, and no other step of {path} is complete: the "
+                              "checkpoint is damaged; start without --resume")
     if say is not None:
-        say(f"{latest} names {target.name}, which has no {INDEX} (a save interrupted between its renames?); "
-            f"using {complete[-1].name}, the newest complete checkpoint")
+        say(f"{latest} names {name}, {what}; using {complete[-1].name}, the newest complete checkpoint")
     return complete[-1]
+
+
+def _complete_steps(path: Path) -> list[Path]:
+    """The ``step-*`` folders of ``path`` that hold an index (not partial ``.tmp-`` saves, nor links out)."""
+    steps = []
+    for p in sorted(path.glob("step-*")):
+        if "." in p.name or p.is_symlink() or not (p / INDEX).is_file():
+            continue
+        steps.append(p)
+    return steps
 
 
 def check_checkpoint(path: str | Path, say=None) -> Path:
     """Before launch: the checkpoint ``path`` leads to is whole — its index parses and every shard file it names
     exists with a safetensors header whose tensors fit in the file.  Returns the checkpoint folder; a damaged
-    one is a :class:`CheckpointError` naming the file."""
+    one is a :class:`CheckpointError` naming the file, and the earlier step to resume from instead."""
     folder = find_checkpoint(path, say)
     try:
-        index = json.loads((folder / INDEX).read_text())
-        files = {piece["file"] for rec in index["tensors"].values() for piece in rec["pieces"]}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{folder / INDEX}: not a readable checkpoint index ({type(e).__name__}: {e}); the "
-                              "checkpoint is damaged — resume from an earlier one") from e
-    for name in sorted(files):
-        _check_shard(inside(folder, name, "a tensor piece's file", folder / INDEX, CheckpointError))
+        try:
+            index = json.loads((folder / INDEX).read_text())
+            files = {piece["file"] for rec in index["tensors"].values() for piece in rec["pieces"]}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{folder / INDEX}: not a readable checkpoint index ({type(e).__name__}: {e}); "
+                                  "the checkpoint is damaged") from e
+        for name in sorted(files):
+            _check_shard(inside(folder, name, "a tensor piece's file", folder / INDEX, CheckpointError))
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_earlier(Path(path), folder)}") from e.__cause__
     return folder
+
+
+def _earlier(path: Path, damaged: Path) -> str:
+    """How to resume from the complete step before ``damaged``, where ``path`` is a folder of steps."""
+    if damaged == path:  # a step folder given directly
+        return " — resume from an earlier step"
+    earlier = [p for p in _complete_steps(path) if p.name < damaged.name]
+    if not earlier:
+        return f" — no earlier complete step in {path}; start without --resume"
+    return f" — resume from {earlier[-1].name}, the newest complete step before it: echo {earlier[-1].name} > " \
+           f"{path / LATEST}"
 
 
 def _check_shard(file: Path) -> None:
     """A safetensors file: an 8-byte header length, a JSON header, and the data its offsets promise."""
     if not file.is_file():
-        raise CheckpointError(f"{file}: shard file missing from the checkpoint; resume from an earlier one")
+        raise CheckpointError(f"{file}: shard file missing from the checkpoint")
     size = file.stat().st_size
     try:
         with open(file, "rb") as f:
@@ -122,11 +148,10 @@ def _check_shard(file: Path) -> None:
             header = json.loads(f.read(length))
         end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{file}: not a whole safetensors file ({e}); the checkpoint is damaged — resume from an "
-                              "earlier one") from e
+        raise CheckpointError(f"{file}: not a whole safetensors file ({e}); the checkpoint is damaged") from e
     if 8 + length + end > size:
         raise CheckpointError(f"{file}: truncated ({size} bytes, its header promises {8 + length + end}); the "
-                              "checkpoint is damaged — resume from an earlier one")
+                              "checkpoint is damaged")
 
 
 # ---------------------------------------------------------------- save

@@ -12,6 +12,7 @@ A model that is not a Hugging Face ``PreTrainedModel`` gets ``model.safetensors`
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) 
     reader = CheckpointReader(check_checkpoint(checkpoint, print))  # a damaged file named before any reading
     if model_file is None:
         model_file = inside(reader.path, "model.py", "the model copy", reader.path, CheckpointError)
+        _refuse_edited_copy(model_file, reader.index.get("model_digest"))
     model_file = Path(model_file)
     if not model_file.is_file():
         raise CheckpointError(f"{model_file}: model file missing; pass the model with --model MODEL.py")
@@ -47,6 +49,18 @@ def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) 
                                       f"{model_file} expects {tuple(p.shape)}")
             p.data = value.to(p.dtype) if value.dtype != p.dtype else value.clone()
     return model, reader.path
+
+
+def _refuse_edited_copy(model_file: Path, digest: str | None) -> None:
+    """The checkpoint's model.py is what was saved with it (its sha256 starts with the index's model_digest);
+    an edited copy is refused, as ``run`` refuses an edited compiled folder, before it runs."""
+    if not digest or not model_file.is_file():
+        return
+    found = hashlib.sha256(model_file.read_bytes()).hexdigest()
+    if not found.startswith(digest):
+        raise CheckpointError(f"{model_file}: differs from the model file this checkpoint was saved with (sha256 "
+                              f"{found[:16]}, the index records {digest}): edited after the save. Export with a "
+                              "model file you trust: --model MODEL.py")
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None) -> Path:

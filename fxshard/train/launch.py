@@ -1,4 +1,4 @@
-"""``fxshard run``: start every rank locally (torch's elastic launcher) or run as one rank of torchrun.
+"""``fxshard run`` as one rank (of torchrun, or of the local launcher in :mod:`fxshard.train.local`).
 
 Each rank imports its generated file, loads its weight shard, and trains with AdamW on the model
 file's batches.  Rank 0 prints a line per step and, with ``metrics``, appends ``{"step", "loss"}``
@@ -12,12 +12,7 @@ import json
 import math
 import os
 import re
-import signal
-import socket
-import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -45,79 +40,12 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_local(out: Path, argv: list[str], world: int) -> None:
-    """Run ``fxshard <argv>`` as ``world`` local processes under torch's elastic launcher."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    # one machine: rendezvous and workers on the loopback address only; torch's per-run log folder (the
-    # workers' error files) inside a temporary folder removed after the run
-    logs = tempfile.TemporaryDirectory(prefix="fxshard-run-")
-    store, port = _loopback_store()  # the rendezvous store, which the agent and the workers connect to
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"is_host": False}, max_restarts=0,
-        monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1",
-        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
-    )
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    if env_threads is None:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    try:
-        with _loopback_rendezvous():
-            elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
-    except (SignalException, KeyboardInterrupt) as e:  # the agent has stopped every worker before this
-        name = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
-        raise FxshardError(f"interrupted by {name}: the {world} worker processes were stopped") from None
-    except ChildFailedError as e:
-        lines = []
-        for rank, failure in sorted(e.failures.items()):
-            msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-            lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:500]}")
-        raise FxshardError("distributed run failed:\n  " + "\n  ".join(lines)) from None
-    finally:
-        del store
-        logs.cleanup()
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-
-
-def _loopback_store(port: int = 0):
-    """A TCPStore server listening on 127.0.0.1 only (a TCPStore binds every interface; given a socket bound
-    here, it listens on that one), and its port."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                          master_listen_fd=listener.detach())
-    return store, port
-
-
-@contextlib.contextmanager
-def _loopback_rendezvous():
-    """While launching locally, the store torch's elastic agent creates for its workers (torch 2.13:
-    ``DynamicRendezvousHandler._create_tcp_store_server``) listens on 127.0.0.1 only, like the rendezvous's."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    original = getattr(DynamicRendezvousHandler, "_create_tcp_store_server", None)
-    if original is None:  # another torch: its own store, on every interface
-        yield
-        return
-    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: _loopback_store(port)[0]
-    try:
-        yield
-    finally:
-        DynamicRendezvousHandler._create_tcp_store_server = original
-
-
-
-def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print) -> None:
+def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print,
+                      final_state: Path | None = None) -> None:
     """Refuse run options that could only fail later, before any process starts (the optimizer's own are
-    checked by :class:`~fxshard.train.optim.OptimConfig`)."""
+    checked by :class:`~fxshard.train.optim.OptimConfig`).  The launcher also tries the files it will write:
+    a --metrics file and a --checkpoint folder that cannot be written are named here, not by rank 0's
+    traceback after launch."""
     from fxshard.errors import OptionError
 
     if steps < 1:
@@ -125,21 +53,60 @@ def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: fl
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise OptionError(f"--timeout {timeout_s}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
-        if metrics.is_dir():
-            raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
-        if not metrics.parent.is_dir():
-            raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+        try:
+            if metrics.is_dir():
+                raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
+            if not metrics.parent.is_dir():
+                raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+            _refuse_generated(out, metrics)
+            if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
+                existed = metrics.exists()
+                with open(metrics, "a"):  # as rank 0 will
+                    pass
+                if not existed:
+                    metrics.unlink()
+        except OSError as e:
+            raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
+                              "write to") from None
+    if final_state is not None and final_state.exists() and not final_state.is_dir():
+        raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
     if checkpoint is not None:
-        if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
-            raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-        if not under_torchrun():
-            from fxshard.train.supervise import check_unlocked
+        try:
+            _check_checkpoint_option(checkpoint, say)
+        except OSError as e:
+            raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
+                              "folder you can write to") from None
 
-            check_unlocked(checkpoint.folder)
-        if checkpoint.resume:
-            from fxshard.train.checkpoint import check_checkpoint
 
-            check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+def _refuse_generated(out: Path, metrics: Path) -> None:
+    """--metrics naming one of the files the compile wrote (model.py, manifest.json, a rank file or shard) would
+    overwrite the program being run."""
+    from fxshard.codegen.folder import listed_files
+    from fxshard.codegen.manifest import MANIFEST, is_fxshard_manifest
+    from fxshard.errors import OptionError
+
+    manifest = is_fxshard_manifest(Path(out) / MANIFEST)
+    if manifest is None:
+        return
+    for name in sorted(listed_files(manifest)):
+        if (Path(out) / name).resolve() == metrics.resolve():
+            raise OptionError(f"--metrics {metrics}: is {name} of the compiled folder {out}, which the metrics would "
+                              f"overwrite; name another file, e.g. {Path(out) / 'metrics.jsonl'}")
+
+
+def _check_checkpoint_option(checkpoint, say) -> None:
+    from fxshard.errors import OptionError
+
+    if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
+        raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+    if checkpoint.resume:
+        from fxshard.train.checkpoint import check_checkpoint
+
+        check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+    if not under_torchrun():
+        from fxshard.train.supervise import check_unlocked
+
+        check_unlocked(checkpoint.folder)  # creates the folder and its lock file: both must be possible
 
 
 def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Exception:
@@ -155,6 +122,9 @@ def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Ex
         who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world}"
     elif joined:
         who = f"{int(joined[2]) - int(joined[1])} of {world} ranks"
+    elif rank != 0 and "connect" in text:  # the store lives in rank 0 (or the launcher): nothing to join
+        host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        who = f"rank 0, which hosts the store at {host} (MASTER_ADDR:MASTER_PORT),"
     else:
         who = f"some of the {world} ranks"
     return CollectiveError(
@@ -188,9 +158,9 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
 
     With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.train.memory.report_rows` of
     every rank's measured model-state bytes after training."""
-    from fxshard.train.supervise import die_with_parent
+    from fxshard.train.supervise import become_worker
 
-    die_with_parent()  # a killed launcher takes its workers with it
+    become_worker()  # a killed launcher takes its workers with it
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
@@ -205,6 +175,10 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
         except Exception as e:
             raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), timeout_s) from e
+    from fxshard.runtime import liveness
+    from fxshard.runtime.guard import doing
+
+    liveness.start(rank, doing)  # so that a rank whose collective fails can tell a stopped peer from a busy one
     try:
         memory = {} if memory_report is not None else None
         state = {} if final_state is not None else None
@@ -292,8 +266,9 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
             if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
                 from fxshard.train.checkpoint import save_checkpoint
 
-                saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
-                                        run.manifest, run.coords, run.groups["dp"], optim)
+                with named_phase(f"the checkpoint save of step {step}", dist.group.WORLD):
+                    saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
+                                            run.manifest, run.coords, run.groups["dp"], optim)
                 if saved is not None:
                     log(f"saved checkpoint {saved}")
     finally:

@@ -17,23 +17,38 @@ import ctypes.util
 import fcntl
 import os
 import signal
+import sys
 from pathlib import Path
 
 from fxshard.errors import FxshardError
 
 _PR_SET_PDEATHSIG = 1
 LOCK = ".lock"
+LAUNCHER_PID = "FXSHARD_LAUNCHER_PID"  # set by the local launcher for its workers: the parent they must have
+
+
+def become_worker() -> None:
+    """Set up a rank process started by a launcher: it dies with the launcher (:func:`die_with_parent`), Ctrl-C
+    ends it at once as SIGTERM does (a KeyboardInterrupt unwinding while gloo's and the store's threads run can
+    abort with C++'s "terminate called without an active exception"), and its step lines reach the launcher's
+    output as they are printed, not in blocks when a pipe's buffer fills."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens)."""
-    parent = os.getppid()
+    """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens).
+
+    The request only covers a parent still alive when it is made; a worker whose launcher died while it was
+    starting (importing torch takes seconds) has already been handed to init, so it compares its parent with
+    the launcher's pid it was given and exits."""
+    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
     libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
+    if libc_name is not None:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request: nobody supervises this rank
         os._exit(1)
 
@@ -63,7 +78,6 @@ def checkpoint_lock(folder: Path):
 
 
 def check_unlocked(folder: Path) -> None:
-    """Before launch: refuse a checkpoint folder another run holds."""
-    if folder.is_dir():
-        with checkpoint_lock(folder):
-            pass
+    """Before launch: refuse a checkpoint folder another run holds (the folder is created if new)."""
+    with checkpoint_lock(folder):
+        pass

@@ -70,4 +70,5 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     }
     assert any(text in summary for text in named.values()), summary
     assert "`fxshard check OUT` names the line where" in summary
+    assert "(training step 1) is alive but not in this collective" in summary  # its heartbeat: not a stopped peer
     assert "Traceback" not in proc.stderr

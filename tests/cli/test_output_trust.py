@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from fxshard.train.checkpoint import CheckpointError, CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "tests" / "models" / "mlp.py"
+GPT = ROOT / "samples" / "gpt.py"
 
 
 def fxshard(*args):
@@ -116,6 +118,36 @@ def test_an_interrupted_compile_leaves_the_old_folder_untouched(tmp_path, monkey
     assert after == 0 or len(calls) > after + 1  # the swap had moved files, and the rollback moved them back
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_compile_writes_leaves_the_old_folder_untouched(tmp_path, sig):
+    """The real signal, sent by pid while the new program is being written into its staging sibling (the
+    compile is stopped there with SIGSTOP, so the signal lands mid-write however fast the disk)."""
+    out = tmp_path / "o"
+    compile_model(GPT, Layout(tp=2), out=out)
+    before = _snapshot(out)
+    for _attempt in range(5):  # a compile that wrote faster than we looked is simply tried again
+        proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "compile", str(GPT), "--tp", "4",
+                                 "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+        caught = False
+        while proc.poll() is None and not caught:
+            if _leftovers(tmp_path):
+                proc.send_signal(signal.SIGSTOP)
+                caught = bool(_leftovers(tmp_path))  # still writing: the signal lands mid-write
+                if caught:
+                    proc.send_signal(sig)
+                proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=300)
+        if caught:
+            break
+        compile_model(GPT, Layout(tp=2), out=out)  # the compile finished: put the tp=2 folder back, try again
+        before = _snapshot(out)
+    assert caught, "never saw the compile writing its staging folder"
+    assert proc.returncode == 2, err
+    assert err.strip() == f"error: compile interrupted by {sig.name}: {out} was left as it was", err
+    assert _snapshot(out) == before and _leftovers(tmp_path) == []
+
+
 def test_a_symlinked_model_py_is_not_written_through(tmp_path):
     out = tmp_path / "o"
     compile_model(MLP, Layout(tp=2), out=out)
@@ -200,6 +232,11 @@ def test_an_edit_that_changes_only_numbers_is_refused_by_check_and_run(tmp_path)
     (out / "model.py").write_text((out / "model.py").read_text() + "\nprint('injected')\n")
     check = fxshard("check", out)
     assert check.returncode == 2 and "model.py" in check.stderr and "rank_pp0_tp1.py" in check.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["digests"]  # as an older fxshard wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    check = fxshard("check", out)
+    assert check.returncode == 2 and "records no sha256 of the generated files" in check.stderr, check.stderr
     helptext = fxshard("run", "--help").stdout
     assert "--allow-edited" in helptext and "sha256" in helptext
 
@@ -264,4 +301,24 @@ def test_weights_config_differing_beyond_the_shapes_warns(tmp_path, llama_folder
     (folder / "config.json").write_text(json.dumps(config))
     proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", folder, "--out", tmp_path / "o")
     assert proc.returncode == 0, proc.stderr
-    assert "hidden_act: 'gelu' in the folder, 'silu' in make_model()" in proc.stderr
+    assert "warning: " in proc.stderr and "hidden_act: 'gelu' in the folder, 'silu' in make_model()" in proc.stderr
+    assert "weights.py" not in proc.stderr  # one line, not Python's warning with fxshard's source line
+
+
+def test_weights_config_of_an_older_transformers_is_compared_as_read(tmp_path, llama_folder):
+    import shutil
+
+    folder = tmp_path / "llama"
+    shutil.copytree(llama_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"]
+    config["rope_theta"] = 500000.0  # where transformers 4 wrote it; transformers 5 reads it into rope_parameters
+    (folder / "config.json").write_text(json.dumps(config))
+    proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", folder, "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    assert "rope_parameters: {'rope_theta': 500000.0" in proc.stderr, proc.stderr  # was silent
+
+
+def test_an_unchanged_weights_config_warns_nothing(tmp_path, llama_folder):
+    proc = fxshard("compile", ROOT / "samples" / "llama.py", "--weights", llama_folder, "--out", tmp_path / "o")
+    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr

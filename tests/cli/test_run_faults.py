@@ -82,9 +82,26 @@ def test_a_damaged_checkpoint_is_named_before_launch_and_by_export(saved, tmp_pa
         shard.unlink()
     run = _fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume")
     assert run.returncode == 2 and "shard-pp0-tp1.safetensors" in run.stderr and "launching" not in run.stdout
+    # and how to go on: the complete step before it, and how to point latest at it
+    assert f"resume from step-00000001, the newest complete step before it: echo step-00000001 > {ckpt / 'latest'}" \
+        in run.stderr, run.stderr
     export = _fxshard("export", ckpt, "--hf", tmp_path / "hf")
     assert export.returncode == 2 and "shard-pp0-tp1.safetensors" in export.stderr
     assert "Traceback" not in run.stderr + export.stderr
+
+
+@pytest.mark.e2e
+def test_export_refuses_an_edited_model_copy_before_running_it(saved, tmp_path):
+    out, ckpt = _copy(saved, tmp_path)
+    copy = ckpt / "step-00000002" / "model.py"
+    ran = tmp_path / "ran"
+    copy.write_text(copy.read_text() + f"\nopen({str(ran)!r}, 'w').write('ran')\n")
+    export = _fxshard("export", ckpt, "--hf", tmp_path / "hf")
+    assert export.returncode == 2 and f"{copy}: differs from the model file this checkpoint was saved with" in \
+        export.stderr, export.stderr
+    assert not ran.exists() and "Traceback" not in export.stderr
+    trusted = _fxshard("export", ckpt, "--hf", tmp_path / "hf", "--model", MLP)  # the override
+    assert trusted.returncode == 0, trusted.stdout + trusted.stderr
 
 
 @pytest.mark.e2e
@@ -104,7 +121,16 @@ def test_a_run_leaves_no_temporary_folder_behind(tmp_path):
     out, tmp = tmp_path / "o", tmp_path / "tmp"
     tmp.mkdir()
     compile_model(MLP, Layout(tp=2), out=out)
-    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1"],
-                         capture_output=True, text=True, timeout=300, env=os.environ | {"TMPDIR": str(tmp)})
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert sorted(p.name for p in tmp.iterdir()) == []  # torch's torchelastic_* log folder included
+    # as a user's shell has it: this test process imported torch's compiler, which exports TORCHINDUCTOR_CACHE_DIR
+    # (a child would then not touch TMPDIR at all, and the test would prove nothing)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TMPDIR": str(tmp)}
+    left = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1"],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        left.append(sorted(p.name for p in tmp.iterdir()))
+    # torch's per-user compile cache (made when torch._dynamo is imported, reused by every later process) is
+    # torch's own; no run leaves a folder of its own (torchelastic_*, fxshard-run-*), so nothing piles up
+    assert all(name.startswith("torchinductor_") for name in left[1]), left
+    assert left[0] == left[1]

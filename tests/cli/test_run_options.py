@@ -39,12 +39,21 @@ def _run(*args):
     (["--metrics", "{tmp}/missing/m.jsonl"], "the folder {tmp}/missing does not exist"),
     (["--checkpoint", "{tmp}/a-file"], "is a file; --checkpoint names a folder"),
     (["--checkpoint", "{tmp}/empty", "--resume"], "no checkpoint here"),
+    # names the file system refuses even to root (too long): before, rank 0's OSError traceback after launch
+    (["--metrics", "{tmp}/" + "m" * 300], "cannot be written (File name too long)"),
+    (["--checkpoint", "{tmp}/" + "c" * 300], "cannot be written (File name too long)"),
+    (["--checkpoint", "{tmp}/a-file/ckpt"], "cannot be written (Not a directory)"),
+    (["--final-state", "{tmp}/a-file"], "is a file; --final-state names a folder"),
+    (["--metrics", "{out}/model.py"], "is model.py of the compiled folder"),  # was overwritten with JSON lines
+    (["--metrics", "{out}/manifest.json"], "is manifest.json of the compiled folder"),
 ])
 def test_a_bad_option_is_refused_before_launch(out, tmp_path, args, says):
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "empty").mkdir()
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{out}", str(out)) for a in args]
+    before = {p: p.read_bytes() for p in out.glob("*") if p.is_file()}
     proc = _run(out, *args)
+    assert {p: p.read_bytes() for p in out.glob("*") if p.is_file()} == before
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert says.replace("{tmp}", str(tmp_path)) in proc.stderr and "Traceback" not in proc.stderr
     assert "launching" not in proc.stdout and "static checks" not in proc.stdout  # refused before anything ran

@@ -1,12 +1,14 @@
 """A rank that stops or never starts is named, with the phase or collective it left waiting, within the timeout.
 
-Real processes and real signals: a worker SIGSTOPped under dp=2 ZeRO 3 (FSDP2's own collectives), and a
-rank 1 of 2 that never starts (rank 0 started by hand, as torchrun would).
+Real processes and real signals: a worker SIGSTOPped under dp=2 ZeRO 3 (FSDP2's own collectives), tp=2
+(fxshard's all-reduce) and pp=2 (the pipeline schedule's sends), and a rank 1 of 2 that never starts (rank 0
+started by hand, as torchrun would).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,9 +21,10 @@ from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_supervision import _alive, _children  # noqa: E402
+from test_supervision import _alive, _ranks  # noqa: E402
 
 MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"
+GPT = Path(__file__).resolve().parents[2] / "samples" / "gpt.py"
 
 
 def _port() -> int:
@@ -44,25 +47,50 @@ def test_a_rank_that_never_starts_is_named_at_start_up(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_stopped_rank_under_zero3_is_named_with_the_phase(tmp_path):
+def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
     out = tmp_path / "o"
-    compile_model(MLP, Layout(dp=2, zero=3), out=out)
+    compile_model(MLP, Layout(tp=2), out=out)
+    port = _port()
+    env = os.environ | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}
+    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "5"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2
+    assert (f"error: rank 1: start-up: rank 0, which hosts the store at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT), "
+            "did not join the process group within --timeout 5 s") in run.stderr, run.stderr  # was 'some of the 2'
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model, layout, waiting", [
+    (MLP, Layout(dp=2, zero=3),
+     r"rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp \(ZeRO 3\) in training step \d+ "),
+    # forward or backward, wherever the stop caught rank 1: the line and the collective's number
+    (MLP, Layout(tp=2), r"rank 0: all_reduce (\(backward of copy_to\) )?float32 \[4, 16\] \(rank_pp0_tp0\.py:\d+, "
+                        r"collective #\d+ over this group in training step \d+\)"),
+    (GPT, Layout(pp=2), r"rank 0: pipeline schedule Schedule1F1B \(send/recv of activations and gradients\) "
+                        r"\(collective #\d+ over this group in training step \d+\)"),
+], ids=["dp2-zero3", "tp2", "pp2"])
+def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting):
+    out = tmp_path / "o"
+    compile_model(model, layout, out=out)
     proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
                              "--timeout", "8", "--no-check"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     for line in proc.stdout:
         if "step 2/" in line:
             break
-    workers = _children(proc.pid)
-    stopped = max(workers)  # one of the two ranks
-    os.kill(stopped, signal.SIGSTOP)
+    workers = _ranks(proc.pid)
+    os.kill(workers[1], signal.SIGSTOP)
     try:
-        out_text, err = proc.communicate(timeout=180)
+        _, err = proc.communicate(timeout=180)
     finally:
-        for pid in workers:
+        for pid in workers.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3) in training step" in err, err
-    assert "did not reach this point within --timeout" in err
-    assert "fxshard check" not in err  # the code was fine: a peer stopped
+    assert proc.returncode == 2, err
+    assert re.search(waiting, err), err
+    assert "rank 1 (last seen in " in err and "does not answer, its heartbeat stopped" in err, err
+    assert "the rank files are not at fault" in err and "fxshard check" not in err  # the code was fine
+    assert "rank 1 was stopped by the launcher (SIGTERM) because rank 0 failed" in err  # woken, not left 30 s
+    assert "Traceback" not in err
