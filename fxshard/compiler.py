@@ -34,7 +34,7 @@ from fxshard.codegen.weights import checkpoint_source, external_weights, shard_m
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import CompileContext, Layout, spec
 from fxshard.ir.cut import choose_microbatches, label_markers
-from fxshard.ir.placement import SliceSpec, local_shape, take
+from fxshard.ir.placement import local_shape, slice_spec, take
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
@@ -271,7 +271,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
                 s = state[pname]
                 placement = spec(placeholders[pname]).placement
                 full = program.tensors[s.fqn]
-                sl = SliceSpec.of(placement, tp_rank, layout.tp)
+                sl = slice_spec(placement, tp_rank, layout.tp)
                 local = take(full.detach(), sl)
                 tensors[key] = local.contiguous().clone()
                 entries[key] = {

@@ -24,7 +24,7 @@ from fxshard.codegen.manifest import rank_entry
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
-from fxshard.ir.placement import SliceSpec, assemble
+from fxshard.runtime.slices import SliceSpec, assemble
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 

@@ -9,8 +9,8 @@ trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the
     shard-pp0-tp1.safetensors     keys "fqn|kind|dim.index.parts.blocks", kind in param/exp_avg/...
 
 Loading is by slice: a rank of any layout reads the pieces of each source it holds, assembles them
-when its slice differs from the saved one (:func:`fxshard.ir.placement.assemble`), and takes its own
-(:func:`fxshard.ir.placement.take`); Adam state is resharded exactly like the parameter.  Under
+when its slice differs from the saved one (:func:`fxshard.runtime.slices.assemble`), and takes its own
+(:func:`fxshard.runtime.slices.take`); Adam state is resharded exactly like the parameter.  Under
 ``--dtype bf16`` the saved value is the fp32 master weight.
 
 Why not ``torch.distributed.checkpoint``: DCP reshards only DTensor / ShardedTensor, and the packed
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from fxshard.codegen.manifest import inside
 from fxshard.errors import FxshardError
-from fxshard.ir.placement import SliceSpec, assemble, take
+from fxshard.runtime.slices import SliceSpec, assemble, take
 
 FORMAT = "fxshard-checkpoint/1"
 LATEST = "latest"
