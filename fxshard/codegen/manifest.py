@@ -98,10 +98,7 @@ def refuse_edited(out: Path, manifest: dict) -> None:
 
 
 def layout_of(manifest: dict) -> Layout:
-    lay = manifest["layout"]
-    return Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], zero=lay["zero"], schedule=lay["schedule"],
-                  microbatches=lay["microbatches"], virtual_stages=lay.get("virtual_stages"),
-                  dtype=lay.get("dtype", "fp32"))
+    return Layout.from_json(manifest["layout"])
 
 
 def rank_entry(manifest: dict, coords: dict[str, int]) -> dict:
