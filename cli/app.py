@@ -220,7 +220,7 @@ def run(
     Refused before launch (with or without --check): a rank file or model.py edited after compile (its
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
-    from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
+    from fxshard.codegen.manifest import read_manifest, refuse_edited
     from fxshard.train.launch import check_run_options, launch_local, run_args, run_rank, under_torchrun
     from fxshard.train.optim import OptimConfig
 
@@ -241,7 +241,7 @@ def run(
                          final_state=final_state, checkpoint=ckpt)
             return
         manifest = read_manifest(out)
-        world = layout_of(manifest).world_size
+        world = manifest.layout.world_size
         if check:
             from fxshard.tools.check import check_output
 
@@ -250,7 +250,7 @@ def run(
             console.print(f"static checks: OK ({report.ranks} rank files agree on every collective and send)")
         elif not allow_edited:
             refuse_edited(out, manifest)
-        console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
+        console.print(f"launching {world} processes for {out} ({manifest.layout.describe()})")
         argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state, checkpoint=ckpt)
         argv += ["--allow-edited"] if allow_edited else []
         launch_local(out, argv, world)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
+from fxshard.codegen.manifest import Manifest, RankEntry, import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state
@@ -221,7 +221,7 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
             if rank == 0:
-                memory_report(report_rows(samples, layout_of(read_manifest(out))))
+                memory_report(report_rows(samples, read_manifest(out).layout))
         return losses
     finally:
         dist.destroy_process_group()
@@ -231,9 +231,9 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
 class _Run:
     """One rank's training, set up: what it holds, how one batch runs, and the optimizer."""
 
-    manifest: dict
+    manifest: Manifest
     layout: Layout
-    entry: dict
+    entry: RankEntry
     coords: dict[str, int]
     groups: dict
     device: torch.device
@@ -309,7 +309,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
 def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
-    layout = layout_of(manifest)
+    layout = manifest.layout
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
@@ -320,16 +320,16 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     coords = layout.coords(rank)
-    entry = rank_entry(manifest, coords)
-    code = import_rank_file(out / entry["file"])
-    batches = load_model_file(out / manifest["model_file"]).batches(steps * optim.grad_accum, manifest["seed"])
+    entry = manifest.rank(coords)
+    code = import_rank_file(out / entry.file)
+    batches = load_model_file(out / manifest.model_file).batches(steps * optim.grad_accum, manifest.seed)
     dp_mesh = mesh["dp"]
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
         module = code.RankModule(groups, device)
         module.return_outputs = False  # training needs the loss alone
-        runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters, reader, entry)
+        runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry)
         params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
     else:
         groups |= _tied_groups(manifest, layout, rank)
@@ -353,7 +353,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
     dp_rank, dp = run.coords["dp"], layout.dp
     batches = run.batches[(step - 1) * accum:step * accum]
-    microbatches = manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1
+    microbatches = manifest.pipeline.microbatches if layout.pp > 1 else 1
     counting = contextlib.nullcontext()
     if run.count_tokens is not None:  # a token-mean loss: the step's count, from the whole step's batches
         counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
@@ -361,8 +361,8 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     value = 0.0
     with counting, named_phase(_torch_issued(layout, step), run.groups["dp"]):
         for number, batch in enumerate(batches, (step - 1) * accum):
-            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
-            begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
+            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest.inputs)]
+            begin_batch(manifest.seed, number, dp_rank * local_rows(leaves))  # dropout masks of this batch
             value += run.step_fn(leaves) / accum
     divisor = accum * microbatches
     if divisor > 1:  # gradients summed over batches and microbatches: average them
@@ -393,12 +393,11 @@ def _torch_issued(layout: Layout, step: int) -> str:
     return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
 
 
-def _count_tokens(count: Callable, batch, manifest: dict) -> int:
+def _count_tokens(count: Callable, batch, manifest: Manifest) -> int:
     """The targets a token-mean loss counts in one whole batch: ``count`` runs on each microbatch-sized run of
     rows (the shapes it was compiled for), whichever rank and microbatch those rows go to."""
-    leaves = flatten_batch(batch, manifest["inputs"])
-    rows = next((i["microbatch_shape"][0] for i in manifest["inputs"] if i["is_tensor"] and i["microbatch_shape"]),
-                None)
+    leaves = flatten_batch(batch, manifest.inputs)
+    rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
     total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
     if rows is None or total is None or rows == total:
         return int(count(*leaves))
@@ -417,7 +416,7 @@ def _trained_state(held: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
+def _resume_reader(checkpoint, manifest: Manifest, out: Path, steps: int):
     """The checkpoint to resume from (checked against the compiled model), or None."""
     if checkpoint is None or not checkpoint.resume:
         return None
@@ -432,7 +431,7 @@ def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
 
 
 def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
-             entry: dict | None = None) -> torch.nn.Module:
+             entry: RankEntry | None = None) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
@@ -459,21 +458,21 @@ def _to_rank(v, dp: int, dp_rank: int, device, layout):
     return v.to(layout.compute_dtype) if layout.mixed and v.is_floating_point() else v
 
 
-def _local_parameter_count(held: dict, entry: dict) -> int:
+def _local_parameter_count(held: dict, entry: RankEntry) -> int:
     """Ψ of this rank: elements of its (tp- and pp-local) parameters, before any dp sharding."""
-    return sum(math.prod(t["shape"]) for key, t in entry["tensors"].items()
-               if t["kind"] == "parameter" and any(key.startswith(prefix) for prefix in held))
+    return sum(math.prod(t.shape) for key, t in entry.tensors.items()
+               if t.kind == "parameter" and any(key.startswith(prefix) for prefix in held))
 
 
-def _norm_weights(held: dict, entry: dict, manifest: dict, layout) -> list[tuple[torch.nn.Parameter, float]]:
+def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> list[tuple[torch.nn.Parameter, float]]:
     """Each local parameter with the weight of its gradient's squares in the global norm (1/copies)."""
-    copies = {t["fqn"]: len(t["stages"]) for t in manifest.get("pipeline", {}).get("tied", [])}
+    copies = {t.fqn: len(t.stages) for t in manifest.tied_across_stages}
     out = []
     for prefix, module in held.items():
         for name, p in module.named_parameters():
-            t = entry["tensors"][prefix + name]
-            w = 1.0 / copies.get(t["source"], 1)
-            if t["placement"] == "Replicate()":
+            t = entry.tensors[prefix + name]
+            w = 1.0 / copies.get(t.source, 1)
+            if t.placement == "Replicate()":
                 w /= layout.tp  # the same gradient on every tp rank
             if layout.dp > 1 and layout.zero < 2:
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
@@ -500,13 +499,13 @@ def _plain_step(module):
     return step
 
 
-def _tied_groups(manifest: dict, layout, rank: int) -> dict:
+def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
     """One process group per weight shared by stages on different pp ranks, per (dp, tp) coordinate.
 
     Every rank creates every group in the same order (``new_group`` is collective over the world)."""
     groups = {}
-    for tie in manifest.get("pipeline", {}).get("tied", []):
-        pp_ranks = sorted({layout.stage_rank(s) for s in tie["stages"]})
+    for tie in manifest.tied_across_stages:
+        pp_ranks = sorted({layout.stage_rank(s) for s in tie.stages})
         if len(pp_ranks) < 2:
             continue
         for d in range(layout.dp):
@@ -514,11 +513,11 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
                 ranks = [layout.rank_of(d, p, t) for p in pp_ranks]
                 group = dist.new_group(ranks)
                 if rank in ranks:
-                    groups[tie["name"]] = group
+                    groups[tie.name] = group
     return groups
 
 
-def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
+def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
               masters: dict, reader=None):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
@@ -538,14 +537,14 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     )
 
     modules, runners = {}, {}
-    for st in entry["stages"]:
-        module = getattr(code, st["class"])(groups, device)
-        runners[st["index"]] = _prepare(code, module, out / entry["weights"], st["class"] + ".", layout, dp_mesh,
-                                        masters, reader, entry)
-        modules[st["index"]] = module
+    for st in entry.stages:
+        module = getattr(code, st.class_name)(groups, device)
+        runners[st.index] = _prepare(code, module, out / entry.weights, st.class_name + ".", layout, dp_mesh,
+                                     masters, reader, entry)
+        modules[st.index] = module
     stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
               for s, m in sorted(modules.items())]
-    microbatches = manifest["pipeline"]["microbatches"]
+    microbatches = manifest.pipeline.microbatches
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
     last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])
