@@ -88,14 +88,16 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
-    from fxshard.train.launch import launch_local, run_args
+    from fxshard.train.launch import launch_local
+    from fxshard.train.options import RunOptions
 
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"
         result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        launch_local(out, run_args(out, steps, optim, metrics, timeout_s, final_state=final), layout.world_size)
+        options = RunOptions(steps, optim, metrics, timeout_s, final_state=final)
+        launch_local(out, options.argv(out), layout.world_size)
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}

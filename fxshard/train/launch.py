@@ -39,6 +39,7 @@ from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
 from fxshard.train.memory import MemoryProbe
 from fxshard.train.optim import OptimConfig, clip_grad_norm_
+from fxshard.train.options import RunOptions
 
 
 def under_torchrun() -> bool:
@@ -115,33 +116,6 @@ def _loopback_rendezvous():
 
 
 
-def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print) -> None:
-    """Refuse run options that could only fail later, before any process starts (the optimizer's own are
-    checked by :class:`~fxshard.train.optim.OptimConfig`)."""
-    from fxshard.errors import OptionError
-
-    if steps < 1:
-        raise OptionError(f"--steps {steps}: expected at least 1 step (steps count from the start, resumed or not)")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise OptionError(f"--timeout {timeout_s}: expected a positive number of seconds, e.g. --timeout 300")
-    if metrics is not None:
-        if metrics.is_dir():
-            raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
-        if not metrics.parent.is_dir():
-            raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
-    if checkpoint is not None:
-        if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
-            raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-        if not under_torchrun():
-            from fxshard.train.supervise import check_unlocked
-
-            check_unlocked(checkpoint.folder)
-        if checkpoint.resume:
-            from fxshard.train.checkpoint import check_checkpoint
-
-            check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
-
-
 def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Exception:
     """A process group that did not form: name the ranks that never joined (from the store keys torch waited
     for) instead of torch's ``DistStoreError: wait timeout ... keys: /default_pg/0//cpu//0/1``."""
@@ -162,32 +136,11 @@ def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Ex
         f"(not started, stopped, or died before connecting); {type(e).__name__}: {text.strip().splitlines()[0][:200]}")
 
 
-def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
-             memory_report: bool = False, final_state: Path | None = None, checkpoint=None) -> list[str]:
-    """The ``fxshard run`` arguments each launched rank receives (``checkpoint``: a CheckpointConfig)."""
-    argv = ["run", str(out), "--steps", str(steps), "--lr", repr(optim.lr), "--beta1", repr(optim.beta1),
-            "--beta2", repr(optim.beta2), "--eps", repr(optim.eps), "--weight-decay", repr(optim.weight_decay),
-            "--timeout", repr(timeout_s), "--grad-accum", str(optim.grad_accum)]
-    if metrics:
-        argv += ["--metrics", str(metrics)]
-    if optim.clip_grad_norm is not None:
-        argv += ["--clip-grad-norm", repr(optim.clip_grad_norm)]
-    if memory_report:
-        argv += ["--memory-report"]
-    if final_state:
-        argv += ["--final-state", str(final_state)]
-    if checkpoint is not None:
-        argv += ["--checkpoint", str(checkpoint.folder), "--save-every", str(checkpoint.save_every)]
-        argv += ["--resume"] if checkpoint.resume else []
-    return argv
-
-
-def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
-             log=print, memory_report=None, final_state: Path | None = None, checkpoint=None) -> list[float]:
+def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> list[float]:
     """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses.
 
-    With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.train.memory.report_rows` of
-    every rank's measured model-state bytes after training."""
+    With ``memory_report`` (a callable, given when ``options.memory_report`` asks for the report), rank 0 calls
+    it with :func:`fxshard.train.memory.report_rows` of every rank's measured model-state bytes after training."""
     from fxshard.train.supervise import die_with_parent
 
     die_with_parent()  # a killed launcher takes its workers with it
@@ -202,14 +155,15 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():
         try:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.timeout))
         except Exception as e:
-            raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), timeout_s) from e
+            raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), options.timeout) from e
     try:
         memory = {} if memory_report is not None else None
+        final_state = options.final_state
         state = {} if final_state is not None else None
-        losses = train(out, steps, optim, metrics, device, log, memory=memory, final_state=state,
-                       checkpoint=checkpoint)
+        losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
+                       final_state=state, checkpoint=options.checkpoint_config())
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
