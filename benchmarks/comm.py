@@ -12,8 +12,8 @@ Three sources for the tensor-parallel step, side by side:
   vocab-parallel embedding, one backward all-reduce at the LM head's input, and the vocab-parallel
   cross entropy's 3 forward all-reduces of B·S fp32 values (max, target logit, sum of exponentials).
   fxshard's cross entropy sends the same information in one all-gather of 2 values per token per rank.
-- **stated by fxshard**: the generated file's header line and ``manifest.json``'s
-  ``ranks[i]["collectives"]``, before anything runs (:func:`fxshard_stated`).
+- **stated by fxshard**: the generated file's header line and ``manifest.json``'s list of each rank's
+  collectives (``Manifest.ranks[i].collectives``), before anything runs (:func:`fxshard_stated`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import markdown_table
+from fxshard.codegen.manifest import Manifest
 
 # op name -> index of the argument holding this rank's input tensor(s)
 _C10D_INPUT = {
@@ -106,24 +107,24 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64"
 _HEADER = re.compile(r"^# collectives per \w+ \(forward; backward mirrors them\): (.*)$", re.M)
 
 
-def fxshard_stated(out: Path, manifest: dict, rank: int = 0) -> dict:
+def fxshard_stated(out: Path, manifest: Manifest, rank: int = 0) -> dict:
     """What fxshard's output says rank ``rank`` issues per step: the header line and the manifest's list."""
-    entry = manifest["ranks"][rank]
-    header = _HEADER.search((Path(out) / entry["file"]).read_text())
+    entry = manifest.ranks[rank]
+    header = _HEADER.search((Path(out) / entry.file).read_text())
     counts: dict[str, dict[str, dict[str, int]]] = {}
-    for c in entry["collectives"]:
-        if c.get("outputs_only"):  # not issued in training
+    for c in entry.collectives:
+        if c.outputs_only:  # not issued in training
             continue
-        nbytes = _DTYPE_BYTES.get(c["dtype"], 4)
-        for s in c["shape"]:
+        nbytes = _DTYPE_BYTES.get(c.dtype, 4)
+        for s in c.shape:
             nbytes *= s
-        phases = [] if c["op"] == "copy_to" else [("forward", c["op"])]
-        if c["backward"]:
-            phases.append(("backward", c["backward"]))
+        phases = [] if c.op == "copy_to" else [("forward", c.op)]
+        if c.backward:
+            phases.append(("backward", c.backward))
         for phase, kind in phases:
             # "shape" is the collective's input as this rank holds it; the one case where backward sends
             # less is scatter's backward all-gather, whose input is this rank's part of that tensor
-            part = nbytes if kind == "all_reduce" or phase == "forward" else nbytes // manifest["layout"][c["group"]]
+            part = nbytes if kind == "all_reduce" or phase == "forward" else nbytes // getattr(manifest.layout, c.group)
             e = counts.setdefault(phase, {}).setdefault(kind, {"calls": 0, "bytes": 0})
             e["calls"] += 1
             e["bytes"] += part

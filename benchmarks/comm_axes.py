@@ -105,11 +105,11 @@ def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
         log(f"traffic: {name}")
         measured = spawn(_worker, layout.world_size, {name: str(out)})[0][name]  # rank 0's view
         stated = plan_costs(MODEL, layout).ranks[0]
-        entry = result.manifest["ranks"][0]
-        psi = sum(torch.Size(t["shape"]).numel() for t in entry["tensors"].values() if t["kind"] == "parameter")
+        entry = result.manifest.ranks[0]
+        psi = sum(torch.Size(t.shape).numel() for t in entry.tensors.values() if t.kind == "parameter")
         row = {"layout": name, "measured": measured, "psi": psi}
         if layout.pp > 1 and layout.dp == 1:
-            m, (b, s) = result.manifest["pipeline"]["microbatches"], result.manifest["inputs"][0]["microbatch_shape"]
+            m, (b, s) = result.manifest.pipeline.microbatches, result.manifest.inputs[0].microbatch_shape
             hidden = 64  # samples/gpt.py
             row["expected_bytes"] = m * (b * s * hidden * 4 + b * s * 8)  # stage 0 sends activations + targets
             row["measured_bytes"] = measured["send"]["bytes"]
@@ -121,7 +121,7 @@ def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
             wire = sum(WIRE[k](dp) * v["bytes"] for k, v in measured["collectives"].items() if k in recipe
                        and v["bytes"] > 64)
             row["measured_bytes"] = wire
-            m = result.manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1
+            m = result.manifest.pipeline.microbatches if layout.pp > 1 else 1
             # passes of 4Ψ bytes: ZeRO 0 all-reduce 2, ZeRO 1 + broadcast 3, ZeRO 2 reduce-scatter + gather 2,
             # ZeRO 3 reduce-scatter + a gather per microbatch forward + one for the backwards
             row["expected_bytes"] = {0: 2, 1: 3, 2: 2, 3: m + 2}[layout.zero] * (dp - 1) / dp * 4 * psi

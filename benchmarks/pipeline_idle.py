@@ -63,31 +63,31 @@ class PipelineRunner:
 
         from fxshard.capture.inputs import flatten_batch
         from fxshard.capture.modelfile import load_model_file
-        from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
+        from fxshard.codegen.manifest import import_rank_file, read_manifest
         from fxshard.runtime import load_state
         from fxshard.runtime.pipeline import make_schedule, pipeline_stage
         from fxshard.train.optim import OptimConfig
 
         manifest = read_manifest(out)
-        self.layout = layout = layout_of(manifest)
+        self.layout = layout = manifest.layout
         mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
         self.groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
-        entry = rank_entry(manifest, layout.coords(dist.get_rank()))
-        code = import_rank_file(out / entry["file"])
+        entry = manifest.rank(layout.coords(dist.get_rank()))
+        code = import_rank_file(out / entry.file)
         device = torch.device("cpu")
         modules = {}
-        for st in entry["stages"]:
-            modules[st["index"]] = getattr(code, st["class"])(self.groups, device)
-            load_state(modules[st["index"]], out / entry["weights"], prefix=st["class"] + ".")
+        for st in entry.stages:
+            modules[st.index] = getattr(code, st.class_name)(self.groups, device)
+            load_state(modules[st.index], out / entry.weights, prefix=st.class_name + ".")
         self.stages = [pipeline_stage(modules[s], s, layout.num_stages, device, self.groups["pp"])
                        for s in sorted(modules)]
         self.clock = BusyClock()
         for stage in self.stages:
             self.clock.wrap(stage)
-        self.microbatches = manifest["pipeline"]["microbatches"]
+        self.microbatches = manifest.pipeline.microbatches
         self.schedule = make_schedule(layout.schedule, self.stages, self.microbatches)
-        batch = load_model_file(out / manifest["model_file"]).build_inputs(manifest["seed"])
-        self.inputs = [v for v in flatten_batch(batch, manifest["inputs"]) if isinstance(v, torch.Tensor)]
+        batch = load_model_file(out / manifest.model_file).build_inputs(manifest.seed)
+        self.inputs = [v for v in flatten_batch(batch, manifest.inputs) if isinstance(v, torch.Tensor)]
         self.optimizer = OptimConfig().make([p for m in modules.values() for p in m.parameters()])
         self.samples: list[tuple[float, float]] = []  # (wall, busy) seconds per step
 
@@ -126,12 +126,12 @@ def run(pp: int, microbatches: int, workdir: Path, rounds: int, warmup: int, sch
         out = workdir / f"mlp-pp{pp}-{s}"
         result = compile_model(MODEL_FILE, Layout(pp=pp, schedule=s, microbatches=microbatches), out=out)
         outs[s] = str(out)
-        layouts[s] = result.manifest["layout"]
+        layouts[s] = result.manifest.layout
     log(f"pipeline pp={pp}: {rounds} interleaved steps of {', '.join(schedules)} ({microbatches} microbatches)")
     per_rank = spawn(_worker, pp, outs, rounds, warmup)
     rows = {}
     for s in schedules:
-        v = layouts[s]["virtual_stages"] or 1
+        v = layouts[s].virtual_stages or 1
         idle = [statistics.median(1 - busy / wall for wall, busy in samples[s]) for samples in per_rank]
         wall = statistics.median(max(w for w, _ in step) for step in zip(*(r[s] for r in per_rank), strict=True))
         rows[s] = {"stages_per_rank": v, "step_ms": round(wall * 1e3, 2),

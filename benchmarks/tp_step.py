@@ -105,19 +105,19 @@ def fxshard_contender(out: Path, inputs: dict) -> Contender:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxshard.capture.inputs import flatten_batch
-    from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
+    from fxshard.codegen.manifest import import_rank_file, read_manifest
     from fxshard.runtime import load_state
 
     manifest = read_manifest(out)
-    layout = layout_of(manifest)
+    layout = manifest.layout
     mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
-    entry = rank_entry(manifest, layout.coords(dist.get_rank()))
-    code = import_rank_file(out / entry["file"])
+    entry = manifest.rank(layout.coords(dist.get_rank()))
+    code = import_rank_file(out / entry.file)
     module = code.RankModule(groups, torch.device("cpu"))
     module.return_outputs = False  # as fxshard.train.launch.train does
-    load_state(module, out / entry["weights"])
-    leaves = flatten_batch(inputs, manifest["inputs"])
+    load_state(module, out / entry.weights)
+    leaves = flatten_batch(inputs, manifest.inputs)
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -11,6 +12,7 @@ import typer
 from rich.console import Console
 
 from fxshard.errors import FxshardError, FxshardWarning
+from fxshard.train.options import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Compile unmodified PyTorch models into readable per-rank distributed training code.")
@@ -165,13 +167,27 @@ def show(
         _fail(e)
 
 
-AllowEdited = Annotated[bool, typer.Option("--allow-edited",
-                                           help="accept rank files and model.py whose sha256 differs from the one "
-                                                "manifest.json recorded at compile (files edited by hand)")]
+def _option(flag) -> typer.models.OptionInfo:
+    """The typer option of one of ``fxshard run``'s flags (:class:`fxshard.train.options.Flag`)."""
+    return typer.Option(flag.default, flag.declaration, help=flag.help or None, hidden=flag.hidden)
+
+
+def _run_options(command):
+    """Give ``command`` (``out`` alone) an option per flag of RunOptions, in order: typer reads the signature."""
+    out = next(iter(inspect.signature(command).parameters.values())).replace(annotation=Path)
+    flags = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_option(f), annotation=f.type)
+             for f in RunOptions.flags()]
+    command.__signature__ = inspect.Signature([out, *flags])
+    command.__annotations__ = {p.name: p.annotation for p in [out, *flags]}
+    return command
+
+
+ALLOW_EDITED = next(f for f in RunOptions.flags() if f.name == "allow_edited")
 
 
 @app.command()
-def check(out: Path = typer.Argument(..., help="compiled output folder"), allow_edited: AllowEdited = False):
+def check(out: Path = typer.Argument(..., help="compiled output folder"),
+          allow_edited: bool = _option(ALLOW_EDITED)):
     """Re-run the static checks on OUT's files: layout, headers, weights, and that every rank of each process
     group issues the same collectives (run on meta tensors) and every pipeline send has its receive; refuse
     files edited after compile. The checks import and run the rank files: check only folders you trust."""
@@ -188,89 +204,46 @@ def check(out: Path = typer.Argument(..., help="compiled output folder"), allow_
 
 
 @app.command()
-def run(
-    out: Path = typer.Argument(..., help="compiled output folder"),
-    steps: int = typer.Option(3, "--steps", help="training steps"),
-    lr: float = typer.Option(1e-3, "--lr"),
-    beta1: float = typer.Option(0.9, "--beta1"),
-    beta2: float = typer.Option(0.999, "--beta2"),
-    eps: float = typer.Option(1e-8, "--eps"),
-    weight_decay: float = typer.Option(0.0, "--weight-decay"),
-    clip_grad_norm: float = typer.Option(None, "--clip-grad-norm",
-                                         help="clip the global gradient norm (over all tp, pp and dp shards)"),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="batches per optimizer step (gradients averaged)"),
-    metrics: Path = typer.Option(None, "--metrics", help="write one JSON line per step"),
-    timeout: float = typer.Option(300.0, "--timeout", help="seconds before a collective that did not complete fails"),
-    memory_report: bool = typer.Option(False, "--memory-report",
-                                       help="after training, print each rank's bytes of parameters, gradients and "
-                                            "optimizer state next to the ZeRO formula"),
-    final_state: Path = typer.Option(None, "--final-state", hidden=True,
-                                     help="write each rank's trained tensors to DIR/rank<R>.safetensors"),
-    checkpoint: Path = typer.Option(None, "--checkpoint",
-                                    help="checkpoint folder: saves go to DIR/step-<N>, DIR/latest names the newest"),
-    save_every: int = typer.Option(0, "--save-every", help="save a checkpoint every K steps (with --checkpoint)"),
-    resume: bool = typer.Option(False, "--resume",
-                                help="continue from DIR/latest (saved under any layout); --steps counts from step 0"),
-    check: bool = typer.Option(True, "--check/--no-check",
-                               help="before launching locally, run `fxshard check`'s static checks: rank files "
-                                    "from different compiles, or whose collectives or sends do not match, are "
-                                    "refused instead of hanging"),
-    allow_edited: AllowEdited = False,
-):
+@_run_options
+def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags):
     """Train: launch every rank locally, or run as one rank when started by torchrun.
 
     Refused before launch (with or without --check): a rank file or model.py edited after compile (its
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
-    from fxshard.codegen.manifest import layout_of, read_manifest, refuse_edited
-    from fxshard.train.launch import check_run_options, run_args, run_rank, under_torchrun
+    from fxshard.codegen.manifest import read_manifest, refuse_edited
+    from fxshard.train.launch import run_rank, under_torchrun
     from fxshard.train.local import launch_local
-    from fxshard.train.optim import OptimConfig
+    from fxshard.train.options import check_run_options
 
     try:
-        optim = OptimConfig(lr, beta1, beta2, eps, weight_decay, clip_grad_norm, grad_accum)
-        ckpt = _checkpoint_config(checkpoint, save_every, resume)
-        check_run_options(out, steps, metrics, timeout, ckpt, final_state=final_state)
+        options = RunOptions.from_flags(flags)
+        check_run_options(out, options)
         if under_torchrun():
-            if not allow_edited:
+            if not options.allow_edited:
                 refuse_edited(out, read_manifest(out))
             from fxshard.cli.report import memory_table
 
             from fxshard.runtime.guard import recorded
 
             with recorded():  # the launcher's summary then names this rank's error
-                run_rank(out, steps, optim, metrics, timeout,
-                         memory_report=(lambda rows: memory_table(console, rows)) if memory_report else None,
-                         final_state=final_state, checkpoint=ckpt)
+                run_rank(out, options,
+                         memory_report=(lambda rows: memory_table(console, rows)) if options.memory_report else None)
             return
         manifest = read_manifest(out)
-        world = layout_of(manifest).world_size
-        if check:
+        world = manifest.layout.world_size
+        if options.check:
             from fxshard.tools.check import check_output
 
             with console.status(f"checking {out}"):
-                report = check_output(out, allow_edited)
+                report = check_output(out, options.allow_edited)
             console.print(f"static checks: OK ({report.ranks} rank files agree on every collective and send)")
-        elif not allow_edited:
+        elif not options.allow_edited:
             refuse_edited(out, manifest)
-        console.print(f"launching {world} processes for {out} ({layout_of(manifest).describe()})")
-        argv = run_args(out, steps, optim, metrics, timeout, memory_report, final_state, checkpoint=ckpt)
-        argv += ["--allow-edited"] if allow_edited else []
-        launch_local(out, argv, world)
+        console.print(f"launching {world} processes for {out} ({manifest.layout.describe()})")
+        launch_local(out, options.argv(out), world)
     except FxshardError as e:
         _fail(e)
-
-
-def _checkpoint_config(folder: Path | None, save_every: int, resume: bool):
-    from fxshard.train.checkpoint import CheckpointConfig, CheckpointError
-
-    if folder is None:
-        if save_every or resume:
-            raise CheckpointError("--save-every and --resume need --checkpoint DIR")
-        return None
-    if save_every < 0:
-        raise CheckpointError(f"--save-every {save_every}: expected a positive number of steps")
-    return CheckpointConfig(folder, save_every, resume)
 
 
 @app.command()

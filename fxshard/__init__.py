@@ -22,22 +22,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fxshard' has no attribute {name!r}")
 
 
-def compile(model_file, out=None, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, schedule: str = "1f1b",
-            microbatches: int | None = None, virtual_stages: int | None = None, plan=None, seed: int = 0,
-            weights=None, meta: bool = False):
+def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, meta: bool = False, **layout):
     """Compile a model file for a layout and write the per-rank program to ``out``.
 
     >>> fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)   # doctest: +SKIP
 
-    ``weights``: a Hugging Face folder each rank reads its slices from at run time (captured on meta
-    tensors); ``meta=True``: capture on meta tensors and write code and manifest only.
+    ``layout``: the fields of :class:`fxshard.ir.context.Layout` by name (``tp``, ``pp``, ``dp``, ``zero``,
+    ``schedule``, ...).  ``weights``: a Hugging Face folder each rank reads its slices from at run time
+    (captured on meta tensors); ``meta=True``: capture on meta tensors and write code and manifest only.
     """
     from fxshard.compiler import compile as _compile
     from fxshard.ir.context import Layout
 
-    return _compile(model_file, Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                                          virtual_stages=virtual_stages), out=out, plan=plan, seed=seed,
-                    weights=weights, meta=meta)
+    return _compile(model_file, Layout(**layout), out=out, plan=plan, seed=seed, weights=weights, meta=meta)
 
 
 __all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "parallelize", "pipeline_split", "compile",

@@ -11,7 +11,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +28,26 @@ from fxshard.capture.modelfile import (
 )
 from fxshard.capture.program import Program, capture
 from fxshard.codegen import emit_rank, rank_file_name
+from fxshard.codegen.emit import RankCode
 from fxshard.codegen.folder import check_target, staged_output
-from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata
+from fxshard.codegen.manifest import (
+    MANIFEST,
+    CollectiveEntry,
+    InputEntry,
+    Manifest,
+    Mesh,
+    PipelineInfo,
+    RankEntry,
+    StageEntry,
+    StageRow,
+    TensorEntry,
+    TiedWeight,
+)
+from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
-from fxshard.ir.context import CompileContext, Layout, spec
+from fxshard.ir.context import MESH_AXES, CompileContext, Layout, spec
 from fxshard.ir.cut import choose_microbatches, label_markers
-from fxshard.ir.placement import SliceSpec, local_shape, take
+from fxshard.ir.placement import local_shape, slice_spec
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
@@ -45,7 +58,6 @@ from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
 PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
-from fxshard.codegen.manifest import FORMAT, MANIFEST  # noqa: E402
 
 
 @dataclass
@@ -54,7 +66,7 @@ class CompiledProgram:
     ctx: CompileContext
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
-    manifest: dict = field(default_factory=dict)
+    manifest: Manifest | None = None
     checks: CheckReport | None = None  # the static checks of the generated files (fxshard.tools.check)
 
     @property
@@ -237,10 +249,10 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
     source = checkpoint_source(weights, result.ctx.program) if weights is not None else None
     result.sources, result.manifest, shards = _generate(result, mf, seed)
     if meta:
-        external_weights(result.manifest, shards, source)
+        result.manifest = external_weights(result.manifest, shards, source)
     weights = {name: {k: tuple(t.shape) for k, t in tensors.items()} for name, tensors in shards.items()}
-    for entry in result.manifest["ranks"]:  # tensors read from the checkpoint at run time
-        weights[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}
+    for entry in result.manifest.ranks:
+        weights[entry.weights] |= entry.read_at_run_time
     result.checks = check_program(result.sources, result.manifest, weights, run=False, fix=COMPILER_BUG)
     if out is not None:
         write_output(Path(out), result, mf, shards)
@@ -248,93 +260,79 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
 
 
 def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
-    ctx, gm = result.ctx, result.gm
-    layout = ctx.layout
-    program = ctx.program
-    state = program.state_by_name()
-    sources, ranks, shards = {}, [], {}
-    tied_by_kept: dict[str, list[str]] = {}
-    for alias, kept in program.tied.items():
-        tied_by_kept.setdefault(kept, []).append(alias)
-    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    """Rank files and manifest, then each rank's weight shard: the slices its manifest entry records."""
+    ctx, layout = result.ctx, result.ctx.layout
+    sources, ranks = {}, []
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
             coords = {"dp": 0, "pp": pp_rank, "tp": tp_rank}
             global_ranks = [r for r in range(layout.world_size)
                             if layout.coords(r)["tp"] == tp_rank and layout.coords(r)["pp"] == pp_rank]
-            code = emit_rank(gm, ctx, coords, __version__, global_ranks)
+            code = emit_rank(result.gm, ctx, coords, __version__, global_ranks)
             fname = rank_file_name(coords)
             sources[fname] = code.source
-            wname = f"weights/{fname.removesuffix('.py')}.safetensors"
-            tensors, entries = {}, {}
-            for key, pname in code.attrs.items():
-                s = state[pname]
-                placement = spec(placeholders[pname]).placement
-                full = program.tensors[s.fqn]
-                sl = SliceSpec.of(placement, tp_rank, layout.tp)
-                local = take(full.detach(), sl)
-                tensors[key] = local.contiguous().clone()
-                entries[key] = {
-                    "source": s.fqn,
-                    "kind": s.kind,
-                    "persistent": s.persistent,
-                    "placement": repr(placement),
-                    "global_shape": list(full.shape),
-                    "shape": list(local_shape(tuple(full.shape), placement, layout.tp)),
-                    "dtype": str(full.dtype).removeprefix("torch."),
-                    "slice": sl.to_json(),
-                    "aliases": sorted(tied_by_kept.get(s.fqn, [])),
-                }
-            shards[wname] = tensors
-            entry = {"coords": coords, "global_ranks": global_ranks, "file": fname, "weights": wname,
-                     "tensors": entries, "collectives": code.collectives}
-            if ctx.pipeline is not None:
-                entry["stages"] = code.stages
-            ranks.append(entry)
-    manifest = {
-        "format": FORMAT,
-        "fxshard_version": __version__,
-        "model_file": "model.py",
-        "model_name": mf.path.name,
-        "model_digest": ctx.model_digest,
-        "model_class": type(program.model).__name__,
-        "seed": seed,
-        "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": layout.zero,
-                   "schedule": layout.schedule, "microbatches": layout.microbatches,
-                   "virtual_stages": layout.virtual_stages, "dtype": layout.dtype},
-        "mesh": {"axes": ["dp", "pp", "tp"], "shape": list(layout.mesh_shape)},
-        "plan_source": ctx.plan.source,
-        "plan": ctx.plan.describe(),
-        "notes": ctx.notes,
-        "inputs": [{"name": i.name, "path": i.path, "is_tensor": i.is_tensor, "dtype": i.dtype,
-                    "shape": _batch_shape(i.shape, ctx) if i.is_tensor else [],
-                    "microbatch_shape": list(i.shape)}
-                   for i in program.inputs],
-        "outputs": program.output_paths,
-        "tied": dict(sorted(program.tied.items())),
-        "custom_ops": program.custom_ops,  # op -> module the rank files import for it
-        "ranks": ranks,
-    }
-    if ctx.pipeline is not None:
-        pipe = ctx.pipeline
-        manifest["pipeline"] = {
-            "stages": layout.num_stages,
-            "stages_per_rank": layout.stages_per_rank,
-            "microbatches": pipe.microbatches,
-            "batch": ctx.batch,
-            "cut": pipe.cut.source,
-            "table": pipe.cut.table,
-            "tied": [{"name": f"tied:{state[p.name].fqn}", "fqn": state[p.name].fqn, "stages": holders}
-                     for p, holders in pipe.tied],
-        }
-    return sources, manifest, shards
+            ranks.append(_rank_entry(result.gm, ctx, coords, global_ranks, fname, code))
+    manifest = _manifest(ctx, mf, seed, ranks)
+    return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
 
-def _batch_shape(shape, ctx: CompileContext) -> list[int]:
+def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], global_ranks: list[int],
+                fname: str, code: RankCode) -> RankEntry:
+    """What the manifest records of one rank file: every tensor it holds, with the slice of its source."""
+    layout, program = ctx.layout, ctx.program
+    state = program.state_by_name()
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    tied_by_kept: dict[str, list[str]] = {}
+    for alias, kept in program.tied.items():
+        tied_by_kept.setdefault(kept, []).append(alias)
+    tensors = {}
+    for key, pname in code.attrs.items():
+        s = state[pname]
+        placement = spec(placeholders[pname]).placement
+        full = program.tensors[s.fqn]
+        tensors[key] = TensorEntry(
+            source=s.fqn, kind=s.kind, persistent=s.persistent, placement=repr(placement),
+            global_shape=tuple(full.shape), shape=local_shape(tuple(full.shape), placement, layout.tp),
+            dtype=str(full.dtype).removeprefix("torch."), slice=slice_spec(placement, coords["tp"], layout.tp),
+            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))))
+    # emit describes collectives and stages as dicts: they become typed here, at the manifest's boundary
+    stages = tuple(map(StageEntry.from_json, code.stages)) if ctx.pipeline is not None else None
+    return RankEntry(coords=coords, global_ranks=tuple(global_ranks), file=fname,
+                     weights=f"weights/{fname.removesuffix('.py')}.safetensors", tensors=tensors,
+                     collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)
+
+
+def _manifest(ctx: CompileContext, mf: ModelFile, seed: int, ranks: list[RankEntry]) -> Manifest:
+    """The whole compile's record: model, layout, plan, inputs, the rank files and the pipeline."""
+    layout, program = ctx.layout, ctx.program
+    inputs = tuple(InputEntry(name=i.name, path=i.path, is_tensor=i.is_tensor, dtype=i.dtype,
+                              shape=_batch_shape(i.shape, ctx) if i.is_tensor else (), microbatch_shape=tuple(i.shape))
+                   for i in program.inputs)
+    return Manifest(
+        fxshard_version=__version__, model_file="model.py", model_name=mf.path.name, model_digest=ctx.model_digest,
+        model_class=type(program.model).__name__, seed=seed, layout=layout, mesh=Mesh(MESH_AXES, layout.mesh_shape),
+        plan_source=ctx.plan.source, plan=tuple(ctx.plan.describe()), notes=tuple(ctx.notes), inputs=inputs,
+        outputs=tuple(program.output_paths), tied=dict(sorted(program.tied.items())),
+        custom_ops=dict(program.custom_ops), ranks=tuple(ranks), pipeline=_pipeline_info(ctx))
+
+
+def _pipeline_info(ctx: CompileContext) -> PipelineInfo | None:
+    pipe = ctx.pipeline
+    if pipe is None:
+        return None
+    state = ctx.program.state_by_name()
+    tied = tuple(TiedWeight(f"tied:{state[p.name].fqn}", state[p.name].fqn, tuple(holders)) for p, holders in pipe.tied)
+    # the cut's table rows are dicts (passes/pipeline.py): typed here, at the manifest's boundary
+    return PipelineInfo(stages=ctx.layout.num_stages, stages_per_rank=ctx.layout.stages_per_rank,
+                        microbatches=pipe.microbatches, batch=ctx.batch, cut=pipe.cut.source,
+                        table=tuple(map(StageRow.from_json, pipe.cut.table)), tied=tied)
+
+
+def _batch_shape(shape, ctx: CompileContext) -> tuple[int, ...]:
     """The shape of an input for a whole step (the graph was captured on one microbatch of one dp rank)."""
     if ctx.batch is None or not shape:
-        return list(shape)
-    return [shape[0] * ctx.microbatches * ctx.layout.dp, *shape[1:]]
+        return tuple(shape)
+    return (shape[0] * ctx.microbatches * ctx.layout.dp, *shape[1:])
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
@@ -342,9 +340,9 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
     a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted.  The manifest
     records the sha256 of every generated file, so ``check`` and ``run`` can refuse one edited afterwards."""
     model_bytes = mf.path.read_bytes()  # read once: it may be out/model.py itself
-    result.manifest["digests"] = {name: hashlib.sha256(text.encode()).hexdigest()
-                                  for name, text in result.sources.items()}
-    result.manifest["digests"]["model.py"] = hashlib.sha256(model_bytes).hexdigest()
+    digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in result.sources.items()}
+    digests["model.py"] = hashlib.sha256(model_bytes).hexdigest()
+    result.manifest = dataclasses.replace(result.manifest, digests=digests)
     names = {*result.sources, *shards, "model.py", MANIFEST}
     with staged_output(out, names) as stage:
         (stage / "weights").mkdir()
@@ -353,6 +351,5 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
         for name, tensors in shards.items():
             save_file(tensors, str(stage / name), metadata=shard_metadata(result.manifest, name))
         (stage / "model.py").write_bytes(model_bytes)  # a new file: never written through a link in ``out``
-        (stage / MANIFEST).write_text(json.dumps(result.manifest, indent=2, sort_keys=False) + "\n")
+        result.manifest.write(stage)
     result.out = out
-

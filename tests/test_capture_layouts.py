@@ -10,14 +10,13 @@ share of the update."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from harness import spawn
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import layout_of
+from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import CaptureError, RandomnessError, WeightsError
 from fxshard.ir.context import Layout
@@ -64,7 +63,7 @@ def trained(tmp_path_factory):
         outs[case] = tmp_path_factory.mktemp(case)
         compile_model(path, layout, out=outs[case], plan=plan[0] if plan else None)
     per_rank = spawn(_train_all, 2, [str(o) for o in outs.values()], timeout=600)
-    return {case: ([r[str(o)] for r in per_rank], json.loads((o / "manifest.json").read_text()))
+    return {case: ([r[str(o)] for r in per_rank], read_manifest(o))
             for case, o in outs.items()}
 
 
@@ -78,7 +77,7 @@ def test_trains_as_on_one_device(trained, case):
     for rank, (losses, _) in enumerate(per_rank):
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
             assert abs(got - ref) <= REL * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
-    params = gather_parameters(manifest, layout_of(manifest), states={r: st for r, (_, st) in enumerate(per_rank)})
+    params = gather_parameters(manifest, states={r: st for r, (_, st) in enumerate(per_rank)})
     initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
     share = update_share(compare_parameters(params, single, initial))
     assert share <= DEFAULT_PARAM_RTOL["fp32"], f"{case}: parameters differ by {share:.2e} of the update"
@@ -86,8 +85,8 @@ def test_trains_as_on_one_device(trained, case):
 
 def test_constants_made_in_forward_reach_the_rank_files(tmp_path):
     result = compile_model(MODELS / "forward_constants.py", Layout(tp=2), out=tmp_path)
-    constants = [t for e in result.manifest["ranks"] for t in e["tensors"].values() if t["kind"] == "constant"]
-    assert {t["source"] for t in constants} >= {"lifted_tensor_0", "blocks.3.lifted_tensor_8"}
+    constants = [t for e in result.manifest.ranks for t in e.tensors.values() if t.kind == "constant"]
+    assert {t.source for t in constants} >= {"lifted_tensor_0", "blocks.3.lifted_tensor_8"}
 
 
 # A custom autograd.Function loses its backward in torch.export (only its forward's ops are kept): refused.

@@ -4,7 +4,6 @@ runs wherever it is loaded; ``check`` blames an edit only when a rank file was e
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import capture
+from fxshard.codegen.manifest import read_manifest
 from fxshard.errors import CaptureError
 from fxshard.tools.check import AS_COMPILED, RECOMPILE, _fix_for
 
@@ -46,7 +46,7 @@ def test_check_blames_an_edit_only_when_a_rank_file_was_edited(tmp_path):
     from fxshard.ir.context import Layout
 
     compile_model(MODELS / "mlp.py", Layout(tp=2), out=tmp_path)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = read_manifest(tmp_path)
     assert _fix_for(tmp_path, manifest) == AS_COMPILED
     rank = tmp_path / "rank_pp0_tp1.py"
     rank.write_text(rank.read_text() + "\n# edited\n")
@@ -58,8 +58,7 @@ def test_check_blames_an_edit_only_when_a_rank_file_was_edited(tmp_path):
 def test_mixtral_compiles_checks_and_runs_at_tp2(tmp_path):
     out = tmp_path / "out"
     fxshard("compile", MODELS / "hf_mixtral.py", "--tp", 2, "--out", out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["custom_ops"] == {"transformers::grouped_mm_fallback": "transformers.integrations.moe"}
+    assert read_manifest(out).custom_ops == {"transformers::grouped_mm_fallback": "transformers.integrations.moe"}
     source = (out / "rank_pp0_tp0.py").read_text()
     assert "import transformers.integrations.moe  # noqa: F401  registers " \
            "torch.ops.transformers.grouped_mm_fallback" in source

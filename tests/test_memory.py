@@ -53,7 +53,7 @@ def measured(tmp_path_factory):
         layouts[name] = Layout(dp=2, zero=zero, dtype=dtype)
         result = compile_model(GPT, layouts[name], out=tmp_path_factory.mktemp(name))
         outs[name] = str(result.out)
-        params = [t for t in result.manifest["ranks"][0]["tensors"].values() if t["kind"] == "parameter"]
+        params = [t for t in result.manifest.ranks[0].tensors.values() if t.kind == "parameter"]
     per_rank = spawn(measure_on_rank, 2, outs, timeout=600)
     return {name: report_rows([r[name] for r in per_rank], layouts[name]) for name in outs}, params
 
@@ -63,11 +63,11 @@ def measured(tmp_path_factory):
 def test_measured_bytes_match_the_zero_formula(measured, dtype, zero):
     rows, params = measured
     n_tensors = len(params)
-    largest = max(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1) for t in params)
+    largest = max(t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in params)
     mixed = dtype == "bf16"
     for row in rows[f"{dtype}-zero{zero}"]:
         psi, want = row["psi"], dict(row["formula"])
-        assert psi == sum(t["shape"][0] * (t["shape"][1] if len(t["shape"]) > 1 else 1) for t in params)
+        assert psi == sum(t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1) for t in params)
         # Adam's step counter (one float per tensor); at ZeRO 1 whole tensors go to one rank
         slack = 8 * n_tensors + ((4 if mixed else 0) + 8) * largest * (zero == 1)
         if zero == 2:  # FSDP2 holds the fp32 shard next to the gathered parameters (fp32) / fp32 grad shards (bf16)

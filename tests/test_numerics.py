@@ -6,7 +6,6 @@ slices through the manifest) agree with single-device autograd within 1e-5.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,9 +16,10 @@ from harness import spawn
 from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import _WithLoss
+from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
-from fxshard.ir.placement import SliceSpec, assemble
+from fxshard.ir.placement import assemble
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -31,17 +31,17 @@ def _rank_module(rank: int, world: int, out: str):
     """This tp rank's generated ``RankModule`` on a gloo mesh with its weights, and its example batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxshard.codegen.manifest import import_rank_file, rank_entry, read_manifest
+    from fxshard.codegen.manifest import import_rank_file, read_manifest
     from fxshard.runtime import load_state
 
     out = Path(out)
     manifest = read_manifest(out)
     mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("dp", "pp", "tp"))
-    entry = rank_entry(manifest, {"pp": 0, "tp": rank})
-    module = import_rank_file(out / entry["file"]).RankModule({a: mesh.get_group(a) for a in ("dp", "pp", "tp")})
-    load_state(module, out / entry["weights"])
-    batch = load_model_file(out / "model.py").build_inputs(manifest["seed"])
-    return module, flatten_batch(batch, manifest["inputs"])
+    entry = manifest.rank({"pp": 0, "tp": rank})
+    module = import_rank_file(out / entry.file).RankModule({a: mesh.get_group(a) for a in ("dp", "pp", "tp")})
+    load_state(module, out / entry.weights)
+    batch = load_model_file(out / "model.py").build_inputs(manifest.seed)
+    return module, flatten_batch(batch, manifest.inputs)
 
 
 def _rank_forward_backward(rank: int, world: int, out: str):
@@ -70,7 +70,7 @@ def _reference(model_path: Path):
 def test_rank_code_matches_unsharded_model(tmp_path, sample, tp):
     path = ROOT / "samples" / sample
     compile_model(path, Layout(tp=tp), out=tmp_path)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest = read_manifest(tmp_path)
     results = spawn(_rank_forward_backward, tp, str(tmp_path))
     ref_outputs, ref_grads = _reference(path)
 
@@ -81,17 +81,17 @@ def test_rank_code_matches_unsharded_model(tmp_path, sample, tp):
 
     pieces: dict[str, list] = {}
     shapes = {}
-    for entry, (_, grads) in zip(manifest["ranks"], results, strict=True):
-        for attr, t in entry["tensors"].items():
-            if t["kind"] != "parameter":
+    for entry, (_, grads) in zip(manifest.ranks, results, strict=True):
+        for attr, t in entry.tensors.items():
+            if t.kind != "parameter":
                 continue
-            pieces.setdefault(t["source"], []).append((SliceSpec(**t["slice"]), grads[attr]))
-            shapes[t["source"]] = t["global_shape"]
-    assert set(pieces) | set(manifest["tied"]) == set(ref_grads), "every parameter has a gradient on some rank"
+            pieces.setdefault(t.source, []).append((t.slice, grads[attr]))
+            shapes[t.source] = t.global_shape
+    assert set(pieces) | set(manifest.tied) == set(ref_grads), "every parameter has a gradient on some rank"
     for source, parts in pieces.items():
         full = assemble(parts, shapes[source])
         torch.testing.assert_close(full, ref_grads[source], **TOL, msg=lambda m, s=source: f"{s}: {m}")
-    sharded = [t for e in manifest["ranks"] for t in e["tensors"].values() if t["slice"]["parts"] > 1]
+    sharded = [t for e in manifest.ranks for t in e.tensors.values() if t.slice.parts > 1]
     assert sharded, "the plan split some weights"
 
 
@@ -116,8 +116,8 @@ def test_training_forward_skips_gathering_the_returned_logits(tmp_path):
 
     path = ROOT / "samples" / "gpt.py"
     result = compile_model(path, Layout(tp=2), out=tmp_path)
-    entry = result.manifest["ranks"][0]
-    assert [c["op"] for c in entry["collectives"] if c.get("outputs_only")] == ["all_gather"]
+    entry = result.manifest.ranks[0]
+    assert [c.op for c in entry.collectives if c.outputs_only] == ["all_gather"]
     ref_loss = _reference(path)[0][0]
     stated = fxshard_stated(tmp_path, result.manifest)["manifest"]["forward"]
     for count, loss, measured in spawn(_training_forward, 2, str(tmp_path)):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import OutputFolderError, ShardingError
 from fxshard.ir.context import Layout
@@ -68,8 +69,7 @@ def test_recompiling_keeps_the_users_files_and_replaces_only_fxshards_own(tmp_pa
     (out / "notes").mkdir()
     (out / "notes" / "run.txt").write_text("keep me")
     compile_model(GPT, Layout(tp=4), out=out)
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["layout"]["tp"] == 4
+    assert read_manifest(out).layout.tp == 4
     assert sorted(p.name for p in out.glob("rank_*.py")) == [f"rank_pp0_tp{t}.py" for t in range(4)]
     assert sorted(p.name for p in (out / "weights").iterdir()) == [f"rank_pp0_tp{t}.safetensors" for t in range(4)]
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
@@ -91,7 +91,7 @@ def test_recompiling_from_the_folders_own_model_copy(tmp_path):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)
     compile_model(out / "model.py", Layout(tp=4), out=out)  # was SameFileError after writing tp=4 rank files
-    assert json.loads((out / "manifest.json").read_text())["layout"]["tp"] == 4
+    assert read_manifest(out).layout.tp == 4
     assert (out / "model.py").read_bytes() == GPT.read_bytes()
 
 
@@ -195,7 +195,6 @@ def test_a_compiled_folder_keeps_ordinary_permissions(tmp_path):
 @pytest.mark.parametrize("key, value", [("file", "../../../../etc/passwd"), ("weights", "/etc/hostname"),
                                         ("model_file", "/etc/passwd"), ("model_file", "../o.py")])
 def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path, key, value):
-    from fxshard.codegen.manifest import read_manifest
     from fxshard.tools.check import check_output
 
     out = tmp_path / "o"

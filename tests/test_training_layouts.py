@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import layout_of
+from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
 from fxshard.testing import CaseFailure, case_result, spawn_cases
@@ -105,8 +105,6 @@ def _train_one(out: str, optim: OptimConfig):
 def trained(tmp_path_factory):
     """Compile every case, train each world size's cases in one spawn.  {case: (per-rank results, manifest)}, or
     a CaseFailure naming the case's own compile error or traceback (so one bad case fails one test)."""
-    import json
-
     folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
     results: dict = {}
     for case in CASES:
@@ -121,7 +119,7 @@ def trained(tmp_path_factory):
     for world, items in folders.items():
         found = spawn_cases(_train_one, world, [(case, (str(o), opt)) for case, o, opt in items])
         for case, out, _ in items:
-            manifest = json.loads((out / "manifest.json").read_text())
+            manifest = read_manifest(out)
             results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], manifest)
     return results
 
@@ -155,21 +153,20 @@ def test_pipeline_training_matches_single_device(trained, case):
             assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
     # the trained parameters too, reassembled from every rank's slices: the last step's update shows in no
     # loss, and a gradient left unsynchronized on a few tensors barely moves the bf16 losses
-    params = gather_parameters(manifest, layout_of(manifest), states={r: st for r, (_, st) in enumerate(per_rank)})
+    params = gather_parameters(manifest, states={r: st for r, (_, st) in enumerate(per_rank)})
     initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
     rows = compare_parameters(params, single, initial)
-    assert len(rows) == len({t["source"] for e in manifest["ranks"] for t in e["tensors"].values()
-                             if t["kind"] == "parameter"})
+    assert len(rows) == len({t.source for e in manifest.ranks for t in e.tensors.values() if t.kind == "parameter"})
     share = update_share(rows)
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
     assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update (most: {worst})"
     # weights held by several stages (tied embedding / head) stay bit-identical on all of them
-    for tie in manifest.get("pipeline", {}).get("tied", []):
+    for tie in manifest.tied_across_stages:
         copies = []
-        for entry, (_, state) in zip(manifest["ranks"], per_rank[: len(manifest["ranks"])], strict=True):
-            for key, t in entry["tensors"].items():
-                if t["source"] == tie["fqn"]:
-                    copies.append((entry["coords"]["tp"], key, state[key]))
+        for entry, (_, state) in zip(manifest.ranks, per_rank[: len(manifest.ranks)], strict=True):
+            for key, t in entry.tensors.items():
+                if t.source == tie.fqn:
+                    copies.append((entry.coords["tp"], key, state[key]))
         assert len({k for _, k, _ in copies}) >= 2, tie
         for tp in {c[0] for c in copies}:
             mine = [c for c in copies if c[0] == tp]
@@ -184,8 +181,8 @@ def test_clipping_changes_the_reference_so_the_clip_cases_test_something(sample)
 
 def test_tied_weights_are_held_by_first_and_last_stage():
     result = compile_model(ROOT / "samples" / "gpt2.py", Layout(pp=2))
-    tied = result.manifest["pipeline"]["tied"]
-    assert [t["stages"] for t in tied] == [[0, 1]]
+    tied = result.manifest.pipeline.tied
+    assert [t.stages for t in tied] == [(0, 1)]
     assert "rt.sum_tied_grads([stages[0]." in result.sources["rank_pp0_tp0.py"]
     assert "rt.sum_tied_grads([stages[1]." in result.sources["rank_pp1_tp0.py"]
 
@@ -205,5 +202,5 @@ def test_buffer_updated_in_place_counts_every_training_forward(trained, case):
     per_rank, manifest = case_result(trained, case)
     counters = [value for _, state in per_rank for key, value in state.items() if key.endswith("calls")]
     # pp=1: each forward (one per step); 1f1b: each microbatch's forward on the stage holding the buffer
-    forwards = STEPS * (manifest["pipeline"]["microbatches"] if manifest.get("pipeline") else 1)
+    forwards = STEPS * (manifest.pipeline.microbatches if manifest.pipeline else 1)
     assert counters and all(float(c) == forwards for c in counters), counters

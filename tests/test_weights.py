@@ -24,11 +24,11 @@ from harness import spawn
 from safetensors.torch import load_file, save_file, save_model
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import import_rank_file
+from fxshard.codegen.manifest import RankEntry, WeightsSource, import_rank_file, read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import OutputFolderError, WeightsError
 from fxshard.ir.context import Layout
-from fxshard.ir.placement import SliceSpec, take
+from fxshard.ir.placement import take
 from fxshard.runtime import load_state
 from fxshard.train.reference import reference_losses
 
@@ -87,7 +87,7 @@ def _full_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_rank(out: Path, entry: dict, monkeypatch) -> tuple[torch.nn.Module, list[tuple[str, int]]]:
+def _load_rank(out: Path, entry: RankEntry, monkeypatch) -> tuple[torch.nn.Module, list[tuple[str, int]]]:
     """Build a rank's module and load it, recording every checkpoint read (name, bytes)."""
     import fxshard.runtime.slices as slices
 
@@ -100,8 +100,8 @@ def _load_rank(out: Path, entry: dict, monkeypatch) -> tuple[torch.nn.Module, li
         return value
 
     monkeypatch.setattr(slices, "read_slice", recorded)
-    module = import_rank_file(out / entry["file"]).RankModule({a: None for a in ("dp", "pp", "tp")})
-    load_state(module, out / entry["weights"])
+    module = import_rank_file(out / entry.file).RankModule({a: None for a in ("dp", "pp", "tp")})
+    load_state(module, out / entry.weights)
     return module, reads
 
 
@@ -111,30 +111,29 @@ def test_each_rank_holds_its_slices_and_reads_only_them(folders, name, tmp_path,
     model = ROOT / "samples" / "gpt.py" if name == "gpt" else _model_file(folder)
     result = compile_model(model, Layout(tp=2), out=tmp_path, weights=folder)
     manifest = result.manifest
-    assert manifest["weights"]["dir"] == str(folder)
+    assert manifest.weights.dir == str(folder)
     full = _full_tensors(folder)
     total = sum(t.numel() * t.element_size() for t in full.values())
-    for entry in manifest["ranks"]:
+    for entry in manifest.ranks:
         module, reads = _load_rank(tmp_path, entry, monkeypatch)
         own = dict(module.named_parameters()) | dict(module.named_buffers())
         expected_bytes = 0
-        for key, t in entry["tensors"].items():
-            if t["kind"] != "parameter":
+        for key, t in entry.tensors.items():
+            if t.kind != "parameter":
                 continue
-            ref = t["checkpoint"]["name"]
-            want = take(full[ref], SliceSpec(**t["slice"]))
-            assert torch.equal(own[key], want), f"{name} {entry['file']}: {key} is not its slice of {ref}"
+            ref = t.checkpoint.name
+            want = take(full[ref], t.slice)
+            assert torch.equal(own[key], want), f"{name} {entry.file}: {key} is not its slice of {ref}"
             expected_bytes += want.numel() * want.element_size()
         # never the full tensor: every read of a split tensor is its 1/tp share, and the rank's bytes add up
-        split = {t["checkpoint"]["name"] for t in entry["tensors"].values()
-                 if t.get("checkpoint") and t["slice"]["parts"] > 1}
+        split = {t.checkpoint.name for t in entry.tensors.values() if t.checkpoint and t.slice.parts > 1}
         for ref, nbytes in reads:
             if ref in split:
                 assert nbytes * 2 == full[ref].numel() * full[ref].element_size(), ref
         assert sum(b for _, b in reads) == expected_bytes
         assert expected_bytes < 0.75 * total
     # the rank shards hold only buffers (rotary tables); the parameters stay in the folder
-    assert all((tmp_path / e["weights"]).stat().st_size < 64 * 1024 for e in manifest["ranks"])
+    assert all((tmp_path / e.weights).stat().st_size < 64 * 1024 for e in manifest.ranks)
 
 
 def _train_all(rank: int, world: int, outs: list[str]):
@@ -178,10 +177,10 @@ def test_training_from_a_folder_equals_from_pretrained(folders, tmp_path):
 
 def test_meta_compile_without_weights_writes_code_and_fails_clearly_at_run(folders, tmp_path, monkeypatch):
     result = compile_model(ROOT / "samples" / "llama.py", Layout(tp=2), out=tmp_path, meta=True)
-    assert result.manifest["weights"] == {"dir": None, "files": {}}
+    assert result.manifest.weights == WeightsSource(None, {})
     assert (tmp_path / "rank_pp0_tp1.py").is_file()
     with pytest.raises(OutputFolderError, match="compiled without weights.*--weights DIR"):
-        _load_rank(tmp_path, result.manifest["ranks"][0], monkeypatch)
+        _load_rank(tmp_path, result.manifest.ranks[0], monkeypatch)
 
 
 def _copy(folder: Path, tmp_path: Path, name: str) -> Path:
@@ -235,10 +234,10 @@ def test_70b_shaped_llama_compiles_on_meta_without_allocating(tmp_path):
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["rank_files"] == 32
     assert row["peak_rss_mb"] < 1500, row
-    manifest = json.loads((tmp_path / "out4" / "manifest.json").read_text())
-    entry = manifest["ranks"][0]["tensors"]["Stage0.model_embed_tokens_weight"]
-    assert entry["global_shape"] == [128256, 8192] and entry["shape"] == [16032, 8192]
-    assert entry["checkpoint"] is None and manifest["weights"]["dir"] is None
+    manifest = read_manifest(tmp_path / "out4")
+    entry = manifest.ranks[0].tensors["Stage0.model_embed_tokens_weight"]
+    assert entry.global_shape == (128256, 8192) and entry.shape == (16032, 8192)
+    assert not entry.in_shard and entry.checkpoint is None and manifest.weights.dir is None
 
 
 @pytest.mark.e2e

@@ -24,16 +24,8 @@ import stat
 import threading
 from pathlib import Path
 
-from fxshard.codegen.manifest import FORMAT, MANIFEST, is_fxshard_manifest
+from fxshard.codegen.manifest import FORMAT, MANIFEST, listed_files
 from fxshard.errors import OutputFolderError
-
-
-def listed_files(manifest: dict) -> set[str]:
-    """Every file an fxshard manifest says its compile wrote (rank files, weight shards, the model copy)."""
-    names = {MANIFEST, str(manifest.get("model_file", "model.py"))}
-    for entry in manifest["ranks"]:
-        names |= {entry[key] for key in ("file", "weights") if isinstance(entry.get(key), str)}
-    return names
 
 
 def _files(folder: Path) -> set[str]:
@@ -61,11 +53,11 @@ def check_target(out: Path, new_names: set[str]) -> set[str]:
     if not os.access(out, os.W_OK):  # the swap moves the user's files out of it: refuse before any work
         raise OutputFolderError(f"{out}: is read-only, so fxshard cannot replace the program in it; make it "
                                 f"writable (chmod u+w {out}) or choose another folder")
-    manifest = is_fxshard_manifest(manifest_path)
-    if manifest is None:
+    listed = listed_files(manifest_path)
+    if listed is None:
         raise OutputFolderError(f"{out}: its {MANIFEST} is not fxshard's (no format {FORMAT}, fxshard_version and rank "
                                 "list), so the folder is not fxshard's to replace; choose an empty or new folder")
-    foreign = _files(out) - listed_files(manifest)
+    foreign = _files(out) - listed
     clash = sorted(foreign & new_names)
     if clash:
         raise OutputFolderError(f"{out}: {', '.join(clash)} would be overwritten but the folder's manifest does not "

@@ -1,21 +1,335 @@
-"""Read and validate a compiled output folder (``manifest.json``, rank files, weights)."""
+"""The manifest of a compiled output folder (``manifest.json``): its typed form, written and read here alone.
+
+The compiler builds a :class:`Manifest` and :meth:`Manifest.write` saves it; every reader (``check``,
+``run``, ``show``, ``verify``, checkpoints) gets one from :func:`read_manifest` and reads attributes, never
+the JSON.  All validation of a folder lives here too: the format, paths that must stay inside the folder
+(:func:`inside`), the digests of the generated files, and files the manifest lists but the folder lacks::
+
+    manifest = read_manifest("out/gpt-tp2")
+    manifest.layout.tp, manifest.ranks[1].file        # 2, 'rank_pp0_tp1.py'
+    manifest.ranks[1].tensors["lm_head_weight"].slice  # SliceSpec(dim=0, index=1, parts=2, blocks=1)
+
+The JSON is format 1 (the same keys as before this module existed): folders compiled earlier still read,
+and reading then writing a manifest gives back the same bytes.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.errors import OutputFolderError
 from fxshard.ir.context import Layout
+from fxshard.runtime.slices import SliceSpec
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 
 
-def read_manifest(out: str | Path) -> dict:
+class _Record:
+    """A record whose JSON object holds its fields by name, in order; tuples are JSON lists."""
+
+    def to_json(self) -> dict:
+        return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return cls(**{f.name: _tuple(data[f.name]) for f in dataclasses.fields(cls)})
+
+
+def _json(value):
+    return [_json(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuple(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class InputEntry(_Record):
+    """One input of the compiled forward: where a batch holds it, and its shape for a whole step and for the
+    microbatch of one dp rank that the rank files take."""
+
+    name: str
+    path: str  # pytree key path into (args, kwargs), e.g. "[1]['input_ids']"
+    is_tensor: bool
+    dtype: str
+    shape: tuple[int, ...]
+    microbatch_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Mesh(_Record):
+    axes: tuple[str, ...]  # outermost first
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsSource(_Record):
+    """``--weights DIR`` (``dir`` None: compiled on meta tensors without weights)."""
+
+    dir: str | None
+    files: dict[str, str]  # checkpoint tensor name -> absolute file
+
+
+@dataclass(frozen=True)
+class CheckpointRef(_Record):
+    """Where a tensor the weights shard does not hold is read from at run time."""
+
+    name: str  # tensor name in the checkpoint
+    file: str
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A parameter, buffer or constant one rank holds: its source tensor and the slice of it."""
+
+    source: str  # FQN in the model
+    kind: str  # parameter, buffer or constant
+    persistent: bool
+    placement: str  # repr of its placement over tp, e.g. "Shard(0, blocks=3)"
+    global_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as this rank holds it
+    dtype: str
+    slice: SliceSpec
+    aliases: tuple[str, ...] = ()  # the other names of a tied weight
+    in_shard: bool = True  # False: read at run time from ``checkpoint`` (--weights), or nowhere (--meta)
+    checkpoint: CheckpointRef | None = None
+
+    def to_json(self) -> dict:
+        data = {"source": self.source, "kind": self.kind, "persistent": self.persistent, "placement": self.placement,
+                "global_shape": list(self.global_shape), "shape": list(self.shape), "dtype": self.dtype,
+                "slice": self.slice.to_json(), "aliases": list(self.aliases)}
+        if not self.in_shard:
+            data["checkpoint"] = self.checkpoint.to_json() if self.checkpoint is not None else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> TensorEntry:
+        ref = data.get("checkpoint")
+        return cls(source=data["source"], kind=data["kind"], persistent=data["persistent"],
+                   placement=data["placement"], global_shape=tuple(data["global_shape"]), shape=tuple(data["shape"]),
+                   dtype=data["dtype"], slice=SliceSpec.from_json(data["slice"]),
+                   aliases=tuple(data.get("aliases", ())), in_shard="checkpoint" not in data,
+                   checkpoint=CheckpointRef.from_json(ref) if ref is not None else None)
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    """One ``rt.*`` collective line of a rank file, as the compiler emitted it."""
+
+    op: str  # the rt function: all_reduce, all_gather, copy_to, scatter
+    group: str  # mesh axis
+    value: str  # the variable the line assigns
+    shape: tuple[int, ...]  # its input as this rank holds it
+    dtype: str
+    backward: str | None  # what its backward issues
+    outputs_only: bool = False  # only returning the model's other outputs needs it (training skips it)
+    stage: int | None = None  # the pipeline stage whose class holds the line
+
+    def to_json(self) -> dict:
+        data = {"op": self.op, "group": self.group, "value": self.value, "shape": list(self.shape),
+                "dtype": self.dtype, "backward": self.backward}
+        if self.outputs_only:
+            data["outputs_only"] = True
+        if self.stage is not None:
+            data["stage"] = self.stage
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> CollectiveEntry:
+        return cls(data["op"], data["group"], data["value"], tuple(data["shape"]), data["dtype"], data["backward"],
+                   bool(data.get("outputs_only", False)), data.get("stage"))
+
+
+@dataclass(frozen=True)
+class StageValue(_Record):
+    """A tensor a pipeline stage receives or sends per microbatch."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """A pipeline stage a rank file holds: its class and what it receives and sends."""
+
+    index: int
+    class_name: str  # JSON "class"
+    inputs: tuple[StageValue, ...]
+    outputs: tuple[StageValue, ...]
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "class": self.class_name, "inputs": [v.to_json() for v in self.inputs],
+                "outputs": [v.to_json() for v in self.outputs]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StageEntry:
+        return cls(data["index"], data["class"], tuple(map(StageValue.from_json, data["inputs"])),
+                   tuple(map(StageValue.from_json, data["outputs"])))
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """One rank file: the (pp, tp) coordinate it runs at, on which global ranks, and what it holds and issues."""
+
+    coords: dict[str, int]  # {"dp": 0, "pp": p, "tp": t}: every dp replica runs the same file
+    global_ranks: tuple[int, ...]
+    file: str
+    weights: str  # its safetensors shard
+    tensors: dict[str, TensorEntry]  # by key in the shard ("attr", or "StageN.attr" under pipelining)
+    collectives: tuple[CollectiveEntry, ...]
+    stages: tuple[StageEntry, ...] | None = None  # pipeline parallelism only
+
+    @property
+    def read_at_run_time(self) -> dict[str, tuple[int, ...]]:
+        """Key -> shape of the tensors the shard does not hold (read from the ``--weights`` folder)."""
+        return {k: t.shape for k, t in self.tensors.items() if not t.in_shard}
+
+    def to_json(self) -> dict:
+        data = {"coords": self.coords, "global_ranks": list(self.global_ranks), "file": self.file,
+                "weights": self.weights, "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+                "collectives": [c.to_json() for c in self.collectives]}
+        if self.stages is not None:
+            data["stages"] = [s.to_json() for s in self.stages]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> RankEntry:
+        stages = data.get("stages")
+        return cls(data["coords"], tuple(data["global_ranks"]), data["file"], data["weights"],
+                   {k: TensorEntry.from_json(t) for k, t in data.get("tensors", {}).items()},
+                   tuple(map(CollectiveEntry.from_json, data.get("collectives", ()))),
+                   tuple(map(StageEntry.from_json, stages)) if stages is not None else None)
+
+
+@dataclass(frozen=True)
+class StageRow(_Record):
+    """A row of the pipeline cut's table: what a stage holds and costs."""
+
+    stage: int
+    pp_rank: int
+    holds: str
+    blocks: int
+    flops: int  # per microbatch
+    param_bytes: int
+    local_param_bytes: int  # per tp rank
+
+
+@dataclass(frozen=True)
+class TiedWeight(_Record):
+    """A weight several pipeline stages hold, its gradient summed between them after backward."""
+
+    name: str  # the process group's name, "tied:<fqn>"
+    fqn: str
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    stages: int
+    stages_per_rank: int
+    microbatches: int
+    batch: int | None  # examples per step
+    cut: str  # where the cut came from: auto, markers, split_before
+    table: tuple[StageRow, ...]
+    tied: tuple[TiedWeight, ...]
+
+    def to_json(self) -> dict:
+        return {"stages": self.stages, "stages_per_rank": self.stages_per_rank, "microbatches": self.microbatches,
+                "batch": self.batch, "cut": self.cut, "table": [r.to_json() for r in self.table],
+                "tied": [t.to_json() for t in self.tied]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> PipelineInfo:
+        return cls(data["stages"], data["stages_per_rank"], data["microbatches"], data["batch"], data["cut"],
+                   tuple(map(StageRow.from_json, data["table"])), tuple(map(TiedWeight.from_json, data["tied"])))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one compile wrote into its folder, and for which layout."""
+
+    fxshard_version: str
+    model_file: str  # the copy of the model file in the folder
+    model_name: str  # the model file's own name
+    model_digest: str
+    model_class: str
+    seed: int
+    layout: Layout
+    mesh: Mesh
+    plan_source: str
+    plan: tuple[str, ...]
+    notes: tuple[str, ...]
+    inputs: tuple[InputEntry, ...]
+    outputs: tuple[str, ...]
+    tied: dict[str, str]  # alias -> the FQN kept
+    custom_ops: dict[str, str] = field(default_factory=dict)  # op -> module the rank files import for it
+    ranks: tuple[RankEntry, ...] = ()
+    pipeline: PipelineInfo | None = None
+    weights: WeightsSource | None = None  # --weights DIR, or --meta
+    digests: dict[str, str] | None = None  # generated file -> sha256, once written
+
+    @property
+    def tied_across_stages(self) -> tuple[TiedWeight, ...]:
+        """The weights several pipeline stages hold (none without pipeline parallelism)."""
+        return self.pipeline.tied if self.pipeline is not None else ()
+
+    def rank(self, coords: dict[str, int]) -> RankEntry:
+        """The rank file of mesh coordinates ``coords`` (its dp coordinate aside)."""
+        for entry in self.ranks:
+            if all(entry.coords[k] == coords[k] for k in ("pp", "tp")):
+                return entry
+        raise OutputFolderError(f"no rank file for coordinates {coords} in the manifest; recompile")
+
+    def to_json(self) -> dict:
+        data = {"format": FORMAT, "fxshard_version": self.fxshard_version, "model_file": self.model_file,
+                "model_name": self.model_name, "model_digest": self.model_digest, "model_class": self.model_class,
+                "seed": self.seed, "layout": self.layout.to_json(), "mesh": self.mesh.to_json(),
+                "plan_source": self.plan_source, "plan": list(self.plan), "notes": list(self.notes),
+                "inputs": [i.to_json() for i in self.inputs], "outputs": list(self.outputs), "tied": self.tied,
+                "custom_ops": self.custom_ops, "ranks": [r.to_json() for r in self.ranks]}
+        for key in ("pipeline", "weights"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key).to_json()
+        if self.digests is not None:
+            data["digests"] = self.digests
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Manifest:
+        """The manifest of a JSON object of format 1 (keys later fxshards added may be missing)."""
+        pipeline, weights, digests = data.get("pipeline"), data.get("weights"), data.get("digests")
+        return cls(
+            fxshard_version=data["fxshard_version"], model_file=data["model_file"],
+            model_name=data.get("model_name"), model_digest=data.get("model_digest"),
+            model_class=data["model_class"], seed=data.get("seed", 0), layout=Layout.from_json(data["layout"]),
+            mesh=Mesh.from_json(data["mesh"]) if "mesh" in data else Mesh((), ()),
+            plan_source=data["plan_source"], plan=tuple(data["plan"]), notes=tuple(data.get("notes", ())),
+            inputs=tuple(map(InputEntry.from_json, data["inputs"])), outputs=tuple(data["outputs"]),
+            tied=data["tied"], custom_ops=data.get("custom_ops", {}), ranks=tuple(map(RankEntry.from_json, data["ranks"])),
+            pipeline=PipelineInfo.from_json(pipeline) if pipeline is not None else None,
+            weights=WeightsSource.from_json(weights) if weights is not None else None,
+            digests=digests if isinstance(digests, dict) else None)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2) + "\n"
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / MANIFEST).write_text(self.dumps())
+
+
+# ---------------------------------------------------------------- reading and validating a folder
+
+
+def read_manifest(out: str | Path) -> Manifest:
     """The manifest of an fxshard output folder, after checking the folder is one."""
     out = Path(out)
     path = out / MANIFEST
@@ -25,17 +339,22 @@ def read_manifest(out: str | Path) -> dict:
         raise OutputFolderError(f"{out}: not an fxshard output folder (no {MANIFEST}); "
                                 f"compile into it with `fxshard compile MODEL.py --out {out}`")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise OutputFolderError(f"{path}: not valid JSON ({e}); recompile") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or "ranks" not in manifest:
-        raise OutputFolderError(f"{path}: not an fxshard manifest of format {FORMAT}; recompile with this fxshard")
-    for i, entry in enumerate(manifest["ranks"]):
+    not_ours = f"{path}: not an fxshard manifest of format {FORMAT}; recompile with this fxshard"
+    if not isinstance(data, dict) or data.get("format") != FORMAT or "ranks" not in data:
+        raise OutputFolderError(not_ours)
+    try:
+        manifest = Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of another kind
+        raise OutputFolderError(f"{not_ours} ({type(e).__name__}: {e})") from e
+    for i, entry in enumerate(manifest.ranks):
         for key in ("file", "weights"):
-            if not inside(out, entry[key], f"ranks[{i}].{key}", path).is_file():
-                raise OutputFolderError(f"{out}: {entry[key]} listed in the manifest is missing; recompile")
-    if not inside(out, manifest["model_file"], "model_file", path).is_file():
-        raise OutputFolderError(f"{out}: {manifest['model_file']} (the copied model file) is missing; recompile")
+            if not inside(out, getattr(entry, key), f"ranks[{i}].{key}", path).is_file():
+                raise OutputFolderError(f"{out}: {getattr(entry, key)} listed in the manifest is missing; recompile")
+    if not inside(out, manifest.model_file, "model_file", path).is_file():
+        raise OutputFolderError(f"{out}: {manifest.model_file} (the copied model file) is missing; recompile")
     return manifest
 
 
@@ -55,16 +374,23 @@ def inside(folder: Path, name, key: str, where: Path, error: type[Exception] = O
     return path
 
 
-def is_fxshard_manifest(path: Path) -> dict | None:
-    """The manifest at ``path`` if fxshard wrote it (format, version and rank list), else None."""
+def listed_files(path: Path) -> set[str] | None:
+    """Every file the manifest at ``path`` says its compile wrote (rank files, weight shards, the model copy,
+    itself), or None if fxshard did not write it (format, version and rank list).
+
+    Deliberately loose: a folder whose manifest an older fxshard wrote, or that does not fully read, is still
+    fxshard's to replace, and only these few keys say so."""
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if (isinstance(manifest, dict) and manifest.get("format") == FORMAT and "fxshard_version" in manifest
-            and isinstance(manifest.get("ranks"), list) and isinstance(manifest.get("model_file"), str)):
-        return manifest
-    return None
+    if not (isinstance(data, dict) and data.get("format") == FORMAT and "fxshard_version" in data
+            and isinstance(data.get("ranks"), list) and isinstance(data.get("model_file"), str)):
+        return None
+    names = {MANIFEST, data["model_file"]}
+    for entry in data["ranks"]:
+        names |= {entry[key] for key in ("file", "weights") if isinstance(entry.get(key), str)}
+    return names
 
 
 def file_digest(path: Path) -> str:
@@ -75,21 +401,20 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def edited_files(out: Path, manifest: dict) -> list[str]:
+def edited_files(out: Path, manifest: Manifest) -> list[str]:
     """The generated files (rank files, model.py) whose sha256 differs from the one recorded at compile.
 
     Weights are not digested: they are data (safetensors runs no code), can be many GB to hash on every
     run, and ``check`` already compares each shard's tensors and shapes with the code."""
-    digests = manifest.get("digests")
-    if not isinstance(digests, dict):
+    if manifest.digests is None:
         return ["manifest.json (it records no file digests: compiled by an older fxshard)"]
-    names = [e["file"] for e in manifest["ranks"]] + [manifest["model_file"]]
+    names = [e.file for e in manifest.ranks] + [manifest.model_file]
     return [n for n in names
-            if digests.get(n) != file_digest(inside(out, n, f"digests[{n!r}]", out / MANIFEST))]
+            if manifest.digests.get(n) != file_digest(inside(out, n, f"digests[{n!r}]", out / MANIFEST))]
 
 
-def refuse_edited(out: Path, manifest: dict) -> None:
-    if not isinstance(manifest.get("digests"), dict):
+def refuse_edited(out: Path, manifest: Manifest) -> None:
+    if manifest.digests is None:
         raise OutputFolderError(f"{Path(out) / MANIFEST}: records no sha256 of the generated files (compiled by an "
                                 "older fxshard), so an edit cannot be ruled out; recompile, or pass --allow-edited "
                                 "to run the files as they are")
@@ -99,20 +424,6 @@ def refuse_edited(out: Path, manifest: dict) -> None:
         raise OutputFolderError(f"{out}: {', '.join(edited)} {verb} from what fxshard compile wrote (sha256 in "
                                 "manifest.json): edited after compile. Recompile, or pass --allow-edited to run "
                                 "the edited files anyway")
-
-
-def layout_of(manifest: dict) -> Layout:
-    lay = manifest["layout"]
-    return Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], zero=lay["zero"], schedule=lay["schedule"],
-                  microbatches=lay["microbatches"], virtual_stages=lay.get("virtual_stages"),
-                  dtype=lay.get("dtype", "fp32"))
-
-
-def rank_entry(manifest: dict, coords: dict[str, int]) -> dict:
-    for entry in manifest["ranks"]:
-        if all(entry["coords"][k] == coords[k] for k in ("pp", "tp")):
-            return entry
-    raise OutputFolderError(f"no rank file for coordinates {coords} in the manifest; recompile")
 
 
 def import_rank_file(path: str | Path):

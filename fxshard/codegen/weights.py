@@ -1,4 +1,5 @@
-"""Weights from a Hugging Face folder (``--weights DIR``): validated at compile time, read by slice at run time.
+"""Weight shards: each rank's slices of the compiled tensors (:func:`weight_shards`), or, with ``--weights DIR``,
+references into a Hugging Face folder, validated at compile time and read by slice at run time.
 
 With ``--weights`` the model is built and captured with its parameters on the meta device, so a
 70B-shaped configuration compiles in a few hundred MB.  No parameter shard is written: every rank's
@@ -13,11 +14,15 @@ tensor data is checked here, from the safetensors headers and ``config.json``::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from fxshard.capture.program import Program
+from fxshard.codegen.manifest import CheckpointRef, Manifest, WeightsSource
 from fxshard.errors import WeightsError, warn
+from fxshard.runtime.slices import take
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 # configuration entries that fix tensor shapes, under the names Llama-like and GPT-2-like configs use
@@ -34,8 +39,9 @@ class CheckpointSource:
     names: dict[str, str]  # state fqn in the program -> tensor name in the checkpoint
     files: dict[str, str]  # checkpoint tensor name -> absolute file path
 
-    def to_json(self) -> dict:
-        return {"dir": str(self.dir), "files": dict(sorted(self.files.items()))}
+    def record(self) -> WeightsSource:
+        """The manifest's ``weights`` section: the folder and, by tensor name, the file each rank reads."""
+        return WeightsSource(str(self.dir), dict(sorted(self.files.items())))
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -173,42 +179,54 @@ def _file_list(files: dict) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def external_weights(manifest: dict, shards: dict[str, dict], source: CheckpointSource | None) -> None:
+def weight_shards(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each rank's weights shard: by key, the slice of its source tensor that the rank's manifest entry records."""
+    return {entry.weights: {key: take(tensors[t.source].detach(), t.slice).contiguous().clone()
+                            for key, t in entry.tensors.items()}
+            for entry in manifest.ranks}
+
+
+def external_weights(manifest: Manifest, shards: dict[str, dict], source: CheckpointSource | None) -> Manifest:
     """Move the tensors a meta compile cannot hold out of the rank shards, into references.
 
-    Each such manifest tensor gets ``"checkpoint": {"name", "file"}`` (or ``None`` without ``--weights``:
-    the run then fails with a clear error), and the manifest a ``"weights"`` section."""
-    for entry in manifest["ranks"]:
-        tensors = shards[entry["weights"]]
-        for key, t in entry["tensors"].items():
-            name = source.names.get(t["source"]) if source is not None else None
+    Each such manifest tensor is marked not in its shard, with the checkpoint tensor to read (or none
+    without ``--weights``: the run then fails with a clear error); the manifest gets a ``weights`` section."""
+    ranks = []
+    for entry in manifest.ranks:
+        tensors = shards[entry.weights]
+        entries = dict(entry.tensors)
+        for key, t in entry.tensors.items():
+            name = source.names.get(t.source) if source is not None else None
             if name is not None:
-                t["checkpoint"] = {"name": name, "file": source.files[name]}
+                entries[key] = replace(t, in_shard=False, checkpoint=CheckpointRef(name, source.files[name]))
             elif tensors[key].is_meta:
-                if source is not None and t["kind"] == "constant":
-                    raise WeightsError(f"{source.dir}: {t['source']} is a tensor made inside forward (a lifted "
+                if source is not None and t.kind == "constant":
+                    raise WeightsError(f"{source.dir}: {t.source} is a tensor made inside forward (a lifted "
                                        "constant) from tensors on the meta device, so its values are unknown "
                                        "to a compile without weights; compile without --weights (the model "
                                        "built with real weights) to keep it")
                 if source is not None:
-                    raise WeightsError(f"{source.dir}: {t['kind']} {t['source']} is in no checkpoint file and "
+                    raise WeightsError(f"{source.dir}: {t.kind} {t.source} is in no checkpoint file and "
                                        "make_model() left it on the meta device; create it with a real value in "
                                        "the model, or save it in the checkpoint")
-                t["checkpoint"] = None
+                entries[key] = replace(t, in_shard=False)
             else:
                 continue
             del tensors[key]
-    manifest["weights"] = source.to_json() if source is not None else {"dir": None, "files": {}}
+        ranks.append(replace(entry, tensors=entries))
+    weights = source.record() if source is not None else WeightsSource(None, {})
+    return replace(manifest, ranks=tuple(ranks), weights=weights)
 
 
-def shard_metadata(manifest: dict, shard: str) -> dict[str, str] | None:
+def shard_metadata(manifest: Manifest, shard: str) -> dict[str, str] | None:
     """The safetensors metadata of one rank shard: where its other tensors are read from at run time."""
-    if "weights" not in manifest:
+    if manifest.weights is None:
         return None
     from fxshard.runtime.slices import KEY
 
-    if manifest["weights"]["dir"] is None:
+    if manifest.weights.dir is None:
         return {KEY: json.dumps({"dir": None})}
-    entry = next(e for e in manifest["ranks"] if e["weights"] == shard)
-    refs = {k: dict(t["checkpoint"], slice=t["slice"]) for k, t in entry["tensors"].items() if t.get("checkpoint")}
-    return {KEY: json.dumps({"dir": manifest["weights"]["dir"], "tensors": refs}, sort_keys=True)}
+    entry = next(e for e in manifest.ranks if e.weights == shard)
+    refs = {k: t.checkpoint.to_json() | {"slice": t.slice.to_json()} for k, t in entry.tensors.items()
+            if t.checkpoint is not None}
+    return {KEY: json.dumps({"dir": manifest.weights.dir, "tensors": refs}, sort_keys=True)}

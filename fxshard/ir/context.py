@@ -6,6 +6,7 @@ Pass-to-pass facts about a node live under one key, ``node.meta["fxshard"]``, as
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several
 DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
+_ADDED = ("virtual_stages", "dtype")  # Layout fields newer than manifest format 1: absent from older manifests
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,15 @@ class Layout:
         for axis, index in zip(MESH_AXES, (dp, pp, tp), strict=True):
             rank = rank * self.size(axis) + index
         return rank
+
+    def to_json(self) -> dict:
+        """Every field by name, in order: the manifest's ``layout`` (:meth:`from_json` reads it back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layout:
+        """The layout :meth:`to_json` wrote; fields that manifests of older fxshards lack take their default."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data or f.name not in _ADDED})
 
     def describe(self) -> str:
         text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"

@@ -13,6 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the slice a rank holds is runtime data (rank files and checkpoints read it): one arithmetic, there
+from fxshard.runtime.slices import SliceSpec, assemble, take
+
+__all__ = ["Shard", "Replicate", "Partial", "Placement", "R", "local_shape", "slice_spec", "SliceSpec", "take",
+           "assemble"]
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -60,57 +66,8 @@ def local_shape(shape: tuple[int, ...], placement: Placement, parts: int) -> tup
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class SliceSpec:
-    """Which part of a source tensor one rank holds: the manifest's record of a local tensor.
-
-    ``index`` of ``parts`` along ``dim``, inside each of ``blocks`` equal blocks.
-    ``parts == 1`` means the whole tensor.
-    """
-
-    dim: int = 0
-    index: int = 0
-    parts: int = 1
-    blocks: int = 1
-
-    @classmethod
-    def of(cls, placement: Placement, index: int, parts: int) -> SliceSpec:
-        if isinstance(placement, Shard) and parts > 1:
-            return cls(placement.dim, index, parts, placement.blocks)
-        return cls()
-
-    def ranges(self, size: int) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` along ``dim`` of a source dimension of ``size``."""
-        block = size // self.blocks
-        step = block // self.parts
-        return [(b * block + self.index * step, b * block + (self.index + 1) * step) for b in range(self.blocks)]
-
-    def to_json(self) -> dict:
-        return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks}
-
-
-def take(full, sl: SliceSpec):
-    """The part of ``full`` that ``sl`` describes (a copy-free view where possible)."""
-    import torch
-
-    if sl.parts == 1:
-        return full
-    pieces = [full.narrow(sl.dim, a, b - a) for a, b in sl.ranges(full.shape[sl.dim])]
-    return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0]
-
-
-def assemble(pieces, shape):
-    """Rebuild a full tensor of ``shape`` from ``[(SliceSpec, local), ...]`` covering it."""
-    import torch
-
-    first = pieces[0][1]
-    full = torch.empty(shape, dtype=first.dtype)
-    for sl, local in pieces:
-        if sl.parts == 1:
-            full.copy_(local)
-            continue
-        ranges = sl.ranges(shape[sl.dim])
-        step = ranges[0][1] - ranges[0][0]
-        for k, (a, b) in enumerate(ranges):
-            full.narrow(sl.dim, a, b - a).copy_(local.narrow(sl.dim, k * step, step))
-    return full
+def slice_spec(placement: Placement, index: int, parts: int) -> SliceSpec:
+    """The slice rank ``index`` of ``parts`` holds of a tensor placed by ``placement`` (the whole one unless sharded)."""
+    if isinstance(placement, Shard) and parts > 1:
+        return SliceSpec(placement.dim, index, parts, placement.blocks)
+    return SliceSpec()

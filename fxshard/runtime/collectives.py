@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fxshard.runtime.guard import guarded
+from fxshard.runtime.slices import SliceSpec, place, take
 
 
 def _site() -> tuple[str, int]:
@@ -51,15 +52,15 @@ def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=N
         dist.all_gather(parts, x.contiguous(), group=group)
     if blocks == 1:
         return torch.cat(parts, dim=dim)
-    # each rank holds [b0_r, b1_r, ...]; reassemble [b0_0, b0_1, ..., b1_0, ...]
-    chunks = [p.chunk(blocks, dim=dim) for p in parts]
-    return torch.cat([chunks[r][b] for b in range(blocks) for r in range(world)], dim=dim)
+    # each rank holds [b0_r, b1_r, ...]: put its blocks back where they sit in [b0_0, b0_1, ..., b1_0, ...]
+    full = x.new_empty([s * world if d == dim else s for d, s in enumerate(x.shape)])
+    for r, p in enumerate(parts):
+        place(full, p, SliceSpec(dim, r, world, blocks))
+    return full
 
 
 def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int) -> torch.Tensor:
-    if blocks == 1:
-        return x.chunk(parts, dim=dim)[index].contiguous()
-    return torch.cat([b.chunk(parts, dim=dim)[index] for b in x.chunk(blocks, dim=dim)], dim=dim)
+    return take(x, SliceSpec(dim, index, parts, blocks)).contiguous()
 
 
 class _CopyTo(torch.autograd.Function):

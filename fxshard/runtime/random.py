@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fxshard.runtime.slices import part_ranges
+
 _M32 = 0xFFFFFFFF
 _SALT = 0x2545F491  # separates these hashes from other uses of the same mixer
 
@@ -89,14 +91,12 @@ def _absorb(h, v):
 
 def _coords(size: int, dim: int, shard, device) -> tuple[torch.Tensor, int]:
     """Global coordinates along ``dim`` of the ``size`` local positions, and the global size of ``dim``."""
-    local = torch.arange(size, device=device, dtype=torch.int64)
     if shard is None or shard[0] != dim:
-        return local, size
+        return torch.arange(size, device=device, dtype=torch.int64), size
     _, index, parts, *blocks = shard
-    blocks = blocks[0] if blocks else 1
-    per_block = size // blocks  # local positions in one packed block
     full = size * parts
-    return local // per_block * (full // blocks) + index * per_block + local % per_block, full
+    ranges = part_ranges(full, index, parts, blocks[0] if blocks else 1)  # what the local positions hold, in order
+    return torch.cat([torch.arange(a, b, device=device, dtype=torch.int64) for a, b in ranges]), full
 
 
 def keep_mask(shape, p: float, site: int, shard=None, device=None) -> torch.Tensor:

@@ -1,10 +1,18 @@
-"""Read a rank's parameters from a Hugging Face checkpoint folder, slice by slice.
+"""Slices of a tensor, and reading them from a Hugging Face checkpoint folder.
+
+One arithmetic says which part of a dimension a rank holds: :func:`part_ranges`, the ranges of part
+``index`` of ``parts`` inside each of ``blocks`` equal blocks (one block for a plain split; three for a
+packed q/k/v projection, where part ``r`` is ``[q_r, k_r, v_r]``).  :class:`SliceSpec` records it in the
+manifest, :func:`take` and :func:`assemble` cut and join tensors by it, and the collectives, the dropout
+masks and the checkpoint reads below use the same ranges::
+
+    part_ranges(12, index=1, parts=2, blocks=3)   # [(2, 4), (6, 8), (10, 12)]
 
 A program compiled with ``--weights DIR`` writes no parameter shards.  Each rank's small shard file
 (buffers only) carries, in its safetensors metadata under :data:`KEY`, where each of its parameters
-lives: checkpoint file, tensor name and the :class:`~fxshard.ir.placement.SliceSpec` it holds.  A rank
-reads exactly those ranges with ``safe_open(file).get_slice(name)[...]`` (one read per packed block of
-a fused q/k/v), never the full tensor::
+lives: checkpoint file, tensor name and the :class:`SliceSpec` it holds.  A rank reads exactly those
+ranges with ``safe_open(file).get_slice(name)[...]`` (one read per packed block of a fused q/k/v),
+never the full tensor::
 
     spec = {"file": "/ckpt/model.safetensors", "name": "model.layers.0.mlp.up_proj.weight",
             "slice": {"dim": 0, "index": 1, "parts": 2, "blocks": 1}}
@@ -14,6 +22,7 @@ a fused q/k/v), never the full tensor::
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +31,68 @@ from fxshard.errors import OutputFolderError
 
 KEY = "fxshard.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key: spec}} or {"dir": null}
 NO_WEIGHTS = "compiled without weights (on meta tensors): recompile with --weights DIR, a Hugging Face folder"
+
+
+def part_ranges(size: int, index: int, parts: int, blocks: int = 1) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]``: the ranges of a dimension of ``size`` that part ``index`` of ``parts`` holds,
+    one inside each of ``blocks`` equal blocks, in order.
+
+    >>> part_ranges(8, 1, 2), part_ranges(12, 1, 2, blocks=3)
+    ([(4, 8)], [(2, 4), (6, 8), (10, 12)])
+    """
+    block = size // blocks
+    step = block // parts
+    return [(b * block + index * step, b * block + (index + 1) * step) for b in range(blocks)]
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """Which part of a source tensor one rank holds: the manifest's record of a local tensor.
+
+    ``index`` of ``parts`` along ``dim``, inside each of ``blocks`` equal blocks.
+    ``parts == 1`` means the whole tensor.
+    """
+
+    dim: int = 0
+    index: int = 0
+    parts: int = 1
+    blocks: int = 1
+
+    def ranges(self, size: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` along ``dim`` of a source dimension of ``size``."""
+        return part_ranges(size, self.index, self.parts, self.blocks)
+
+    def to_json(self) -> dict:
+        return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks}
+
+    @classmethod
+    def from_json(cls, data: dict) -> SliceSpec:
+        return cls(**data)
+
+
+def take(full: torch.Tensor, sl: SliceSpec) -> torch.Tensor:
+    """The part of ``full`` that ``sl`` describes (a copy-free view where possible)."""
+    if sl.parts == 1:
+        return full
+    pieces = [full.narrow(sl.dim, a, b - a) for a, b in sl.ranges(full.shape[sl.dim])]
+    return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0]
+
+
+def place(full: torch.Tensor, local: torch.Tensor, sl: SliceSpec) -> None:
+    """Copy ``local`` (what :func:`take` gives for ``sl``) into its ranges of ``full``."""
+    if sl.parts == 1:
+        full.copy_(local)
+        return
+    for k, (a, b) in enumerate(sl.ranges(full.shape[sl.dim])):
+        full.narrow(sl.dim, a, b - a).copy_(local.narrow(sl.dim, k * (b - a), b - a))
+
+
+def assemble(pieces, shape) -> torch.Tensor:
+    """Rebuild a full tensor of ``shape`` from ``[(SliceSpec, local), ...]`` covering it."""
+    full = torch.empty(shape, dtype=pieces[0][1].dtype)
+    for sl, local in pieces:
+        place(full, local, sl)
+    return full
 
 
 def checkpoint_specs(metadata: dict | None, path: Path, prefix: str = "") -> dict[str, dict]:
@@ -38,22 +109,16 @@ def read_slice(spec: dict) -> torch.Tensor:
     """The part of a checkpoint tensor that ``spec`` names, reading only that part."""
     from safetensors import safe_open
 
-    file, name, sl = spec["file"], spec["name"], spec["slice"]
+    file, name, sl = spec["file"], spec["name"], SliceSpec.from_json(spec["slice"])
     try:
         with safe_open(file, framework="pt") as f:
             view = f.get_slice(name)
             shape = view.get_shape()
-            if sl["parts"] == 1:
+            if sl.parts == 1:
                 return view[tuple(slice(None) for _ in shape)] if shape else f.get_tensor(name)
-            dim = sl["dim"]
-            block = shape[dim] // sl["blocks"]
-            step = block // sl["parts"]
-            pieces = []
-            for b in range(sl["blocks"]):
-                start = b * block + sl["index"] * step
-                index = tuple(slice(start, start + step) if d == dim else slice(None) for d in range(len(shape)))
-                pieces.append(view[index])
-            return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+            pieces = [view[tuple(slice(a, b) if d == sl.dim else slice(None) for d in range(len(shape)))]
+                      for a, b in sl.ranges(shape[sl.dim])]
+            return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0]
     except Exception as e:  # a file changed or truncated after compile
         raise OutputFolderError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}); check the "
                                 "checkpoint folder is complete, then recompile with --weights") from e

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.codegen import rank_file_name
-from fxshard.codegen.manifest import edited_files, layout_of, read_manifest, refuse_edited
+from fxshard.codegen.manifest import Manifest, RankEntry, edited_files, read_manifest, refuse_edited
 from fxshard.errors import CheckError
 from fxshard.ir.comm import SUM_TIED_GRADS, communicating
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
@@ -63,7 +63,7 @@ def check_output(out: str | Path, allow_edited: bool = False) -> CheckReport:
     ``--weights`` folder they read from, and (unless ``allow_edited``) that no generated file was edited."""
     out = Path(out)
     manifest = read_manifest(out)
-    sources = {e["file"]: (out / e["file"]).read_text() for e in manifest["ranks"]}  # read_manifest: they exist
+    sources = {e.file: (out / e.file).read_text() for e in manifest.ranks}  # read_manifest: they exist
     problems: list[str] = []
     weights = _weight_shapes(out, manifest, problems)
     problems += _external_weights(manifest)
@@ -77,10 +77,10 @@ def check_output(out: str | Path, allow_edited: bool = False) -> CheckReport:
     return report
 
 
-def _fix_for(out: Path, manifest: dict) -> str:
+def _fix_for(out: Path, manifest: Manifest) -> str:
     """Blame an edit only where a generated file differs from what the compile wrote (older manifests record
     no digest: an edit cannot be ruled out)."""
-    if not isinstance(manifest.get("digests"), dict):
+    if manifest.digests is None:
         return RECOMPILE
     edited = edited_files(out, manifest)
     if edited:
@@ -89,37 +89,37 @@ def _fix_for(out: Path, manifest: dict) -> str:
     return AS_COMPILED
 
 
-def _external_weights(manifest: dict) -> list[str]:
+def _external_weights(manifest: Manifest) -> list[str]:
     """The ``--weights`` folder and files the ranks read their tensors from at run time still exist."""
-    source = manifest.get("weights") or {}
-    if source.get("dir") is None:
+    source = manifest.weights
+    if source is None or source.dir is None:
         return []
-    if not Path(source["dir"]).is_dir():
-        return [f"the --weights folder {source['dir']} the ranks read their weights from is missing; restore it, "
+    if not Path(source.dir).is_dir():
+        return [f"the --weights folder {source.dir} the ranks read their weights from is missing; restore it, "
                 "or recompile with --weights pointing at its new place"]
-    missing = sorted({f for f in source.get("files", {}).values() if not Path(f).is_file()})
+    missing = sorted({f for f in source.files.values() if not Path(f).is_file()})
     return [f"{f}: a --weights file the ranks read from is missing; restore it or recompile" for f in missing]
 
 
-def check_program(sources: dict[str, str], manifest: dict, weights: dict[str, dict[str, tuple]] | None = None,
+def check_program(sources: dict[str, str], manifest: Manifest, weights: dict[str, dict[str, tuple]] | None = None,
                   run: bool = True, fix: str = RECOMPILE) -> CheckReport:
     """Check rank file sources (file name -> text) against their manifest; raise ``CheckError`` on a problem.
 
     ``weights``: weights file -> tensor key -> shape, when known.  ``run=False`` scans the sources instead
     of running them (the cheap check of every compile)."""
-    layout = layout_of(manifest)
+    layout = manifest.layout
     problems = _check_layout(manifest, layout, sources)
     if problems:
         _fail(problems, fix)
     traces: dict[str, RankTrace] = {}
-    for entry in manifest["ranks"]:
-        problems += _check_header(sources[entry["file"]], entry, manifest)
+    for entry in manifest.ranks:
+        problems += _check_header(sources[entry.file], entry, manifest)
         try:
-            traces[entry["file"]] = trace = trace_rank(sources[entry["file"]], entry["file"], manifest, entry, run)
+            traces[entry.file] = trace = trace_rank(sources[entry.file], entry.file, manifest, entry, run)
         except CheckError as e:
             problems.append(str(e))
             continue
-        problems += _check_tensors(trace, entry, (weights or {}).get(entry["weights"]))
+        problems += _check_tensors(trace, entry, (weights or {}).get(entry.weights))
     if problems:  # the comparisons below need every rank file traced
         _fail(problems, fix)
     report = CheckReport(len(sources), layout.world_size, run)
@@ -137,22 +137,22 @@ def _fail(problems: list[str], fix: str):
     raise CheckError(f"{len(problems)} problems:\n  {shown}\n{fix}")
 
 
-def _weight_shapes(out: Path, manifest: dict, problems: list[str]) -> dict[str, dict[str, tuple]]:
+def _weight_shapes(out: Path, manifest: Manifest, problems: list[str]) -> dict[str, dict[str, tuple]]:
     """Weights file -> tensor key -> shape, read from the safetensors headers; an unreadable file is a problem."""
     from safetensors import safe_open
 
     shapes = {}
-    for entry in manifest["ranks"]:
-        path = out / entry["weights"]
+    for entry in manifest.ranks:
+        path = out / entry.weights
         try:
             with safe_open(str(path), framework="pt") as f:
-                shapes[entry["weights"]] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+                shapes[entry.weights] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # missing, truncated (the header disagrees with the size) or not safetensors
-            problems.append(f"{path}: cannot read the weights of {entry['file']} ({type(e).__name__}: {e}); "
+            problems.append(f"{path}: cannot read the weights of {entry.file} ({type(e).__name__}: {e}); "
                             "the file is unreadable, truncated or damaged")
             continue
         # --weights DIR / a meta compile: the rest is read from the checkpoint folder at run time
-        shapes[entry["weights"]] |= {k: tuple(t["shape"]) for k, t in entry["tensors"].items() if "checkpoint" in t}
+        shapes[entry.weights] |= entry.read_at_run_time
     return shapes
 
 
@@ -163,32 +163,33 @@ def _ranks_text(ranks: list[int]) -> str:
 # ---------------------------------------------------------------- layout, headers, tensors
 
 
-def _check_layout(manifest: dict, layout, sources: dict[str, str]) -> list[str]:
+def _check_layout(manifest: Manifest, layout, sources: dict[str, str]) -> list[str]:
     problems = []
-    mesh = list(manifest.get("mesh", {}).get("shape", []))
+    mesh = list(manifest.mesh.shape)
     if mesh != list(layout.mesh_shape):
         problems.append(f"manifest.json: mesh shape {mesh} but the layout {layout.describe()} needs "
                         f"{list(layout.mesh_shape)} (dp, pp, tp), world size {layout.world_size}")
     by_coords = {}
-    for entry in manifest["ranks"]:
-        c = entry["coords"]
+    for entry in manifest.ranks:
+        c = entry.coords
         key = (c["pp"], c["tp"])
         if key in by_coords or not (0 <= c["pp"] < layout.pp and 0 <= c["tp"] < layout.tp) or c.get("dp", 0):
-            problems.append(f"manifest.json: rank file {entry['file']} has coordinates {c}, outside the "
+            problems.append(f"manifest.json: rank file {entry.file} has coordinates {c}, outside the "
                             f"{layout.pp} x {layout.tp} (pp x tp) grid of {layout.describe()} or listed twice")
             continue
         by_coords[key] = entry
         want_ranks = [r for r in range(layout.world_size) if (layout.coords(r)["pp"], layout.coords(r)["tp"]) == key]
-        if entry["global_ranks"] != want_ranks:
-            problems.append(f"manifest.json: {entry['file']} runs on {_ranks_text(entry['global_ranks'])}, but "
+        if list(entry.global_ranks) != want_ranks:
+            problems.append(f"manifest.json: {entry.file} runs on {_ranks_text(entry.global_ranks)}, but "
                             f"pp={key[0]} tp={key[1]} of a world of {layout.world_size} is {_ranks_text(want_ranks)}")
-        if entry["file"] != rank_file_name(c):
-            problems.append(f"manifest.json: the rank file of pp={key[0]} tp={key[1]} is {entry['file']}, "
+        if entry.file != rank_file_name(c):
+            problems.append(f"manifest.json: the rank file of pp={key[0]} tp={key[1]} is {entry.file}, "
                             f"expected {rank_file_name(c)}")
-        if entry["file"] not in sources:
-            problems.append(f"{entry['file']}: listed in the manifest but missing")
-        if layout.pp > 1 and [s["index"] for s in entry.get("stages", [])] != layout.stages_of(key[0]):
-            problems.append(f"manifest.json: {entry['file']} holds stages {[s['index'] for s in entry.get('stages', [])]}"
+        if entry.file not in sources:
+            problems.append(f"{entry.file}: listed in the manifest but missing")
+        held = [s.index for s in entry.stages or ()]
+        if layout.pp > 1 and held != layout.stages_of(key[0]):
+            problems.append(f"manifest.json: {entry.file} holds stages {held}"
                             f", but pp rank {key[0]} of {layout.describe()} holds {layout.stages_of(key[0])}")
     missing = [rank_file_name({"pp": p, "tp": t}) for p in range(layout.pp) for t in range(layout.tp)
                if (p, t) not in by_coords]
@@ -198,27 +199,27 @@ def _check_layout(manifest: dict, layout, sources: dict[str, str]) -> list[str]:
     return problems + _check_sizes(manifest, layout)
 
 
-def _check_sizes(manifest: dict, layout) -> list[str]:
+def _check_sizes(manifest: Manifest, layout) -> list[str]:
     """Batches split over dp ranks and microbatches, tensors split over tp ranks: every split divides."""
     problems = []
     parts = layout.dp * ((layout.microbatches or 1) if layout.pp > 1 else 1)
-    for i in manifest["inputs"]:
-        if i["is_tensor"] and i["shape"] and parts > 1 and i["shape"][0] != i["microbatch_shape"][0] * parts:
-            problems.append(f"manifest.json: input {i['name']} has batch {i['shape'][0]}, which is not "
-                            f"{parts} (dp x microbatches) x its microbatch of {i['microbatch_shape'][0]}")
-    for entry in manifest["ranks"]:
-        for key, t in entry["tensors"].items():
-            placement = _placement(t["placement"])
+    for i in manifest.inputs:
+        if i.is_tensor and i.shape and parts > 1 and i.shape[0] != i.microbatch_shape[0] * parts:
+            problems.append(f"manifest.json: input {i.name} has batch {i.shape[0]}, which is not "
+                            f"{parts} (dp x microbatches) x its microbatch of {i.microbatch_shape[0]}")
+    for entry in manifest.ranks:
+        for key, t in entry.tensors.items():
+            placement = _placement(t.placement)
             if placement is None:
-                problems.append(f"manifest.json: {entry['file']} {key} has placement {t['placement']!r}, "
+                problems.append(f"manifest.json: {entry.file} {key} has placement {t.placement!r}, "
                                 "not one fxshard writes (Shard(d), Shard(d, blocks=k), Replicate(), Partial(...))")
-            elif isinstance(placement, Shard) and t["global_shape"][placement.dim] % (layout.tp * placement.blocks):
-                problems.append(f"{entry['file']}: {t['source']} has size {t['global_shape'][placement.dim]} in dim "
+            elif isinstance(placement, Shard) and t.global_shape[placement.dim] % (layout.tp * placement.blocks):
+                problems.append(f"{entry.file}: {t.source} has size {t.global_shape[placement.dim]} in dim "
                                 f"{placement.dim}, which does not split over tp={layout.tp}"
                                 + (f" in {placement.blocks} blocks" if placement.blocks > 1 else ""))
-            elif list(local_shape(tuple(t["global_shape"]), placement, layout.tp)) != list(t["shape"]):
-                problems.append(f"manifest.json: {entry['file']} {key} ({t['source']}, {placement}) has shape "
-                                f"{t['shape']}, expected {list(local_shape(tuple(t['global_shape']), placement, layout.tp))}")
+            elif list(local_shape(t.global_shape, placement, layout.tp)) != list(t.shape):
+                problems.append(f"manifest.json: {entry.file} {key} ({t.source}, {placement}) has shape "
+                                f"{list(t.shape)}, expected {list(local_shape(t.global_shape, placement, layout.tp))}")
     return problems
 
 
@@ -238,9 +239,9 @@ _HEADER = {
 }
 
 
-def _check_header(source: str, entry: dict, manifest: dict) -> list[str]:
+def _check_header(source: str, entry: RankEntry, manifest: Manifest) -> list[str]:
     """The rank file's header names the layout, coordinates and model digest of the manifest."""
-    file, lay = entry["file"], manifest["layout"]
+    file, lay = entry.file, manifest.layout
     found = {}
     for n, line in enumerate(source.splitlines()[:40], 1):
         for key, pattern in _HEADER.items():
@@ -252,32 +253,32 @@ def _check_header(source: str, entry: dict, manifest: dict) -> list[str]:
                 "by fxshard compile or was edited"]
     problems = []
     (n, (tp, pp, dp)) = found["layout"]
-    if (int(tp), int(pp), int(dp)) != (lay["tp"], lay["pp"], lay["dp"]):
-        problems.append(f"{file}:{n}: compiled for tp={tp} pp={pp} dp={dp}, but manifest.json is for tp={lay['tp']} "
-                        f"pp={lay['pp']} dp={lay['dp']}: a rank file left from another compile")
+    if (int(tp), int(pp), int(dp)) != (lay.tp, lay.pp, lay.dp):
+        problems.append(f"{file}:{n}: compiled for tp={tp} pp={pp} dp={dp}, but manifest.json is for tp={lay.tp} "
+                        f"pp={lay.pp} dp={lay.dp}: a rank file left from another compile")
     (n, (pp_rank, tp_rank, ranks)) = found["rank"]
     coords = (int(pp_rank or 0), int(tp_rank))
     listed = [int(r) for r in ranks.replace(",", " ").split()]
-    if coords != (entry["coords"]["pp"], entry["coords"]["tp"]) or listed != entry["global_ranks"]:
+    if coords != (entry.coords["pp"], entry.coords["tp"]) or listed != list(entry.global_ranks):
         problems.append(f"{file}:{n}: the header says pp rank {coords[0]}, tp rank {coords[1]}, {_ranks_text(listed)}; "
-                        f"manifest.json has it at pp={entry['coords']['pp']} tp={entry['coords']['tp']}, "
-                        f"{_ranks_text(entry['global_ranks'])}")
+                        f"manifest.json has it at pp={entry.coords['pp']} tp={entry.coords['tp']}, "
+                        f"{_ranks_text(entry.global_ranks)}")
     (n, (digest,)) = found["model"]
-    if digest != manifest.get("model_digest", digest):
+    if manifest.model_digest is not None and digest != manifest.model_digest:
         problems.append(f"{file}:{n}: generated from model digest {digest}, but manifest.json is for "
-                        f"{manifest['model_digest']}: a rank file left from another compile")
+                        f"{manifest.model_digest}: a rank file left from another compile")
     return problems
 
 
-def _check_tensors(trace: RankTrace, entry: dict, weights: dict[str, tuple] | None) -> list[str]:
+def _check_tensors(trace: RankTrace, entry: RankEntry, weights: dict[str, tuple] | None) -> list[str]:
     """The parameters and buffers the rank file creates, against the manifest and the weights shard."""
     made = {}
     for name, cls in trace.classes.items():
         prefix = "" if name == "RankModule" else name + "."
         made |= {prefix + k: shape for k, (shape, _) in cls.tensors.items()}
-    listed = {k: tuple(t["shape"]) for k, t in entry["tensors"].items()}
+    listed = {k: t.shape for k, t in entry.tensors.items()}
     problems = []
-    for what, other in (("manifest.json", listed), (entry["weights"], weights)):
+    for what, other in (("manifest.json", listed), (entry.weights, weights)):
         if other is None:
             continue
         missing, extra = sorted(set(other) - set(made)), sorted(set(made) - set(other))
@@ -295,30 +296,30 @@ def _check_tensors(trace: RankTrace, entry: dict, weights: dict[str, tuple] | No
 # ---------------------------------------------------------------- collectives and pipeline links
 
 
-def _check_groups(manifest: dict, layout, traces: dict[str, RankTrace], sources: dict[str, str],
+def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sources: dict[str, str],
                   report: CheckReport) -> list[str]:
     """Per process group, every member issues the same sequence of collectives."""
-    entries = {(e["coords"]["pp"], e["coords"]["tp"]): e for e in manifest["ranks"]}
+    entries = {(e.coords["pp"], e.coords["tp"]): e for e in manifest.ranks}
     problems = [f"{c.where()}: rt.{c.call} over {c.group}: each collective needs this rank's process group "
                 f"(self.tp, self.pp or groups[...])"
                 for t in traces.values() for c in _all_events(t) if c.group.startswith("<")]
     for p in range(layout.pp):  # the tp group of each pp coordinate, per class (stage)
         members = [entries[(p, t)] for t in range(layout.tp)]
         label = _group_label(layout, "tp", lambda d, t, p=p: layout.rank_of(d, p, t), layout.tp)
-        for cls in traces[members[0]["file"]].classes:
+        for cls in traces[members[0].file].classes:
             problems += _compare(label, cls, "tp", members, _class_phases(cls), traces, sources, report)
     if layout.pp > 1:  # the pp group of each tp coordinate: generated code issues no collective over it
         for t in range(layout.tp):
             members = [entries[(p, t)] for p in range(layout.pp)]
             label = _group_label(layout, "pp", lambda d, p, t=t: layout.rank_of(d, p, t), layout.pp)
             problems += _compare(label, "all stages", "pp", members, _ALL_STAGES, traces, sources, report)
-        for tie in manifest["pipeline"]["tied"]:
-            holders = sorted({layout.stage_rank(s) for s in tie["stages"]})
+        for tie in manifest.pipeline.tied:
+            holders = sorted({layout.stage_rank(s) for s in tie.stages})
             for t in range(layout.tp if len(holders) > 1 else 0):
                 members = [entries[(p, t)] for p in holders]
                 label = _group_label(layout, "tied-weight", lambda d, i, t=t, h=holders: layout.rank_of(d, h[i], t),
                                      len(holders))
-                problems += _compare(label, "sync_tied_grads", tie["name"], members, _TIED, traces, sources, report)
+                problems += _compare(label, "sync_tied_grads", tie.name, members, _TIED, traces, sources, report)
     return problems
 
 
@@ -347,13 +348,13 @@ def _compare(label, scope, group, members, phases, traces, sources, report) -> l
     """Compare, per phase, the collectives over ``group`` that ``members`` (manifest entries) issue."""
     counts, problems = {}, []
     for phase, get in phases.items():
-        seqs = [[c for c in get(traces[m["file"]]) if c.group == group] for m in members]
+        seqs = [[c for c in get(traces[m.file]) if c.group == group] for m in members]
         counts[phase] = len(seqs[0])
         problem = _explain(label, scope, group, phase, members, seqs, traces, sources)
         if problem:
             problems.append(problem)
     if not problems and len(members) > 1:
-        report.groups.append(GroupCheck(label, scope, [m["file"] for m in members], counts.get("forward", 0),
+        report.groups.append(GroupCheck(label, scope, [m.file for m in members], counts.get("forward", 0),
                                         counts.get("backward", counts.get("after backward", 0))))
     return problems
 
@@ -369,46 +370,46 @@ def _explain(label, scope, group, phase, members, seqs, traces, sources) -> str 
     ref = max(range(len(seqs)), key=lambda i: (sizes[keys[i]], agrees[i], -i))
     odd = next(i for i in range(len(seqs)) if keys[i] != keys[ref])
     a, b = members[ref], members[odd]
-    elsewhere = {c.value: c for c in _all_events(traces[b["file"]]) if c.group != group}
-    where, text = first_difference(seqs[ref], seqs[odd], a["file"], _ranks_text(a["global_ranks"]), b["file"],
-                                   sources[b["file"]].splitlines(), phase, elsewhere)
-    return f"{where} ({_ranks_text(b['global_ranks'])}): {label} in {scope}: {text}; running this would hang"
+    elsewhere = {c.value: c for c in _all_events(traces[b.file]) if c.group != group}
+    where, text = first_difference(seqs[ref], seqs[odd], a.file, _ranks_text(a.global_ranks), b.file,
+                                   sources[b.file].splitlines(), phase, elsewhere)
+    return f"{where} ({_ranks_text(b.global_ranks)}): {label} in {scope}: {text}; running this would hang"
 
 
-def _matches_manifest(seq: list[Collective], entry: dict) -> bool:
+def _matches_manifest(seq: list[Collective], entry: RankEntry) -> bool:
     """Whether ``seq`` issues what the compiler recorded for these lines (values of the same stage), in order."""
     if not seq:
         return True
     direction = seq[0].direction
     calls = {SUM_TIED_GRADS} if direction == "after backward" else {k.name for k in communicating(direction)}
-    recorded = [c for c in entry.get("collectives", []) if c["op"] in calls]
-    stages = {c.get("stage") for c in recorded if c["value"] in {x.value for x in seq}}
-    expected = [(c["value"], c["op"]) for c in recorded if c.get("stage") in stages]
+    recorded = [c for c in entry.collectives if c.op in calls]
+    stages = {c.stage for c in recorded if c.value in {x.value for x in seq}}
+    expected = [(c.value, c.op) for c in recorded if c.stage in stages]
     mine = [(c.value, c.call) for c in seq]
     return mine == expected if direction == "forward" else sorted(mine) == sorted(expected)
 
 
-def _check_links(manifest: dict, layout, traces: dict[str, RankTrace], sources: dict[str, str],
+def _check_links(manifest: Manifest, layout, traces: dict[str, RankTrace], sources: dict[str, str],
                  report: CheckReport) -> list[str]:
     """Every pipeline send has its receive: OUTPUTS of stage s = INPUTS of stage s + 1 (count, shape, dtype)."""
     if layout.pp == 1:
         return []
-    entries = {(e["coords"]["pp"], e["coords"]["tp"]): e for e in manifest["ranks"]}
+    entries = {(e.coords["pp"], e.coords["tp"]): e for e in manifest.ranks}
     problems = []
     for t in range(layout.tp):
-        first = traces[entries[(0, t)]["file"]].module.Stage0
-        want = [(tuple(i["microbatch_shape"]), i["dtype"]) for i in manifest["inputs"] if i["is_tensor"]]
+        first = traces[entries[(0, t)].file].module.Stage0
+        want = [(i.microbatch_shape, i.dtype) for i in manifest.inputs if i.is_tensor]
         got = [(tuple(shape), str(dtype).removeprefix("torch.")) for _, shape, dtype, _ in first.INPUTS]
         if got != want:
-            problems.append(f"{_decl(sources, entries[(0, t)]['file'], 'Stage0', 'INPUTS')}: stage 0 takes {got} "
+            problems.append(f"{_decl(sources, entries[(0, t)].file, 'Stage0', 'INPUTS')}: stage 0 takes {got} "
                             f"from the schedule, but the batch inputs per microbatch are {want}")
         for s in range(layout.num_stages - 1):
             src, dst = entries[(layout.stage_rank(s), t)], entries[(layout.stage_rank(s + 1), t)]
-            problem = _link(sources, traces, src["file"], f"Stage{s}", dst["file"], f"Stage{s + 1}")
+            problem = _link(sources, traces, src.file, f"Stage{s}", dst.file, f"Stage{s + 1}")
             if problem:
                 problems.append(problem)
             elif t == 0:
-                n = len(traces[src["file"]].module.__dict__[f"Stage{s}"].OUTPUTS)
+                n = len(traces[src.file].module.__dict__[f"Stage{s}"].OUTPUTS)
                 report.links.append(f"stage {s} -> stage {s + 1}: {n} tensor{'s' * (n != 1)} per microbatch")
     return problems
 

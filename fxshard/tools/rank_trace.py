@@ -8,7 +8,7 @@ execute the rank file itself.  Its classes are built on the ``meta`` device (no 
 instead note what the real one would send: the kind, the process group, the shape and dtype, and the
 line of the rank file that issued it (the backward of ``rt.copy_to`` is charged to the ``copy_to`` line)::
 
-    trace = trace_rank(source, "rank_pp0_tp1.py", manifest, manifest["ranks"][1])
+    trace = trace_rank(source, "rank_pp0_tp1.py", manifest, manifest.ranks[1])
     str(trace.classes["RankModule"].forward[0])
     # 'all_reduce float32 [8, 16, 64] over tp (rank_pp0_tp1.py:173 rt.all_reduce -> all_reduce)'  (gpt.py, tp=2)
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard import runtime
+from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import CheckError
 from fxshard.ir.comm import KINDS, SUM_TIED_GRADS
 
@@ -249,7 +250,7 @@ def trace_tied(trace: RankTrace, recorder: Recorder, stage_classes: dict[int, st
     trace.tied = recorder.events[start:]
 
 
-def trace_rank(source: str, file: str, manifest: dict, entry: dict, run: bool = True) -> RankTrace:
+def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run: bool = True) -> RankTrace:
     """Load one rank file and record the collectives of every class it holds (and of ``sync_tied_grads``).
 
     ``run=True`` executes forward and backward on meta tensors (shapes as computed, the backward as
@@ -260,36 +261,35 @@ def trace_rank(source: str, file: str, manifest: dict, entry: dict, run: bool = 
     recorder = Recorder(file, source.splitlines())
     module.rt = recorder  # this module object only: other importers of the rank file are untouched
     scan = None if run else _Scan(source, file, entry)
-    lay, coords = manifest["layout"], entry["coords"]
-    groups = {"tp": FakeGroup("tp", lay["tp"], coords["tp"]), "pp": FakeGroup("pp", lay["pp"], coords["pp"]),
-              "dp": FakeGroup("dp", lay["dp"], coords["dp"])}
-    pipe = manifest.get("pipeline")
+    lay, coords = manifest.layout, entry.coords
+    groups = {"tp": FakeGroup("tp", lay.tp, coords["tp"]), "pp": FakeGroup("pp", lay.pp, coords["pp"]),
+              "dp": FakeGroup("dp", lay.dp, coords["dp"])}
+    pipe = manifest.pipeline
     if pipe is None:
-        inputs = [_meta(i["microbatch_shape"], i["dtype"], False) if i["is_tensor"] else None
-                  for i in manifest["inputs"]]
+        inputs = [_meta(i.microbatch_shape, i.dtype, False) if i.is_tensor else None for i in manifest.inputs]
         if scan:
             scan.trace_class(trace, "RankModule", groups)
         else:
             trace_class(trace, recorder, "RankModule", groups, inputs, "first")
         return trace
-    for tie in pipe["tied"]:
-        groups[tie["name"]] = FakeGroup(tie["name"], len(tie["stages"]), 0)
-    for st in entry["stages"]:
-        cls = getattr(module, st["class"], None)
+    for tie in pipe.tied:
+        groups[tie.name] = FakeGroup(tie.name, len(tie.stages), 0)
+    for st in entry.stages:
+        cls = getattr(module, st.class_name, None)
         declared = getattr(cls, "INPUTS", None)
         if declared is None:
-            raise CheckError(f"{file}: class {st['class']} (pipeline stage {st['index']}) is missing or has no "
+            raise CheckError(f"{file}: class {st.class_name} (pipeline stage {st.index}) is missing or has no "
                              "INPUTS; the rank file and manifest.json come from different compiles")
         if scan:
-            scan.trace_class(trace, st["class"], groups)
+            scan.trace_class(trace, st.class_name, groups)
             continue
         inputs = [_meta(shape, dtype, rg) for _, shape, dtype, rg in declared]
-        last = st["index"] == pipe["stages"] - 1
-        trace_class(trace, recorder, st["class"], groups, inputs, "first" if last else "outputs")
+        last = st.index == pipe.stages - 1
+        trace_class(trace, recorder, st.class_name, groups, inputs, "first" if last else "outputs")
     if scan:
         trace.tied = scan.calls(scan.function("sync_tied_grads"), "after backward")
     else:
-        trace_tied(trace, recorder, {st["index"]: st["class"] for st in entry["stages"]}, groups)
+        trace_tied(trace, recorder, {st.index: st.class_name for st in entry.stages}, groups)
     return trace
 
 
@@ -301,10 +301,10 @@ _COMMUNICATES = {k.name: [(op, d) for d, op in (("forward", k.forward), ("backwa
 class _Scan:
     """The ``rt.*`` calls of a rank file read from its syntax tree, without running anything."""
 
-    def __init__(self, source: str, file: str, entry: dict):
+    def __init__(self, source: str, file: str, entry: RankEntry):
         self.file, self.lines, self.tree = file, source.splitlines(), ast.parse(source, file)
-        self.shapes = {c["value"]: (tuple(c["shape"]), c["dtype"]) for c in entry.get("collectives", [])}
-        self.tensors = {k: (tuple(t["shape"]), t["dtype"]) for k, t in entry.get("tensors", {}).items()}
+        self.shapes = {c.value: (c.shape, c.dtype) for c in entry.collectives}
+        self.tensors = {k: (t.shape, t.dtype) for k, t in entry.tensors.items()}
 
     def function(self, name: str, cls: str | None = None) -> ast.FunctionDef | None:
         body = self.tree.body

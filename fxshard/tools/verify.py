@@ -20,11 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import rank_entry
+from fxshard.codegen.manifest import Manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
-from fxshard.ir.placement import SliceSpec, assemble
+from fxshard.runtime.slices import assemble
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 
@@ -88,17 +88,18 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
-    from fxshard.train.launch import run_args
     from fxshard.train.local import launch_local
+    from fxshard.train.options import RunOptions
 
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"
         result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        launch_local(out, run_args(out, steps, optim, metrics, timeout_s, final_state=final), layout.world_size)
+        options = RunOptions(steps, optim, metrics, timeout_s, final_state=final)
+        launch_local(out, options.argv(out), layout.world_size)
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-        trained = gather_parameters(result.manifest, layout, final)
+        trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}
     mf = load_model_file(model_file)
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
@@ -118,24 +119,25 @@ def _share(diff: float, update: float) -> float:
     return 0.0 if diff == 0 else float("inf")
 
 
-def gather_parameters(manifest: dict, layout: Layout, folder: Path | None = None,
+def gather_parameters(manifest: Manifest, folder: Path | None = None,
                       states: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """Full trained parameters by source FQN, from the dp-rank-0 slices every (pp, tp) rank wrote to
     ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
-    pieces: dict[str, dict[str, tuple]] = {}
-    shapes: dict[str, list[int]] = {}
+    layout = manifest.layout
+    pieces: dict[str, dict] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
         if coords["dp"] != 0:  # dp replicas hold the same values (ZeRO 2/3 shards are gathered on save)
             continue
-        entry = rank_entry(manifest, coords)
+        entry = manifest.rank(coords)
         state = states[rank] if states is not None else load_file(str(folder / f"rank{rank}.safetensors"))
-        for key, t in entry["tensors"].items():
-            if t["kind"] != "parameter":
+        for key, t in entry.tensors.items():
+            if t.kind != "parameter":
                 continue
             # copies of a tied weight in several stages are identical (tested); one per slice suffices
-            pieces.setdefault(t["source"], {})[json.dumps(t["slice"])] = (SliceSpec(**t["slice"]), state[key])
-            shapes[t["source"]] = t["global_shape"]
+            pieces.setdefault(t.source, {})[t.slice] = (t.slice, state[key])
+            shapes[t.source] = t.global_shape
     return {fqn: assemble(list(by_slice.values()), shapes[fqn]) for fqn, by_slice in pieces.items()}
 
 

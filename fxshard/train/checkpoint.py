@@ -9,8 +9,8 @@ trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the
     shard-pp0-tp1.safetensors     keys "fqn|kind|dim.index.parts.blocks", kind in param/exp_avg/...
 
 Loading is by slice: a rank of any layout reads the pieces of each source it holds, assembles them
-when its slice differs from the saved one (:func:`fxshard.ir.placement.assemble`), and takes its own
-(:func:`fxshard.ir.placement.take`); Adam state is resharded exactly like the parameter.  Under
+when its slice differs from the saved one (:func:`fxshard.runtime.slices.assemble`), and takes its own
+(:func:`fxshard.runtime.slices.take`); Adam state is resharded exactly like the parameter.  Under
 ``--dtype bf16`` the saved value is the fp32 master weight.
 
 Why not ``torch.distributed.checkpoint``: DCP reshards only DTensor / ShardedTensor, and the packed
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fxshard.codegen.manifest import inside
+from fxshard.codegen.manifest import Manifest, RankEntry, inside
 from fxshard.errors import FxshardError
-from fxshard.ir.placement import SliceSpec, assemble, take
+from fxshard.runtime.slices import SliceSpec, assemble, take
 
 FORMAT = "fxshard-checkpoint/1"
 LATEST = "latest"
@@ -200,7 +200,7 @@ def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | Non
     return out if dist.get_rank(dp_group) == 0 else None
 
 
-def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: dict, opt, manifest: dict,
+def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankEntry, opt, manifest: Manifest,
                     coords: dict, dp_group, optim_config) -> Path | None:
     """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path."""
     folder = Path(folder)
@@ -215,11 +215,10 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: dict,
     tensors = {}
     for prefix, module in held.items():
         for pname, p in module.named_parameters():
-            t = entry["tensors"][prefix + pname]
+            t = entry.tensors[prefix + pname]
             got = _gathered(p, *view(p), dp_group)
             if got is not None:
-                sl = SliceSpec(**t["slice"])
-                tensors |= {_key(t["source"], k, sl): v.detach().cpu().contiguous() for k, v in got.items()}
+                tensors |= {_key(t.source, k, t.slice): v.detach().cpu().contiguous() for k, v in got.items()}
     if coords["dp"] == 0:
         from safetensors.torch import save_file
 
@@ -234,24 +233,24 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: dict,
     return folder / f"step-{step:08d}" if rank == 0 else None
 
 
-def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: dict, optim_config) -> None:
+def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config) -> None:
     """Rank 0, after every shard is written: index, model file, rename, then ``latest``."""
     from dataclasses import asdict
 
     pieces: dict[str, dict] = {}
-    for e in manifest["ranks"]:
-        for t in e["tensors"].values():
-            if t["kind"] != "parameter":
+    for e in manifest.ranks:
+        for t in e.tensors.values():
+            if t.kind != "parameter":
                 continue
-            rec = pieces.setdefault(t["source"], {"global_shape": t["global_shape"], "dtype": t["dtype"],
-                                                  "aliases": t.get("aliases", []), "pieces": []})
-            if all(p["slice"] != t["slice"] for p in rec["pieces"]):
-                rec["pieces"].append({"slice": t["slice"], "file": _shard_name(e["coords"])})
-    index = {"format": FORMAT, "step": step, "model_file": manifest["model_file"],
-             "model_name": manifest.get("model_name"), "model_digest": manifest.get("model_digest"),
-             "seed": manifest.get("seed", 0), "layout": manifest["layout"], "optimizer": asdict(optim_config),
+            rec = pieces.setdefault(t.source, {"global_shape": list(t.global_shape), "dtype": t.dtype,
+                                               "aliases": list(t.aliases), "pieces": []})
+            if all(p["slice"] != t.slice.to_json() for p in rec["pieces"]):
+                rec["pieces"].append({"slice": t.slice.to_json(), "file": _shard_name(e.coords)})
+    index = {"format": FORMAT, "step": step, "model_file": manifest.model_file,
+             "model_name": manifest.model_name, "model_digest": manifest.model_digest,
+             "seed": manifest.seed, "layout": manifest.layout.to_json(), "optimizer": asdict(optim_config),
              "tensors": pieces}
-    shutil.copyfile(out / manifest["model_file"], tmp / "model.py")
+    shutil.copyfile(out / manifest.model_file, tmp / "model.py")
     _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     final = folder / f"step-{step:08d}"
     old = None
@@ -355,16 +354,16 @@ class CheckpointReader:
                         rec["global_shape"])
         return take(full, sl).contiguous()
 
-    def check_model(self, manifest: dict, out: Path) -> None:
+    def check_model(self, manifest: Manifest, out: Path) -> None:
         """Raise unless ``manifest``'s parameters (sources and global shapes) are all in this checkpoint."""
-        want = {t["source"]: t["global_shape"] for e in manifest["ranks"] for t in e["tensors"].values()
-                if t["kind"] == "parameter"}
+        want = {t.source: list(t.global_shape) for e in manifest.ranks for t in e.tensors.values()
+                if t.kind == "parameter"}
         want = {self.canonical(f): shape for f, shape in want.items()}
         missing = sorted(set(want) - set(self.sources))
         wrong = sorted(f for f in set(want) & set(self.sources) if want[f] != self.sources[f]["global_shape"])
         if not missing and not wrong:
             return
-        same = manifest.get("model_digest") == self.index.get("model_digest")
+        same = manifest.model_digest == self.index.get("model_digest")
         detail = (f"tensor {missing[0]} is missing from the checkpoint" if missing else
                   f"tensor {wrong[0]} has shape {self.sources[wrong[0]]['global_shape']} in the checkpoint, "
                   f"{want[wrong[0]]} in the model")
@@ -372,24 +371,24 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path / INDEX}: {detail}; the checkpoint is damaged")
         raise CheckpointError(
             f"{self.path}: saved from a different model ({self.index.get('model_name')}, digest "
-            f"{self.index.get('model_digest')}) than {out} compiles ({manifest.get('model_name')}, digest "
-            f"{manifest.get('model_digest')}): {detail} ({len(missing)} missing, {len(wrong)} of another shape); "
+            f"{self.index.get('model_digest')}) than {out} compiles ({manifest.model_name}, digest "
+            f"{manifest.model_digest}): {detail} ({len(missing)} missing, {len(wrong)} of another shape); "
             "resume with the model the checkpoint was trained from")
 
 
-def load_parameters(reader: CheckpointReader, module: torch.nn.Module, entry: dict, prefix: str = "") -> None:
+def load_parameters(reader: CheckpointReader, module: torch.nn.Module, entry: RankEntry, prefix: str = "") -> None:
     """Overwrite ``module``'s parameters with this rank's slices of the checkpoint's values."""
     with torch.no_grad():
         for name, p in module.named_parameters():
-            t = entry["tensors"][prefix + name]
-            value = reader.tensor(t["source"], "param", SliceSpec(**t["slice"]))
+            t = entry.tensors[prefix + name]
+            value = reader.tensor(t.source, "param", t.slice)
             if tuple(value.shape) != tuple(p.shape):
-                raise CheckpointError(f"{reader.path}: tensor {t['source']} gives this rank shape "
+                raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "
                                       f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
             p.copy_(value)
 
 
-def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: dict, dp_group) -> None:
+def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group) -> None:
     """Give ``opt`` the checkpoint's Adam state of every parameter this rank (and dp rank) optimizes."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -399,11 +398,10 @@ def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: dict, dp_gr
     index = {id(p): i for i, p in enumerate(opt.params)} if isinstance(opt, MasterWeightAdamW) else {}
     for prefix, module in held.items():
         for name, p in module.named_parameters():
-            t = entry["tensors"][prefix + name]
-            if not reader.has_state(t["source"]):
+            t = entry.tensors[prefix + name]
+            if not reader.has_state(t.source):
                 continue
-            sl = SliceSpec(**t["slice"])
-            state = {k: reader.tensor(t["source"], k, sl) for k in STATE_KINDS}
+            state = {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS}
             if isinstance(opt, MasterWeightAdamW):
                 m = opt.masters.get(index[id(p)])
                 if m is not None:

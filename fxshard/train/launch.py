@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.manifest import import_rank_file, layout_of, rank_entry, read_manifest
+from fxshard.codegen.manifest import Manifest, RankEntry, import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state
@@ -34,79 +34,11 @@ from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
 from fxshard.train.memory import MemoryProbe
 from fxshard.train.optim import OptimConfig, clip_grad_norm_
+from fxshard.train.options import RunOptions
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def check_run_options(out: Path, steps: int, metrics: Path | None, timeout_s: float, checkpoint, say=print,
-                      final_state: Path | None = None) -> None:
-    """Refuse run options that could only fail later, before any process starts (the optimizer's own are
-    checked by :class:`~fxshard.train.optim.OptimConfig`).  The launcher also tries the files it will write:
-    a --metrics file and a --checkpoint folder that cannot be written are named here, not by rank 0's
-    traceback after launch."""
-    from fxshard.errors import OptionError
-
-    if steps < 1:
-        raise OptionError(f"--steps {steps}: expected at least 1 step (steps count from the start, resumed or not)")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise OptionError(f"--timeout {timeout_s}: expected a positive number of seconds, e.g. --timeout 300")
-    if metrics is not None:
-        try:
-            if metrics.is_dir():
-                raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
-            if not metrics.parent.is_dir():
-                raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
-            _refuse_generated(out, metrics)
-            if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
-                existed = metrics.exists()
-                with open(metrics, "a"):  # as rank 0 will
-                    pass
-                if not existed:
-                    metrics.unlink()
-        except OSError as e:
-            raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
-                              "write to") from None
-    if final_state is not None and final_state.exists() and not final_state.is_dir():
-        raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
-    if checkpoint is not None:
-        try:
-            _check_checkpoint_option(checkpoint, say)
-        except OSError as e:
-            raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
-                              "folder you can write to") from None
-
-
-def _refuse_generated(out: Path, metrics: Path) -> None:
-    """--metrics naming one of the files the compile wrote (model.py, manifest.json, a rank file or shard) would
-    overwrite the program being run."""
-    from fxshard.codegen.folder import listed_files
-    from fxshard.codegen.manifest import MANIFEST, is_fxshard_manifest
-    from fxshard.errors import OptionError
-
-    manifest = is_fxshard_manifest(Path(out) / MANIFEST)
-    if manifest is None:
-        return
-    for name in sorted(listed_files(manifest)):
-        if (Path(out) / name).resolve() == metrics.resolve():
-            raise OptionError(f"--metrics {metrics}: is {name} of the compiled folder {out}, which the metrics would "
-                              f"overwrite; name another file, e.g. {Path(out) / 'metrics.jsonl'}")
-
-
-def _check_checkpoint_option(checkpoint, say) -> None:
-    from fxshard.errors import OptionError
-
-    if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
-        raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-    if checkpoint.resume:
-        from fxshard.train.checkpoint import check_checkpoint
-
-        check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
-    if not under_torchrun():
-        from fxshard.train.supervise import check_unlocked
-
-        check_unlocked(checkpoint.folder)  # creates the folder and its lock file: both must be possible
 
 
 def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Exception:
@@ -132,32 +64,11 @@ def _start_up_error(e: Exception, rank: int, world: int, timeout_s: float) -> Ex
         f"(not started, stopped, or died before connecting); {type(e).__name__}: {text.strip().splitlines()[0][:200]}")
 
 
-def run_args(out: Path, steps: int, optim: OptimConfig, metrics: Path | None = None, timeout_s: float = 300.0,
-             memory_report: bool = False, final_state: Path | None = None, checkpoint=None) -> list[str]:
-    """The ``fxshard run`` arguments each launched rank receives (``checkpoint``: a CheckpointConfig)."""
-    argv = ["run", str(out), "--steps", str(steps), "--lr", repr(optim.lr), "--beta1", repr(optim.beta1),
-            "--beta2", repr(optim.beta2), "--eps", repr(optim.eps), "--weight-decay", repr(optim.weight_decay),
-            "--timeout", repr(timeout_s), "--grad-accum", str(optim.grad_accum)]
-    if metrics:
-        argv += ["--metrics", str(metrics)]
-    if optim.clip_grad_norm is not None:
-        argv += ["--clip-grad-norm", repr(optim.clip_grad_norm)]
-    if memory_report:
-        argv += ["--memory-report"]
-    if final_state:
-        argv += ["--final-state", str(final_state)]
-    if checkpoint is not None:
-        argv += ["--checkpoint", str(checkpoint.folder), "--save-every", str(checkpoint.save_every)]
-        argv += ["--resume"] if checkpoint.resume else []
-    return argv
-
-
-def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, timeout_s: float,
-             log=print, memory_report=None, final_state: Path | None = None, checkpoint=None) -> list[float]:
+def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> list[float]:
     """Train as this process's rank (RANK/WORLD_SIZE from the environment); return the losses.
 
-    With ``memory_report`` (a callable), rank 0 calls it with :func:`fxshard.train.memory.report_rows` of
-    every rank's measured model-state bytes after training."""
+    With ``memory_report`` (a callable, given when ``options.memory_report`` asks for the report), rank 0 calls
+    it with :func:`fxshard.train.memory.report_rows` of every rank's measured model-state bytes after training."""
     from fxshard.train.supervise import become_worker
 
     become_worker()  # a killed launcher takes its workers with it
@@ -172,18 +83,19 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if not dist.is_initialized():
         try:
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.timeout))
         except Exception as e:
-            raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), timeout_s) from e
+            raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), options.timeout) from e
     from fxshard.runtime import liveness
     from fxshard.runtime.guard import doing
 
     liveness.start(rank, doing)  # so that a rank whose collective fails can tell a stopped peer from a busy one
     try:
         memory = {} if memory_report is not None else None
+        final_state = options.final_state
         state = {} if final_state is not None else None
-        losses = train(out, steps, optim, metrics, device, log, memory=memory, final_state=state,
-                       checkpoint=checkpoint)
+        losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
+                       final_state=state, checkpoint=options.checkpoint_config())
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -195,7 +107,7 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
             if rank == 0:
-                memory_report(report_rows(samples, layout_of(read_manifest(out))))
+                memory_report(report_rows(samples, read_manifest(out).layout))
         return losses
     finally:
         dist.destroy_process_group()
@@ -205,9 +117,9 @@ def run_rank(out: Path, steps: int, optim: OptimConfig, metrics: Path | None, ti
 class _Run:
     """One rank's training, set up: what it holds, how one batch runs, and the optimizer."""
 
-    manifest: dict
+    manifest: Manifest
     layout: Layout
-    entry: dict
+    entry: RankEntry
     coords: dict[str, int]
     groups: dict
     device: torch.device
@@ -284,7 +196,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
 def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
-    layout = layout_of(manifest)
+    layout = manifest.layout
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != layout.world_size:
         raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
@@ -295,16 +207,16 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     coords = layout.coords(rank)
-    entry = rank_entry(manifest, coords)
-    code = import_rank_file(out / entry["file"])
-    batches = load_model_file(out / manifest["model_file"]).batches(steps * optim.grad_accum, manifest["seed"])
+    entry = manifest.rank(coords)
+    code = import_rank_file(out / entry.file)
+    batches = load_model_file(out / manifest.model_file).batches(steps * optim.grad_accum, manifest.seed)
     dp_mesh = mesh["dp"]
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
         module = code.RankModule(groups, device)
         module.return_outputs = False  # training needs the loss alone
-        runner = _prepare(code, module, out / entry["weights"], "", layout, dp_mesh, masters, reader, entry)
+        runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry)
         params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
     else:
         groups |= _tied_groups(manifest, layout, rank)
@@ -328,7 +240,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
     dp_rank, dp = run.coords["dp"], layout.dp
     batches = run.batches[(step - 1) * accum:step * accum]
-    microbatches = manifest["pipeline"]["microbatches"] if layout.pp > 1 else 1
+    microbatches = manifest.pipeline.microbatches if layout.pp > 1 else 1
     counting = contextlib.nullcontext()
     if run.count_tokens is not None:  # a token-mean loss: the step's count, from the whole step's batches
         counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
@@ -336,8 +248,8 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     value = 0.0
     with counting, named_phase(_torch_issued(layout, step), run.groups["dp"]):
         for number, batch in enumerate(batches, (step - 1) * accum):
-            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest["inputs"])]
-            begin_batch(manifest["seed"], number, dp_rank * local_rows(leaves))  # dropout masks of this batch
+            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest.inputs)]
+            begin_batch(manifest.seed, number, dp_rank * local_rows(leaves))  # dropout masks of this batch
             value += run.step_fn(leaves) / accum
     divisor = accum * microbatches
     if divisor > 1:  # gradients summed over batches and microbatches: average them
@@ -368,12 +280,11 @@ def _torch_issued(layout: Layout, step: int) -> str:
     return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
 
 
-def _count_tokens(count: Callable, batch, manifest: dict) -> int:
+def _count_tokens(count: Callable, batch, manifest: Manifest) -> int:
     """The targets a token-mean loss counts in one whole batch: ``count`` runs on each microbatch-sized run of
     rows (the shapes it was compiled for), whichever rank and microbatch those rows go to."""
-    leaves = flatten_batch(batch, manifest["inputs"])
-    rows = next((i["microbatch_shape"][0] for i in manifest["inputs"] if i["is_tensor"] and i["microbatch_shape"]),
-                None)
+    leaves = flatten_batch(batch, manifest.inputs)
+    rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
     total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
     if rows is None or total is None or rows == total:
         return int(count(*leaves))
@@ -392,7 +303,7 @@ def _trained_state(held: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
+def _resume_reader(checkpoint, manifest: Manifest, out: Path, steps: int):
     """The checkpoint to resume from (checked against the compiled model), or None."""
     if checkpoint is None or not checkpoint.resume:
         return None
@@ -407,7 +318,7 @@ def _resume_reader(checkpoint, manifest: dict, out: Path, steps: int):
 
 
 def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
-             entry: dict | None = None) -> torch.nn.Module:
+             entry: RankEntry | None = None) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
@@ -434,21 +345,21 @@ def _to_rank(v, dp: int, dp_rank: int, device, layout):
     return v.to(layout.compute_dtype) if layout.mixed and v.is_floating_point() else v
 
 
-def _local_parameter_count(held: dict, entry: dict) -> int:
+def _local_parameter_count(held: dict, entry: RankEntry) -> int:
     """Ψ of this rank: elements of its (tp- and pp-local) parameters, before any dp sharding."""
-    return sum(math.prod(t["shape"]) for key, t in entry["tensors"].items()
-               if t["kind"] == "parameter" and any(key.startswith(prefix) for prefix in held))
+    return sum(math.prod(t.shape) for key, t in entry.tensors.items()
+               if t.kind == "parameter" and any(key.startswith(prefix) for prefix in held))
 
 
-def _norm_weights(held: dict, entry: dict, manifest: dict, layout) -> list[tuple[torch.nn.Parameter, float]]:
+def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> list[tuple[torch.nn.Parameter, float]]:
     """Each local parameter with the weight of its gradient's squares in the global norm (1/copies)."""
-    copies = {t["fqn"]: len(t["stages"]) for t in manifest.get("pipeline", {}).get("tied", [])}
+    copies = {t.fqn: len(t.stages) for t in manifest.tied_across_stages}
     out = []
     for prefix, module in held.items():
         for name, p in module.named_parameters():
-            t = entry["tensors"][prefix + name]
-            w = 1.0 / copies.get(t["source"], 1)
-            if t["placement"] == "Replicate()":
+            t = entry.tensors[prefix + name]
+            w = 1.0 / copies.get(t.source, 1)
+            if t.placement == "Replicate()":
                 w /= layout.tp  # the same gradient on every tp rank
             if layout.dp > 1 and layout.zero < 2:
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
@@ -475,13 +386,13 @@ def _plain_step(module):
     return step
 
 
-def _tied_groups(manifest: dict, layout, rank: int) -> dict:
+def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
     """One process group per weight shared by stages on different pp ranks, per (dp, tp) coordinate.
 
     Every rank creates every group in the same order (``new_group`` is collective over the world)."""
     groups = {}
-    for tie in manifest.get("pipeline", {}).get("tied", []):
-        pp_ranks = sorted({layout.stage_rank(s) for s in tie["stages"]})
+    for tie in manifest.tied_across_stages:
+        pp_ranks = sorted({layout.stage_rank(s) for s in tie.stages})
         if len(pp_ranks) < 2:
             continue
         for d in range(layout.dp):
@@ -489,11 +400,11 @@ def _tied_groups(manifest: dict, layout, rank: int) -> dict:
                 ranks = [layout.rank_of(d, p, t) for p in pp_ranks]
                 group = dist.new_group(ranks)
                 if rank in ranks:
-                    groups[tie["name"]] = group
+                    groups[tie.name] = group
     return groups
 
 
-def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
+def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
               masters: dict, reader=None):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
@@ -513,14 +424,14 @@ def _pipeline(code, entry: dict, manifest: dict, layout, groups: dict, out: Path
     )
 
     modules, runners = {}, {}
-    for st in entry["stages"]:
-        module = getattr(code, st["class"])(groups, device)
-        runners[st["index"]] = _prepare(code, module, out / entry["weights"], st["class"] + ".", layout, dp_mesh,
-                                        masters, reader, entry)
-        modules[st["index"]] = module
+    for st in entry.stages:
+        module = getattr(code, st.class_name)(groups, device)
+        runners[st.index] = _prepare(code, module, out / entry.weights, st.class_name + ".", layout, dp_mesh,
+                                     masters, reader, entry)
+        modules[st.index] = module
     stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
               for s, m in sorted(modules.items())]
-    microbatches = manifest["pipeline"]["microbatches"]
+    microbatches = manifest.pipeline.microbatches
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
     last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])

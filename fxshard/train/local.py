@@ -6,7 +6,7 @@ stopped with SIGSTOP is woken to receive the signal that ends it; and a failed o
 fxshard's own summary (which rank failed first, which were stopped because of it) instead of the agent's
 log lines::
 
-    launch_local(Path("out/gpt"), run_args(Path("out/gpt"), 3, OptimConfig()), world=2)
+    launch_local(Path("out/gpt"), RunOptions(steps=3).argv("out/gpt"), world=2)
 """
 
 from __future__ import annotations

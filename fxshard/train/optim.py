@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the command line reads these options without loading torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -15,8 +17,11 @@ class OptimConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
-    clip_grad_norm: float | None = None  # clip the global gradient norm (all shards together) to this
-    grad_accum: int = 1  # batches per optimizer step: one step over them all (see passes/token_mean.py)
+    # every field is an option of `fxshard run` (fxshard.train.options), with this "help"
+    clip_grad_norm: float | None = field(default=None, metadata={
+        "help": "clip the global gradient norm (over all tp, pp and dp shards)"})
+    grad_accum: int = field(default=1, metadata={  # one step over them all (see passes/token_mean.py)
+        "help": "batches per optimizer step (gradients averaged)"})
 
     def __post_init__(self):
         from fxshard.errors import OptionError
@@ -45,6 +50,8 @@ class OptimConfig:
                     foreach=False)
 
     def make(self, params) -> torch.optim.Optimizer:
+        import torch
+
         return torch.optim.AdamW(params, **self.kwargs())
 
 
@@ -56,6 +63,7 @@ def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, gr
     across k stages, a gradient replicated over dp).  The weighted sums are all-reduced over ``group``
     (all ranks), so every rank computes the same norm and the same scale.
     """
+    import torch
     import torch.distributed as dist
 
     from fxshard.runtime.guard import guarded

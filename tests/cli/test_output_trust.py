@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import ModelFileError, OutputFolderError
 from fxshard.ir.context import Layout
@@ -65,7 +66,7 @@ def test_recompile_replaces_only_the_files_the_manifest_lists(tmp_path):
     (out / "weights" / "extra.bin").write_text("mine")
     compile_model(MLP, Layout(tp=1), out=out)
     assert not (out / "rank_pp0_tp1.py").exists() and not (out / "weights" / "rank_pp0_tp1.safetensors").exists()
-    assert json.loads((out / "manifest.json").read_text())["layout"]["tp"] == 1
+    assert read_manifest(out).layout.tp == 1
     assert (out / "m.jsonl").read_text() == "metrics\n" and (out / "weights" / "extra.bin").read_text() == "mine"
     # a file fxshard would write but the folder's manifest does not list: refused, named, kept
     (out / "rank_pp0_tp1.py").write_text("my own file")
@@ -83,8 +84,7 @@ def test_recompile_from_the_folders_own_model_file(tmp_path):
     assert fxshard("compile", MLP, "--tp", 2, "--out", out).returncode == 0
     proc = fxshard("compile", out / "model.py", "--tp", 4, "--out", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["layout"]["tp"] == 4 and len(list(out.glob("rank_*.py"))) == 4
+    assert read_manifest(out).layout.tp == 4 and len(list(out.glob("rank_*.py"))) == 4
     assert (out / "model.py").read_bytes() == MLP.read_bytes()
     assert _leftovers(tmp_path) == []
     check = fxshard("check", out)

@@ -57,3 +57,22 @@ def test_a_bad_option_is_refused_before_launch(out, tmp_path, args, says):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert says.replace("{tmp}", str(tmp_path)) in proc.stderr and "Traceback" not in proc.stderr
     assert "launching" not in proc.stdout and "static checks" not in proc.stdout  # refused before anything ran
+
+
+def test_a_launched_rank_parses_the_options_of_its_launcher():
+    """Each option is declared once (RunOptions): the command line is made from it, and the arguments the
+    launcher gives every rank parse back into the same options."""
+    import typer
+    from fxshard.cli.app import app
+
+    from fxshard.train.optim import OptimConfig
+    from fxshard.train.options import RunOptions
+
+    optim = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2)
+    options = RunOptions(steps=5, optim=optim, metrics=Path("m.jsonl"), timeout=60.0, memory_report=True,
+                         final_state=Path("final"), checkpoint=Path("ckpt"), save_every=2, resume=True,
+                         allow_edited=True)
+    run = typer.main.get_command(app).commands["run"]
+    assert RunOptions.from_flags(run.make_context("run", options.argv("out")[1:]).params) == options
+    assert RunOptions.from_flags(run.make_context("run", ["out"]).params) == RunOptions()
+    assert RunOptions().argv("out")[:4] == ["run", "out", "--steps", "3"]

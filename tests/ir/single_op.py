@@ -113,12 +113,12 @@ def compile_case(case: Case, tp: int) -> Compiled:
         result = compiler.compile_program(mf, Layout(tp=tp), program=program)
     sources, manifest, shards = compiler._generate(result, mf, 0)
     slices = {}
-    for entry in manifest["ranks"]:
-        for attr, t in entry["tensors"].items():  # the state of input i is model attribute a<i>
-            slices.setdefault(attr, (int(t["source"].removeprefix("a")), []))[1].append(SliceSpec(**t["slice"]))
-    states = [shards[e["weights"]] for e in manifest["ranks"]]
+    for entry in manifest.ranks:
+        for attr, t in entry.tensors.items():  # the state of input i is model attribute a<i>
+            slices.setdefault(attr, (int(t.source.removeprefix("a")), []))[1].append(t.slice)
+    states = [shards[e.weights] for e in manifest.ranks]
     reference, cotangents = _reference(case)
-    return Compiled([sources[e["file"]] for e in manifest["ranks"]], states, slices, batch, seen, result.ctx.notes,
+    return Compiled([sources[e.file] for e in manifest.ranks], states, slices, batch, seen, result.ctx.notes,
                     reference, cotangents)
 
 

@@ -94,10 +94,10 @@ def test_stage_code_says_what_it_receives_and_sends(samples):
     assert "# sends to stage 2 on pp rank 2 (global rank 5), per microbatch:" in code
     assert "INPUTS = (('add_4', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
     assert "return (add_8, targets)  # to stage 2" in code
-    entry = next(r for r in result.manifest["ranks"] if r["coords"] == {"dp": 0, "pp": 1, "tp": 1})
-    assert [s["index"] for s in entry["stages"]] == [1]
-    assert result.manifest["inputs"][0]["shape"] == [8, 16]  # a step's batch; 4 microbatches of 2
-    assert result.manifest["inputs"][0]["microbatch_shape"] == [2, 16]
+    entry = result.manifest.rank({"pp": 1, "tp": 1})
+    assert [s.index for s in entry.stages] == [1]
+    assert result.manifest.inputs[0].shape == (8, 16)  # a step's batch; 4 microbatches of 2
+    assert result.manifest.inputs[0].microbatch_shape == (2, 16)
 
 
 def test_interleaved_rank_file_holds_several_stages(samples):

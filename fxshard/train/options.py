@@ -1,0 +1,200 @@
+"""``fxshard run``'s options, each declared once: a field here (the optimizer's in :class:`OptimConfig`).
+
+The command line is made from these fields (option ``--field-name``, the field's default and help), and
+the launcher hands the same options to every rank it starts as that command line again::
+
+    options = RunOptions(steps=5, optim=OptimConfig(lr=3e-4), metrics=Path("m.jsonl"))
+    options.argv("out/gpt")   # ['run', 'out/gpt', '--steps', '5', '--lr', '0.0003', ..., '--metrics', 'm.jsonl']
+
+Options that could only fail later are refused before any process starts (:func:`check_run_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fxshard.train.optim import OptimConfig
+
+
+def option(default, help: str = "", *, hidden: bool = False, launcher: bool = False):
+    """A field of :class:`RunOptions`; ``launcher``: read by the launching process only, not passed on."""
+    return field(default=default, metadata={"help": help, "hidden": hidden, "launcher": launcher})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option of ``fxshard run``: field ``name`` is ``--name-with-dashes``."""
+
+    name: str
+    type: object
+    default: object
+    help: str = ""
+    hidden: bool = False
+    launcher: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def declaration(self) -> str:
+        """What the command line declares: ``--x``, or ``--x/--no-x`` for a switch that is on by default."""
+        return f"{self.flag}/--no-{self.flag[2:]}" if self.default is True else self.flag
+
+    def argv(self, value) -> list[str]:
+        """This option set to ``value``, as arguments (none for an unset path or a switch at its default)."""
+        if isinstance(value, bool):
+            return [] if value == self.default else [self.flag if value else f"--no-{self.flag[2:]}"]
+        return [] if value is None else [self.flag, str(value)]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = option(3, "training steps")
+    optim: OptimConfig = OptimConfig()  # --lr, --beta1, --beta2, --eps, --weight-decay, --clip-grad-norm, ...
+    metrics: Path | None = option(None, "write one JSON line per step")
+    timeout: float = option(300.0, "seconds before a collective that did not complete fails")
+    memory_report: bool = option(False, "after training, print each rank's bytes of parameters, gradients and "
+                                        "optimizer state next to the ZeRO formula")
+    final_state: Path | None = option(None, "write each rank's trained tensors to DIR/rank<R>.safetensors",
+                                      hidden=True)
+    checkpoint: Path | None = option(None, "checkpoint folder: saves go to DIR/step-<N>, DIR/latest names the "
+                                           "newest")
+    save_every: int = option(0, "save a checkpoint every K steps (with --checkpoint)")
+    resume: bool = option(False, "continue from DIR/latest (saved under any layout); --steps counts from step 0")
+    check: bool = option(True, "before launching locally, run `fxshard check`'s static checks: rank files from "
+                               "different compiles, or whose collectives or sends do not match, are refused "
+                               "instead of hanging", launcher=True)
+    allow_edited: bool = option(False, "accept rank files and model.py whose sha256 differs from the one "
+                                       "manifest.json recorded at compile (files edited by hand)")
+
+    @classmethod
+    def flags(cls) -> list[Flag]:
+        """Every option, in order, the optimizer's fields where ``optim`` is."""
+        return _flags(cls)
+
+    @classmethod
+    def from_flags(cls, values: dict) -> RunOptions:
+        """The options of parsed flags, by field name as :meth:`flags` lists them."""
+        return _build(cls, values)
+
+    def argv(self, out: str | Path) -> list[str]:
+        """The ``fxshard run`` arguments of every rank the launcher starts: these options, but the launcher's own."""
+        values = _values(self)
+        return ["run", str(out)] + [a for f in self.flags() if not f.launcher for a in f.argv(values[f.name])]
+
+    def checkpoint_config(self):
+        """``--checkpoint DIR [--save-every K] [--resume]`` as a CheckpointConfig, or None without a folder."""
+        from fxshard.train.checkpoint import CheckpointConfig, CheckpointError
+
+        if self.checkpoint is None:
+            if self.save_every or self.resume:
+                raise CheckpointError("--save-every and --resume need --checkpoint DIR")
+            return None
+        if self.save_every < 0:
+            raise CheckpointError(f"--save-every {self.save_every}: expected a positive number of steps")
+        return CheckpointConfig(self.checkpoint, self.save_every, self.resume)
+
+
+def _flags(cls) -> list[Flag]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        out += _flags(kind) if dataclasses.is_dataclass(kind) else [Flag(f.name, kind, f.default, **f.metadata)]
+    return out
+
+
+def _build(cls, values: dict):
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _build(hints[f.name], values) if dataclasses.is_dataclass(hints[f.name]) else values[f.name]
+                  for f in dataclasses.fields(cls)})
+
+
+def _values(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out |= _values(value) if dataclasses.is_dataclass(value) else {f.name: value}
+    return out
+
+
+def check_run_options(out: Path, options: RunOptions, say=print):
+    """Refuse run options that could only fail later, before any process starts (the optimizer's own are
+    checked by :class:`~fxshard.train.optim.OptimConfig`); return the checkpoint configuration.  The launcher
+    also tries the files it will write: a --metrics file and a --checkpoint folder that cannot be written are
+    named here, not by rank 0's traceback after launch."""
+    from fxshard.errors import OptionError
+
+    checkpoint = options.checkpoint_config()
+    if options.steps < 1:
+        raise OptionError(f"--steps {options.steps}: expected at least 1 step (steps count from the start, resumed "
+                          "or not)")
+    timeout, metrics, final_state = options.timeout, options.metrics, options.final_state
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
+    if metrics is not None:
+        _check_metrics(out, metrics)
+    if final_state is not None and final_state.exists() and not final_state.is_dir():
+        raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
+    if checkpoint is not None:
+        try:
+            _check_checkpoint_option(checkpoint, say)
+        except OSError as e:
+            raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
+                              "folder you can write to") from None
+    return checkpoint
+
+
+def _check_metrics(out: Path, metrics: Path) -> None:
+    from fxshard.errors import OptionError
+    from fxshard.train.launch import under_torchrun
+
+    try:
+        if metrics.is_dir():
+            raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
+        if not metrics.parent.is_dir():
+            raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+        _refuse_generated(out, metrics)
+        if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
+            existed = metrics.exists()
+            with open(metrics, "a"):  # as rank 0 will
+                pass
+            if not existed:
+                metrics.unlink()
+    except OSError as e:
+        raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
+                          "write to") from None
+
+
+def _refuse_generated(out: Path, metrics: Path) -> None:
+    """--metrics naming one of the files the compile wrote (model.py, manifest.json, a rank file or shard) would
+    overwrite the program being run."""
+    from fxshard.codegen.manifest import MANIFEST, listed_files
+    from fxshard.errors import OptionError
+
+    for name in sorted(listed_files(Path(out) / MANIFEST) or ()):
+        if (Path(out) / name).resolve() == metrics.resolve():
+            raise OptionError(f"--metrics {metrics}: is {name} of the compiled folder {out}, which the metrics would "
+                              f"overwrite; name another file, e.g. {Path(out) / 'metrics.jsonl'}")
+
+
+def _check_checkpoint_option(checkpoint, say) -> None:
+    from fxshard.errors import OptionError
+    from fxshard.train.launch import under_torchrun
+
+    if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
+        raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+    if checkpoint.resume:
+        from fxshard.train.checkpoint import check_checkpoint
+
+        check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+    if not under_torchrun():
+        from fxshard.train.supervise import check_unlocked
+
+        check_unlocked(checkpoint.folder)  # creates the folder and its lock file: both must be possible
