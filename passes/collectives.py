@@ -36,7 +36,7 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "output"):
             continue
-        required = node.meta.get("fxshard_inputs")
+        required = spec(node).inputs
         if required is None:
             continue
         args = tensor_args(node)
@@ -102,6 +102,5 @@ def _make(gm, made, key, args, kwargs, placement, owner: fx.Node, before: fx.Nod
     node.meta["val"] = src.meta.get("val")
     node.meta["nn_module_stack"] = owner.meta.get("nn_module_stack", {})
     node.meta["fxshard"] = NodeSpec(placement, spec(owner).fqn, spec(owner).role, key[0])
-    node.meta["fxshard_inputs"] = None
     made[key] = node
     return node

@@ -206,7 +206,7 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
     S = ctx.layout.num_stages
     what = f"--pp {ctx.layout.pp}" + (f" x {ctx.layout.stages_per_rank} virtual stages" if S > ctx.layout.pp else "")
     blocks = find_blocks(ctx.program.module_types)
-    markers = max((n.meta.get("fxshard_segment", 0) for n in gm.graph.nodes), default=0)
+    markers = max((spec(n).segment or 0 for n in gm.graph.nodes), default=0)
     costs = _param_costs(compute, ctx)
     if markers:
         if markers != S - 1:
@@ -252,7 +252,7 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
 
 def _segments_of(compute: list[fx.Node]) -> list[int]:
     """Each compute node's marker segment; nodes the passes inserted take the next labelled node's."""
-    seg = [n.meta.get("fxshard_segment") for n in compute]
+    seg = [spec(n).segment for n in compute]
     nxt = None
     for i in range(len(seg) - 1, -1, -1):
         if seg[i] is None:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
-from fxshard.ir.context import CompileContext, NodeSpec, RankValue
+from fxshard.ir.context import CompileContext, NodeSpec, RankValue, spec, update_spec
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import (
     Decision,
@@ -63,7 +63,6 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     prop = propagate(gm, weights, ctx.params, forced)
     _check_divisible(gm, prop, tp, ctx, ops)
     apply_propagation(gm, prop, ctx, roles)
-    ctx.weight_placements = {n.name: p for n, p in weights.items()}
     gm.graph.lint()
     return gm
 
@@ -85,8 +84,7 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
                          "inputs; they are all-gathered first")
     for node in gm.graph.nodes:
         d = prop.decisions[node]
-        node.meta["fxshard"] = NodeSpec(d.out, node_fqn(node), roles.get(node_fqn(node), ""))
-        node.meta["fxshard_inputs"] = d.inputs
+        update_spec(node, placement=d.out, fqn=node_fqn(node), role=roles.get(node_fqn(node), ""), inputs=d.inputs)
     for node in list(gm.graph.nodes):
         d = prop.decisions[node]
         if node.op != "call_function":
@@ -280,21 +278,20 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
     """``linear(x, W, b)`` -> ``linear(x, W)`` (partial sums) then ``+ b`` after the all-reduce."""
     if node.target is aten.linear.default:
         x, w, b = (argument(node, name) for name in ("input", "weight", "bias"))
-        inputs = node.meta["fxshard_inputs"][:2]
+        inputs = spec(node).inputs[:2]
     else:  # addmm(b, x, w) -> mm(x, w)
         b, x, w = (argument(node, name) for name in ("self", "mat1", "mat2"))
         node.target = aten.mm.default
-        inputs = node.meta["fxshard_inputs"][1:]
+        inputs = spec(node).inputs[1:]
     node.args, node.kwargs = (x, w), {}
-    node.meta["fxshard_inputs"] = inputs
+    update_spec(node, inputs=inputs)
     with gm.graph.inserting_after(node):
         add = gm.graph.call_function(aten.add.Tensor, (node, b))
     node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
     add.meta["val"] = node.meta["val"]
     add.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    old = node.meta["fxshard"]
-    add.meta["fxshard"] = NodeSpec(Replicate(), old.fqn, old.role)
-    add.meta["fxshard_inputs"] = (Replicate(), Replicate())
+    old = spec(node)
+    add.meta["fxshard"] = NodeSpec(Replicate(), old.fqn, old.role, inputs=(Replicate(), Replicate()))
 
 
 def _vocab_embedding(node: fx.Node, tp: int) -> None:
@@ -331,15 +328,13 @@ def _vocab_cross_entropy(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
     val = logits.meta["val"]
     parts.meta["val"] = val.new_empty((shape(logits)[0], tp, 2), dtype=rt_tp.reduction_dtype(val.dtype))
     parts.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-    old = node.meta["fxshard"]
+    old = spec(node)
     role = "vocab-parallel cross entropy"
-    parts.meta["fxshard"] = NodeSpec(Shard(1), old.fqn, role)
-    node.meta["fxshard"] = NodeSpec(old.placement, old.fqn, role)
-    parts.meta["fxshard_inputs"] = node.meta["fxshard_inputs"]
+    parts.meta["fxshard"] = NodeSpec(Shard(1), old.fqn, role, inputs=old.inputs)
     node.target = rt_tp.vocab_cross_entropy
     node.args = (parts, target)
     kwargs = {"ignore_index": ignore_index, "reduction": _REDUCTIONS[reduction]}
     if val.dtype != parts.meta["val"].dtype:
         kwargs["dtype"] = val.dtype
     node.kwargs = kwargs
-    node.meta["fxshard_inputs"] = (Replicate(), Replicate())
+    update_spec(node, role=role, inputs=(Replicate(), Replicate()))

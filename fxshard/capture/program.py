@@ -265,9 +265,7 @@ def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
 def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return node.meta.get("fxshard_fqn", "")
-    return list(stack.values())[-1][0]
+    return list(stack.values())[-1][0] if stack else ""
 
 
 def _strip_prefix(gm: fx.GraphModule, wrapped: str) -> None:

@@ -163,16 +163,38 @@ class Group:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """What the passes decided for one node."""
+    """What the passes decided for one node: the one place a pass leaves a per-node fact for a later one.
 
-    placement: Placement | tuple[Placement, ...] = Replicate()
+    It lives in the graph with its node, so a pass that inserts or replaces nodes carries the facts along
+    (or leaves the defaults, which say "not decided") instead of leaving a side table pointing at old nodes.
+    """
+
+    placement: Placement | tuple[Placement, ...] = Replicate()  # tensor_parallel: the output's placement on tp
     fqn: str = ""
     role: str = ""  # e.g. "column-parallel"; "" for ordinary compute
     collective: str = ""  # e.g. "all_reduce" for inserted communication
+    # tensor_parallel -> collectives: the placement each tensor input (``tensor_args`` order) must have; the
+    # collectives pass inserts a redistribution where an input has another.  None: the node takes its inputs
+    # as they are (communication the collectives pass inserted)
+    inputs: tuple[Placement, ...] | None = None
+    # capture (``label_markers``) -> pipeline: the number of fxshard.pipeline_split() markers before the node in
+    # the forward.  None for nodes the passes inserted: they run with the next labelled node
+    segment: int | None = None
+    # pipeline: the stage computing the node (pp > 1).  None where no stage computes it: pp = 1, placeholders,
+    # what only the model's other outputs need.  What crosses stages is derived from these (fxshard.ir.stages)
+    stage: int | None = None
 
 
 def spec(node: fx.Node) -> NodeSpec:
     return node.meta.get("fxshard", NodeSpec())
+
+
+def update_spec(node: fx.Node, **changes) -> None:
+    """Change some facts of ``node``'s (frozen) :class:`NodeSpec`, keeping the others::
+
+        update_spec(node, stage=1)
+    """
+    node.meta["fxshard"] = dataclasses.replace(spec(node), **changes)
 
 
 @dataclass
@@ -182,7 +204,6 @@ class CompileContext:
     plan: ResolvedPlan
     params: set[fx.Node] = field(default_factory=set)
     user_inputs: set[fx.Node] = field(default_factory=set)
-    weight_placements: dict[str, Placement] = field(default_factory=dict)  # placeholder name -> placement
     needs_grad: set[fx.Node] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     passes_run: list[str] = field(default_factory=list)

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxshard.capture.program import node_fqn
 from fxshard.errors import LayoutError, PlanError
-from fxshard.ir.context import Layout
+from fxshard.ir.context import Layout, update_spec
 
 # ---------------------------------------------------------------- the marker
 
@@ -65,7 +65,7 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def label_markers(gm: fx.GraphModule) -> int:
-    """Remove marker ops; label every node with the number of markers before it (``fxshard_segment``)."""
+    """Remove marker ops; label every node with the number of markers before it (``NodeSpec.segment``)."""
     segment, count = 0, 0
     for node in list(gm.graph.nodes):
         if is_marker(node):
@@ -73,7 +73,7 @@ def label_markers(gm: fx.GraphModule) -> int:
             count += 1
             gm.graph.erase_node(node)
             continue
-        node.meta["fxshard_segment"] = segment
+        update_spec(node, segment=segment)
     if count:
         gm.recompile()
     return count
