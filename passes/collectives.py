@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS
 from fxshard.ir.context import TP, CompileContext, Group, NodeSpec, RankValue, spec
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
@@ -32,6 +33,7 @@ GROUP = Group(TP)
 
 def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
+    grad = requires_grad(gm, ctx.params)
     made: dict[tuple, fx.Node] = {}
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "output"):
@@ -44,7 +46,7 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         sharded_out = any(isinstance(p, (Shard, Partial)) for p in (out if isinstance(out, tuple) else (out,)))
         replace = {}
         for arg, need in zip(args, required, strict=True):
-            new = _redistribute(gm, arg, need, node, sharded_out, ctx, made, tp)
+            new = _redistribute(gm, arg, need, node, sharded_out, arg in grad, made, tp)
             if new is not arg:
                 replace[arg] = new
         if replace:
@@ -54,21 +56,22 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_out: bool,
-                  ctx: CompileContext, made: dict, tp: int) -> fx.Node:
+def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_out: bool, grad: bool,
+                  made: dict, tp: int) -> fx.Node:
+    """The node giving ``consumer`` the value ``arg`` at placement ``need``; ``grad``: a gradient flows back
+    through ``arg`` (and so through what is inserted for it)."""
     has = spec(arg).placement
-    grad = arg in ctx.needs_grad
     if has == need:
         if has == R and sharded_out and grad and consumer.op != "output":
             return _make(gm, made, ("copy_to", arg), (arg, GROUP), {}, R, consumer, consumer)
         return arg
     if isinstance(has, Partial):
         reduced = _make(gm, made, ("all_reduce", arg), (arg, GROUP), {}, R, arg, None)
-        return _redistribute(gm, _carries_grad(reduced, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
+        return _redistribute(gm, reduced, need, consumer, sharded_out, grad, made, tp)
     if isinstance(has, Shard):
         gathered = _make(gm, made, ("all_gather", arg), (arg, GROUP),
                          {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
-        return _redistribute(gm, _carries_grad(gathered, grad, ctx), need, consumer, sharded_out, ctx, made, tp)
+        return _redistribute(gm, gathered, need, consumer, sharded_out, grad, made, tp)
     assert isinstance(need, Shard), (arg, has, need)
     index = RankValue(TP, tuple(range(tp)))
     if grad:
@@ -76,14 +79,6 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
                      {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
     return _make(gm, made, ("shard", arg, need), (arg,),
                  {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
-
-
-def _carries_grad(node: fx.Node, grad: bool, ctx: CompileContext) -> fx.Node:
-    """A reduced or gathered value needs a gradient when its source does: a whole value entering sharded
-    compute (a column-parallel layer right after a vocab-parallel lookup) then gets its ``copy_to``."""
-    if grad:
-        ctx.needs_grad.add(node)
-    return node
 
 
 def _make(gm, made, key, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:

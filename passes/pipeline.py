@@ -27,10 +27,10 @@ import torch.fx as fx
 
 from fxshard.capture.program import loss_cone, node_fqn
 from fxshard.errors import LayoutError, PlanError
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.cut import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
 from fxshard.ir.placement import local_shape
-from fxshard.ir.sharding import _is_differentiable
 
 _RECOMPUTE_LIMIT = 400  # nodes: a larger constant sub-graph is sent instead
 
@@ -75,7 +75,7 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     stage_of = {n: bisect.bisect_right(cut.starts, i) - 1 for i, n in enumerate(compute)}
     S = layout.num_stages
 
-    requires_grad = _requires_grad(gm, ctx)
+    grad = requires_grad(gm, ctx.params)
     own: list[list[fx.Node]] = [[] for _ in range(S)]
     for n in compute:
         own[stage_of[n]].append(n)
@@ -149,21 +149,8 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if len(holders) > 1 and p in ctx.params:
             tied.append((p, holders))
     produced_in = {n: stage_of[n] for n in compute} | {n: -1 for n in user_inputs}
-    ctx.pipeline = PipelineProgram(stages, cut, ctx.microbatches, produced_in, requires_grad, tied)
+    ctx.pipeline = PipelineProgram(stages, cut, ctx.microbatches, produced_in, grad, tied)
     return gm
-
-
-def _requires_grad(gm: fx.GraphModule, ctx: CompileContext) -> set[fx.Node]:
-    """Values autograd will track: parameters, and differentiable results of tracked values."""
-    out: set[fx.Node] = set(ctx.params)
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if spec(n).collective and n.args and n.args[0] in out:
-            out.add(n)
-        elif any(a in out for a in n.all_input_nodes) and _is_differentiable(n):
-            out.add(n)
-    return out
 
 
 def _recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:

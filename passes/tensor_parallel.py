@@ -60,7 +60,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
-    prop = propagate(gm, weights, ctx.params, forced)
+    prop = propagate(gm, weights, forced)
     _check_divisible(gm, prop, tp, ctx, ops)
     apply_propagation(gm, prop, ctx, roles)
     gm.graph.lint()
@@ -74,11 +74,10 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
     rewrites.  Split across from :func:`tensor_parallel_pass` so a test can drive any placements of its
     own through the same rewrites::
 
-        apply_propagation(gm, propagate(gm, {weight: Shard(0)}, ctx.params), ctx)
+        apply_propagation(gm, propagate(gm, {weight: Shard(0)}), ctx)
     """
     tp = ctx.layout.tp
     roles = roles or {}
-    ctx.needs_grad = prop.needs_grad
     for node in prop.fallbacks:
         ctx.notes.append(f"{node_fqn(node) or 'model'}: {_op_name(node)} has no sharding rule for its split "
                          "inputs; they are all-gathered first")
@@ -225,7 +224,7 @@ def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileCon
         else:
             plan = dataclasses.replace(ctx.plan, warnings=[])
         weights, forced, _ = _weight_placements(ops, plan, [])
-        if d == 1 or _unsplittable(gm, propagate(gm, weights, ctx.params, forced), d) is None:
+        if d == 1 or _unsplittable(gm, propagate(gm, weights, forced), d) is None:
             ok.append(d)
     return ok
 

@@ -204,7 +204,6 @@ class CompileContext:
     plan: ResolvedPlan
     params: set[fx.Node] = field(default_factory=set)
     user_inputs: set[fx.Node] = field(default_factory=set)
-    needs_grad: set[fx.Node] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     passes_run: list[str] = field(default_factory=list)
     model_file_name: str = "model.py"

@@ -38,7 +38,6 @@ class Decision:
 class Propagation:
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     fallbacks: list[fx.Node] = field(default_factory=list)
-    needs_grad: set[fx.Node] = field(default_factory=set)
 
     def placement(self, node: fx.Node) -> Placement:
         out = self.decisions[node].out
@@ -105,22 +104,19 @@ def written_inputs(node: fx.Node) -> list[fx.Node]:
 def propagate(
     gm: fx.GraphModule,
     weights: dict[fx.Node, Placement],
-    trainable: set[fx.Node],
     forced: dict[fx.Node, Placement] | None = None,
 ) -> Propagation:
     """Decide placements for every node, given placements of parameter placeholders.
 
-    ``trainable`` are the parameter placeholders (gradients flow from them).  ``forced`` makes
-    consumers of some nodes see another placement (a ``gather_output`` head computes S(-1) and its
-    consumers see R): the collectives pass then inserts the redistribution before the consumers.
+    ``forced`` makes consumers of some nodes see another placement (a ``gather_output`` head computes
+    S(-1) and its consumers see R): the collectives pass then inserts the redistribution before the
+    consumers.
     """
     prop = Propagation()
     forced = forced or {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             prop.decisions[node] = Decision(weights.get(node, R), ())
-            if node in trainable:
-                prop.needs_grad.add(node)
             continue
         if node.op == "output":
             args = tensor_args(node)
@@ -130,8 +126,6 @@ def propagate(
             prop.decisions[node] = Decision(R, ())
             continue
         args = tensor_args(node)
-        if any(a in prop.needs_grad for a in node.all_input_nodes) and _is_differentiable(node):
-            prop.needs_grad.add(node)
         if node.target is operator.getitem:
             src = prop.decisions[node.args[0]].out
             prop.decisions[node] = Decision(src[node.args[1]] if isinstance(src, tuple) else src, ())
@@ -181,14 +175,6 @@ def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], d
         f"({placements[args.index(a)]}); no sharding rule computes this op on the split, and gathering it would "
         f"update a copy, not the tensor{hint}. Replicate the weights this value is computed from, or make the "
         "update out of place")
-
-
-def _is_differentiable(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals) and (
-        node.target is not aten.detach.default
-    )
 
 
 def _replicated_out(node: fx.Node):

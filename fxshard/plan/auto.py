@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxshard.capture.program import node_fqn
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.sharding import propagate
 from fxshard.plan.layers import WeightOp, infer_packing, style_placements
 from fxshard.plan.styles import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
@@ -28,17 +29,9 @@ def _parent(fqn: str) -> str | None:
     return fqn.rsplit(".", 1)[0] if "." in fqn else None
 
 
-def _depends_on(gm: fx.GraphModule, sources: set[fx.Node]) -> set[fx.Node]:
-    out = set(sources)
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
-
-
 def _row_candidates(gm, ops: list[WeightOp], params: set[fx.Node]) -> list[tuple[WeightOp, list[WeightOp]]]:
     by_node = {op.node: op for op in ops}
-    grad = _depends_on(gm, params)
+    grad = requires_grad(gm, params)
     pairs = []
     for op in ops:
         if op.kind == "embedding" or _parent(op.fqn) is None:
@@ -117,7 +110,7 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
         weights = {}
         for op, st in styles.items():
             weights.update(style_placements(op, st))
-        prop = propagate(gm, weights, params)
+        prop = propagate(gm, weights)
         bad = [(row, cols) for row, cols in chosen
                if any(_within(node_fqn(f), _parent(row.fqn)) for f in prop.fallbacks)]
         if not bad:

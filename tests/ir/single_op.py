@@ -101,7 +101,7 @@ def compile_case(case: Case, tp: int) -> Compiled:
             _as_keywords(gm)
         nodes = {n.name: n for n in gm.graph.nodes}
         weights = {nodes[placeholder[i]]: p for i, p in enumerate(case.placements) if p != R}
-        prop = propagate(gm, weights, ctx.params)
+        prop = propagate(gm, weights)
         for n in gm.graph.nodes:
             if getattr(n.target, "overloadpacket", n.target) is case.op:
                 seen.append((n.name, prop.decisions[n], n in prop.fallbacks))

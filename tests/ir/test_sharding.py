@@ -66,7 +66,7 @@ def test_argument_reads_an_argument_however_it_was_passed(args, kwargs):
 def test_rules_honor_keyword_arguments(build, expected):
     gm, node = _graph(build)
     x_node = next(iter(gm.graph.nodes))
-    prop = propagate(gm, {x_node: Shard(2)}, set())
+    prop = propagate(gm, {x_node: Shard(2)})
     if expected is None:
         assert node in prop.fallbacks and prop.decisions[node].inputs == (R,)
     else:

@@ -188,6 +188,21 @@ def test_a_partial_sum_read_by_split_compute_trains_like_one_device(models):
     assert result.ok, result.summary()
 
 
+def test_a_bias_added_after_the_reduction_gets_its_copy_to_into_split_compute(models):
+    # the add is inserted by the tensor-parallel pass; whether a gradient flows back through it is asked of the
+    # graph as it is then (fxshard.ir.autograd), so its gradient, a partial sum over tp, is all-reduced
+    code = compile_model(models / "bias_into_split.py", Layout(tp=2)).sources["rank_pp0_tp0.py"]
+    assert "copy_to = rt.copy_to(add_tensor, self.tp)" in code
+
+
+@pytest.mark.distributed
+def test_a_bias_added_after_the_reduction_into_split_compute_trains_like_one_device(models):
+    from fxshard.tools.verify import verify
+
+    result = verify(models / "bias_into_split.py", Layout(tp=2), steps=3)
+    assert result.ok, result.summary()
+
+
 def test_an_embedding_scaling_gradients_by_frequency_is_looked_up_whole(tmp_path):
     # the frequencies are counted over the whole lookup: split rows would count every other rank's ids as row 0
     model = tmp_path / "freq.py"
