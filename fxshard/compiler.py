@@ -48,6 +48,7 @@ from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import MESH_AXES, CompileContext, Layout, spec
 from fxshard.ir.cut import choose_microbatches, label_markers
 from fxshard.ir.placement import local_shape, slice_spec
+from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
@@ -272,7 +273,7 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
             fname = rank_file_name(coords)
             sources[fname] = code.source
             ranks.append(_rank_entry(result.gm, ctx, coords, global_ranks, fname, code))
-    manifest = _manifest(ctx, mf, seed, ranks)
+    manifest = _manifest(result.gm, ctx, mf, seed, ranks)
     return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
 
@@ -302,7 +303,7 @@ def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int],
                      collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)
 
 
-def _manifest(ctx: CompileContext, mf: ModelFile, seed: int, ranks: list[RankEntry]) -> Manifest:
+def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int, ranks: list[RankEntry]) -> Manifest:
     """The whole compile's record: model, layout, plan, inputs, the rank files and the pipeline."""
     layout, program = ctx.layout, ctx.program
     inputs = tuple(InputEntry(name=i.name, path=i.path, is_tensor=i.is_tensor, dtype=i.dtype,
@@ -313,19 +314,20 @@ def _manifest(ctx: CompileContext, mf: ModelFile, seed: int, ranks: list[RankEnt
         model_class=type(program.model).__name__, seed=seed, layout=layout, mesh=Mesh(MESH_AXES, layout.mesh_shape),
         plan_source=ctx.plan.source, plan=tuple(ctx.plan.describe()), notes=tuple(ctx.notes), inputs=inputs,
         outputs=tuple(program.output_paths), tied=dict(sorted(program.tied.items())),
-        custom_ops=dict(program.custom_ops), ranks=tuple(ranks), pipeline=_pipeline_info(ctx))
+        custom_ops=dict(program.custom_ops), ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx))
 
 
-def _pipeline_info(ctx: CompileContext) -> PipelineInfo | None:
-    pipe = ctx.pipeline
-    if pipe is None:
+def _pipeline_info(gm: fx.GraphModule, ctx: CompileContext) -> PipelineInfo | None:
+    cut = ctx.pipeline
+    if cut is None:
         return None
     state = ctx.program.state_by_name()
-    tied = tuple(TiedWeight(f"tied:{state[p.name].fqn}", state[p.name].fqn, tuple(holders)) for p, holders in pipe.tied)
+    tied = tuple(TiedWeight(f"tied:{state[p.name].fqn}", state[p.name].fqn, tuple(holders))
+                 for p, holders in tied_weights(gm, pipeline_stages(gm, ctx), ctx.params))
     # the cut's table rows are dicts (passes/pipeline.py): typed here, at the manifest's boundary
     return PipelineInfo(stages=ctx.layout.num_stages, stages_per_rank=ctx.layout.stages_per_rank,
-                        microbatches=pipe.microbatches, batch=ctx.batch, cut=pipe.cut.source,
-                        table=tuple(map(StageRow.from_json, pipe.cut.table)), tied=tied)
+                        microbatches=ctx.microbatches, batch=ctx.batch, cut=cut.source,
+                        table=tuple(map(StageRow.from_json, cut.table)), tied=tied)
 
 
 def _batch_shape(shape, ctx: CompileContext) -> tuple[int, ...]:

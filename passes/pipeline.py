@@ -1,190 +1,59 @@
-"""Cut the flat graph into pipeline stages; route values between stages; find weights shared by stages.
+"""Cut the flat graph into pipeline stages: record in every node's spec the stage that computes it.
 
 Runs after the tensor-parallel passes, on the graph with its collectives, so a stage is a
-contiguous run of per-rank nodes (graph order is execution order).  For every value a stage uses
-but does not compute:
-
-* a **user input** (labels, attention mask) is taken by stage 0 and sent on to the stages that
-  need it;
-* a value computed from buffers and constants only (rotary tables, causal masks, position ids) is
-  **recomputed** in the stage that needs it — no communication, no gradient;
-* anything else (activations, long skip connections) is **sent**, stage to stage, through every stage
-  between producer and consumer.
-
-A parameter used by several stages (a tied embedding and output head) lives in each of them; the
-generated ``sync_tied_grads`` sums its gradient over those stages after backward, so every copy takes
-the same optimizer step.  Results go to ``ctx.pipeline`` (:class:`PipelineProgram`).
+contiguous run of per-rank nodes (graph order is execution order).  Where to cut: markers in the
+model, ``split_before`` in the plan, or a balance of the repeated blocks (:mod:`fxshard.ir.cut`).
+Each node computing the loss gets ``NodeSpec.stage``; what the model's other outputs alone need runs
+nowhere, since the last stage returns the loss alone.  The cut itself (its source, what each stage holds,
+the cost table) goes to ``ctx.pipeline``.  Which values cross stages, are recomputed, or are weights
+held by several stages follows from the graph and is derived by :mod:`fxshard.ir.stages` when needed.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from fxshard.capture.program import loss_cone, node_fqn
 from fxshard.errors import LayoutError, PlanError
-from fxshard.ir.autograd import requires_grad
-from fxshard.ir.context import CompileContext, spec
+from fxshard.ir.context import CompileContext, spec, update_spec
 from fxshard.ir.cut import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
 from fxshard.ir.placement import local_shape
-
-_RECOMPUTE_LIMIT = 400  # nodes: a larger constant sub-graph is sent instead
-
-
-@dataclass
-class StageSpec:
-    index: int
-    nodes: list[fx.Node]  # compute nodes in graph order, own and recomputed
-    recomputed: set[fx.Node]
-    inputs: list[fx.Node]  # stage 0: the user inputs; later stages: values received from the previous one
-    outputs: list[fx.Node]  # values sent to the next stage; the last stage: [loss]
-    state: list[fx.Node]  # parameter / buffer placeholders this stage holds
-    label: str = ""
-
-
-@dataclass
-class PipelineProgram:
-    stages: list[StageSpec]
-    cut: CutPlan
-    microbatches: int
-    produced_in: dict[fx.Node, int]  # value -> stage computing it (user inputs: -1)
-    requires_grad: set[fx.Node]
-    tied: list[tuple[fx.Node, list[int]]] = field(default_factory=list)  # parameter -> stages holding it
+from fxshard.ir.stages import recomputable
 
 
 def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     layout = ctx.layout
     if layout.pp == 1:
         return gm
-    program = ctx.program
-    state_names = program.state_by_name()
-    # the last stage returns the loss alone, so what computes only the model's other outputs (e.g. the
-    # logits gathered whole to be returned) runs nowhere
+    state_names = ctx.program.state_by_name()
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out_node.args[0][0]
     if not isinstance(loss, fx.Node) or loss.op != "call_function":
         raise LayoutError("the loss is not computed by the model; pipeline parallelism needs a loss to train")
     live = loss_cone(gm)
     compute = [n for n in gm.graph.nodes if n.op == "call_function" and n in live]
-    position = {n: i for i, n in enumerate(compute)}
     cut = _choose_cut(gm, compute, ctx)
-    stage_of = {n: bisect.bisect_right(cut.starts, i) - 1 for i, n in enumerate(compute)}
-    S = layout.num_stages
-
-    grad = requires_grad(gm, ctx.params)
-    own: list[list[fx.Node]] = [[] for _ in range(S)]
-    for n in compute:
-        own[stage_of[n]].append(n)
-    recomputable_cache: dict[fx.Node, list[fx.Node] | None] = {}
+    own: list[list[fx.Node]] = [[] for _ in range(layout.num_stages)]
+    for i, n in enumerate(compute):
+        own[bisect.bisect_right(cut.starts, i) - 1].append(n)
+    cache: dict[fx.Node, list[fx.Node] | None] = {}
     for s, nodes in enumerate(own):
-        if all(_recomputable(n, state_names, recomputable_cache) is not None for n in nodes):
+        if all(recomputable(n, state_names, cache) is not None for n in nodes):
             raise PlanError(f"{cut.source}: the cuts leave pipeline stage {s} empty (no computation on the "
                             f"inputs or weights{', only constants' if nodes else ''}); move or remove a cut")
-    recomputed: list[set[fx.Node]] = [set() for _ in range(S)]
-    state: list[set[fx.Node]] = [set() for _ in range(S)]
-    inputs: list[list[fx.Node]] = [[] for _ in range(S)]
-    outputs: list[list[fx.Node]] = [[] for _ in range(S)]
-    user_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in state_names]
-    for n in user_inputs:
-        if n.users and not isinstance(n.meta.get("val"), torch.Tensor):
+        for n in nodes:
+            update_spec(n, stage=s)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name not in state_names and n.users \
+                and not isinstance(n.meta.get("val"), torch.Tensor):
             raise LayoutError(f"input {n.name} is not a tensor ({n.meta.get('val')!r}) but the model uses it; "
                               "pipeline stages exchange tensors only: make it a tensor or a constant of the model")
-    inputs[0] = [n for n in user_inputs if isinstance(n.meta.get("val"), torch.Tensor)]
-
-    def add(lst: list, v) -> None:
-        if v not in lst:
-            lst.append(v)
-
-    def route(v: fx.Node, a: int, b: int) -> None:
-        for s in range(a, b):
-            add(outputs[s], v)
-            add(inputs[s + 1], v)
-
-    def need(v: fx.Node, b: int) -> None:
-        if v.op == "placeholder":
-            if v.name in state_names:
-                state[b].add(v)
-            elif b > 0:
-                route(v, 0, b)
-            return
-        a = stage_of[v]
-        if a == b or v in recomputed[b]:
-            return
-        if a > b:  # graph order is topological, so this cannot happen
-            raise AssertionError(f"{v.name} computed in stage {a} but used in stage {b}")
-        cone = _recomputable(v, state_names, recomputable_cache)
-        if cone is None:
-            route(v, a, b)
-            return
-        for c in cone:
-            recomputed[b].add(c)
-            for p in c.all_input_nodes:
-                if p.op == "placeholder":
-                    state[b].add(p)
-
-    for n in compute:
-        for a in n.all_input_nodes:
-            need(a, stage_of[n])
-    for b in range(S):
-        for n in list(recomputed[b]):
-            for a in n.all_input_nodes:
-                if a.op == "placeholder":
-                    state[b].add(a)
-    need(loss, S - 1)
-    outputs[S - 1] = [loss]
-
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    stages = []
-    for s in range(S):
-        nodes = sorted(set(own[s]) | recomputed[s], key=position.__getitem__)
-        stages.append(StageSpec(s, nodes, recomputed[s] - set(own[s]), inputs[s], outputs[s],
-                                [p for p in placeholders if p in state[s]], cut.labels[s]))
-    tied = []
-    for p in placeholders:
-        holders = [s for s in range(S) if p in state[s]]
-        if len(holders) > 1 and p in ctx.params:
-            tied.append((p, holders))
-    produced_in = {n: stage_of[n] for n in compute} | {n: -1 for n in user_inputs}
-    ctx.pipeline = PipelineProgram(stages, cut, ctx.microbatches, produced_in, grad, tied)
+    ctx.pipeline = cut
     return gm
-
-
-def _recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:
-    """The compute nodes producing ``v`` if they depend on buffers and constants only, else None."""
-    if v in cache:
-        return cache[v]
-    cone, stack, seen = [], [v], set()
-    result: list[fx.Node] | None = None
-    ok = True
-    while stack and ok:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            s = state_names.get(n.name)
-            if s is None or s.kind == "parameter":
-                ok = False  # a user input or a trainable weight: send the value instead
-            continue
-        if n.op != "call_function" or spec(n).collective:
-            ok = False
-            continue
-        tags = getattr(n.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
-            ok = False
-            continue
-        cone.append(n)
-        stack.extend(n.all_input_nodes)
-        if len(cone) > _RECOMPUTE_LIMIT:
-            ok = False
-    if ok:
-        result = cone
-    cache[v] = result
-    return result
 
 
 # ---------------------------------------------------------------- where to cut

@@ -19,9 +19,11 @@ import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
+from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
 from fxshard.runtime import random as rt_random
 
 _ENV = jinja2.Environment(
@@ -110,10 +112,12 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     else:
         axes = ["tp", "pp"]
         S = layout.num_stages
+        all_stages = pipeline_stages(gm, ctx)
+        grad = requires_grad(gm, ctx.params)
         for s in layout.stages_of(coords["pp"]):
-            st = pipe.stages[s]
+            st = all_stages[s]
             name = f"Stage{s}"
-            comments, in_meta, out_meta = _io_comments(st, pipe, ctx, coords)
+            comments, in_meta, out_meta = _io_comments(st, grad, ctx, coords)
             doc = (f"Pipeline stage {s} of {S} ({st.label}) on pp rank {coords['pp']}, tp rank {coords['tp']}: "
                    f"one microbatch per call.")
             start = len(collectives)
@@ -134,7 +138,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
             for c in collectives[start:]:
                 c["stage"] = s
             stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
-        tied_fn = _tied_lines(pipe, ctx, coords, state, stage_attrs)
+        tied_fn = _tied_lines(tied_weights(gm, all_stages, ctx.params), ctx, coords, state, stage_attrs)
 
     summary = _summary(collectives)
     dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
@@ -320,8 +324,9 @@ def _local(node: fx.Node, tp: int) -> tuple[tuple[int, ...], str]:
     return tuple(local_shape(tuple(val.shape), spec(node).placement, tp)), str(val.dtype).removeprefix("torch.")
 
 
-def _io_comments(st, pipe, ctx: CompileContext, coords):
-    """Comment lines on what a stage receives and sends, and the static metadata of both."""
+def _io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords):
+    """Comment lines on what a stage receives and sends, and the static metadata of both; ``grad``: the values
+    a gradient flows back to."""
     layout = ctx.layout
     tp = layout.tp
     S = layout.num_stages
@@ -331,19 +336,18 @@ def _io_comments(st, pipe, ctx: CompileContext, coords):
     out_meta: list[dict] = []
 
     def origin(v) -> str:
-        made = pipe.produced_in[v]
-        if made < 0:
+        if v.op == "placeholder":
             return "user input, taken from the batch by stage 0"
-        return f"computed by {spec(v).fqn or 'the model'} in stage {made}"
+        return f"computed by {spec(v).fqn or 'the model'} in stage {spec(v).stage}"
 
     def row(v, passed: bool) -> tuple[str, dict]:
         shp, dt = _local(v, tp)
-        rg = v in pipe.requires_grad
+        rg = v in grad
         what = origin(v) + (", passed on" if passed else "")
-        grad = "gradient flows back" if rg else "no gradient"
+        flows = "gradient flows back" if rg else "no gradient"
         place = spec(v).placement
         ptxt = "" if place == Replicate() else f" {place}"
-        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  {what}; {grad}",
+        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  {what}; {flows}",
                 {"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": rg})
 
     def peers(stage: int) -> str:
@@ -383,22 +387,21 @@ def _meta_tuple(metas: list[dict]) -> str:
 
 def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
     layout = ctx.layout
-    pipe = ctx.pipeline
+    m = ctx.microbatches
     lines = [f"schedule {layout.schedule}, {layout.num_stages} stages ({layout.stages_per_rank} per pp rank), "
-             f"{pipe.microbatches} microbatches of {ctx.batch // layout.dp // pipe.microbatches} per dp rank; "
-             f"cut: {pipe.cut.source}"]
-    for row in pipe.cut.table:
+             f"{m} microbatches of {ctx.batch // layout.dp // m} per dp rank; cut: {ctx.pipeline.source}"]
+    for row in ctx.pipeline.table:
         mine = "  <- this rank" if row["pp_rank"] == coords["pp"] else ""
         lines.append(f"  stage {row['stage']} (pp rank {row['pp_rank']}): {row['holds']}{mine}")
     return lines
 
 
-def _tied_lines(pipe, ctx: CompileContext, coords, state, stage_attrs) -> list[str]:
+def _tied_lines(tied: list[tuple[fx.Node, list[int]]], ctx: CompileContext, coords, state, stage_attrs) -> list[str]:
     """Body of ``sync_tied_grads``: one call per weight held by several stages that this rank holds."""
     layout = ctx.layout
     mine = set(layout.stages_of(coords["pp"]))
     lines = []
-    for p, holders in pipe.tied:
+    for p, holders in tied:
         local = [s for s in holders if s in mine]
         if not local:
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -16,6 +17,9 @@ from fxshard.capture.program import Program
 from fxshard.errors import LayoutError
 from fxshard.ir.placement import Placement, Replicate
 from fxshard.plan.styles import ResolvedPlan
+
+if TYPE_CHECKING:  # fxshard.ir.cut reads the Layout defined here
+    from fxshard.ir.cut import CutPlan
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
@@ -211,7 +215,7 @@ class CompileContext:
     split_before: list[str] = field(default_factory=list)  # explicit pipeline cuts (module FQNs)
     microbatches: int = 1
     batch: int | None = None  # examples per step (the leading size of the inputs)
-    pipeline: object | None = None  # passes/pipeline.py: PipelineProgram, when pp > 1
+    pipeline: CutPlan | None = None  # passes/pipeline.py, when pp > 1: the cut (its stages: fxshard.ir.stages)
     token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
 
     @property

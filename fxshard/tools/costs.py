@@ -27,9 +27,11 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.program import loss_cone
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import local_shape
+from fxshard.ir.stages import pipeline_stages
 from fxshard.train.memory import formula, peak_params
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -187,7 +189,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     coords = {"dp": 0, "pp": pp_rank, "tp": 0}
     local = local_value_shapes(gm, ctx, coords)
     if ctx.pipeline is not None:
-        stages = [ctx.pipeline.stages[i] for i in layout.stages_of(pp_rank)]
+        all_stages = pipeline_stages(gm, ctx)
+        stages = [all_stages[i] for i in layout.stages_of(pp_rank)]
         nodes = [n for st in stages for n in st.nodes]
         state = [n for st in stages for n in st.state]
     else:
@@ -224,7 +227,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     for op in ("all_reduce", "all_gather"):
         row[f"tp_{op.replace('_', '')}"] = Cost(sympy.expand(moved.get(op, 0) * m) if layout.tp > 1
                                                 else sympy.Integer(0), at)
-    row["pp_send"] = Cost(_pipeline_elements(stages, numel, ctx, m, layout), at)
+    row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return row
 
@@ -245,16 +248,17 @@ def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
     return moved
 
 
-def _pipeline_elements(stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr:
+def _pipeline_elements(gm, stages, numel, ctx, m: int, layout: Layout) -> sympy.Expr:
     """Elements this rank sends per step: activations forward and their gradients backward, per boundary."""
     if ctx.pipeline is None:
         return sympy.Integer(0)
+    grad = requires_grad(gm, ctx.params)
     total = sympy.Integer(0)
     for st in stages:
         if st.index < layout.num_stages - 1:  # forward: every output; backward: gradients of the received inputs
             total += sum((numel(n) for n in st.outputs), sympy.Integer(0))
         if st.index > 0:
-            total += sum((numel(n) for n in st.inputs if n in ctx.pipeline.requires_grad), sympy.Integer(0))
+            total += sum((numel(n) for n in st.inputs if n in grad), sympy.Integer(0))
     return sympy.expand(total * m)
 
 

@@ -9,12 +9,14 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
 from fxshard.errors import LayoutError, PlanError
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.context import Layout
 from fxshard.ir.cut import balance
+from fxshard.ir.stages import pipeline_stages
 
 
 def _blocks(result) -> list[int]:
-    return [row["blocks"] for row in result.ctx.pipeline.cut.table]
+    return [row["blocks"] for row in result.ctx.pipeline.table]
 
 
 @pytest.mark.parametrize("layout,counts", [
@@ -25,9 +27,9 @@ def _blocks(result) -> list[int]:
 ])
 def test_automatic_cut_of_uniform_model_gives_equal_block_counts(samples, layout, counts):
     result = compile_program(samples / "gpt.py", layout)
-    assert result.ctx.pipeline.cut.source == "auto"
+    assert result.ctx.pipeline.source == "auto"
     assert _blocks(result) == counts
-    flops = [row["flops"] for row in result.ctx.pipeline.cut.table]
+    flops = [row["flops"] for row in result.ctx.pipeline.table]
     assert flops[1] == flops[-2] if len(flops) > 2 else True  # middle stages: identical blocks, identical cost
 
 
@@ -46,24 +48,23 @@ def test_marker_in_forward_sets_the_cut_and_does_nothing_eagerly(models):
     assert torch.isfinite(model(x, y))  # fxshard.pipeline_split() is a no-op outside compile
     # markers win over split_before and over automatic balancing
     result = compile_program(models / "marked.py", Layout(pp=3), plan={"split_before": ["layers.2", "layers.3"]})
-    pipe = result.ctx.pipeline
-    assert pipe.cut.source == "markers"
+    assert result.ctx.pipeline.source == "markers"
     assert _blocks(result) == [1, 2, 1]
 
 
 def test_long_skip_connection_is_sent_through_the_stages_between(models):
     result = compile_model(models / "marked.py", Layout(pp=3))
-    stage0, stage1, stage2 = result.ctx.pipeline.stages
+    stage0, stage1, stage2 = pipeline_stages(result.gm, result.ctx)
     skip = next(n for n in stage0.outputs if n.name == "linear")  # proj(x), needed by the head
     assert skip in stage1.inputs and skip in stage1.outputs and skip in stage2.inputs
-    assert skip in result.ctx.pipeline.requires_grad
+    assert skip in requires_grad(result.gm, result.ctx.params)
     assert "linear                   float32 [2, 16]  computed by proj in stage 0, passed on; gradient flows back" in \
         result.sources["rank_pp1_tp0.py"]
 
 
 def test_split_before_in_the_plan_sets_the_cut(samples):
     result = compile_program(samples / "gpt.py", Layout(pp=2), plan={"split_before": ["blocks.3"]})
-    assert result.ctx.pipeline.cut.source == "split_before"
+    assert result.ctx.pipeline.source == "split_before"
     assert _blocks(result) == [3, 5]
 
 
@@ -78,7 +79,7 @@ def test_split_before_from_a_plan_file(tmp_path, samples):
 
 def test_rotary_tables_are_recomputed_not_sent(samples):
     result = compile_model(samples / "llama.py", Layout(pp=2))
-    stage1 = result.ctx.pipeline.stages[1]
+    stage1 = pipeline_stages(result.gm, result.ctx)[1]
     assert stage1.recomputed, "stage 1 should rebuild rotary cos/sin and the causal mask from buffers"
     assert [n.name for n in stage1.inputs] == ["add_14", "labels"]  # hidden state and labels only
     code = result.sources["rank_pp1_tp0.py"]
