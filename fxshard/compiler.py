@@ -46,6 +46,16 @@ from fxshard.codegen.manifest import (
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import MESH_AXES, CompileContext, Layout, spec
+from fxshard.ir.contracts import (
+    COMMUNICATED,
+    MASKS_INVARIANT,
+    PLACED,
+    STAGED,
+    Fact,
+    check_facts,
+    check_order,
+    contract_of,
+)
 from fxshard.ir.cut import choose_microbatches, label_markers
 from fxshard.ir.placement import local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
@@ -59,6 +69,8 @@ from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
 PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
+# what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
+CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
 
 
 @dataclass
@@ -190,12 +202,24 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                 ctx.params.add(node)
             elif node.name not in state:
                 ctx.user_inputs.add(node)
+    gm = run_passes(gm, ctx)
+    ctx.passes_run.insert(0, "capture")
+    return CompiledProgram(None, ctx, gm)
+
+
+def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Run :data:`PASSES` in order, holding each to its contract (:mod:`fxshard.ir.contracts`): the order is
+    checked before any runs, and after each its ``ensures`` and every fact an earlier pass ensured."""
+    check_order(PASSES, CODEGEN_REQUIRES)
+    ensured: dict[Fact, str] = {}
     for p in PASSES:
         gm = p(gm, ctx)
         gm.graph.lint()
+        ensures = contract_of(p).ensures
+        check_facts(gm, ctx, p.__name__, ensures, ensured)
+        ensured.update((fact, p.__name__) for fact in ensures)
         ctx.passes_run.append(p.__name__.removesuffix("_pass"))
-    ctx.passes_run.insert(0, "capture")
-    return CompiledProgram(None, ctx, gm)
+    return gm
 
 
 def _capture(mf: ModelFile, layout: Layout, seed: int, inputs, meta: bool = False) -> Program:

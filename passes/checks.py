@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxshard.errors import ShardingError
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
+from fxshard.ir.contracts import COMMUNICATED, PLACED, contract
 from fxshard.ir.placement import local_shape
 
 
@@ -95,6 +96,7 @@ def _fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContex
         ) from e
 
 
+@contract(requires=(PLACED, COMMUNICATED))
 def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     coords = {"dp": 0, "pp": 0, "tp": 0}
     mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -24,6 +24,7 @@ import torch.fx as fx
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS
 from fxshard.ir.context import TP, CompileContext, Group, NodeSpec, RankValue, spec
+from fxshard.ir.contracts import COMMUNICATED, PLACED, contract
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 from fxshard.ir.sharding import tensor_args
 
@@ -31,6 +32,7 @@ R = Replicate()
 GROUP = Group(TP)
 
 
+@contract(requires=(PLACED,), ensures=(COMMUNICATED,))
 def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
     grad = requires_grad(gm, ctx.params)

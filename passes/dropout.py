@@ -26,6 +26,7 @@ import torch.fx as fx
 from fxshard.capture.program import node_fqn
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import CompileContext, RankValue, spec
+from fxshard.ir.contracts import COMMUNICATED, MASKS_INVARIANT, contract
 from fxshard.ir.placement import Replicate, Shard
 from fxshard.ir.sharding import argument
 from fxshard.runtime import random as rt_random
@@ -44,6 +45,7 @@ _VARIANTS = {  # op -> what the user wrote
 }
 
 
+@contract(requires=(COMMUNICATED,), ensures=(MASKS_INVARIANT,))  # reads the final placements
 def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     layout = ctx.layout
     rows = ctx.batch // layout.dp // ctx.microbatches if ctx.batch and layout.dp * ctx.microbatches > 1 else None

@@ -26,6 +26,7 @@ import torch.fx as fx
 from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.ir.context import CompileContext, NodeSpec, RankValue, spec, update_spec
+from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import (
     Decision,
@@ -51,6 +52,7 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_hea
                "num_kv_heads")
 
 
+@contract(ensures=(PLACED,))
 def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
     _refuse_parameter_writes(gm, ctx)

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from fxshard.capture.program import node_fqn
 from fxshard.ir.context import CompileContext, NodeSpec
+from fxshard.ir.contracts import contract
 from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
@@ -32,6 +33,7 @@ _LOSSES = {aten.cross_entropy_loss.default: (2, 3, 4), aten.nll_loss.default: (2
 _MEAN, _SUM = 1, 2
 
 
+@contract()  # inserts the token-mean node before the placements are decided, so it runs first
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0]

@@ -28,6 +28,7 @@ from fxshard import compiler
 from fxshard.capture.modelfile import ModelFile
 from fxshard.capture.program import _WithLoss, capture
 from fxshard.ir.context import Layout
+from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Partial, Replicate, Shard, SliceSpec, assemble
 from fxshard.ir.sharding import propagate
 
@@ -96,6 +97,7 @@ def compile_case(case: Case, tp: int) -> Compiled:
     placeholder = {i: next(inputs) if i in case.batch else names[f"a{i}"] for i in range(len(case.inputs))}
     seen = []
 
+    @contract(ensures=(PLACED,))  # the real pass's, so the driver holds this stand-in to it too
     def tensor_parallel_pass(gm, ctx):
         if case.keywords:
             _as_keywords(gm)

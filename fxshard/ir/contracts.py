@@ -1,0 +1,165 @@
+"""What each pass relies on and what it leaves true, checked by the driver around every pass.
+
+As in torch.fx's ``PassBase``, a pass states what it ``requires`` and ``ensures``; here both are
+:class:`Fact` s, named properties of the graph and its ``NodeSpec`` s with a cheap check, so the
+driver (``fxshard/compiler.py``) can hold every pass to them:
+
+* before anything runs, a pass list whose order leaves a requirement unmet is refused, naming the
+  pass and the fact (:func:`check_order`);
+* after each pass, what it ensures and everything earlier passes ensured must hold on the graph
+  (:func:`check_facts`).  So a pass finds its requirements true when it starts, and a pass that breaks
+  one (inserts a node with no placements, or with no stage after the cut) is named, not the pass that
+  would have tripped over it later or the rank file that would have come out wrong.
+
+A contract is declared beside its pass::
+
+    @contract(requires=(PLACED,), ensures=(COMMUNICATED,))
+    def collectives_pass(gm, ctx): ...
+
+A broken contract is fxshard's own bug, never the user's: :class:`ContractError` is an ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard.capture.program import loss_cone
+from fxshard.ir.context import CompileContext, spec
+from fxshard.ir.sharding import tensor_args
+
+aten = torch.ops.aten
+
+
+class ContractError(AssertionError):
+    """A pass list out of order, or a pass that leaves a fact it ensures (or an earlier pass ensured) untrue."""
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A property of the program one pass establishes and later passes rely on.  ``broken`` returns where it
+    fails (a node and what is wrong with it), or None where it holds."""
+
+    name: str
+    broken: Callable[[fx.GraphModule, CompileContext], str | None]
+
+    def __str__(self) -> str:
+        return repr(self.name)
+
+
+@dataclass(frozen=True)
+class Contract:
+    requires: tuple[Fact, ...] = ()
+    ensures: tuple[Fact, ...] = ()
+
+
+def contract(requires: Sequence[Fact] = (), ensures: Sequence[Fact] = ()):
+    """Declare a pass's contract (the decorator in the module docstring); the driver reads ``pass.contract``."""
+    def declare(fn):
+        fn.contract = Contract(tuple(requires), tuple(ensures))
+        return fn
+    return declare
+
+
+def contract_of(p) -> Contract:
+    found = getattr(p, "contract", None)
+    if not isinstance(found, Contract):
+        raise ContractError(f"{p.__name__} declares no contract; decorate it with fxshard.ir.contracts.contract")
+    return found
+
+
+def check_order(passes: Sequence, final: Sequence[Fact], final_name: str = "codegen") -> None:
+    """Refuse ``passes`` if one requires a fact no pass before it ensures, or ``final_name`` (what reads the
+    passes' result) requires one no pass ensures."""
+    ensured: dict[Fact, str] = {}
+    steps = [(p.__name__, contract_of(p)) for p in passes] + [(final_name, Contract(tuple(final)))]
+    for i, (name, c) in enumerate(steps):
+        for fact in c.requires:
+            if fact in ensured:
+                continue
+            later = [n for n, other in steps[i + 1:] if fact in other.ensures]
+            where = f"{later[0]} ensures it, later in the list" if later else "no pass in the list ensures it"
+            raise ContractError(f"{name} requires {fact}, which no pass before it ensures ({where})")
+        ensured.update((fact, name) for fact in c.ensures)
+
+
+def check_facts(gm: fx.GraphModule, ctx: CompileContext, name: str, ensures: Sequence[Fact],
+                earlier: dict[Fact, str]) -> None:
+    """After pass ``name``: each fact it ``ensures`` holds, and each fact an ``earlier`` pass (fact -> pass)
+    ensured still holds."""
+    for fact in ensures:
+        where = fact.broken(gm, ctx)
+        if where is not None:
+            raise ContractError(f"{name} ensures {fact}, but after it {where}")
+    for fact, by in earlier.items():
+        where = fact.broken(gm, ctx) if fact not in ensures else None
+        if where is not None:
+            raise ContractError(f"{name} breaks {fact}, which {by} ensured: after it {where}")
+
+
+# ---------------------------------------------------------------- the facts
+
+def _unplaced(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    for node in gm.graph.nodes:
+        if "fxshard" not in node.meta:
+            return f"{node.name} has no NodeSpec"
+        s = spec(node)
+        if node.op not in ("call_function", "output") or s.collective:
+            continue  # inserted communication takes its input as it is
+        if s.inputs is None:
+            return f"{node.name} records no placements for its inputs"
+        if len(s.inputs) != len(tensor_args(node)):
+            return f"{node.name} records {len(s.inputs)} input placements for {len(tensor_args(node))} tensor inputs"
+    return None
+
+
+def _uncommunicated(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    for node in gm.graph.nodes:
+        for arg, need in zip(tensor_args(node), spec(node).inputs or (), strict=False):
+            if spec(arg).placement != need:
+                return f"{node.name} needs {arg.name} as {need} but it is {spec(arg).placement}"
+    return None
+
+
+_TORCH_DROPOUT = (aten.dropout.default, aten.dropout_.default)
+
+
+def _torch_dropout(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target in _TORCH_DROPOUT), None)
+    return None if node is None else f"{node.name} is still {node.target}"
+
+
+def _unstaged(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    staged = [n for n in gm.graph.nodes if spec(n).stage is not None]
+    if ctx.layout.pp == 1:
+        return f"{staged[0].name} has a stage at pp 1" if staged else None
+    if ctx.pipeline is None:
+        return "no cut is recorded (ctx.pipeline)"
+    live = loss_cone(gm)
+    last = 0
+    for node in gm.graph.nodes:
+        stage = spec(node).stage
+        if node.op == "call_function" and node in live and stage is None:
+            return f"{node.name} computes the loss but has no stage"
+        if stage is None:
+            continue
+        if node not in live or node.op != "call_function":
+            return f"{node.name} has stage {stage} but computes no part of the loss"
+        if stage < last:
+            return f"{node.name} runs in stage {stage} after a node of stage {last}: stages are runs in graph order"
+        last = stage
+    found = sorted({spec(n).stage for n in staged})
+    if found != list(range(ctx.layout.num_stages)):
+        return f"the nodes have stages {found}, not each of 0 .. {ctx.layout.num_stages - 1}"
+    return None
+
+
+PLACED = Fact("tensor-parallel placements decided: every node has a NodeSpec, every op the placements of its "
+              "inputs", _unplaced)
+COMMUNICATED = Fact("collectives inserted: every op's inputs have the placements it needs", _uncommunicated)
+MASKS_INVARIANT = Fact("dropout rewritten: no torch dropout left, every mask layout-invariant", _torch_dropout)
+STAGED = Fact("pipeline stages assigned: at pp > 1 every node computing the loss has its stage, in graph order",
+              _unstaged)
