@@ -135,8 +135,8 @@ def test_rank_file_that_fails_to_run_names_its_line(compiled, tmp_path):
 
 def test_pipeline_send_without_its_receive(compiled, tmp_path):
     out = copy(gpt_pipeline(compiled), tmp_path)
-    line = edit(out / "rank_pp1_tp0.py", "INPUTS = (('add_8', (4, 16, 64), torch.float32, True)",
-                "INPUTS = (('add_8', (4, 16, 64), torch.float32, False)")
+    line = edit(out / "rank_pp1_tp0.py", "INPUTS = (('blocks_3_out', (4, 16, 64), torch.float32, True)",
+                "INPUTS = (('blocks_3_out', (4, 16, 64), torch.float32, False)")
     msg = check_error(out)
     sent = next(i + 1 for i, x in enumerate((out / "rank_pp0_tp0.py").read_text().splitlines())
                 if x.strip().startswith("OUTPUTS ="))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
-from fxshard.ir.comm import KINDS
+from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
+from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import random as rt_random
@@ -30,14 +32,12 @@ _ENV = jinja2.Environment(
     autoescape=False,
 )
 
-_COLLECTIVE_NOTES = {
-    "copy_to": "R: identity forward; all-reduce of the gradient over {g} backward",
-    "all_reduce": "P(sum) -> R: all-reduce over {g}; backward: identity",
-    "all_gather": "{p} -> R: all-gather over {g}; backward: keep this rank's part",
-    "scatter": "R -> {q}: keep this rank's part; backward: all-gather over {g}",
-    "shard": "R -> {q}: keep this rank's part (no gradient, no communication)",
-}
-
+# dtypes as the per-line comments write them
+_SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "bool", torch.complex64: "c64"}
+# frames of these packages are not the model's: a group header names the innermost frame outside them
+_NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")
 
 def rank_file_name(coords: dict[str, int]) -> str:
     return f"rank_pp{coords['pp']}_tp{coords['tp']}.py"
@@ -137,6 +137,11 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         tied_fn = _tied_lines(pipe, ctx, coords, state, stage_attrs)
 
     summary = _summary(collectives)
+    if pipe is None:
+        held, skipped, unit, per_step = compute, set(outputs_only), "step", 1
+    else:
+        held = [n for s in layout.stages_of(coords["pp"]) for n in pipe.stages[s].nodes]
+        skipped, unit, per_step = set(), "microbatch", pipe.microbatches
     dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
     text = _ENV.get_template("rank.py.j2").render(
         dp_doc=dp_doc,
@@ -154,6 +159,9 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         plan_lines=ctx.plan_summary,
         passes=", ".join(ctx.passes_run + ["codegen"]),
         collective_summary=summary,
+        collective_unit=unit,
+        collective_lines=collective_header(held, ctx, skipped, unit, per_step),
+        legend_lines=legend_lines(held),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
         classes=classes,
@@ -281,6 +289,7 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
     group_key = None
     dead = _dead_after(nodes, inputs, keep)
     guarded_nodes, guard_lines = guard or (set(), [])
+    where = _group_lines(nodes, recomputed, guarded_nodes)
     for node in nodes:
         again = node in recomputed
         key = (spec(node).fqn, spec(node).role, again)
@@ -291,7 +300,8 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
             group_key = key
             if lines:
                 lines.append("")
-            lines.append(_group_comment(node, ctx) + ("  (recomputed here, not received)" if again else ""))
+            lines.append(_group_comment(node, ctx, where.get(node, ""))
+                         + ("  (recomputed here, not received)" if again else ""))
         names[node] = node.name
         line = f"{node.name} = {_call(node, names, coords)}"
         if node in dead:
@@ -315,6 +325,22 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
     return cls, names, attrs
 
 
+def _group_lines(nodes, recomputed, guarded) -> dict[fx.Node, str]:
+    """The model file:line of each group of lines, keyed by the group's first node: the first line of the
+    model's code that one of the group's nodes comes from (a group: consecutive nodes of one module and role)."""
+    where: dict[fx.Node, str] = {}
+    first, key = None, None
+    for node in nodes:
+        k = (spec(node).fqn, spec(node).role, node in recomputed, node in guarded)
+        if k != key:
+            first, key = node, k
+        if first not in where:
+            line = model_line(node)
+            if line:
+                where[first] = line
+    return where
+
+
 def _local(node: fx.Node, tp: int) -> tuple[tuple[int, ...], str]:
     val = node.meta["val"]
     return tuple(local_shape(tuple(val.shape), spec(node).placement, tp)), str(val.dtype).removeprefix("torch.")
@@ -336,6 +362,8 @@ def _io_comments(st, pipe, ctx: CompileContext, coords):
             return "user input, taken from the batch by stage 0"
         return f"computed by {spec(v).fqn or 'the model'} in stage {made}"
 
+    width = max([24] + [len(v.name) + 1 for v in (*st.inputs, *st.outputs)])
+
     def row(v, passed: bool) -> tuple[str, dict]:
         shp, dt = _local(v, tp)
         rg = v in pipe.requires_grad
@@ -343,7 +371,7 @@ def _io_comments(st, pipe, ctx: CompileContext, coords):
         grad = "gradient flows back" if rg else "no gradient"
         place = spec(v).placement
         ptxt = "" if place == Replicate() else f" {place}"
-        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  {what}; {grad}",
+        return (f"#   {v.name:<{width}} {dt} {list(shp)}{ptxt}  {what}; {grad}",
                 {"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": rg})
 
     def peers(stage: int) -> str:
@@ -447,6 +475,108 @@ def _summary(collectives: list[dict]) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class _Issue:
+    """One backend operation a collective call issues: direction, operation, whole buffer (local) and dtype."""
+
+    direction: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _issues(node: fx.Node, tp: int) -> list[_Issue]:
+    kind = KINDS[node.target.__name__]
+    out = []
+    for direction in ("forward", "backward"):
+        op = getattr(kind, direction)
+        if op:
+            whole = node.args[0] if buffer_is_input(kind, direction) else node
+            val = whole.meta["val"]
+            out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
+                              val.dtype))
+    return out
+
+
+def _describe(issues: list[_Issue]) -> str:
+    """``forward 2 all_reduce [2, 16, 64] f32; backward 2 all_reduce [2, 16, 64] f32``."""
+    parts = []
+    for direction in ("forward", "backward"):
+        counts: dict[tuple, int] = {}
+        for i in issues:
+            if i.direction == direction:
+                key = (i.op, i.shape, i.dtype)
+                counts[key] = counts.get(key, 0) + 1
+        if counts:
+            parts.append(f"{direction} " + ", ".join(f"{n} {op} {list(shape)} {short_dtype(dt)}"
+                                                     for (op, shape, dt), n in counts.items()))
+    return "; ".join(parts)
+
+
+def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx.Node], unit: str,
+                      per_step: int) -> list[str]:
+    """The header lines on a rank's collectives: each repeated block's (runs of identical blocks said once),
+    the rest's, and the bytes they move per ``unit`` and per step (``per_step`` units a step)."""
+    tp = ctx.layout.tp
+    blocks = find_blocks(ctx.program.module_types)
+    runs: list[tuple[list[str], str]] = []  # (blocks, description), consecutive identical blocks merged
+    per_block: dict[str, list[_Issue]] = {}
+    rest: list[_Issue] = []
+    for n in nodes:
+        s = spec(n)
+        if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
+            continue
+        block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp))
+    for block, issues in per_block.items():
+        text = _describe(issues)
+        if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
+            runs[-1][0].append(block)
+        else:
+            runs.append(([block], text))
+    if not runs and not rest:
+        return []
+    lines = []
+    for held, text in runs:
+        label = held[0] if len(held) == 1 else f"{held[0]}-{held[-1].rsplit('.', 1)[1]} (identical, each)"
+        lines.append(f"  {label}: {text}")
+    if rest:
+        lines.append(f"  {'outside the blocks' if runs else 'all'}: {_describe(rest)}")
+    everything = [i for issues in per_block.values() for i in issues] + rest
+    moved = sum(i.bytes for i in everything)
+    sent = sum(i.bytes * WIRE[i.op](tp) for i in everything)
+    step = f", {_bytes_text(moved * per_step)} per step ({per_step} {unit}es)" if per_step > 1 else ""
+    lines.append(f"  buffers: {_bytes_text(moved)} per {unit}{step}; ring algorithms send about "
+                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp})")
+    return lines
+
+
+def _next_block(a: str, b: str) -> bool:
+    return a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0] and int(b.rsplit(".", 1)[1]) == int(a.rsplit(".", 1)[1]) + 1
+
+
+def _bytes_text(n: float) -> str:
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {name}"
+    return f"{int(n)} B"
+
+
+def legend_lines(nodes: list[fx.Node]) -> list[str]:
+    """What each collective this file calls does, once (from :mod:`fxshard.ir.comm`), in the order of first use."""
+    used = []
+    for n in nodes:
+        name = spec(n).collective and n.target.__name__
+        if name and name not in used:
+            used.append(name)
+    width = max((len(u) for u in used), default=0)
+    return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
+
+
 def _state_line(attr: str, s, node: fx.Node, tp: int) -> str:
     val = node.meta["val"]
     placement = spec(node).placement
@@ -460,29 +590,80 @@ def _state_line(attr: str, s, node: fx.Node, tp: int) -> str:
     return f'self.register_buffer("{attr}", {empty}{persistent})  {where}'
 
 
-def _group_comment(node: fx.Node, ctx: CompileContext) -> str:
+def _group_comment(node: fx.Node, ctx: CompileContext, where: str = "") -> str:
     s = spec(node)
     fqn = s.fqn
     type_name = ctx.program.module_types.get(fqn, "")
     label = fqn or "(model)"
-    parts = [label, type_name] + ([s.role] if s.role else [])
+    parts = [label, type_name] + ([s.role] if s.role else []) + ([f"({where})"] if where else [])
     return "# " + "  ".join(p for p in parts if p)
 
 
+def model_line(node: fx.Node) -> str:
+    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
+    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not any(part in path for part in _NOT_MODEL):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return ""
+
+
+def name_stage_values(gm: fx.GraphModule, pipe) -> None:
+    """Name each value one pipeline stage sends to another after what it is: its module and the variable the
+    model's code assigns it to (``model_layers_1_hidden_states`` rather than ``add_14``), or its module and
+    op when no assignment says.  The graph is shared by every rank's code, so every stage sees one name."""
+    crossing = [v for st in pipe.stages[:-1] for v in st.outputs if v.op == "call_function"]
+    for v in dict.fromkeys(crossing):
+        fqn = spec(v).fqn
+        base = "".join(c if c.isalnum() else "_" for c in fqn) if fqn else "model"
+        if v.name.startswith(base + "_"):
+            continue  # named already (a second compile of the same graph)
+        var = _assigned_name(v)
+        v._rename(f"{base}_{var}" if var else f"{base}_{v.name}")
+
+
+def _assigned_name(node: fx.Node) -> str:
+    """The variable the innermost line of the model's code that made ``node`` assigns (``hidden_states`` of
+    ``hidden_states = residual + hidden_states``), ``out`` for a line that returns it, or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    for path, code in reversed(re.findall(r'File "([^"]+)", line \d+, in \S+\n\s*(.*)', trace)):
+        if not any(part in path for part in _NOT_MODEL):
+            m = re.match(r"([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", code)
+            return m[1] if m else "out" if code.startswith("return ") else ""
+    return ""
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _value_text(node: fx.Node, tp: int) -> str:
+    """``[2, 16, 32] f32``: the local shape and dtype of a tensor value on this rank; "" for other values."""
+    val = node.meta.get("val")
+    placement = spec(node).placement
+    if not isinstance(val, torch.Tensor) or isinstance(placement, tuple):
+        return ""
+    return f"{list(local_shape(tuple(val.shape), placement, tp))} {short_dtype(val.dtype)}"
+
+
 def _note(node: fx.Node, tp: int) -> str:
+    """The comment of one line: the value's local shape and dtype, then its placement (a collective's
+    placement before and after; what each collective does is said once, in the file's header)."""
     s = spec(node)
-    name = getattr(node.target, "__name__", "")
+    value = _value_text(node, tp)
+    p = s.placement
     if s.collective:
         src = spec(node.args[0]).placement
-        return _COLLECTIVE_NOTES[name].format(g="tp", p=src, q=s.placement)
-    p = s.placement
+        return f"{value} {src} -> {p}".strip()
     if isinstance(p, tuple):
-        return " ".join(str(x) for x in p) if any(not isinstance(x, Replicate) for x in p) else ""
+        place = " ".join(str(x) for x in p) if any(not isinstance(x, Replicate) for x in p) else ""
+    else:
+        place = str(p) if isinstance(p, (Shard, Partial)) else ""
     if node.target is rt_random.dropout:  # see passes/dropout.py
-        return ("" if p == Replicate() else f"{p}  ") + "layout-invariant mask, as on one device"
-    if isinstance(p, (Shard, Partial)):
-        return str(p)
-    return ""
+        place = (place + "  " if place else "") + "layout-invariant mask, as on one device"
+    return f"{value} {place}".strip()
 
 
 def _call(node: fx.Node, names, coords) -> str:
