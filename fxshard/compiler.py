@@ -28,7 +28,7 @@ from fxshard.capture.modelfile import (
 )
 from fxshard.capture.program import Program, capture
 from fxshard.codegen import emit_rank, rank_file_name
-from fxshard.codegen.emit import RankCode
+from fxshard.codegen.emit import RankCode, name_stage_values
 from fxshard.codegen.folder import check_target, staged_output
 from fxshard.codegen.manifest import (
     MANIFEST,
@@ -288,6 +288,8 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
     """Rank files and manifest, then each rank's weight shard: the slices its manifest entry records."""
     ctx, layout = result.ctx, result.ctx.layout
     sources, ranks = {}, []
+    if ctx.pipeline is not None:
+        name_stage_values(result.gm, pipeline_stages(result.gm, ctx))
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
             coords = {"dp": 0, "pp": pp_rank, "tp": tp_rank}

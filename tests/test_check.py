@@ -79,12 +79,12 @@ def test_generated_files_pass_and_compile_time_scan_agrees_with_the_meta_run(com
 
 def test_dropped_all_reduce_names_rank_line_and_collective(compiled, tmp_path):
     out = copy(gpt_tp2(compiled), tmp_path)
-    line = edit(out / "rank_pp0_tp1.py", "all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9")
+    line = edit(out / "rank_pp0_tp1.py", "all_reduce = rt.all_reduce(embedding, self.tp)", "all_reduce = embedding")
     msg = check_error(out)
     assert msg.startswith(f"rank_pp0_tp1.py:{line} (global rank 1): tp group [0, 1] in RankModule: "
-                          "forward collective #4 is missing: ")
+                          "forward collective #1 is missing: ")
     assert f"rank_pp0_tp0.py:{line} (global rank 0) issues all_reduce float32 [8, 16, 64] " \
-           "(all_reduce_3 = rt.all_reduce(...))" in msg
+           "(all_reduce = rt.all_reduce(...))" in msg
     assert "issues 18 forward collectives there, the other 19; running this would hang" in msg
     assert msg.endswith("Recompile with `fxshard compile` instead of editing generated files.")
 
@@ -108,35 +108,36 @@ def test_reordered_collectives_name_both_lines(compiled, tmp_path):
 
 def test_dropped_copy_to_is_caught_in_backward(compiled, tmp_path):
     out = copy(gpt_tp2(compiled), tmp_path)
-    line = edit(out / "rank_pp0_tp1.py", "copy_to_3 = rt.copy_to(layer_norm_3, self.tp)", "copy_to_3 = layer_norm_3")
+    line = edit(out / "rank_pp0_tp1.py", "copy_to_16 = rt.copy_to(layer_norm_16, self.tp)", "copy_to_16 = layer_norm_16")
     msg = check_error(out)
     assert re.match(rf"rank_pp0_tp1\.py:{line} \(global rank 1\): tp group \[0, 1\] in RankModule: backward "
                     rf"collective #\d+ is missing: rank_pp0_tp0\.py:{line} \(global rank 0\) issues all_reduce "
-                    r"float32 \[8, 16, 64\] \(copy_to_3 = rt\.copy_to\(\.\.\.\)\)", msg), msg
+                    r"float32 \[8, 16, 64\] \(copy_to_16 = rt\.copy_to\(\.\.\.\)\)", msg), msg
 
 
 def test_collective_over_the_wrong_group(compiled, tmp_path):
     out = copy(gpt_pipeline(compiled), tmp_path)
-    line = edit(out / "rank_pp1_tp1.py", "rt.all_reduce(linear_27, self.tp)", "rt.all_reduce(linear_27, self.pp)")
+    line = edit(out / "rank_pp1_tp1.py", "rt.all_gather(vocab_cross_entropy_parts, self.tp,",
+                "rt.all_gather(vocab_cross_entropy_parts, self.pp,")
     msg = check_error(out)
     assert "2 problems:" in msg
     assert f"rank_pp1_tp1.py:{line} (global rank 3): tp group [2, 3] in Stage1: forward collective #" in msg
     assert f"rank_pp1_tp1.py:{line} (global rank 3): pp group [1, 3] in all stages: forward collective #1 " \
-           "all_reduce float32 [4, 16, 64]" in msg and "is not issued by rank_pp0_tp1.py (global rank 1)" in msg
+           "all_gather float32 [64, 1, 2]" in msg and "is not issued by rank_pp0_tp1.py (global rank 1)" in msg
 
 
 def test_rank_file_that_fails_to_run_names_its_line(compiled, tmp_path):
     out = copy(gpt_tp2(compiled), tmp_path)
-    line = edit(out / "rank_pp0_tp0.py", "aten.view.default(linear_7, [8, 16, 2, 16])",
-                "aten.view.default(linear_7, [8, 16, 4, 16])")
+    line = edit(out / "rank_pp0_tp0.py", "aten.view.default(linear, [8, 16, 2, 16])",
+                "aten.view.default(linear, [8, 16, 4, 16])")
     assert check_error(out).startswith(f"rank_pp0_tp0.py:{line}: RankModule fails when run on meta tensors of the "
                                        "declared shapes: RuntimeError: shape '[8, 16, 4, 16]' is invalid")
 
 
 def test_pipeline_send_without_its_receive(compiled, tmp_path):
     out = copy(gpt_pipeline(compiled), tmp_path)
-    line = edit(out / "rank_pp1_tp0.py", "INPUTS = (('add_8', (4, 16, 64), torch.float32, True)",
-                "INPUTS = (('add_8', (4, 16, 64), torch.float32, False)")
+    line = edit(out / "rank_pp1_tp0.py", "INPUTS = (('blocks_3_out', (4, 16, 64), torch.float32, True)",
+                "INPUTS = (('blocks_3_out', (4, 16, 64), torch.float32, False)")
     msg = check_error(out)
     sent = next(i + 1 for i, x in enumerate((out / "rank_pp0_tp0.py").read_text().splitlines())
                 if x.strip().startswith("OUTPUTS ="))
@@ -172,9 +173,9 @@ def test_weight_shard_that_does_not_match_the_code(compiled, tmp_path):
     out = copy(gpt_tp2(compiled), tmp_path)
     path = out / "weights" / "rank_pp0_tp1.safetensors"
     tensors = load_file(str(path))
-    tensors["blocks_0_mlp_fc_in_weight"] = tensors["blocks_0_mlp_fc_in_weight"][:64].clone()
+    tensors["blocks_0.mlp_fc_in_weight"] = tensors["blocks_0.mlp_fc_in_weight"][:64].clone()
     save_file(tensors, str(path))
-    assert check_error(out).startswith("rank_pp0_tp1.py: creates blocks_0_mlp_fc_in_weight with shape [128, 64], but "
+    assert check_error(out).startswith("rank_pp0_tp1.py: creates blocks_0.mlp_fc_in_weight with shape [128, 64], but "
                                        "weights/rank_pp0_tp1.safetensors has [64, 64]")
 
 
@@ -185,7 +186,7 @@ def test_cli_check_prints_the_groups_and_exits_2_on_a_mismatch(compiled, tmp_pat
     assert "tp group [2, 3]" in ok.output and "pipeline stage 0 -> stage 1" in ok.output
     assert "OK: 4 rank file(s) agree on the collectives of every tp, pp, tied-weight group" in ok.output
     out = copy(gpt_tp2(compiled), tmp_path)
-    edit(out / "rank_pp0_tp1.py", "all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9")
+    edit(out / "rank_pp0_tp1.py", "all_reduce = rt.all_reduce(embedding, self.tp)", "all_reduce = embedding")
     bad = runner.invoke(app, ["check", str(out)])
     assert bad.exit_code == 2
     assert "error: rank_pp0_tp1.py:" in bad.stderr and "running this would hang" in bad.stderr

@@ -45,22 +45,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "RESULTS.md")
     args = parser.parse_args(argv)
     models = sorted(p for p in MODELS.glob("*.py") if not args.only or p.stem in args.only)
-    rows, start = [], time.monotonic()
+    results, start = {}, time.monotonic()
     for model in models:
-        cells = []
         for name, flags in LAYOUTS.items():
             verdict, detail = run_case(model, flags)
             print(f"{model.stem:12s} {name}: {verdict} ({detail})", flush=True)
-            cells.append(f"{verdict}: {detail}" if verdict != "refused" else f"refused: {detail}")
-        rows.append(f"| {model.stem} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+            results[model.stem, name] = verdict, detail
     minutes = (time.monotonic() - start) / 60
-    table = ["| architecture | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS), *rows]
-    args.out.write_text("# Model zoo\n\n`make zoo` (`python -m zoo.run`): each architecture of `zoo/models` trained 3 AdamW "
-                        "steps under each layout and compared with single-device training by `fxshard verify` (losses "
-                        "relative, trained parameters as a share of the update; tolerances 1e-5 and 1e-3). "
-                        f"{len(models)} architectures in {minutes:.0f} min on this machine.\n\n" + "\n".join(table) + "\n")
+    args.out.write_text(results_page(results, len(models), minutes))
     print(f"wrote {args.out}")
-    return 0 if all("FAILED" not in r for r in rows) else 1
+    return 0 if all(verdict != "FAILED" for verdict, _ in results.values()) else 1
+
+
+def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, minutes: float) -> str:
+    """The table (architecture x layout), each refusal's reason once, as a numbered note under the table."""
+    reasons: list[str] = []
+    rows = []
+    for arch in sorted({a for a, _ in results}):
+        cells = []
+        for layout in LAYOUTS:
+            verdict, detail = results[arch, layout]
+            if verdict == "refused":
+                if detail not in reasons:
+                    reasons.append(detail)
+                cells.append(f"refused [{reasons.index(detail) + 1}]")
+            else:
+                cells.append(f"{verdict}: {detail}")
+        rows.append(f"| {arch} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    table = ["| architecture | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS), *rows]
+    notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, 1)]
+    return ("# Model zoo\n\n`make zoo` (`python -m zoo.run`): each architecture of `zoo/models` trained 3 AdamW "
+            "steps under each layout and compared with single-device training by `fxshard verify` (losses "
+            "relative, trained parameters as a share of the update; tolerances 1e-5 and 1e-3). "
+            f"{count} architectures in {minutes:.0f} min on this machine.\n\n" + "\n".join(table) + "\n"
+            + ("\nRefusals (the compile's own message):\n\n" + "\n".join(notes) + "\n" if notes else ""))
 
 
 if __name__ == "__main__":

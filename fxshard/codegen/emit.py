@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,9 +20,11 @@ import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
+from fxshard.codegen.blocks import BlockUnit, block_units
 from fxshard.ir.autograd import requires_grad
-from fxshard.ir.comm import KINDS
+from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
+from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
 from fxshard.runtime import random as rt_random
@@ -32,14 +35,12 @@ _ENV = jinja2.Environment(
     autoescape=False,
 )
 
-_COLLECTIVE_NOTES = {
-    "copy_to": "R: identity forward; all-reduce of the gradient over {g} backward",
-    "all_reduce": "P(sum) -> R: all-reduce over {g}; backward: identity",
-    "all_gather": "{p} -> R: all-gather over {g}; backward: keep this rank's part",
-    "scatter": "R -> {q}: keep this rank's part; backward: all-gather over {g}",
-    "shard": "R -> {q}: keep this rank's part (no gradient, no communication)",
-}
-
+# dtypes as the per-line comments write them
+_SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+                 torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+                 torch.bool: "bool", torch.complex64: "c64"}
+# frames of these packages are not the model's: a group header names the innermost frame outside them
+_NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")
 
 def rank_file_name(coords: dict[str, int]) -> str:
     return f"rank_pp{coords['pp']}_tp{coords['tp']}.py"
@@ -73,8 +74,10 @@ class _Class:
     init_lines: list[str]
     forward_args: str
     forward_lines: list[str]
+    axes: list[str] | None = None  # process groups it takes (None: the file's)
 
 
+_RESERVED_CLASSES = {"RankModule", "torch", "rt", "aten"}
 _RESERVED = {"device", "tp", "pp", "dp", "forward", "training", "return_outputs", "INPUTS", "OUTPUTS"}
 
 
@@ -93,6 +96,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     stages: list[dict] = []
     tied_fn: list[str] = []
     stage_attrs: dict[int, dict[str, str]] = {}  # stage -> attribute -> placeholder name
+    block_classes: dict = {}  # the classes of the block submodules, shared by the file's classes
     pipe = ctx.pipeline
     if pipe is None:
         state_nodes = [n for n in placeholders if n.name in state and n.users]
@@ -101,7 +105,8 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
                                     "parameters at their per-rank shapes, straight-line forward.",
                                     [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None,
-                                    set(out_node.all_input_nodes), _outputs_guard(out_node, outputs_only))
+                                    set(out_node.all_input_nodes), _outputs_guard(out_node, outputs_only),
+                                    block_classes)
         if outputs_only:
             cls.attributes = ["return_outputs = True  # False: forward returns (loss,) and skips what only the "
                               "model's other outputs need (fxshard run trains so)"]
@@ -122,7 +127,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
                    f"one microbatch per call.")
             start = len(collectives)
             cls, names, a = _class_code(name, doc, comments, st.nodes, st.state, st.inputs, st.recomputed, ctx,
-                                        coords, collectives, s, set(st.outputs))
+                                        coords, collectives, s, set(st.outputs), block_classes=block_classes)
             cls.attributes = [f"INPUTS = {_meta_tuple(in_meta)}", f"OUTPUTS = {_meta_tuple(out_meta)}"]
             outs = [names[n] for n in st.outputs]
             if s == S - 1:
@@ -140,7 +145,13 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
             stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
         tied_fn = _tied_lines(tied_weights(gm, all_stages, ctx.params), ctx, coords, state, stage_attrs)
 
+    classes = [_finish_block(b) for b in block_classes.values()] + classes
     summary = _summary(collectives)
+    if pipe is None:
+        held, skipped, unit, per_step = compute, set(outputs_only), "step", 1
+    else:
+        held = [n for s in layout.stages_of(coords["pp"]) for n in all_stages[s].nodes]
+        skipped, unit, per_step = set(), "microbatch", ctx.microbatches
     dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
     text = _ENV.get_template("rank.py.j2").render(
         dp_doc=dp_doc,
@@ -158,6 +169,9 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         plan_lines=ctx.plan_summary,
         passes=", ".join(ctx.passes_run + ["codegen"]),
         collective_summary=summary,
+        collective_unit=unit,
+        collective_lines=collective_header(held, ctx, skipped, unit, per_step),
+        legend_lines=legend_lines(held),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
         classes=classes,
@@ -228,17 +242,18 @@ def _coords_text(coords: dict[str, int], layout) -> str:
     return text
 
 
-def _dead_after(nodes: list[fx.Node], inputs: list[fx.Node], keep: set[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
-    """For each node, the local values whose last use it is: the forward drops them right there, as
-    torch.fx's own code does, so an intermediate autograd does not keep lives no longer than needed."""
-    local = set(inputs) | set(nodes)
-    last: dict[fx.Node, fx.Node] = {v: v for v in nodes}  # a value nothing reads dies where it is made
-    for node in nodes:
-        for a in node.all_input_nodes:
+def _dead_after(steps: list[tuple[list[fx.Node], list[fx.Node]]], inputs: list[fx.Node],
+                keep: set[fx.Node]) -> dict[int, list[fx.Node]]:
+    """For each step (the values it reads, the values it makes), the local values whose last use it is: the
+    forward drops them right there, as torch.fx's own code does, so autograd alone decides what lives on."""
+    local = set(inputs) | {v for _, made in steps for v in made}
+    last: dict[fx.Node, int] = {v: i for i, (_, made) in enumerate(steps) for v in made}  # unread: dies at once
+    for i, (reads, _) in enumerate(steps):
+        for a in reads:
             if a in local:
-                last[a] = node
-    dead: dict[fx.Node, list[fx.Node]] = {}
-    for v in list(inputs) + list(nodes):
+                last[a] = i
+    dead: dict[int, list[fx.Node]] = {}
+    for v in list(inputs) + [v for _, made in steps for v in made]:
         if v in last and v not in keep:
             dead.setdefault(last[v], []).append(v)
     return dead
@@ -263,17 +278,24 @@ def _outputs_guard(out_node: fx.Node, outputs_only: list[fx.Node]) -> tuple[set[
 
 
 def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx, coords, collectives, stage,
-                keep: set[fx.Node], guard: tuple[set[fx.Node], list[str]] | None = None):
+                keep: set[fx.Node], guard: tuple[set[fx.Node], list[str]] | None = None,
+                block_classes: dict | None = None):
     """One generated class; ``guard`` = (nodes, lines): the lines go before the first of those nodes, whose
-    collectives the manifest marks ``outputs_only``."""
+    collectives the manifest marks ``outputs_only``.  Each repeated block it runs becomes a submodule
+    (:mod:`fxshard.codegen.blocks`), of a class kept in ``block_classes`` (body -> class) for the whole file."""
     program = ctx.program
     state = program.state_by_name()
     tp = ctx.layout.tp
+    guarded_nodes, guard_lines = guard or (set(), [])
+    units = block_units(nodes, state_nodes, find_blocks(program.module_types), keep, set(recomputed) | guarded_nodes)
+    in_units = {n for u in units.values() for n in u.state}
     taken = set(_RESERVED)
     attrs: dict[str, str] = {}
     init_lines: list[str] = []
     names: dict[fx.Node, str] = {}
     for node in state_nodes:
+        if node in in_units:
+            continue
         s = state[node.name]
         a = attr_name(s.fqn, taken)
         attrs[a] = node.name
@@ -281,11 +303,57 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         init_lines.append(_state_line(a, s, node, tp))
     for node in inputs:
         names[node] = node.name
+    steps: list[fx.Node | BlockUnit] = []
+    for node in nodes:
+        if node in units:
+            steps.append(units[node])
+        elif not any(node in u.nodes for u in units.values()):
+            steps.append(node)
+    calls = {}
+    for unit in units.values():
+        block = _block_class(unit, ctx, coords, block_classes if block_classes is not None else {})
+        sub = attr_name(unit.fqn, taken)
+        calls[unit] = (sub, block)
+        init_lines.append(f"self.{sub} = {block.cls.name}(groups, self.device)  # {unit.fqn}")
+        for key, ph in block.attrs.items():
+            attrs[f"{sub}.{key}"] = ph
+    lines = _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collectives, calls)
+    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines)
+    return cls, names, attrs
+
+
+def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collectives, calls=None,
+          relative_to: str = "") -> list[str]:
+    """The forward's lines: one per node, one call per block submodule, grouped under module comments."""
+    tp = ctx.layout.tp
+    guarded_nodes, guard_lines = guard or (set(), [])
+    nodes = [n for st in steps for n in ([st] if isinstance(st, fx.Node) else st.nodes)]
+    where = _group_lines(nodes, recomputed, guarded_nodes)
+    dead = _dead_after([(st.all_input_nodes, [st]) if isinstance(st, fx.Node) else (st.inputs, st.outputs)
+                        for st in steps], inputs, keep)
     lines: list[str] = []
     group_key = None
-    dead = _dead_after(nodes, inputs, keep)
-    guarded_nodes, guard_lines = guard or (set(), [])
-    for node in nodes:
+    for i, st in enumerate(steps):
+        if isinstance(st, BlockUnit):
+            sub, block = calls[st]
+            for v in st.outputs:
+                var = _assigned_name(v)
+                names[v] = v.name if v.name.startswith(sub + "_") else f"{sub}_{var if var else _base_name(v)}"
+        else:
+            names.setdefault(st, st.name)
+        drop = ";  " + " = ".join(names[v] for v in dead[i]) + " = None" if i in dead else ""
+        if isinstance(st, BlockUnit):
+            outs = ", ".join(names[v] for v in st.outputs)
+            args = ", ".join(_arg(a, names, coords) for a in st.inputs)
+            note = _value_text(st.outputs[0], tp) if len(st.outputs) == 1 else ""
+            line = f"{outs} = self.{sub}({args}){drop}"
+            lines += [*([""] if lines else []), _group_comment(st.nodes[0], ctx, "", st.fqn, block=True),
+                      f"{line}  # {note}" if note else line]
+            group_key = None
+            for c in block.collectives:
+                collectives.append(dict(c))
+            continue
+        node = st
         again = node in recomputed
         key = (spec(node).fqn, spec(node).role, again)
         if node in guarded_nodes and guard_lines:
@@ -295,11 +363,9 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
             group_key = key
             if lines:
                 lines.append("")
-            lines.append(_group_comment(node, ctx) + ("  (recomputed here, not received)" if again else ""))
-        names[node] = node.name
-        line = f"{node.name} = {_call(node, names, coords)}"
-        if node in dead:
-            line += ";  " + " = ".join(names[v] for v in dead[node]) + " = None"
+            lines.append(_group_comment(node, ctx, where.get(node, ""), relative_to=relative_to)
+                         + ("  (recomputed here, not received)" if again else ""))
+        line = f"{names[node]} = {_call(node, names, coords)}{drop}"
         note = _note(node, tp)
         lines.append(f"{line}  # {note}" if note else line)
         target = getattr(node.target, "__name__", "")
@@ -308,15 +374,132 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
             collectives.append({
                 "op": target,
                 "group": next(a.axis for a in node.args if isinstance(a, Group)),
-                "value": node.name,
+                "value": names[node],
                 "shape": list(local_shape(tuple(val.shape), spec(node.args[0]).placement, tp)),
                 "dtype": str(val.dtype).removeprefix("torch."),
                 "backward": KINDS[target].backward,
             })
             if node in guarded_nodes:
                 collectives[-1]["outputs_only"] = True
-    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines)
-    return cls, names, attrs
+    return lines
+
+
+@dataclass
+class _Block:
+    cls: _Class
+    attrs: dict[str, str]  # attribute in the submodule -> placeholder name
+    collectives: list[dict]  # what one call issues, in order (values by their names in the class)
+    local: set[str] = field(default_factory=set)  # the names the class's forward gives its values
+    users: list[str] = field(default_factory=list)  # the blocks (FQN) of this class
+    candidates: list[list[str]] = field(default_factory=list)  # per block, the names of its arguments
+
+    @property
+    def type_name(self) -> str:
+        return re.sub(r"\d+$", "", self.cls.name)
+
+
+def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) -> _Block:
+    """The class of one block's submodule: its own parameters, its inputs as arguments, its nodes under names
+    of its own (``linear``, ``linear_1``, ...), so identical blocks have identical code and share the class."""
+    state = ctx.program.state_by_name()
+    tp = ctx.layout.tp
+    taken = set(_RESERVED)
+    names: dict[fx.Node, str] = {}
+    attrs: dict[str, str] = {}
+    init_lines = []
+    for node in unit.state:
+        s = state[node.name]
+        a = attr_name(s.fqn.removeprefix(unit.fqn + "."), taken)
+        attrs[a] = node.name
+        names[node] = f"self.{a}"
+        init_lines.append(_state_line(a, s, node, tp, relative_to=unit.fqn))
+    # the arguments' names are chosen when every block of the class is known (the names most of its blocks
+    # would give): the class's identity cannot depend on them (block 0 reads the embeddings, the others the
+    # previous block's output)
+    args = [f"__arg{i}__" for i in range(len(unit.inputs))]
+    names.update(zip(unit.inputs, args, strict=True))
+    for node in unit.nodes:
+        names[node] = attr_name(_base_name(node), taken)
+    collectives: list[dict] = []
+    local = dict(names)
+    lines = _body(unit.nodes, local, unit.inputs, set(unit.outputs), set(), None, ctx, coords, collectives,
+                  relative_to=unit.fqn)
+    outs = [local[v] for v in unit.outputs]
+    lines += ["", f"return {outs[0]}" if len(outs) == 1 else f"return {', '.join(outs)}"]
+    key = (tuple(init_lines), len(args), tuple(lines))
+    if key not in classes:
+        type_name = ctx.program.module_types.get(unit.fqn, "Block")
+        taken_names = {c.cls.name for c in classes.values()}
+        name, i = type_name, 2
+        while name in taken_names or name in _RESERVED_CLASSES or re.fullmatch(r"Stage\d+", name):
+            name, i = f"{type_name}{i}", i + 1
+        cls = _Class(name, "", [], [], init_lines, ", ".join(args), lines, axes=["tp"])
+        classes[key] = _Block(cls, {}, collectives, set(local.values()))
+    shared = classes[key]
+    shared.users.append(unit.fqn)
+    shared.candidates.append([attr_name(state[a.name].fqn, set()) if a.name in state else _value_name(a)
+                              for a in unit.inputs])
+    return _Block(shared.cls, attrs, shared.collectives)
+
+
+def _finish_block(block: _Block) -> _Class:
+    """The block class with its arguments named (per position, the name most of its blocks give the value)
+    and a docstring naming the blocks it runs."""
+    cls = block.cls
+    chosen: list[str] = []
+    for i in range(len(block.candidates[0]) if block.candidates else 0):
+        votes = [c[i] for c in block.candidates]
+        base = max(dict.fromkeys(votes), key=votes.count)
+        while base in block.local or base in _RESERVED:
+            base += "_in"
+        name, k = base, 1
+        while name in chosen:
+            name, k = f"{base}_{k}", k + 1
+        chosen.append(name)
+
+    def named(text: str) -> str:
+        return re.sub(r"__arg(\d+)__", lambda m: chosen[int(m[1])], text)
+
+    users = block.users
+    held = ", ".join(users) if len(users) <= 3 else f"{users[0]}, ..., {users[-1]}: {len(users)} blocks"
+    doc = (f"{block.type_name}, a repeated block as this rank runs it ({held}): its own parameters at their "
+           "per-rank shapes; what it reads from outside, as arguments.")
+    return _Class(cls.name, doc, [], [], cls.init_lines, named(cls.forward_args),
+                  [named(line) for line in cls.forward_lines], axes=cls.axes)
+
+
+def _value_name(node: fx.Node) -> str:
+    """What a value is, as a name: the variable the model's code assigns it to, ``<module>_out`` for a value a
+    module returns (``blocks_out`` for ``blocks.3``'s), else its op."""
+    var = _assigned_name(node)
+    if var == "out" and spec(node).fqn:
+        parts = [p for p in spec(node).fqn.split(".") if not p.isdigit()]
+        return f"{parts[-1]}_out" if parts else "out"
+    return var if var and var != "out" else _base_name(node)
+
+
+def _base_name(node: fx.Node) -> str:
+    """The name torch.fx gives a node before numbering it: its op (``linear``, ``all_reduce``, ``getitem``)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__.split(".")[-1]
+    return getattr(target, "__name__", "value").strip("_") or "value"
+
+
+def _group_lines(nodes, recomputed, guarded) -> dict[fx.Node, str]:
+    """The model file:line of each group of lines, keyed by the group's first node: the first line of the
+    model's code that one of the group's nodes comes from (a group: consecutive nodes of one module and role)."""
+    where: dict[fx.Node, str] = {}
+    first, key = None, None
+    for node in nodes:
+        k = (spec(node).fqn, spec(node).role, node in recomputed, node in guarded)
+        if k != key:
+            first, key = node, k
+        if first not in where:
+            line = model_line(node)
+            if line:
+                where[first] = line
+    return where
 
 
 def _local(node: fx.Node, tp: int) -> tuple[tuple[int, ...], str]:
@@ -340,6 +523,8 @@ def _io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords)
             return "user input, taken from the batch by stage 0"
         return f"computed by {spec(v).fqn or 'the model'} in stage {spec(v).stage}"
 
+    width = max([24] + [len(v.name) + 1 for v in (*st.inputs, *st.outputs)])
+
     def row(v, passed: bool) -> tuple[str, dict]:
         shp, dt = _local(v, tp)
         rg = v in grad
@@ -347,7 +532,7 @@ def _io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords)
         flows = "gradient flows back" if rg else "no gradient"
         place = spec(v).placement
         ptxt = "" if place == Replicate() else f" {place}"
-        return (f"#   {v.name:<24} {dt} {list(shp)}{ptxt}  {what}; {flows}",
+        return (f"#   {v.name:<{width}} {dt} {list(shp)}{ptxt}  {what}; {flows}",
                 {"name": v.name, "shape": list(shp), "dtype": dt, "requires_grad": rg})
 
     def peers(stage: int) -> str:
@@ -450,42 +635,204 @@ def _summary(collectives: list[dict]) -> str:
     return text
 
 
-def _state_line(attr: str, s, node: fx.Node, tp: int) -> str:
+@dataclass(frozen=True)
+class _Issue:
+    """One backend operation a collective call issues: direction, operation, whole buffer (local) and dtype."""
+
+    direction: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _issues(node: fx.Node, tp: int) -> list[_Issue]:
+    kind = KINDS[node.target.__name__]
+    out = []
+    for direction in ("forward", "backward"):
+        op = getattr(kind, direction)
+        if op:
+            whole = node.args[0] if buffer_is_input(kind, direction) else node
+            val = whole.meta["val"]
+            out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
+                              val.dtype))
+    return out
+
+
+def _describe(issues: list[_Issue]) -> str:
+    """``forward 2 all_reduce [2, 16, 64] f32; backward 2 all_reduce [2, 16, 64] f32``."""
+    parts = []
+    for direction in ("forward", "backward"):
+        counts: dict[tuple, int] = {}
+        for i in issues:
+            if i.direction == direction:
+                key = (i.op, i.shape, i.dtype)
+                counts[key] = counts.get(key, 0) + 1
+        if counts:
+            parts.append(f"{direction} " + ", ".join(f"{n} {op} {list(shape)} {short_dtype(dt)}"
+                                                     for (op, shape, dt), n in counts.items()))
+    return "; ".join(parts)
+
+
+def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx.Node], unit: str,
+                      per_step: int) -> list[str]:
+    """The header lines on a rank's collectives: each repeated block's (runs of identical blocks said once),
+    the rest's, and the bytes they move per ``unit`` and per step (``per_step`` units a step)."""
+    tp = ctx.layout.tp
+    blocks = find_blocks(ctx.program.module_types)
+    runs: list[tuple[list[str], str]] = []  # (blocks, description), consecutive identical blocks merged
+    per_block: dict[str, list[_Issue]] = {}
+    rest: list[_Issue] = []
+    for n in nodes:
+        s = spec(n)
+        if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
+            continue
+        block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp))
+    for block, issues in per_block.items():
+        text = _describe(issues)
+        if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
+            runs[-1][0].append(block)
+        else:
+            runs.append(([block], text))
+    if not runs and not rest:
+        return []
+    lines = []
+    for held, text in runs:
+        label = held[0] if len(held) == 1 else f"{held[0]}-{held[-1].rsplit('.', 1)[1]} (identical, each)"
+        lines.append(f"  {label}: {text}")
+    if rest:
+        lines.append(f"  {'outside the blocks' if runs else 'all'}: {_describe(rest)}")
+    everything = [i for issues in per_block.values() for i in issues] + rest
+    moved = sum(i.bytes for i in everything)
+    sent = sum(i.bytes * WIRE[i.op](tp) for i in everything)
+    step = f", {_bytes_text(moved * per_step)} per step ({per_step} {unit}es)" if per_step > 1 else ""
+    lines.append(f"  buffers: {_bytes_text(moved)} per {unit}{step}; ring algorithms send about "
+                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp})")
+    return lines
+
+
+def _next_block(a: str, b: str) -> bool:
+    return a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0] and int(b.rsplit(".", 1)[1]) == int(a.rsplit(".", 1)[1]) + 1
+
+
+def _bytes_text(n: float) -> str:
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {name}"
+    return f"{int(n)} B"
+
+
+def legend_lines(nodes: list[fx.Node]) -> list[str]:
+    """What each collective this file calls does, once (from :mod:`fxshard.ir.comm`), in the order of first use."""
+    used = []
+    for n in nodes:
+        name = spec(n).collective and n.target.__name__
+        if name and name not in used:
+            used.append(name)
+    width = max((len(u) for u in used), default=0)
+    return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
+
+
+def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "") -> str:
     val = node.meta["val"]
     placement = spec(node).placement
     shp = local_shape(tuple(val.shape), placement, tp)
     dtype = f"torch.{str(val.dtype).removeprefix('torch.')}"
     empty = f"torch.empty({shp}, dtype={dtype}, device=self.device)"
-    where = f"# {s.fqn}  {placement}" + ("" if placement == Replicate() else " on tp") + f"  global {list(val.shape)}"
+    fqn = s.fqn.removeprefix(relative_to + ".") if relative_to else s.fqn
+    where = f"# {fqn}  {placement}" + ("" if placement == Replicate() else " on tp") + f"  global {list(val.shape)}"
     if s.kind == "parameter":
         return f"self.{attr} = torch.nn.Parameter({empty})  {where}"
     persistent = "" if s.persistent else ", persistent=False"
     return f'self.register_buffer("{attr}", {empty}{persistent})  {where}'
 
 
-def _group_comment(node: fx.Node, ctx: CompileContext) -> str:
+def _group_comment(node: fx.Node, ctx: CompileContext, where: str = "", fqn: str | None = None,
+                   block: bool = False, relative_to: str = "") -> str:
+    """``# model.layers.2.self_attn.q_proj  Linear  column-parallel  (modeling_llama.py:244)``: the module a
+    group of lines comes from (inside a block's class, its path in the block), its type, role and model line."""
     s = spec(node)
-    fqn = s.fqn
+    fqn = s.fqn if fqn is None else fqn
     type_name = ctx.program.module_types.get(fqn, "")
-    label = fqn or "(model)"
-    parts = [label, type_name] + ([s.role] if s.role else [])
+    if block:
+        return f"# {fqn}  {type_name}  (block submodule)"
+    if relative_to and fqn == relative_to:
+        label = "(the block)"
+    else:
+        label = fqn.removeprefix(relative_to + ".") if relative_to else fqn or "(model)"
+    parts = [label, type_name] + ([s.role] if s.role else []) + ([f"({where})"] if where else [])
     return "# " + "  ".join(p for p in parts if p)
 
 
+def model_line(node: fx.Node) -> str:
+    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
+    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not any(part in path for part in _NOT_MODEL):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return ""
+
+
+def name_stage_values(gm: fx.GraphModule, stages: list[StageSpec]) -> None:
+    """Name each value one pipeline stage sends to another after what it is: its module and the variable the
+    model's code assigns it to (``model_layers_1_hidden_states`` rather than ``add_14``), or its module and
+    op when no assignment says.  The graph is shared by every rank's code, so every stage sees one name."""
+    crossing = [v for st in stages[:-1] for v in st.outputs if v.op == "call_function"]
+    for v in dict.fromkeys(crossing):
+        fqn = spec(v).fqn
+        base = "".join(c if c.isalnum() else "_" for c in fqn) if fqn else "model"
+        if v.name.startswith(base + "_"):
+            continue  # named already (a second compile of the same graph)
+        var = _assigned_name(v)
+        v._rename(f"{base}_{var}" if var else f"{base}_{v.name}")
+
+
+def _assigned_name(node: fx.Node) -> str:
+    """The variable the innermost line of the model's code that made ``node`` assigns (``hidden_states`` of
+    ``hidden_states = residual + hidden_states``), ``out`` for a line that returns it, or ""."""
+    trace = node.meta.get("stack_trace") or ""
+    for path, code in reversed(re.findall(r'File "([^"]+)", line \d+, in \S+\n\s*(.*)', trace)):
+        if not any(part in path for part in _NOT_MODEL):
+            m = re.match(r"([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", code)
+            return m[1] if m else "out" if code.startswith("return ") else ""
+    return ""
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _value_text(node: fx.Node, tp: int) -> str:
+    """``[2, 16, 32] f32``: the local shape and dtype of a tensor value on this rank; "" for other values."""
+    val = node.meta.get("val")
+    placement = spec(node).placement
+    if not isinstance(val, torch.Tensor) or isinstance(placement, tuple):
+        return ""
+    return f"{list(local_shape(tuple(val.shape), placement, tp))} {short_dtype(val.dtype)}"
+
+
 def _note(node: fx.Node, tp: int) -> str:
+    """The comment of one line: the value's local shape and dtype, then its placement (a collective's
+    placement before and after; what each collective does is said once, in the file's header)."""
     s = spec(node)
-    name = getattr(node.target, "__name__", "")
+    value = _value_text(node, tp)
+    p = s.placement
     if s.collective:
         src = spec(node.args[0]).placement
-        return _COLLECTIVE_NOTES[name].format(g="tp", p=src, q=s.placement)
-    p = s.placement
+        return f"{value} {src} -> {p}".strip()
     if isinstance(p, tuple):
-        return " ".join(str(x) for x in p) if any(not isinstance(x, Replicate) for x in p) else ""
+        place = " ".join(str(x) for x in p) if any(not isinstance(x, Replicate) for x in p) else ""
+    else:
+        place = str(p) if isinstance(p, (Shard, Partial)) else ""
     if node.target is rt_random.dropout:  # see passes/dropout.py
-        return ("" if p == Replicate() else f"{p}  ") + "layout-invariant mask, as on one device"
-    if isinstance(p, (Shard, Partial)):
-        return str(p)
-    return ""
+        place = (place + "  " if place else "") + "layout-invariant mask, as on one device"
+    return f"{value} {place}".strip()
 
 
 def _call(node: fx.Node, names, coords) -> str:

@@ -370,7 +370,7 @@ def _explain(label, scope, group, phase, members, seqs, traces, sources) -> str 
     ref = max(range(len(seqs)), key=lambda i: (sizes[keys[i]], agrees[i], -i))
     odd = next(i for i in range(len(seqs)) if keys[i] != keys[ref])
     a, b = members[ref], members[odd]
-    elsewhere = {c.value: c for c in _all_events(traces[b.file]) if c.group != group}
+    elsewhere = {c.ident: c for c in _all_events(traces[b.file]) if c.group != group}
     where, text = first_difference(seqs[ref], seqs[odd], a.file, _ranks_text(a.global_ranks), b.file,
                                    sources[b.file].splitlines(), phase, elsewhere)
     return f"{where} ({_ranks_text(b.global_ranks)}): {label} in {scope}: {text}; running this would hang"

@@ -56,6 +56,12 @@ class Collective:
     value: str  # the variable the line assigns ("all_reduce_3"), "" when it assigns none
     file: str
     line: int
+    owner: str = ""  # the generated class whose forward issues it ("" for sync_tied_grads)
+
+    @property
+    def ident(self) -> tuple[str, str]:
+        """The line's value within its class: block classes run once per block, so a value name alone repeats."""
+        return self.owner, self.value
 
     @property
     def key(self) -> tuple:
@@ -133,20 +139,22 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(runtime, name)
 
-    def _site(self) -> tuple[int, str]:
+    def _site(self) -> tuple[int, str, str]:
+        """The rank file's line that issues a call, the value it assigns and the class whose code it is."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename != self._file:
             frame = frame.f_back
         if frame is None:
-            return 0, ""
+            return 0, "", ""
         line = frame.f_lineno
         m = _ASSIGNED.match(self._lines[line - 1]) if 0 < line <= len(self._lines) else None
-        return line, m.group(1) if m else ""
+        qualname = frame.f_code.co_qualname
+        return line, m.group(1) if m else "", qualname.split(".")[0] if "." in qualname else ""
 
     def _note(self, kind, group, t, direction, call, site) -> None:
         name = group.name if isinstance(group, FakeGroup) else f"<not a process group: {group!r}>"
         self.events.append(Collective(kind, name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
-                                      direction, call, site[1], self._file, site[0]))
+                                      direction, call, site[1], self._file, site[0], site[2]))
 
     def _collective(self, kind, x, group, **kwargs):
         """What the runtime's ``kind`` would do: note its forward operation now, its backward operation when
@@ -321,18 +329,27 @@ class _Scan:
                              ) from None
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             result.tensors[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        calls = self.calls(self.function("forward", cls_name), "forward")
+        calls = self.calls(self.function("forward", cls_name), "forward", cls_name)
         result.forward = [c for c in calls if c.direction == "forward"]
         result.backward = [c for c in reversed(calls) if c.direction == "backward"]
         trace.classes[cls_name] = result
 
-    def calls(self, fn: ast.FunctionDef | None, scope: str) -> list[Collective]:
+    def calls(self, fn: ast.FunctionDef | None, scope: str, cls: str | None = None) -> list[Collective]:
+        """The collectives ``fn`` issues, in source order; a call of a block submodule (``self.model_layers_2(...)``,
+        built in ``cls``'s ``__init__``) issues its class's, there."""
         if fn is None:
             raise CheckError(f"{self.file}: has no function {'forward' if scope == 'forward' else 'sync_tied_grads'}")
+        subs = self._submodules(cls) if cls is not None else {}
         found = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "rt" and n.func.attr in _COMMUNICATES]
+                 and isinstance(n.func.value, ast.Name)
+                 and ((n.func.value.id == "rt" and n.func.attr in _COMMUNICATES)
+                      or (n.func.value.id == "self" and n.func.attr in subs))]
         out = []
         for call in sorted(found, key=lambda n: (n.lineno, n.col_offset)):
+            if call.func.value.id == "self":
+                sub = subs[call.func.attr]
+                out += self.calls(self.function("forward", sub), scope, sub)
+                continue
             group = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "group"),
                                                                    None)
             m = _ASSIGNED.match(self.lines[call.lineno - 1])
@@ -340,8 +357,21 @@ class _Scan:
             shape, dtype = self._shape(call, value)
             for kind, direction in _COMMUNICATES[call.func.attr]:
                 out.append(Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
-                                      self.file, call.lineno))
+                                      self.file, call.lineno, cls or ""))
         return out
+
+    def _submodules(self, cls: str) -> dict[str, str]:
+        """``self.<attr> = <Class>(...)`` in ``cls.__init__``, for the classes this file defines: attr -> class."""
+        classes = {n.name for n in self.tree.body if isinstance(n, ast.ClassDef)}
+        init = self.function("__init__", cls)
+        subs = {}
+        for n in ast.walk(init) if init is not None else ():
+            if (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Attribute)
+                    and isinstance(n.targets[0].value, ast.Name) and n.targets[0].value.id == "self"
+                    and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+                    and n.value.func.id in classes):
+                subs[n.targets[0].attr] = n.value.func.id
+        return subs
 
     def _shape(self, call: ast.Call, value: str) -> tuple[tuple[int, ...], str]:
         if call.func.attr != "sum_tied_grads":

@@ -55,10 +55,10 @@ def test_marker_in_forward_sets_the_cut_and_does_nothing_eagerly(models):
 def test_long_skip_connection_is_sent_through_the_stages_between(models):
     result = compile_model(models / "marked.py", Layout(pp=3))
     stage0, stage1, stage2 = pipeline_stages(result.gm, result.ctx)
-    skip = next(n for n in stage0.outputs if n.name == "linear")  # proj(x), needed by the head
+    skip = next(n for n in stage0.outputs if n.name == "proj_skip")  # skip = self.proj(x), needed by the head
     assert skip in stage1.inputs and skip in stage1.outputs and skip in stage2.inputs
     assert skip in requires_grad(result.gm, result.ctx.params)
-    assert "linear                   float32 [2, 16]  computed by proj in stage 0, passed on; gradient flows back" in \
+    assert "proj_skip                float32 [2, 16]  computed by proj in stage 0, passed on; gradient flows back" in \
         result.sources["rank_pp1_tp0.py"]
 
 
@@ -81,7 +81,7 @@ def test_rotary_tables_are_recomputed_not_sent(samples):
     result = compile_model(samples / "llama.py", Layout(pp=2))
     stage1 = pipeline_stages(result.gm, result.ctx)[1]
     assert stage1.recomputed, "stage 1 should rebuild rotary cos/sin and the causal mask from buffers"
-    assert [n.name for n in stage1.inputs] == ["add_14", "labels"]  # hidden state and labels only
+    assert [n.name for n in stage1.inputs] == ["model_layers_1_hidden_states", "labels"]  # hidden state, labels
     code = result.sources["rank_pp1_tp0.py"]
     assert "(recomputed here, not received)" in code
     assert "self.model_rotary_emb_inv_freq" in code  # the buffer lives in both stages
@@ -93,8 +93,8 @@ def test_stage_code_says_what_it_receives_and_sends(samples):
     assert "class Stage1(torch.nn.Module):" in code
     assert "# receives from stage 0 on pp rank 0 (global rank 1), per microbatch:" in code
     assert "# sends to stage 2 on pp rank 2 (global rank 5), per microbatch:" in code
-    assert "INPUTS = (('add_4', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
-    assert "return (add_8, targets)  # to stage 2" in code
+    assert "INPUTS = (('blocks_1_out', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
+    assert "return (blocks_3_out, targets)  # to stage 2" in code
     entry = result.manifest.rank({"pp": 1, "tp": 1})
     assert [s.index for s in entry.stages] == [1]
     assert result.manifest.inputs[0].shape == (8, 16)  # a step's batch; 4 microbatches of 2

@@ -168,7 +168,8 @@ def test_generated_code_imports_only_torch_and_runtime(samples, tmp_path):
     code = result.sources["rank_pp0_tp1.py"]
     imports = [ln for ln in code.splitlines() if ln.startswith(("import ", "from "))]
     assert imports == ["import torch", "from fxshard import runtime as rt"]
-    assert "# model.layers.0.mlp.down_proj  Linear  row-parallel" in code
+    assert "# mlp.down_proj  Linear  row-parallel" in code  # in the class of the decoder layers
+    assert "self.model_layers_0 = LlamaDecoderLayer(groups, self.device)  # model.layers.0" in code
     assert "start=128, end=256" in code  # rank 1's vocabulary rows
 
 
