@@ -340,7 +340,8 @@ def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int,
         model_class=type(program.model).__name__, seed=seed, layout=layout, mesh=Mesh(MESH_AXES, layout.mesh_shape),
         plan_source=ctx.plan.source, plan=tuple(ctx.plan.describe()), notes=tuple(ctx.notes), inputs=inputs,
         outputs=tuple(program.output_paths), tied=dict(sorted(program.tied.items())),
-        custom_ops=dict(program.custom_ops), ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx))
+        custom_ops={**program.custom_ops, **{f"fxshard_fn::{name}": f.module for name, f in program.functions.items()}},
+        ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx))
 
 
 def _pipeline_info(gm: fx.GraphModule, ctx: CompileContext) -> PipelineInfo | None:

@@ -1,7 +1,7 @@
 """What capture must carry beyond parameters and buffers trains exactly under every layout: tensors a
 model makes inside ``forward`` (lifted constants), Hugging Face Falcon and T5 which make them.  What it
-cannot carry exactly is refused at compile: a custom autograd.Function's backward, randomness other
-than dropout under a parallel layout.
+cannot carry exactly is refused at compile: randomness other than dropout under a parallel layout.  A
+custom autograd.Function keeps its backward (an fxshard_fn custom op) and trains as on one device.
 
 Each case is compiled here and trained 3 AdamW steps on real gloo process groups through
 ``fxshard.train.launch.train`` (the code ``fxshard run`` runs), all cases in one spawn of 2 processes; losses
@@ -18,7 +18,7 @@ from harness import spawn
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
-from fxshard.errors import CaptureError, RandomnessError, WeightsError
+from fxshard.errors import RandomnessError, WeightsError
 from fxshard.ir.context import Layout
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.reference import reference_losses
@@ -38,6 +38,12 @@ CASES = {  # id -> (model file, layout[, plan])
     # a straight-through estimator as a custom op with its autograd registered (the refused Function's fix)
     **{f"straight-through-op-{n}": (MODELS / "straight_through_op.py", lay)
        for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
+    # a custom autograd.Function (straight-through: round forward, identity backward) with a constant argument,
+    # run as a custom op whose backward is the Function's; elementwise, so the split plan keeps it split over tp
+    **{f"straight-through-fn-{n}": (MODELS / "straight_through_fn.py", lay)
+       for n, lay in (("tp2", Layout(tp=2)), ("pp2", Layout(pp=2)))},
+    "straight-through-fn-tp2-split-plan": (MODELS / "straight_through_fn.py", Layout(tp=2),
+                                           {"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"}),
     # rand_like replicated over the tp ranks: each draws the whole tensor from the same seeded generator
     "noisy-tp2": (MODELS / "noisy.py", Layout(tp=2)),
     "noisy-tp2-split-plan": (MODELS / "noisy.py", Layout(tp=2), {"blocks.*.fc_in": "colwise",
@@ -89,17 +95,13 @@ def test_constants_made_in_forward_reach_the_rank_files(tmp_path):
     assert {t.source for t in constants} >= {"lifted_tensor_0", "blocks.3.lifted_tensor_8"}
 
 
-# A custom autograd.Function loses its backward in torch.export (only its forward's ops are kept): refused.
-# Phimoe's router also draws random numbers in training; the Function is what capture meets first.
-@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2)], ids=["tp2", "pp2"])
-@pytest.mark.parametrize(("model", "function", "module"), [
-    ("straight_through.py", "RoundStraightThrough (from straight_through.py)", "blocks.0"),
-    ("hf_phimoe.py", "PhimoeMultiplier (from transformers.models.phimoe.modeling_phimoe)", "model.layers.0.mlp.router"),
-])
-def test_custom_autograd_function_is_refused_naming_it(model, function, module, layout):
-    with pytest.raises(CaptureError) as e:
-        compile_model(MODELS / model, layout)
-    assert str(e.value).startswith(f"{module}: applies the custom torch.autograd.Function {function}")
+# Phimoe's router multiplies through its own autograd.Function (kept as an fxshard_fn op, tests/test_autograd_functions.py)
+# and draws random numbers in training: per pipeline microbatch or dp rank refused, the drawing op named
+@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
+def test_phimoe_router_randomness_is_refused_naming_the_op(layout):
+    with pytest.raises(RandomnessError, match=r"^model\.layers\.0\.mlp\.router: exponential_ = "
+                                              r"aten\.exponential_\.default draws random numbers in training"):
+        compile_model(MODELS / "hf_phimoe.py", layout)
 
 
 # Random ops other than dropout would draw other values per pipeline microbatch or dp rank: refused, op named

@@ -18,6 +18,7 @@ CASES = {  # what each one covers that the others do not
     "opt-tp2": ("opt", Layout(tp=2)),  # a vocab-parallel embedding with a padding row in the batch
     "bert-pp2": ("bert", Layout(pp=2)),  # an encoder, masked LM with a microbatch counting few tokens
     "t5-tp2": ("t5", Layout(tp=2)),  # encoder-decoder, constants made in forward
+    "bloom-tp2": ("bloom", Layout(tp=2)),  # a custom autograd.Function (GeLU) kept as a pointwise custom op
 }
 
 

@@ -18,7 +18,8 @@ import torch.fx as fx
 
 from fxshard.errors import CaptureError
 
-BUILTIN = {"aten", "prims", "fxshard", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor"}
+# fxshard_fn: custom autograd.Functions, which each rank file defines itself (functions.py)
+BUILTIN = {"aten", "prims", "fxshard", "fxshard_fn", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor"}
 MODEL_FILE_MODULE = "fxshard_model_"  # modelfile.load_model_file's module names
 
 

@@ -14,8 +14,6 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import linecache
 import traceback
 from dataclasses import dataclass, field
@@ -27,8 +25,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.custom_ops import custom_op_modules
+from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.modelfile import ModelFile
 from fxshard.errors import CaptureError, ModelFileError
+from fxshard.runtime.functions import NAMESPACE as FUNCTION_NAMESPACE
 
 WRAPPED = "model"  # attribute of the capture wrapper holding the user's model; stripped from FQNs
 
@@ -66,6 +66,7 @@ class Program:
     model: torch.nn.Module
     notes: list[str] = field(default_factory=list)
     custom_ops: dict[str, str] = field(default_factory=dict)  # "ns::op" -> module registering it (custom_ops.py)
+    functions: dict[str, FunctionOp] = field(default_factory=dict)  # fxshard_fn op -> autograd.Function (functions.py)
 
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}
@@ -106,63 +107,21 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     wrapper = _WithLoss(model, mf.loss_fn, positional)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     try:
-        with _autograd_functions(model) as functions:
+        with wrapped_functions(model) as (functions, refusals):
             ep = torch.export.export(wrapper, args, kwargs, strict=False)
     except ModelFileError:
         raise
     except Exception as e:
+        if refusals:  # a Function refused runs unwrapped, and may be what export failed on: the refusal says more
+            raise refusals[0] from e
         raise CaptureError(_explain_export_failure(e, mf.path)) from e
-    if functions:
-        _refuse_autograd_functions(functions)
-    return _to_program(ep, model, args, kwargs)
-
-
-@contextlib.contextmanager
-def _autograd_functions(model: torch.nn.Module):
-    """Record every ``torch.autograd.Function`` the forward applies, with the module FQN applying it.
-
-    Non-strict export runs ``Function.forward`` and keeps its ops only: the Function's own ``backward``
-    is lost, and training would differentiate the forward's ops instead."""
-    names = {id(m): fqn for fqn, m in model.named_modules()}
-    stack: list[str] = []
-    found: list[tuple[type, str]] = []
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch."):  # torch's own (e.g. checkpointing) keep their gradient
-            found.append((cls, stack[-1] if stack else ""))
-        return original.__func__(cls, *args, **kwargs)
-
-    def push(mod, _args):
-        stack.append(names.get(id(mod), stack[-1] if stack else ""))
-
-    def pop(mod, _args, _out):
-        stack.pop()
-
-    handles = [torch.nn.modules.module.register_module_forward_pre_hook(push),
-               torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)]
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield found
-    finally:
-        torch.autograd.Function.apply = original
-        for h in handles:
-            h.remove()
-
-
-def _refuse_autograd_functions(functions: list[tuple[type, str]]) -> None:
-    cls, fqn = functions[0]
-    where = sorted({f for c, f in functions if c is cls})
-    origin = cls.__module__
-    if origin.startswith("fxshard_model_"):  # modelfile's import name of the model file
-        origin = Path(inspect.getsourcefile(cls) or "model file").name
-    raise CaptureError(
-        f"{fqn or 'model'}: applies the custom torch.autograd.Function {cls.__qualname__} (from {origin})"
-        f"{f' (also in {len(where) - 1} other module(s))' if len(where) > 1 else ''}; torch.export keeps only "
-        "its forward's operations, so training would take their gradient instead of the Function's backward and "
-        "differ from single-device training. fxshard refuses it: write the computation without a custom "
-        "autograd.Function (plain torch ops whose autograd is the gradient you want), or register it as a "
-        "torch.library.custom_op with register_autograd in an importable module")
+    if refusals:
+        raise refusals[0]
+    program = _to_program(ep, model, args, kwargs)
+    used = {n.target._schema.name.split("::")[1] for n in program.gm.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == FUNCTION_NAMESPACE}
+    program.functions = {name: functions[name] for name in sorted(used)}
+    return program
 
 
 def _to_program(ep, model, args, kwargs) -> Program:

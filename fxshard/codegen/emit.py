@@ -161,6 +161,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         digest=ctx.model_digest,
         model_class=type(program.model).__name__,
         custom_op_imports=import_lines(program.custom_ops),
+        function_lines=[f.define_line(name) for name, f in program.functions.items()],
         layout=layout.describe(),
         mesh=layout.mesh_shape,
         coords_text=_coords_text(coords, layout),

@@ -271,7 +271,8 @@ class Manifest:
     inputs: tuple[InputEntry, ...]
     outputs: tuple[str, ...]
     tied: dict[str, str]  # alias -> the FQN kept
-    custom_ops: dict[str, str] = field(default_factory=dict)  # op -> module the rank files import for it
+    custom_ops: dict[str, str] = field(default_factory=dict)  # op -> module the rank files import for it (fxshard_fn::
+    # ops: the module of the autograd.Function the rank files define the op from)
     ranks: tuple[RankEntry, ...] = ()
     pipeline: PipelineInfo | None = None
     weights: WeightsSource | None = None  # --weights DIR, or --meta

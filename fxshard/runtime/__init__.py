@@ -2,6 +2,7 @@
 
 from fxshard.runtime.collectives import all_gather, all_reduce, copy_to, scatter, shard
 from fxshard.runtime.data_parallel import ddp, fully_shard
+from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
 from fxshard.runtime.random import dropout
@@ -10,4 +11,4 @@ from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_ent
 
 __all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
-           "sum_tied_grads", "ddp", "fully_shard", "dropout", "token_mean"]
+           "sum_tied_grads", "ddp", "fully_shard", "dropout", "token_mean", "autograd_function", "TENSOR"]

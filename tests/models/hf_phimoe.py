@@ -1,6 +1,7 @@
 """Hugging Face ``PhimoeForCausalLM`` from a tiny config.  Its router multiplies through its own
-``torch.autograd.Function`` (``PhimoeMultiplier``) and, in training, samples experts with
-``exponential_`` / ``rand_like``: fxshard refuses it at compile (see tests/test_capture_layouts.py)."""
+``torch.autograd.Function`` (``PhimoeMultiplier``, kept as an fxshard_fn custom op) and, in training, samples
+experts with ``exponential_`` / ``rand_like``: under pipeline or data parallelism fxshard refuses it at
+compile, naming the op (see tests/test_capture_layouts.py)."""
 
 import torch
 from transformers import PhimoeConfig, PhimoeForCausalLM

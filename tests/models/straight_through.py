@@ -1,6 +1,7 @@
 """A custom ``torch.autograd.Function`` whose backward is not its forward's gradient: a straight-through
-estimator (forward rounds, backward passes the gradient unchanged).  torch.export keeps only the
-forward's ops (whose gradient is 0), so fxshard refuses it at compile, naming the Function and module."""
+estimator (forward rounds, backward passes the gradient unchanged), defined in the model file itself.  fxshard
+keeps a Function's backward by defining it as a custom op in every rank file, which run without the model
+file: it refuses this one at compile, naming the Function and module (straight_through_fn.py imports it)."""
 
 import torch
 import torch.nn as nn
