@@ -21,8 +21,8 @@ import torch.fx as fx
 from fxshard.capture.custom_ops import import_lines
 from fxshard.capture.program import loss_cone
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
-from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
+from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import random as rt_random
 
