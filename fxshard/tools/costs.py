@@ -30,6 +30,8 @@ from fxshard.capture.program import loss_cone
 from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import local_shape
+from fxshard.tools.alive import alive_counts
+from fxshard.tools.saved import trace_saved
 from fxshard.train.memory import formula, peak_params
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -197,11 +199,14 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
         state = [n for n in gm.graph.nodes if n.op == "placeholder" and n in ctx.params]
     micro = sympy.Rational(1, 1) * B / per_step_b
 
-    def numel(node) -> sympy.Expr:  # local elements of one microbatch
+    def dims(node) -> tuple:  # local dimensions of one microbatch
         g = tuple(node.meta["val"].shape)
         mine = local.get(node) or local_shape(g, spec(node).placement, layout.tp)
-        dims = [expr * sympy.Rational(n, d) if d else expr for expr, n, d in zip(sym[node.name], mine, g, strict=True)]
-        return sympy.expand(math.prod(dims, start=sympy.Integer(1)).subs(_b, micro))
+        return tuple((expr * sympy.Rational(n, d) if d else expr).subs(_b, micro)
+                     for expr, n, d in zip(sym[node.name], mine, g, strict=True))
+
+    def numel(node) -> sympy.Expr:  # local elements of one microbatch
+        return sympy.expand(math.prod(dims(node), start=sympy.Integer(1)))
 
     def nbytes(node) -> sympy.Expr:
         return numel(node) * node.meta["val"].element_size()
@@ -218,7 +223,13 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     for key in ("params", "grads", "optimizer"):
         row[key] = Cost(sympy.nsimplify(mem[key]), at)
     row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi)), at)
-    row["activations"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
+    row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
+    if stages:
+        memory = {st.index: trace_saved(st.nodes, ctx, coords, local, dims, at, held=[*st.inputs, *st.outputs])
+                  for st in stages}
+    else:
+        memory = {0: trace_saved(nodes, ctx, coords, local, dims, at)}
+    row |= _peak(row, memory, layout, pp_rank, m, at)
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
     for op in ("all_reduce", "all_gather"):
@@ -227,6 +238,28 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["pp_send"] = Cost(_pipeline_elements(stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return row
+
+
+def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dict) -> dict:
+    """Model state + bytes held for backward x the microbatches the schedule keeps alive + the transient.
+
+    Of the combinations {stage: microbatches alive} the schedule passes through (:mod:`fxshard.tools.alive`),
+    the one holding the most bytes at ``at``.  The transient is an estimate: twice the largest value one
+    microbatch's forward makes, for its backward holds that value's gradient next to the gradient of the
+    op's input (of the same size for the elementwise ops and projections that make the largest values);
+    what a gradient is made of beyond that is not modelled."""
+    counts = alive_counts(layout.schedule, layout.pp, m, layout.stages_per_rank)[pp_rank] if layout.pp > 1 \
+        else [{0: 1}]
+    held = max(((sum((c * memory[s].saved for s, c in v.items()), sympy.Integer(0)), v) for v in counts),
+               key=lambda e: float(e[0].subs(at)))
+    largest = max((memory[s] for s in memory), key=lambda mem: float(mem.largest.subs(at)))
+    state = row["params_peak"].expr + row["grads"].expr + row["optimizer"].expr
+    transient = 2 * largest.largest
+    return {"saved": Cost(sum((mem.saved for mem in memory.values()), sympy.Integer(0)), at),
+            "alive": Cost(sympy.Integer(sum(held[1].values())), at), "alive_by_stage": held[1],
+            "activations": Cost(sympy.expand(held[0]), at), "transient": Cost(transient, at),
+            "transient_node": largest.largest_node, "model_state": Cost(state, at),
+            "peak": Cost(sympy.expand(state + held[0] + transient), at)}
 
 
 def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
