@@ -18,6 +18,7 @@ step on each mesh axis; and the schedule's bubble fraction::
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,27 @@ class CostReport:
                 "notes": self.notes}
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as people write it: ``80GiB`` (2**30), ``80GB`` (10**9), ``512 MiB``, ``1.5TiB``, ``1000``."""
+    from fxshard.errors import OptionError
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise OptionError(f"--device-memory {text!r}: expected a positive size with a unit, e.g. 80GiB, 80GB, "
+                          "16GiB, 512MiB (KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB of 1000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def verdict(peak: float, device_memory: int) -> dict:
+    """Whether a rank's predicted peak fits a device of ``device_memory`` bytes, and by how much."""
+    return {"device_memory": device_memory, "fits": peak <= device_memory, "headroom": device_memory - peak}
+
+
 def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
     """Idle fraction of a pp rank: (p-1)/(m+p-1); interleaving divides the warm-up by the stages per rank."""
     p, m, v = layout.pp, layout.microbatches or 1, layout.stages_per_rank
@@ -83,8 +105,9 @@ def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
 
 
 def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None, seed: int = 0,
-               batch: int | None = None, seq: int | None = None) -> CostReport:
-    """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's)."""
+               batch: int | None = None, seq: int | None = None, device_memory: int | None = None) -> CostReport:
+    """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's); with
+    ``device_memory`` (bytes), each rank gets a ``verdict``: whether its predicted peak fits."""
     from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile_program
 
@@ -101,9 +124,25 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     report = CostReport(layout, at, notes=notes)
     for pp_rank in range(layout.pp):
         report.ranks.append(_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b))
+        if device_memory is not None:
+            report.ranks[-1]["verdict"] = verdict(report.ranks[-1]["peak"].value, device_memory)
     expr, text = bubble_fraction(layout)
     report.bubble, report.bubble_formula = Cost(expr, at), text
     return report
+
+
+def planned_memory(out: str | Path) -> dict[int, dict] | str:
+    """What ``fxshard plan`` predicts for a compiled folder, per pp rank (``saved``, ``peak``, ``alive`` at the
+    compiled sizes), for ``fxshard run --memory-report``; or why it cannot (a plan file or ``--split-before``
+    is not recorded in the folder in a form the plan can be recomputed from)."""
+    from fxshard.codegen.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    if "user" in manifest.plan_source.split("+") or (manifest.pipeline and manifest.pipeline.cut == "split_before"):
+        return "no plan figures: compiled with a plan file or --split-before, which the folder does not record"
+    report = plan_costs(Path(out) / manifest.model_file, manifest.layout, seed=manifest.seed)
+    return {r["pp_rank"]: {"saved": r["saved"].value, "peak": r["peak"].value, "alive": int(r["alive"].value)}
+            for r in report.ranks}
 
 
 def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):

@@ -107,7 +107,9 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
             if rank == 0:
-                memory_report(report_rows(samples, read_manifest(out).layout))
+                from fxshard.tools.costs import planned_memory
+
+                memory_report(report_rows(samples, read_manifest(out).layout, planned_memory(out)))
         return losses
     finally:
         dist.destroy_process_group()

@@ -225,8 +225,10 @@ def _running_totals(prof) -> list[int]:
     return out
 
 
-def report_rows(samples: list[dict], layout) -> list[dict]:
-    """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision."""
+def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> list[dict]:
+    """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision, and
+    the saved bytes per microbatch and the step's peak next to ``plan`` (:func:`fxshard.tools.costs.planned_memory`:
+    per pp rank, or a string saying why there is none)."""
     rows = []
     zero = layout.zero if layout.dp > 1 else 0
     for rank, m in enumerate(samples):
@@ -240,5 +242,7 @@ def report_rows(samples: list[dict], layout) -> list[dict]:
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
                      "live": m["live"],
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
-                     "ratio": total / want["total"], "note": note})
+                     "ratio": total / want["total"], "note": note, "saved": m.get("saved", 0),
+                     "peak": m.get("peak", 0), "plan": plan.get(layout.coords(rank)["pp"]) if isinstance(plan, dict)
+                     else None, "plan_note": plan if isinstance(plan, str) else ""})
     return rows
