@@ -71,6 +71,9 @@ def _same_fake(a, b) -> bool:
 
 
 def fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext):
+    """``node``'s value at ``coords`` from its arguments' (``value`` maps an argument): a placeholder's local
+    shape, a collective's local output (:mod:`fxshard.ir.comm`), else the op itself on the fake arguments;
+    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.tools.saved`)."""
     if node.op == "placeholder":
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

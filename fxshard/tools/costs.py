@@ -7,9 +7,10 @@ A dimension that fits no such term (or several) stays a number.  ``b`` is then w
 the global batch per step: ``b = B / (dp * microbatches)``.
 
 Per pipeline rank (tp ranks hold equal shares) it reports bytes of parameters, gradients and
-optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the activations of one microbatch
-(every forward intermediate: an upper bound of what autograd saves), and the communication of one
-step on each mesh axis; and the schedule's bubble fraction::
+optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the bytes autograd saves for backward
+per microbatch on each stage (:mod:`fxshard.tools.saved`), the microbatches the schedule keeps alive
+(:mod:`fxshard.tools.alive`), the predicted peak (model state + saved x alive + a transient), and the
+communication of one step on each mesh axis; and the schedule's bubble fraction::
 
     report = plan_costs("samples/gpt.py", Layout(tp=2, pp=2))
     report.ranks[0]["tp_allreduce"].expr        # 1088*B*S elements for samples/gpt.py
