@@ -127,21 +127,26 @@ def plan(
     plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
+    device_memory: str = typer.Option(None, "--device-memory",
+                                      help="memory of one device (80GiB, 80GB, 16GiB): say per rank whether its "
+                                           "predicted peak fits"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
 ):
-    """Cost a layout without writing code: per rank memory, activations, communication per mesh axis
-    (sympy expressions in B and S) and the pipeline bubble."""
+    """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
+    alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble."""
     import json
 
     from fxshard.cli.report import plan_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.tools.costs import plan_costs
+    from fxshard.tools.costs import parse_size, plan_costs
 
     try:
+        device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
-        report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq)
+        report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq,
+                            device)
     except FxshardError as e:
         _fail(e)
     if as_json:

@@ -131,6 +131,28 @@ def memory_table(console: Console, rows: list[dict]) -> None:
                   "(ZeRO 3 gathers them before use)", highlight=False)
     for note in sorted({r["note"] for r in rows if r["note"]}):
         console.print(note, highlight=False)
+    _activation_table(console, rows)
+
+
+def _activation_table(console: Console, rows: list[dict]) -> None:
+    """Measured bytes saved for backward per microbatch and the last step's peak, next to ``fxshard plan``."""
+    mib = 2**20
+    table = Table(title="activations and peak per rank, MiB (measured in the last step; plan: fxshard plan's "
+                        "prediction)")
+    for col in ("rank", "saved/microbatch", "plan", "ratio", "alive (plan)", "peak", "plan", "ratio"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        plan = r["plan"]
+        cells = [f"{plan['saved'] / mib:.2f}", f"{r['saved'] / plan['saved']:.3f}", str(plan["alive"]),
+                 f"{r['peak'] / mib:.2f}", f"{plan['peak'] / mib:.2f}", f"{r['peak'] / plan['peak']:.3f}"] \
+            if plan else ["—", "—", "—", f"{r['peak'] / mib:.2f}", "—", "—"]
+        table.add_row(str(r["rank"]), f"{r['saved'] / mib:.2f}", *cells)
+    console.print(table)
+    console.print("saved: distinct storages autograd saved in one microbatch's forward (parameters left out; under a "
+                  "pipeline also the stage's inputs and outputs); peak: most bytes allocated at once in the step",
+                  highlight=False)
+    if rows[0]["plan_note"]:
+        console.print(rows[0]["plan_note"], highlight=False)
 
 
 def check_summary(report) -> str:
@@ -184,7 +206,13 @@ _PLAN_ROWS = [  # key, label, unit
     ("grads", "gradient bytes", "bytes"),
     ("optimizer", "optimizer state bytes (Adam moments; + fp32 masters under bf16)", "bytes"),
     ("params_peak", "parameter bytes held during forward (ZeRO 2/3: a stage gathered whole + its shard)", "bytes"),
-    ("activations", "activation bytes per microbatch (all forward values)", "bytes"),
+    ("saved", "bytes saved for backward per microbatch (what autograd keeps; + stage inputs and outputs under a "
+              "pipeline)", "bytes"),
+    ("alive", "microbatches alive at the peak (forwards whose backward is not done)", "count"),
+    ("activations", "activation bytes at the peak (saved x alive)", "bytes"),
+    ("transient", "largest transient (2 x the largest forward value)", "bytes"),
+    ("model_state", "model state bytes (held during forward + gradients + optimizer state)", "bytes"),
+    ("peak", "predicted peak bytes (model state + activations + transient)", "bytes"),
     ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
     ("tp_allgather", "tp all-gather elements per step", "count"),
     ("pp_send", "pp elements sent per step (activations fwd, grads bwd)", "count"),
@@ -204,6 +232,21 @@ def _human(value: float, unit: str) -> str:
     return f"{value:.0f}"
 
 
+def _plan_expression(row: dict, key: str) -> str:
+    if key == "alive":  # per stage of the rank, as the schedule order has them at the peak
+        return " + ".join(f"{n} (stage {s})" for s, n in row["alive_by_stage"].items())
+    text = str(row[key].expr)
+    return f"{text}  ({row['transient_node']})" if key == "transient" and row["transient_node"] else text
+
+
+def _verdict_cells(v: dict) -> tuple[str, str, str]:
+    size = _human(v["device_memory"], "bytes")
+    if v["fits"]:
+        return (f"[green]fits a {size} device[/]", "[green]headroom[/]", f"[green]{_human(v['headroom'], 'bytes')}[/]")
+    return (f"[bold red]does not fit a {size} device[/]", "[bold red]over by[/]",
+            f"[bold red]{_human(-v['headroom'], 'bytes')}[/]")
+
+
 def plan_report(console: Console, report) -> None:
     """``fxshard plan``: per pipeline rank, every cost as an expression and its value."""
     at = ", ".join(f"{k}={v}" for k, v in report.at.items())
@@ -215,7 +258,9 @@ def plan_report(console: Console, report) -> None:
         table.add_column(f"at {at}", justify="right")
         for key, label, unit in _PLAN_ROWS:
             cost = row[key]
-            table.add_row(label, str(cost.expr), _human(cost.value, unit))
+            table.add_row(label, _plan_expression(row, key), _human(cost.value, unit))
+        if "verdict" in row:
+            table.add_row(*_verdict_cells(row["verdict"]))
         console.print(table)
     console.print(f"pipeline bubble {report.bubble_formula} = {report.bubble.expr} "
                   f"({report.bubble.value:.1%} of each pp rank's step idle)", highlight=False)

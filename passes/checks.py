@@ -52,7 +52,7 @@ def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], m
             if base is not None and node.op != "placeholder" and not _depends_on_rank(node, changed):
                 env[node] = base[node]
                 continue
-            env[node] = _fake_value(node, value, coords, ctx)
+            env[node] = fake_value(node, value, coords, ctx)
             if base is not None and not _same_fake(env[node], base[node]):
                 changed.add(node)
     return env
@@ -71,7 +71,10 @@ def _same_fake(a, b) -> bool:
     return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
 
 
-def _fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext):
+def fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext):
+    """``node``'s value at ``coords`` from its arguments' (``value`` maps an argument): a placeholder's local
+    shape, a collective's local output (:mod:`fxshard.ir.comm`), else the op itself on the fake arguments;
+    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.tools.saved`)."""
     if node.op == "placeholder":
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

@@ -99,3 +99,40 @@ def test_bf16_training_follows_fp32_and_is_not_fp32():
     assert fp32 != bf16
     for a, b in zip(fp32, bf16, strict=True):
         assert abs(a - b) <= 2e-2 * abs(a)
+
+
+LLAMA = ROOT / "samples" / "llama.py"
+SAVED_CASES = {1: [("gpt", "tp1"), ("llama", "tp1")],
+               2: [(m, lay) for m in ("gpt", "llama") for lay in ("tp2", "pp2")]}
+SAVED_LAYOUTS = {"tp1": Layout(), "tp2": Layout(tp=2), "pp2": Layout(pp=2)}
+
+
+@pytest.fixture(scope="module")
+def saved_measured(tmp_path_factory):
+    """Train every (model, layout) for 2 steps on real gloo processes; the last step measures, per rank, the
+    bytes autograd saved in one microbatch's forward and the step's peak (fxshard run --memory-report's probe)."""
+    found = {}
+    for world, cases in SAVED_CASES.items():
+        outs = {f"{m}-{lay}": str(compile_model({"gpt": GPT, "llama": LLAMA}[m], SAVED_LAYOUTS[lay],
+                                                out=tmp_path_factory.mktemp(f"{m}-{lay}")).out) for m, lay in cases}
+        for rank, per_case in enumerate(spawn(measure_on_rank, world, outs, 2, timeout=600)):
+            for name, sample in per_case.items():
+                found.setdefault(name, {})[rank] = sample
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model,layout", [c for cases in SAVED_CASES.values() for c in cases])
+def test_measured_saved_bytes_match_the_plan(saved_measured, model, layout):
+    from fxshard.tools.costs import plan_costs
+
+    lay = SAVED_LAYOUTS[layout]
+    report = plan_costs({"gpt": GPT, "llama": LLAMA}[model], lay)
+    for rank, sample in saved_measured[f"{model}-{layout}"].items():
+        row = report.ranks[lay.coords(rank)["pp"]]
+        ratio = sample["saved"] / row["saved"].value
+        assert 0.9 <= ratio <= 1.1, f"{model} {layout} rank {rank}: measured {sample['saved']} saved bytes, plan " \
+                                    f"{row['saved'].value:.0f}"
+        # the peak is an estimate (transient: twice the largest forward value); it stays within a fifth here
+        assert 0.75 <= sample["peak"] / row["peak"].value <= 1.25, (model, layout, rank, sample["peak"],
+                                                                    row["peak"].value)

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import sympy
 
+from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
-from fxshard.tools.costs import B, S, plan_costs
+from fxshard.tools.alive import alive_counts
+from fxshard.tools.costs import B, S, parse_size, plan_costs
 from fxshard.train.memory import formula
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,13 +70,62 @@ def test_bubble_fraction_and_evaluation_at_other_sizes():
     assert interleaved.bubble.expr == sympy.Rational(1, 2 * 4 + 1)  # (p-1)/(v*m+p-1), v = 2
 
 
-def test_activations_grow_with_batch_and_sequence():
+def test_forward_values_grow_with_batch_and_sequence():
     (rank,) = plan_costs(GPT, Layout(tp=2)).ranks
-    expr = rank["activations"].expr
+    expr = rank["forward_values"].expr
     assert expr.coeff(B * S) > 0  # every hidden state is B x S x (H or 4H or V/tp)
     # nothing stays at the example's size (e.g. the bias add after an all-reduce) except the loss itself, the
     # 0-d values of the graph: the summed token losses and their token mean, two fp32 scalars
     assert expr.subs({B: 0, S: 0}) == 8
+
+
+def test_saved_bytes_are_what_autograd_keeps_not_every_forward_value():
+    (rank,) = plan_costs(GPT, Layout()).ranks
+    # issue 16: every forward value is 6.85 MiB, the tensors saved for backward measure 4.22 MiB
+    assert round(rank["forward_values"].value / 2**20, 2) == 6.85
+    assert round(rank["saved"].value / 2**20, 2) == 4.22
+    assert rank["saved"].expr.coeff(B * S) > 0 and rank["alive"].value == 1
+    assert rank["peak"].value == rank["model_state"].value + rank["activations"].value + rank["transient"].value
+    # fitted in B and S: evaluated elsewhere, the expression scales (the causal flash kernel saves no S x S)
+    big = plan_costs(GPT, Layout(), batch=16, seq=16).ranks[0]["saved"].value
+    assert abs(big / rank["saved"].value - 2) < 0.01
+
+
+@pytest.mark.parametrize("schedule,pp,m,want", [
+    ("gpipe", 2, 4, [4, 4]), ("gpipe", 4, 8, [8] * 4),
+    ("1f1b", 2, 4, [2, 1]), ("1f1b", 4, 8, [4, 3, 2, 1]), ("1f1b", 4, 4, [4, 3, 2, 1]),
+    # torch's interleaved order at v = 2 (chunks per rank); its peak vectors hold these many in all
+    ("interleaved-1f1b", 2, 4, [5, 3]), ("interleaved-1f1b", 4, 8, [11, 9, 7, 5]),
+    ("zero-bubble", 2, 4, [2, 2]), ("zero-bubble", 4, 8, [4, 4, 4, 4]),
+])
+def test_microbatches_alive_come_from_the_schedule_order(schedule, pp, m, want):
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    counts = alive_counts(schedule, pp, m, v)
+    assert [max(sum(c.values()) for c in counts[r]) for r in range(pp)] == want
+    if schedule == "1f1b":
+        assert want == [min(m, pp - r) for r in range(pp)]  # p - stage, capped by m
+    if schedule == "interleaved-1f1b":
+        assert all(set(c) == {r, r + pp} for r in range(pp) for c in counts[r])  # the rank's two chunks
+
+
+def test_plan_peak_multiplies_saved_bytes_by_the_alive_microbatches():
+    first, last = plan_costs(GPT, Layout(pp=2, microbatches=4)).ranks
+    assert first["alive_by_stage"] == {0: 2} and last["alive_by_stage"] == {1: 1}
+    assert first["activations"].expr == sympy.expand(2 * first["saved"].expr)
+    gpipe = plan_costs(GPT, Layout(pp=2, schedule="gpipe", microbatches=4)).ranks[0]
+    assert gpipe["activations"].expr == sympy.expand(4 * gpipe["saved"].expr)
+
+
+def test_device_memory_verdict_and_bad_sizes():
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
+    assert parse_size("16GiB") == 16 * 2**30 and parse_size("512 MiB") == 512 * 2**20
+    for bad in ("80GiBs", "eighty", "-1GiB", "0GB", ""):
+        with pytest.raises(OptionError, match="--device-memory"):
+            parse_size(bad)
+    (rank,) = plan_costs(GPT, Layout(), device_memory=parse_size("16MiB")).ranks
+    assert rank["verdict"]["fits"] and rank["verdict"]["headroom"] == 16 * 2**20 - rank["peak"].value
+    (rank,) = plan_costs(GPT, Layout(), device_memory=parse_size("4MiB")).ranks
+    assert not rank["verdict"]["fits"] and rank["verdict"]["headroom"] < 0
 
 
 def test_plan_command_prints_tables_and_json():
@@ -81,11 +133,16 @@ def test_plan_command_prints_tables_and_json():
                           "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
+    assert {"saved", "alive", "activations", "transient", "model_state", "peak"} <= set(data["ranks"][0])
     assert [r["pp_rank"] for r in data["ranks"]] == [0, 1]
     assert data["ranks"][0]["tp_allreduce"]["expr"] and data["bubble"]["expr"] == "1/3"
-    table = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2"],
-                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    table = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2",
+                            "--device-memory", "4MiB"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert "tp all-reduce elements per step" in table.stdout and "B*S" in table.stdout
+    assert "predicted peak bytes" in table.stdout and "does not fit a 4.00 MiB device" in table.stdout
+    bad = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--device-memory", "80 GiBs"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "--device-memory '80 GiBs': expected a positive size" in bad.stderr
 
 
 def test_zero3_under_a_pipeline_counts_a_gather_per_microbatch_forward():

@@ -7,9 +7,10 @@ A dimension that fits no such term (or several) stays a number.  ``b`` is then w
 the global batch per step: ``b = B / (dp * microbatches)``.
 
 Per pipeline rank (tp ranks hold equal shares) it reports bytes of parameters, gradients and
-optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the activations of one microbatch
-(every forward intermediate: an upper bound of what autograd saves), and the communication of one
-step on each mesh axis; and the schedule's bubble fraction::
+optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the bytes autograd saves for backward
+per microbatch on each stage (:mod:`fxshard.tools.saved`), the microbatches the schedule keeps alive
+(:mod:`fxshard.tools.alive`), the predicted peak (model state + saved x alive + a transient), and the
+communication of one step on each mesh axis; and the schedule's bubble fraction::
 
     report = plan_costs("samples/gpt.py", Layout(tp=2, pp=2))
     report.ranks[0]["tp_allreduce"].expr        # 1088*B*S elements for samples/gpt.py
@@ -18,6 +19,7 @@ step on each mesh axis; and the schedule's bubble fraction::
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import pipeline_stages
+from fxshard.tools.alive import alive_counts
+from fxshard.tools.saved import trace_saved
 from fxshard.train.memory import formula, peak_params
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -72,6 +76,27 @@ class CostReport:
                 "notes": self.notes}
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as people write it: ``80GiB`` (2**30), ``80GB`` (10**9), ``512 MiB``, ``1.5TiB``, ``1000``."""
+    from fxshard.errors import OptionError
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise OptionError(f"--device-memory {text!r}: expected a positive size with a unit, e.g. 80GiB, 80GB, "
+                          "16GiB, 512MiB (KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB of 1000)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def verdict(peak: float, device_memory: int) -> dict:
+    """Whether a rank's predicted peak fits a device of ``device_memory`` bytes, and by how much."""
+    return {"device_memory": device_memory, "fits": peak <= device_memory, "headroom": device_memory - peak}
+
+
 def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
     """Idle fraction of a pp rank: (p-1)/(m+p-1); interleaving divides the warm-up by the stages per rank."""
     p, m, v = layout.pp, layout.microbatches or 1, layout.stages_per_rank
@@ -83,8 +108,9 @@ def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
 
 
 def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None, seed: int = 0,
-               batch: int | None = None, seq: int | None = None) -> CostReport:
-    """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's)."""
+               batch: int | None = None, seq: int | None = None, device_memory: int | None = None) -> CostReport:
+    """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's); with
+    ``device_memory`` (bytes), each rank gets a ``verdict``: whether its predicted peak fits."""
     from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile_program
 
@@ -101,9 +127,25 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     report = CostReport(layout, at, notes=notes)
     for pp_rank in range(layout.pp):
         report.ranks.append(_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b))
+        if device_memory is not None:
+            report.ranks[-1]["verdict"] = verdict(report.ranks[-1]["peak"].value, device_memory)
     expr, text = bubble_fraction(layout)
     report.bubble, report.bubble_formula = Cost(expr, at), text
     return report
+
+
+def planned_memory(out: str | Path) -> dict[int, dict] | str:
+    """What ``fxshard plan`` predicts for a compiled folder, per pp rank (``saved``, ``peak``, ``alive`` at the
+    compiled sizes), for ``fxshard run --memory-report``; or why it cannot (a plan file or ``--split-before``
+    is not recorded in the folder in a form the plan can be recomputed from)."""
+    from fxshard.codegen.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    if "user" in manifest.plan_source.split("+") or (manifest.pipeline and manifest.pipeline.cut == "split_before"):
+        return "no plan figures: compiled with a plan file or --split-before, which the folder does not record"
+    report = plan_costs(Path(out) / manifest.model_file, manifest.layout, seed=manifest.seed)
+    return {r["pp_rank"]: {"saved": r["saved"].value, "peak": r["peak"].value, "alive": int(r["alive"].value)}
+            for r in report.ranks}
 
 
 def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
@@ -200,11 +242,14 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
         state = [n for n in gm.graph.nodes if n.op == "placeholder" and n in ctx.params]
     micro = sympy.Rational(1, 1) * B / per_step_b
 
-    def numel(node) -> sympy.Expr:  # local elements of one microbatch
+    def dims(node) -> tuple:  # local dimensions of one microbatch
         g = tuple(node.meta["val"].shape)
         mine = local.get(node) or local_shape(g, spec(node).placement, layout.tp)
-        dims = [expr * sympy.Rational(n, d) if d else expr for expr, n, d in zip(sym[node.name], mine, g, strict=True)]
-        return sympy.expand(math.prod(dims, start=sympy.Integer(1)).subs(_b, micro))
+        return tuple((expr * sympy.Rational(n, d) if d else expr).subs(_b, micro)
+                     for expr, n, d in zip(sym[node.name], mine, g, strict=True))
+
+    def numel(node) -> sympy.Expr:  # local elements of one microbatch
+        return sympy.expand(math.prod(dims(node), start=sympy.Integer(1)))
 
     def nbytes(node) -> sympy.Expr:
         return numel(node) * node.meta["val"].element_size()
@@ -221,7 +266,13 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     for key in ("params", "grads", "optimizer"):
         row[key] = Cost(sympy.nsimplify(mem[key]), at)
     row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi)), at)
-    row["activations"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
+    row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
+    if stages:
+        memory = {st.index: trace_saved(st.nodes, ctx, coords, local, dims, at, held=[*st.inputs, *st.outputs])
+                  for st in stages}
+    else:
+        memory = {0: trace_saved(nodes, ctx, coords, local, dims, at)}
+    row |= _peak(row, memory, layout, pp_rank, m, at)
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
     for op in ("all_reduce", "all_gather"):
@@ -230,6 +281,28 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return row
+
+
+def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dict) -> dict:
+    """Model state + bytes held for backward x the microbatches the schedule keeps alive + the transient.
+
+    Of the combinations {stage: microbatches alive} the schedule passes through (:mod:`fxshard.tools.alive`),
+    the one holding the most bytes at ``at``.  The transient is an estimate: twice the largest value one
+    microbatch's forward makes, for its backward holds that value's gradient next to the gradient of the
+    op's input (of the same size for the elementwise ops and projections that make the largest values);
+    what a gradient is made of beyond that is not modelled."""
+    counts = alive_counts(layout.schedule, layout.pp, m, layout.stages_per_rank)[pp_rank] if layout.pp > 1 \
+        else [{0: 1}]
+    held = max(((sum((c * memory[s].saved for s, c in v.items()), sympy.Integer(0)), v) for v in counts),
+               key=lambda e: float(e[0].subs(at)))
+    largest = max((memory[s] for s in memory), key=lambda mem: float(mem.largest.subs(at)))
+    state = row["params_peak"].expr + row["grads"].expr + row["optimizer"].expr
+    transient = 2 * largest.largest
+    return {"saved": Cost(sum((mem.saved for mem in memory.values()), sympy.Integer(0)), at),
+            "alive": Cost(sympy.Integer(sum(held[1].values())), at), "alive_by_stage": held[1],
+            "activations": Cost(sympy.expand(held[0]), at), "transient": Cost(transient, at),
+            "transient_node": largest.largest_node, "model_state": Cost(state, at),
+            "peak": Cost(sympy.expand(state + held[0] + transient), at)}
 
 
 def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:

@@ -107,7 +107,9 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
             if rank == 0:
-                memory_report(report_rows(samples, read_manifest(out).layout))
+                from fxshard.tools.costs import planned_memory
+
+                memory_report(report_rows(samples, read_manifest(out).layout, planned_memory(out)))
         return losses
     finally:
         dist.destroy_process_group()
@@ -156,7 +158,7 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
 
 def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint) -> list[float]:
     run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint)
-    probe = MemoryProbe(list(run.held.values())) if memory is not None else None
+    probe = MemoryProbe(list(run.held.values()), run.layout.pp > 1) if memory is not None else None
     rank = dist.get_rank()
     losses = []
     # a resumed run appends to the metrics of the run it continues
@@ -165,7 +167,9 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
     try:
         for step in range(run.first_step, steps + 1):
             start = time.perf_counter()
-            value = _train_step(run, step, optim, probe)
+            measured = probe.measured_step(run.device) if probe is not None and step == steps else contextlib.nullcontext()
+            with measured:  # the last step: saved bytes per microbatch and the peak (fxshard run --memory-report)
+                value = _train_step(run, step, optim, probe)
             if not math.isfinite(value):  # every rank has the same step loss: all stop here, none saves
                 raise FxshardError(f"step {step}: the loss is {value}; training stops at the first non-finite loss "
                                    "(check the weights and inputs for inf/nan, or lower --lr)")

@@ -25,6 +25,7 @@ fp32 under mixed precision: 4Ψ/N (fp32) or 2Ψ/N (mixed) above the formula, rep
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 
@@ -102,16 +103,59 @@ def optimizer_tensors(opt) -> list[torch.Tensor]:
 
 @dataclass
 class MemoryProbe:
-    """Samples a rank's model-state bytes at the points where each category peaks."""
+    """Samples a rank's model-state bytes at the points where each category peaks; in the step run under
+    :meth:`measured_step`, also the bytes one microbatch leaves saved for backward (``saved``, summed over
+    the rank's stages) and the step's peak of allocated bytes (``peak``)."""
 
     modules: list[torch.nn.Module]
+    pipeline: bool = False  # PipelineStage keeps each microbatch's inputs and outputs until its backward
     sample: dict[str, int] = field(default_factory=lambda: {"params": 0, "gathered": 0, "grads": 0, "optimizer": 0,
-                                                            "live": 0})
+                                                            "live": 0, "saved": 0, "peak": 0})
+    _watch: dict = field(default_factory=dict)  # id(module) -> SavedTensors while its first forward runs
 
     def __post_init__(self):
         for m in self.modules:  # registered after FSDP2's hooks: pre sees the gathered, post the resharded state
-            m.register_forward_pre_hook(lambda *_: self._note("gathered", self._params()))
-            m.register_forward_hook(lambda *_: self._note("params", self._params()))
+            m.register_forward_pre_hook(self._before_forward)
+            m.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, module, args) -> None:
+        self._note("gathered", self._params())
+        if self._watch.get(id(module), 0) is None:  # armed by measured_step: this module's first microbatch
+            state = list(held_parameters(module)) + list(module.buffers())
+            self._watch[id(module)] = SavedTensors(state, args if self.pipeline else ()).__enter__()
+
+    def _after_forward(self, module, args, output) -> None:
+        self._note("params", self._params())
+        watch = self._watch.get(id(module))
+        if isinstance(watch, SavedTensors):
+            watch.__exit__(None, None, None)
+            watch.add(output if self.pipeline else ())
+            self.sample["saved"] += watch.nbytes()
+            self._watch[id(module)] = 0
+
+    @contextlib.contextmanager
+    def measured_step(self, device: torch.device):
+        """Measure the saved bytes of each module's first forward and the peak of allocated bytes in this block.
+
+        CUDA: ``torch.cuda.max_memory_allocated``.  CPU: the bytes of every tensor storage alive at the start
+        (model state, batches) plus the most bytes allocated and not yet freed during the block, from the
+        allocation events of torch's profiler (``profile_memory``), whose running total counts what the block
+        allocates.  Storages held outside Python at the start (DDP's gradient buckets) are not in the baseline."""
+        self._watch = {id(m): None for m in self.modules}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            yield
+            torch.cuda.synchronize(device)
+            self.sample["peak"] = torch.cuda.max_memory_allocated(device)
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()
+        base = storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield
+        self.sample["peak"] = base + max([0, *_running_totals(prof)])
 
     def _params(self) -> int:
         return storage_bytes(t for m in self.modules for t in held_parameters(m))
@@ -132,8 +176,59 @@ class MemoryProbe:
         self._note("live", storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor)))
 
 
-def report_rows(samples: list[dict], layout) -> list[dict]:
-    """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision."""
+class SavedTensors:
+    """While entered, notes every tensor autograd saves for backward (``saved_tensors_hooks``); ``nbytes`` is the
+    bytes of their distinct storages (a view counts its base once), leaving out ``state`` (parameters, buffers)."""
+
+    def __init__(self, state, extra=()):
+        self.state = {s.untyped_storage().data_ptr() for s in state if s is not None}
+        self.tensors: list[torch.Tensor] = []  # kept until counted: a freed storage's address could be reused
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.add(extra)
+
+    def _pack(self, t):
+        self.tensors.append(t)
+        return t
+
+    def add(self, values) -> None:
+        values = values if isinstance(values, (tuple, list)) else (values,)
+        self.tensors += [v for v in values if isinstance(v, torch.Tensor)]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def nbytes(self) -> int:
+        seen, total = set(self.state), 0
+        for t in self.tensors:
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        self.tensors = []
+        return total
+
+
+def _running_totals(prof) -> list[int]:
+    """The allocator's running total of bytes allocated during profiling, at each CPU allocation event."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            out.append(e.extra_fields.total_allocated)
+    return out
+
+
+def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> list[dict]:
+    """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision, and
+    the saved bytes per microbatch and the step's peak next to ``plan`` (:func:`fxshard.tools.costs.planned_memory`:
+    per pp rank, or a string saying why there is none)."""
     rows = []
     zero = layout.zero if layout.dp > 1 else 0
     for rank, m in enumerate(samples):
@@ -147,5 +242,7 @@ def report_rows(samples: list[dict], layout) -> list[dict]:
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
                      "live": m["live"],
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
-                     "ratio": total / want["total"], "note": note})
+                     "ratio": total / want["total"], "note": note, "saved": m.get("saved", 0),
+                     "peak": m.get("peak", 0), "plan": plan.get(layout.coords(rank)["pp"]) if isinstance(plan, dict)
+                     else None, "plan_note": plan if isinstance(plan, str) else ""})
     return rows
