@@ -46,7 +46,7 @@ from fxshard.codegen.manifest import (
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import MESH_AXES, CompileContext, Layout, spec
-from fxshard.ir.cut import choose_microbatches, label_markers
+from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.placement import local_shape, slice_spec
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
@@ -175,6 +175,10 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         warn(message)
     ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest(),
                          split_before=split_before, microbatches=microbatches, batch=batch)
+    if layout.recompute != "none" and find_blocks(program.module_types) is None:
+        raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
+                          "(a ModuleList of modules of one class, such as a transformer's layers), which are what "
+                          "fxshard recomputes; drop --recompute")
     if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
         ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:
