@@ -58,16 +58,19 @@ Microbatches = Annotated[int | None, typer.Option("--microbatches",
 VirtualStages = Annotated[int | None, typer.Option("--virtual-stages",
                                                    help="stages per pp rank for interleaved-1f1b (default 2) and "
                                                         "zero-bubble (default 1)")]
+Recompute = Annotated[str, typer.Option("--recompute", help="activation recompute of each repeated block: none; "
+                                                             "selective (keep matmul outputs, recompute the rest in "
+                                                             "backward); full (keep only the block's inputs)")]
 PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 
 
 def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
-            virtual_stages: int | None, dtype: str):
+            virtual_stages: int | None, dtype: str, recompute: str = "none"):
     from fxshard.ir.context import Layout
 
     return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                  virtual_stages=virtual_stages, dtype=dtype)
+                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute)
 
 
 @app.command()
@@ -78,6 +81,7 @@ def compile(
     dp: DP = 1,
     zero: Zero = 0,
     dtype: DType = "fp32",
+    recompute: Recompute = "none",
     schedule: Schedule = "1f1b",
     microbatches: Microbatches = None,
     virtual_stages: VirtualStages = None,
@@ -99,7 +103,7 @@ def compile(
     from fxshard.compiler import load_plan_file
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -124,6 +128,7 @@ def plan(
     microbatches: Microbatches = None,
     virtual_stages: VirtualStages = None,
     dtype: DType = "fp32",
+    recompute: Recompute = "none",
     plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
@@ -144,7 +149,7 @@ def plan(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
         report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq,
                             device)
     except FxshardError as e:
@@ -279,6 +284,7 @@ def verify(
     microbatches: Microbatches = None,
     virtual_stages: VirtualStages = None,
     dtype: DType = "fp32",
+    recompute: Recompute = "none",
     plan: PlanFile = None,
     steps: int = typer.Option(3, "--steps", help="training steps"),
     lr: float = typer.Option(1e-3, "--lr"),
@@ -300,7 +306,7 @@ def verify(
     from fxshard.train.optim import OptimConfig
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,

@@ -56,7 +56,7 @@ from fxshard.ir.contracts import (
     check_order,
     contract_of,
 )
-from fxshard.ir.cut import choose_microbatches, label_markers
+from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.placement import local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.checks import checks_pass
@@ -188,6 +188,10 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         warn(message)
     ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest(),
                          split_before=split_before, microbatches=microbatches, batch=batch)
+    if layout.recompute != "none" and find_blocks(program.module_types) is None:
+        raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
+                          "(a ModuleList of modules of one class, such as a transformer's layers), which are what "
+                          "fxshard recomputes; drop --recompute")
     if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
         ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:

@@ -38,6 +38,9 @@ CASES = {  # id -> (layout, optimizer settings)
     "tp2-pp2": (Layout(tp=2, pp=2), OptimConfig()),
     # a sample's row in the whole batch = dp share + microbatch within it
     "dp2-pp2-zero1": (Layout(dp=2, pp=2, zero=1, microbatches=2), OptimConfig()),
+    # recompute reruns a block's dropouts in backward, after the schedule moved on to later microbatches
+    "pp2-1f1b-recompute-full": (Layout(pp=2, microbatches=4, recompute="full"), OptimConfig()),
+    "tp2-dp2-zero3-recompute-selective": (Layout(tp=2, dp=2, zero=3, recompute="selective"), OptimConfig()),
 }
 
 

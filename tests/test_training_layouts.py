@@ -38,6 +38,8 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "gpt-pp2-gpipe-8-microbatches": (SAMPLES / "gpt.py", Layout(pp=2, schedule="gpipe", microbatches=8), None),
     "llama-tp2-pp2-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2), None),
     "llama-tp2-pp2-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), None),
+    "llama-tp2-pp2-recompute-selective": (SAMPLES / "llama.py", Layout(tp=2, pp=2, recompute="selective"), None),
+    "gpt-dp2-zero2-recompute-full": (SAMPLES / "gpt.py", Layout(dp=2, zero=2, recompute="full"), None),
     # cut by markers in forward; a skip connection from stage 0 to stage 2 passes through stage 1
     "marked-skip-pp3-1f1b": (ROOT / "tests" / "models" / "marked.py", Layout(pp=3), None),
     # vocab-parallel lookups whose padding rows (one on each tp rank) are in the batch: they get no gradient

@@ -35,6 +35,9 @@ _ENV = jinja2.Environment(
     autoescape=False,
 )
 
+# what a block keeps for backward under --recompute, said on its call
+_RECOMPUTE_NOTE = {"full": "keeps its inputs, recomputes its forward in backward",
+                   "selective": "keeps its matmul outputs, recomputes the rest in backward"}
 # dtypes as the per-line comments write them
 _SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
@@ -172,6 +175,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         collective_summary=summary,
         collective_unit=unit,
         collective_lines=collective_header(held, ctx, skipped, unit, per_step),
+        recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users]),
         legend_lines=legend_lines(held),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
@@ -182,6 +186,18 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         text += _count_tokens_function(ctx.token_count)
     text = "\n".join(ln.rstrip() for ln in text.splitlines()) + "\n"
     return RankCode(text, attrs, collectives, stages)
+
+
+def _recompute_line(mode: str, blocks: list[str]) -> str:
+    """What ``--recompute`` does in this file, for its header."""
+    if mode == "none":
+        return ""
+    held = ", ".join(blocks) if len(blocks) <= 3 else f"{blocks[0]}, ..., {blocks[-1]} ({len(blocks)} blocks)"
+    what = ("keep only their inputs for backward; backward runs each one's forward again, its tp collectives "
+            "included" if mode == "full" else
+            "keep their matmul and fused-attention outputs for backward; backward recomputes the rest (norms, "
+            "activations, softmax, elementwise ops, tp collectives)")
+    return f"recompute: {mode}: {held} {what}" if blocks else f"recompute: {mode}: no block of this rank to recompute"
 
 
 def _count_tokens_function(count: fx.GraphModule) -> str:
@@ -347,7 +363,13 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             outs = ", ".join(names[v] for v in st.outputs)
             args = ", ".join(_arg(a, names, coords) for a in st.inputs)
             note = _value_text(st.outputs[0], tp) if len(st.outputs) == 1 else ""
-            line = f"{outs} = self.{sub}({args}){drop}"
+            mode = ctx.layout.recompute
+            if mode == "none":
+                line = f"{outs} = self.{sub}({args}){drop}"
+            else:
+                keep = ', keep="matmuls"' if mode == "selective" else ""
+                line = f"{outs} = rt.recompute(self.{sub}, {args}{keep}){drop}"
+                note = (note + "; " if note else "") + _RECOMPUTE_NOTE[mode]
             lines += [*([""] if lines else []), _group_comment(st.nodes[0], ctx, "", st.fqn, block=True),
                       f"{line}  # {note}" if note else line]
             group_key = None

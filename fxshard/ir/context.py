@@ -26,7 +26,8 @@ INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several
 DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
-_ADDED = ("virtual_stages", "dtype")  # Layout fields newer than manifest format 1: absent from older manifests
+RECOMPUTE = ("none", "selective", "full")  # --recompute: what a repeated block keeps for backward
+_ADDED = ("virtual_stages", "dtype", "recompute")  # Layout fields newer than manifest format 1: absent from older manifests
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Layout:
     microbatches: int | None = None
     virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
     dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
+    recompute: str = "none"  # activation recompute of the repeated blocks: none, selective or full
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):
@@ -68,6 +70,8 @@ class Layout:
             )
         if self.dtype not in DTYPES:
             raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.microbatches is not None and self.microbatches < 1:
             raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
 
@@ -141,6 +145,8 @@ class Layout:
                 text += f" virtual-stages={self.stages_per_rank}"
         if self.mixed:
             text += f" dtype={self.dtype}"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}"
         return text
 
 

@@ -6,9 +6,11 @@ from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
 from fxshard.runtime.random import dropout
+from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
 __all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
-           "sum_tied_grads", "ddp", "fully_shard", "dropout", "token_mean", "autograd_function", "TENSOR"]
+           "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
+           "TENSOR"]

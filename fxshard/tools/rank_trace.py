@@ -168,6 +168,11 @@ class Recorder:
             y = _OnGrad.apply(y, lambda g: self._note(kind.backward, group, g, "backward", kind.name, site))
         return y
 
+    def recompute(self, block, *args, keep="inputs"):
+        """A recomputed block's collectives are those of its forward: recorded once, where the block is called
+        (the rerun in backward issues them again on every rank of the group alike)."""
+        return block(*args)
+
     def sum_tied_grads(self, copies, group):
         if group is not None:
             self._note("all_reduce", group, copies[0], "after backward", SUM_TIED_GRADS, self._site())
