@@ -78,6 +78,7 @@ class _Class:
     forward_args: str
     forward_lines: list[str]
     axes: list[str] | None = None  # process groups it takes (None: the file's)
+    blocks: list[str] = field(default_factory=list)  # its block submodules, in the order they run
 
 
 _RESERVED_CLASSES = {"RankModule", "torch", "rt", "aten"}
@@ -148,6 +149,9 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
             stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
         tied_fn = _tied_lines(tied_weights(gm, all_stages, ctx.params), ctx, coords, state, stage_attrs)
 
+    if layout.zero == 3 and layout.dp > 1:  # the FSDP2 units of attach_data_parallel
+        for cls in classes:
+            cls.attributes.append(f"BLOCKS = {tuple(cls.blocks)!r}  # block submodules: one FSDP2 unit each")
     classes = [_finish_block(b) for b in block_classes.values()] + classes
     summary = _summary(collectives)
     if pipe is None:
@@ -222,8 +226,10 @@ _ZERO_TEXT = {
         "as backward produces them; each dp rank keeps 1/{dp} of the gradients and optimizer state;",
         "parameters are all-gathered for forward and kept for backward"],
     3: ["FSDP2 fully_shard on the dp mesh, reshard_after_forward=True: each dp rank keeps 1/{dp} of the",
-        "parameters, gradients and optimizer state; parameters are all-gathered before forward and again",
-        "before backward and freed after; gradients are reduce-scattered (average)"],
+        "parameters, gradients and optimizer state; each repeated block (the module's BLOCKS) is a unit of",
+        "its own: its parameters are all-gathered just before it runs, forward and again backward, and freed",
+        "after it, the next block's gather issued while it computes; the rest of the module is one more",
+        "unit; gradients are reduce-scattered (average) block by block as backward produces them"],
 }
 
 
@@ -245,7 +251,8 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], 
                        "weights" + (" (its dp share)" if zero == 1 else ""))
     else:
         dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
-        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype})"]
+        blocks = ", blocks=[getattr(module, b) for b in module.BLOCKS]" if zero == 3 else ""
+        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks})"]
         if layout.mixed:
             doc.append(f"    mixed precision: the fp32 shards are the master weights; gathered as {layout.dtype} "
                        "for compute, gradients reduce-scattered in fp32")
@@ -335,7 +342,8 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         for key, ph in block.attrs.items():
             attrs[f"{sub}.{key}"] = ph
     lines = _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collectives, calls)
-    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines)
+    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in inputs), lines,
+                 blocks=[calls[u][0] for u in units.values()])
     return cls, names, attrs
 
 

@@ -10,8 +10,9 @@ zero    gradients                                       parameters / optimizer s
 2       FSDP2 ``fully_shard``: reduce-scatter (average)  kept gathered after forward (not resharded);
         as backward produces them, each rank keeps its   optimizer state of the rank's shard only
         shard
-3       FSDP2 ``fully_shard``, as above                  sharded: all-gathered before forward and
-                                                         backward, freed after; state of the shard
+3       FSDP2 ``fully_shard``, as above, one unit per   sharded: all-gathered before forward and
+        repeated block and one for the rest             backward, freed after (per block); state of
+                                                         the shard
 ======  ==============================================  ===========================================
 
 The generated tensor-parallel code holds plain local tensors, so DDP and FSDP2 see an ordinary
@@ -43,14 +44,21 @@ def ddp(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
 
 
 def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool,
-                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+                param_dtype: torch.dtype | None = None, blocks=()) -> torch.nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over dp (FSDP2).
 
-    With ``param_dtype`` (mixed precision), the fp32 shards are the master weights; parameters are
-    gathered as ``param_dtype`` and gradients reduced in fp32."""
+    ``blocks``: submodules of ``module`` (its repeated blocks, in the order they run) that become FSDP2
+    units of their own: each block's parameters are gathered just before it runs and freed after it
+    (forward, and again in backward), the next block's gather issued while this one computes, so a rank
+    holds its shards plus about two blocks instead of the whole module.  With ``param_dtype`` (mixed
+    precision), the fp32 shards are the master weights; parameters are gathered as ``param_dtype`` and
+    gradients reduced in fp32."""
     from fxshard.runtime.mixed_precision import fsdp_policy
 
     policy = {"mp_policy": fsdp_policy(param_dtype)} if param_dtype is not None else {}
+    units = [_fully_shard(b, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **policy) for b in blocks]
+    for block, after in zip(units, units[1:], strict=False):
+        block.set_modules_to_forward_prefetch([after])
     return _fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **policy)
 
 

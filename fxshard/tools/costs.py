@@ -32,6 +32,7 @@ from fxshard.capture.program import loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
+from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
@@ -265,7 +266,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     mem = formula(layout.zero, layout.dp, layout.mixed, psi)
     for key in ("params", "grads", "optimizer"):
         row[key] = Cost(sympy.nsimplify(mem[key]), at)
-    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi)), at)
+    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi,
+                                                          _block_params(state, ctx, layout))), at)
     row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
     if stages:
         memory = {st.index: trace_saved(st.nodes, ctx, coords, local, dims, at, held=[*st.inputs, *st.outputs])
@@ -303,6 +305,21 @@ def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dic
             "activations": Cost(sympy.expand(held[0]), at), "transient": Cost(transient, at),
             "transient_node": largest.largest_node, "model_state": Cost(state, at),
             "peak": Cost(sympy.expand(state + held[0] + transient), at)}
+
+
+def _block_params(state, ctx, layout: Layout) -> list[int]:
+    """This rank's parameters per repeated block: the FSDP2 units of per-block ZeRO 3."""
+    blocks = find_blocks(ctx.program.module_types)
+    fqns = ctx.program.state_by_name()
+    per: dict[str, int] = {}
+    for n in state:
+        if n not in ctx.params:
+            continue
+        block = next((b for b in (blocks.names if blocks else []) if under(fqns[n.name].fqn, b)), None)
+        if block is not None:
+            per[block] = per.get(block, 0) + math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement,
+                                                                   layout.tp))
+    return list(per.values())
 
 
 def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:

@@ -52,13 +52,18 @@ def formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
     return out
 
 
-def peak_params(zero: int, dp: int, mixed: bool, psi: int) -> float:
+def peak_params(zero: int, dp: int, mixed: bool, psi: int, blocks=()) -> float:
     """Parameter bytes a rank holds at once during forward, the transient the ZeRO formulas leave out.
 
-    ZeRO 0/1 hold the parameters in the compute dtype; under ZeRO 2/3 FSDP2 gathers a stage module's
-    parameters whole (one FSDP unit per generated stage module, which is flat) next to the fp32 shard."""
+    ZeRO 0/1 hold the parameters in the compute dtype; under ZeRO 2 FSDP2 gathers a stage module's parameters
+    whole next to the fp32 shard; under ZeRO 3 each repeated block is a unit of its own (``blocks``: the
+    parameters of each block unit this rank holds), so the rest of the module is gathered with the running
+    block and the next one, prefetched."""
     low = 2 if mixed else 4
-    return low * psi + (4 * psi / dp if zero >= 2 and dp > 1 else 0)
+    gathered = psi
+    if zero == 3 and dp > 1 and blocks:
+        gathered = psi - sum(blocks) + sum(sorted(blocks)[-2:])
+    return low * gathered + (4 * psi / dp if zero >= 2 and dp > 1 else 0)
 
 
 def formula_text(zero: int, dp: int, mixed: bool) -> str:
@@ -75,22 +80,23 @@ def storage_bytes(tensors) -> int:
         if t is None:
             continue
         t = t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's shard
-        s = t.untyped_storage()
-        if s.data_ptr() == 0 or s.data_ptr() in seen:
+        ptr = _pointer(t)
+        if not ptr or ptr in seen:
             continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
     return total
 
 
 def held_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
     """The registered parameters, plus FSDP2's shards while the gathered parameters are registered."""
     tensors = list(module.parameters())
-    state = getattr(module, "_get_fsdp_state", None)
-    group = getattr(state(), "_fsdp_param_group", None) if state else None
-    for fp in getattr(group, "fsdp_params", ()):
-        tensors.append(fp._sharded_param_data)
-        tensors.append(getattr(fp, "_unsharded_param", None))
+    for unit in module.modules():  # the module and, under per-block ZeRO 3, each block: one FSDP2 unit each
+        state = getattr(unit, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state else None
+        for fp in getattr(group, "fsdp_params", ()):
+            tensors.append(fp._sharded_param_data)
+            tensors.append(getattr(fp, "_unsharded_param", None))
     return tensors
 
 
@@ -117,6 +123,9 @@ class MemoryProbe:
         for m in self.modules:  # registered after FSDP2's hooks: pre sees the gathered, post the resharded state
             m.register_forward_pre_hook(self._before_forward)
             m.register_forward_hook(self._after_forward)
+            for unit in m.modules():  # per-block ZeRO 3: each block is gathered when it runs
+                if unit is not m and hasattr(unit, "_get_fsdp_state"):
+                    unit.register_forward_pre_hook(lambda *_: self._note("gathered", self._params()))
 
     def _before_forward(self, module, args) -> None:
         self._note("gathered", self._params())
@@ -176,12 +185,20 @@ class MemoryProbe:
         self._note("live", storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor)))
 
 
+def _pointer(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage, or None for a storage FSDP2 freed (a block's gathered parameters)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class SavedTensors:
     """While entered, notes every tensor autograd saves for backward (``saved_tensors_hooks``); ``nbytes`` is the
     bytes of their distinct storages (a view counts its base once), leaving out ``state`` (parameters, buffers)."""
 
     def __init__(self, state, extra=()):
-        self.state = {s.untyped_storage().data_ptr() for s in state if s is not None}
+        self.state = {_pointer(s) for s in state if s is not None} - {None}
         self.tensors: list[torch.Tensor] = []  # kept until counted: a freed storage's address could be reused
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.add(extra)
@@ -204,10 +221,10 @@ class SavedTensors:
     def nbytes(self) -> int:
         seen, total = set(self.state), 0
         for t in self.tensors:
-            s = t.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
+            ptr = _pointer(t)
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                total += t.untyped_storage().nbytes()
         self.tensors = []
         return total
 

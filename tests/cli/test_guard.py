@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _skip_an_all_reduce(out: Path) -> None:
     path = out / "rank_pp0_tp1.py"
     text = path.read_text()
-    assert text.count("all_reduce_3 = rt.all_reduce(linear_9, self.tp)") == 1
-    path.write_text(text.replace("all_reduce_3 = rt.all_reduce(linear_9, self.tp)", "all_reduce_3 = linear_9"))
+    assert text.count("all_reduce = rt.all_reduce(embedding, self.tp)") == 1  # the vocab-parallel embedding's
+    path.write_text(text.replace("all_reduce = rt.all_reduce(embedding, self.tp)", "all_reduce = embedding"))
 
 
 def _line(path, start: str) -> int:
@@ -47,9 +47,10 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     out = tmp_path / "out"
     compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
     _skip_an_all_reduce(out)
-    # rank 1 now issues 17 forward all-reduces to rank 0's 18: the first 17 pair up (same shapes, wrong sums),
-    # then rank 0 waits in its 18th all-reduce while rank 1 waits in the cross entropy's all-gather
-    line0 = _line(out / "rank_pp0_tp0.py", "all_reduce_16 = rt.all_reduce(")
+    # rank 1 now issues 16 forward all-reduces to rank 0's 17: the first 16 pair up (same shapes, wrong sums),
+    # then rank 0 waits in its 17th all-reduce (the last block's MLP) while rank 1 waits in the cross entropy's
+    # all-gather
+    line0 = _line(out / "rank_pp0_tp0.py", "all_reduce_1 = rt.all_reduce(")
     line1 = _line(out / "rank_pp0_tp1.py", "all_gather = rt.all_gather(vocab_cross_entropy_parts,")
     start = time.monotonic()
     # `fxshard run` refuses such a folder before launching (next test); --no-check --allow-edited launches it
