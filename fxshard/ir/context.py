@@ -27,7 +27,8 @@ DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
 RECOMPUTE = ("none", "selective", "full")  # --recompute: what a repeated block keeps for backward
-_ADDED = ("virtual_stages", "dtype", "recompute")  # Layout fields newer than manifest format 1: absent from older manifests
+_ADDED = ("virtual_stages", "dtype", "recompute")
+_SINCE_DEFAULT = {"recompute": "none"}  # written only when set: manifests before it stay byte for byte  # Layout fields newer than manifest format 1: absent from older manifests
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,11 @@ class Layout:
         return rank
 
     def to_json(self) -> dict:
-        """Every field by name, in order: the manifest's ``layout`` (:meth:`from_json` reads it back)."""
-        return dataclasses.asdict(self)
+        """Every field by name, in order: the manifest's ``layout`` (:meth:`from_json` reads it back); a field
+        newer than the manifest format is written only when it differs from its default, so a manifest
+        without it reads and writes back the same bytes."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if k not in _SINCE_DEFAULT or v != _SINCE_DEFAULT[k]}
 
     @classmethod
     def from_json(cls, data: dict) -> Layout:
