@@ -25,10 +25,11 @@ fxshard = [sys.executable, "-m", "fxshard.cli.app"]
 console.rule("1. compile samples/gpt.py --tp 2")
 subprocess.run([*fxshard, "compile", str(MODEL), "--tp", "2", "--out", str(OUT)], check=True)
 
-console.rule("2. an excerpt of rank 1's generated code: the first block's MLP")
+console.rule("2. an excerpt of rank 1's generated code: the MLP of the class every block runs")
 code = (OUT / "rank_pp0_tp1.py").read_text().splitlines()
-start = next(i for i, line in enumerate(code) if line.strip().startswith("# blocks.0.ln_2"))
-end = next(i for i, line in enumerate(code) if line.strip().startswith("# blocks.1.ln_1"))
+block = next(i for i, line in enumerate(code) if line.startswith("class Block("))
+start = next(i for i, line in enumerate(code) if i > block and line.strip().startswith("# ln_2"))
+end = next(i for i, line in enumerate(code) if i > start and line.strip().startswith("return "))
 console.print(Syntax("\n".join(code[start:end]), "python", line_numbers=True, start_line=start + 1,
                      word_wrap=True))
 console.print(f"(whole file: {OUT / 'rank_pp0_tp1.py'}; `fxshard show {OUT} --rank 1`)")
