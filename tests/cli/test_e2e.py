@@ -107,7 +107,9 @@ def test_data_parallel_zero3_with_clipping_from_the_command_line(tmp_path, sampl
     assert "zero=3" in comp.stdout
     code = (out / "rank_pp0_tp0.py").read_text()
     assert "def attach_data_parallel(module, dp_mesh):" in code
-    assert "return rt.fully_shard(module, dp_mesh, reshard_after_forward=True)" in code
+    assert ("return rt.fully_shard(module, dp_mesh, reshard_after_forward=True, blocks=[getattr(module, b) for b in "
+            "module.BLOCKS])") in code
+    assert "BLOCKS = ('blocks_0', 'blocks_1'," in code  # each block its own FSDP2 unit
     fxshard("run", out, "--steps", 3, "--clip-grad-norm", 0.05, "--grad-accum", 2, "--metrics", tmp_path / "m.jsonl")
     got = [json.loads(x)["loss"] for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     from fxshard.train.optim import OptimConfig
