@@ -180,7 +180,8 @@ def choose_recompute(ranks: list[dict[str, dict]], device_memory: int) -> str:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB ({n:.0f} bytes)"
+    scale, unit = next(((f, u) for f, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if n >= f), (1, "B"))
+    return f"{n / scale:.2f} {unit} ({n:.0f} bytes)"
 
 
 def planned_memory(out: str | Path) -> dict[int, dict] | str:

@@ -163,6 +163,11 @@ def _run_block(unit, run, env: dict, mode: str) -> None:
         env[o] = v
 
 
+# the CPU flash kernel the plan's fake tensors take has no formula of its own; it does the CUDA flash kernel's work
+_FLOPS_AS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+             torch.ops.aten._scaled_dot_product_flash_attention}
+
+
 class _Flops(TorchDispatchMode):
     """Forward FLOPs by :mod:`torch.utils.flop_counter`'s formulas: all, inside blocks, and inside blocks by ops
     selective recompute does not keep (what it runs again)."""
@@ -175,7 +180,7 @@ class _Flops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
+        formula = flop_registry.get(_FLOPS_AS.get(func._overloadpacket, func._overloadpacket))
         if formula is not None:
             n = formula(*args, **kwargs, out_val=out)
             self.counts["forward"] += n
