@@ -72,6 +72,8 @@ class CostReport:
 
     def to_json(self) -> dict:
         def conv(v):
+            if isinstance(v, dict):
+                return {k: conv(x) for k, x in v.items()}
             return v.to_json() if isinstance(v, Cost) else v
 
         return {"layout": self.layout.describe(), "symbols": {"B": "examples per step (all dp ranks)",
