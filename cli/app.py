@@ -60,7 +60,12 @@ VirtualStages = Annotated[int | None, typer.Option("--virtual-stages",
                                                         "zero-bubble (default 1)")]
 Recompute = Annotated[str, typer.Option("--recompute", help="activation recompute of each repeated block: none; "
                                                              "selective (keep matmul outputs, recompute the rest in "
-                                                             "backward); full (keep only the block's inputs)")]
+                                                             "backward); full (keep only the block's inputs); auto (the "
+                                                             "least of these that fits --device-memory by the plan)")]
+DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
+                                                  help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
+                                                       "whether its predicted peak fits; --recompute auto chooses "
+                                                       "by it")]
 PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 
@@ -95,21 +100,25 @@ def compile(
                                       "tensors, validate the folder, each rank reads only its slices at run time"),
     meta: bool = typer.Option(False, "--meta", help="capture on meta tensors and write no weights (code and "
                                                     "manifest only; implied by --weights)"),
+    device_memory: DeviceMemory = None,
 ):
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
 
     from fxshard.compiler import compile as compile_
     from fxshard.compiler import load_plan_file
+    from fxshard.tools.costs import parse_size
 
     try:
+        device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
             user_plan = dict(user_plan or {}, split_before=cuts)
         with console.status(f"compiling {model} ({layout.describe()})"):
-            result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta)
+            result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
+                              device_memory=device)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder)
@@ -132,9 +141,7 @@ def plan(
     plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
-    device_memory: str = typer.Option(None, "--device-memory",
-                                      help="memory of one device (80GiB, 80GB, 16GiB): say per rank whether its "
-                                           "predicted peak fits"),
+    device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
 ):

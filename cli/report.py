@@ -85,6 +85,8 @@ def compile_report(console: Console, result) -> None:
                                         f"{manifest.layout.describe()}"))
     if result.checks is not None:
         console.print(f"static checks: {check_summary(result.checks)}", highlight=False)
+    if result.memory_plan is not None:
+        recompute_lines(console, result.memory_plan)
     console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py")
     console.print(f"read a rank's code with `fxshard show {result.out} --rank 0`; "
                   f"train with `fxshard run {result.out} --steps 3`")
@@ -210,7 +212,7 @@ _PLAN_ROWS = [  # key, label, unit
               "pipeline)", "bytes"),
     ("alive", "microbatches alive at the peak (forwards whose backward is not done)", "count"),
     ("activations", "activation bytes at the peak (saved x alive)", "bytes"),
-    ("transient", "largest transient (2 x the largest forward value)", "bytes"),
+    ("transient", "largest transient (2 x the largest forward value; + the recomputed block's forward)", "bytes"),
     ("model_state", "model state bytes (held during forward + gradients + optimizer state)", "bytes"),
     ("peak", "predicted peak bytes (model state + activations + transient)", "bytes"),
     ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
@@ -262,7 +264,27 @@ def plan_report(console: Console, report) -> None:
         if "verdict" in row:
             table.add_row(*_verdict_cells(row["verdict"]))
         console.print(table)
+    recompute_lines(console, report)
     console.print(f"pipeline bubble {report.bubble_formula} = {report.bubble.expr} "
                   f"({report.bubble.value:.1%} of each pp rank's step idle)", highlight=False)
     for note in report.notes:
         console.print(f"note: {note}", highlight=False)
+
+
+def recompute_lines(console: Console, report) -> None:
+    """The recompute mode (and whether ``auto`` chose it), and per mode the worst rank's predicted peak and the
+    FLOPs the mode adds: the trade-off, for ``fxshard plan`` and ``fxshard compile --device-memory``."""
+    summary = report.recompute_summary()
+    device = report.ranks[0].get("verdict", {}).get("device_memory")
+    how = "chosen by --recompute auto: the least that fits every rank" if summary["auto"] else "as asked"
+    console.print(f"recompute: {summary['mode']} ({how})", highlight=False)
+    for mode, peak in summary["peaks"].items():
+        fits = "" if device is None else ("  fits" if peak <= device else "  does not fit")
+        added = f"{summary['flops'][mode]:.1%} more FLOPs per step" if mode != "none" else "no FLOPs added"
+        mark = "*" if mode == summary["mode"] else " "
+        console.print(f" {mark} {mode:<9} worst rank peak {_human(peak, 'bytes'):>12} (pp rank "
+                      f"{summary['worst_rank'][mode]}){fits};  {added}", highlight=False)
+    if len(summary["peaks"]) > 1:
+        console.print("   FLOPs: what torch.utils.flop_counter counts (matrix multiplies, attention) of the forward "
+                      "run again, as a share of forward + backward (3 x forward), at the captured size",
+                      highlight=False)

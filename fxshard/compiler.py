@@ -81,6 +81,7 @@ class CompiledProgram:
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: Manifest | None = None
     checks: CheckReport | None = None  # the static checks of the generated files (fxshard.tools.check)
+    memory_plan: object | None = None  # with device_memory: fxshard plan's CostReport, which --recompute auto chose by
 
     @property
     def files(self) -> list[str]:
@@ -159,6 +160,10 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
 
     ``meta=True`` builds and captures the model with its parameters on the meta device."""
     check_layout(layout)
+    if layout.recompute == "auto":
+        raise LayoutError("--recompute auto: expected it resolved to none, selective or full before the compile; "
+                          "found auto; compile through fxshard.compiler.compile or `fxshard compile` with "
+                          "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     microbatches, batch = 1, None
@@ -264,17 +269,31 @@ def cast_inputs(inputs, dtype: torch.dtype):
 
 
 def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
-            seed: int = 0, weights: str | Path | None = None, meta: bool = False) -> CompiledProgram:
+            seed: int = 0, weights: str | Path | None = None, meta: bool = False,
+            device_memory: int | None = None) -> CompiledProgram:
     """Compile ``model_file`` for ``layout``; write rank files, manifest and weights to ``out`` if given.
 
     ``weights``: a Hugging Face folder; the model is captured on meta tensors, the folder validated,
     and each rank reads its slices from it at run time (no parameter shards are written).
-    ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize."""
+    ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
+    ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
+    ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first::
+
+        compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
+    """
     if out is not None:
         check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
+    memory_plan = None
+    if device_memory is not None or layout.recompute == "auto":
+        from fxshard.tools.costs import plan_costs
+
+        memory_plan = plan_costs(model_file, layout, plan, seed, device_memory=device_memory)
+        if layout.recompute == "auto":
+            layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
     mf = load_model_file(model_file)
     meta = meta or weights is not None
     result = compile_program(mf, layout, plan, seed, meta=meta)
+    result.memory_plan = memory_plan
     source = checkpoint_source(weights, result.ctx.program) if weights is not None else None
     result.sources, result.manifest, shards = _generate(result, mf, seed)
     if meta:

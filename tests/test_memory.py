@@ -120,9 +120,10 @@ def test_bf16_training_follows_fp32_and_is_not_fp32():
 
 
 LLAMA = ROOT / "samples" / "llama.py"
-SAVED_CASES = {1: [("gpt", "tp1"), ("llama", "tp1")],
-               2: [(m, lay) for m in ("gpt", "llama") for lay in ("tp2", "pp2")]}
-SAVED_LAYOUTS = {"tp1": Layout(), "tp2": Layout(tp=2), "pp2": Layout(pp=2)}
+SAVED_CASES = {1: [(m, lay) for m in ("gpt", "llama") for lay in ("tp1", "tp1-selective", "tp1-full")],
+               2: [(m, lay) for m in ("gpt", "llama") for lay in ("tp2", "pp2", "tp2-selective", "tp2-full")]}
+SAVED_LAYOUTS = {"tp1": Layout(), "tp2": Layout(tp=2), "pp2": Layout(pp=2),
+                 **{f"tp{t}-{mode}": Layout(tp=t, recompute=mode) for t in (1, 2) for mode in ("selective", "full")}}
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +150,12 @@ def test_measured_saved_bytes_match_the_plan(saved_measured, model, layout):
     for rank, sample in saved_measured[f"{model}-{layout}"].items():
         row = report.ranks[lay.coords(rank)["pp"]]
         ratio = sample["saved"] / row["saved"].value
+        print(f"{model} {layout} rank {rank}: saved measured/plan {ratio:.3f}, peak {sample['peak'] / row['peak'].value:.3f}")
         assert 0.9 <= ratio <= 1.1, f"{model} {layout} rank {rank}: measured {sample['saved']} saved bytes, plan " \
                                     f"{row['saved'].value:.0f}"
-        # the peak is an estimate (transient: twice the largest forward value); it stays within a fifth here
-        assert 0.75 <= sample["peak"] / row["peak"].value <= 1.25, (model, layout, rank, sample["peak"],
+        # the peak is an estimate (transient: twice the largest forward value, plus under recompute the block
+        # whose forward backward runs again); it stays within a fifth here, a third under recompute (measured
+        # 0.81-1.28 on this 2-core machine: the recomputing backward's gradients are not modelled)
+        high = 1.25 if lay.recompute == "none" else 1.35
+        assert 0.75 <= sample["peak"] / row["peak"].value <= high, (model, layout, rank, sample["peak"],
                                                                     row["peak"].value)

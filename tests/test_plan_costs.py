@@ -156,3 +156,52 @@ def test_zero3_under_a_pipeline_counts_a_gather_per_microbatch_forward():
         assert first["dp_bytes"].value == (m + 2) * (2 - 1) / 2 * 4 * psi
     (alone,) = plan_costs(GPT, Layout(dp=2, zero=3)).ranks
     assert alone["dp_bytes"].value == 3 * (2 - 1) / 2 * 4 * int(alone["psi"].value)
+
+
+@pytest.fixture(scope="module")
+def gpt_by_recompute():
+    return plan_costs(GPT, Layout(tp=2))
+
+
+def test_each_recompute_mode_has_its_peak(gpt_by_recompute):
+    """Full keeps less than selective, which keeps less than none; the rows are the asked mode's."""
+    row = gpt_by_recompute.ranks[0]
+    peaks = {m: c.value for m, c in row["recompute_peaks"].items()}
+    assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
+    assert row["peak"].value == peaks["none"]
+    full = plan_costs(GPT, Layout(tp=2, recompute="full"))
+    assert full.ranks[0]["peak"].value == peaks["full"] and full.recompute == "full"
+    assert full.ranks[0]["saved"].value < row["saved"].value
+    flops = row["recompute_flops"]
+    assert flops["none"] == 0 and 0.25 < flops["full"] <= 1 / 3, flops  # one forward of the blocks per step
+    summary = json.loads(json.dumps(gpt_by_recompute.to_json()))["recompute"]
+    assert summary["mode"] == "none" and not summary["auto"] and set(summary["peaks"]) == {"none", "selective", "full"}
+
+
+def test_auto_picks_the_least_recompute_that_fits(gpt_by_recompute):
+    peaks = {m: c.value for m, c in gpt_by_recompute.ranks[0]["recompute_peaks"].items()}
+    for device, want in ((peaks["none"] + 1, "none"), (peaks["none"] - 1, "selective"),
+                         (peaks["selective"] - 1, "full")):
+        report = plan_costs(GPT, Layout(tp=2, recompute="auto"), device_memory=int(device))
+        assert (report.recompute, report.recompute_auto, report.layout.recompute) == (want, True, want)
+        assert report.ranks[0]["peak"].value == peaks[want] and report.ranks[0]["verdict"]["fits"]
+
+
+def test_auto_refuses_a_device_nothing_fits_and_a_missing_size():
+    from fxshard.errors import LayoutError
+
+    with pytest.raises(LayoutError, match=r"pp rank 0 .* even under --recompute full; .*1\.00 MiB|1\.00 MiB.*"
+                                          r"pp rank 0 .* even under --recompute full"):
+        plan_costs(GPT, Layout(recompute="auto"), device_memory=2**20)
+    with pytest.raises(OptionError, match="expected --device-memory"):
+        plan_costs(GPT, Layout(recompute="auto"))
+
+
+def test_compile_auto_writes_the_chosen_mode():
+    from fxshard.compiler import compile as compile_model
+
+    full = plan_costs(GPT, Layout(tp=2, recompute="full")).ranks[0]["peak"].value
+    result = compile_model(GPT, Layout(tp=2, recompute="auto"), device_memory=int(full) + 1)
+    assert result.ctx.layout.recompute == "full" and result.memory_plan.recompute_auto
+    assert "rt.recompute(self.blocks_0" in result.sources["rank_pp0_tp0.py"]
+    assert "recompute=full" in result.sources["rank_pp0_tp0.py"]

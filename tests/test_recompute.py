@@ -41,7 +41,7 @@ def test_a_model_without_repeated_blocks_is_refused(models):
 
 
 def test_an_unknown_mode_is_refused():
-    with pytest.raises(LayoutError, match=r"--recompute must be one of none, selective, full, got 'some'"):
+    with pytest.raises(LayoutError, match=r"--recompute must be one of none, selective, full, auto, got 'some'"):
         Layout(recompute="some")
 
 

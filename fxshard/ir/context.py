@@ -26,9 +26,11 @@ INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several
 DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
-RECOMPUTE = ("none", "selective", "full")  # --recompute: what a repeated block keeps for backward
-_ADDED = ("virtual_stages", "dtype", "recompute")
-_SINCE_DEFAULT = {"recompute": "none"}  # written only when set: manifests before it stay byte for byte  # Layout fields newer than manifest format 1: absent from older manifests
+RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
+# the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
+# before code generation
+_ADDED = ("virtual_stages", "dtype", "recompute")  # Layout fields newer than manifest format 1: absent from older manifests
+_SINCE_DEFAULT = {"recompute": "none"}  # written only when set: manifests before it stay byte for byte
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Layout:
     microbatches: int | None = None
     virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
     dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
-    recompute: str = "none"  # activation recompute of the repeated blocks: none, selective or full
+    recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):

@@ -23,6 +23,7 @@ import contextlib
 import copy
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fxshard.runtime import random as rt_random
@@ -30,6 +31,7 @@ from fxshard.runtime import random as rt_random
 aten = torch.ops.aten
 
 KEEP = ("inputs", "matmuls")
+KEEP_OF_MODE = {"full": "inputs", "selective": "matmuls"}  # --recompute mode -> what rt.recompute keeps
 # what selective recompute keeps: the outputs of the ops that cost FLOPs (the linear layers' matrix
 # multiplies, fused attention kernels, which hold no S x S matrix); everything else is recomputed
 SAVED_OPS = {
@@ -59,7 +61,33 @@ def recompute(block: torch.nn.Module, *args, keep: str = "inputs"):
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in SAVED_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        for note in _kept_watchers:
+            for t in tree_leaves(ctx.op_output):
+                if isinstance(t, torch.Tensor):
+                    note(t)
+    return CheckpointPolicy.MUST_SAVE
+
+
+# callables told each output selective recompute keeps in its forward (torch's checkpoint caches these in its
+# own storage, where saved_tensors_hooks do not see them): fxshard run --memory-report and fxshard plan count them
+_kept_watchers: list = []
+
+
+@contextlib.contextmanager
+def watching_kept(note):
+    """While entered, ``note(tensor)`` is called with every tensor a selective recompute keeps for backward::
+
+        with watching_kept(kept.append):
+            y = recompute(block, x, keep="matmuls")   # kept: the block's mm/addmm/attention outputs
+    """
+    _kept_watchers.append(note)
+    try:
+        yield
+    finally:
+        _kept_watchers.remove(note)
 
 
 @contextlib.contextmanager

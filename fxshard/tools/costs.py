@@ -18,6 +18,7 @@ communication of one step on each mesh axis; and the schedule's bubble fraction:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.program import loss_cone
+from fxshard.codegen.blocks import block_units
+from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Layout, spec
@@ -61,21 +64,38 @@ class CostReport:
     layout: Layout
     at: dict
     ranks: list[dict] = field(default_factory=list)  # per pp rank: name -> Cost, plus "pp_rank", "global_ranks"
+    recompute: str = "none"  # the mode the rows are for (auto: the one chosen)
+    recompute_auto: bool = False  # chosen by --recompute auto
     bubble: Cost | None = None
     bubble_formula: str = ""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         def conv(v):
+            if isinstance(v, dict):
+                return {k: conv(x) for k, x in v.items()}
             return v.to_json() if isinstance(v, Cost) else v
 
         return {"layout": self.layout.describe(), "symbols": {"B": "examples per step (all dp ranks)",
                                                                "S": "sequence length"},
-                "at": {str(k): v for k, v in self.at.items()},
+                "at": {str(k): v for k, v in self.at.items()}, "recompute": self.recompute_summary(),
                 "ranks": [{k: conv(v) for k, v in r.items()} for r in self.ranks],
                 "bubble": conv(self.bubble) if self.bubble else None, "bubble_formula": self.bubble_formula,
                 "notes": self.notes}
 
+
+    def recompute_summary(self) -> dict:
+        """The mode, whether ``auto`` chose it, and per mode the worst rank's predicted peak (bytes) and the
+        FLOPs it adds (share of a step, the rank that adds most)."""
+        modes = [m for m in RECOMPUTE_ORDER if all(m in r["recompute_peaks"] for r in self.ranks)]
+        return {"mode": self.recompute, "auto": self.recompute_auto,
+                "peaks": {m: max(r["recompute_peaks"][m].value for r in self.ranks) for m in modes},
+                "worst_rank": {m: max(self.ranks, key=lambda r: r["recompute_peaks"][m].value)["pp_rank"]
+                               for m in modes},
+                "flops": {m: max(r["recompute_flops"][m] for r in self.ranks) for m in modes}}
+
+
+RECOMPUTE_ORDER = ("none", "selective", "full")  # least recompute first: what --recompute auto tries in turn
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -83,8 +103,6 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_size(text: str) -> int:
     """Bytes of a size as people write it: ``80GiB`` (2**30), ``80GB`` (10**9), ``512 MiB``, ``1.5TiB``, ``1000``."""
-    from fxshard.errors import OptionError
-
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m and m.group(2).lower()
     if not m or unit not in _UNITS or float(m.group(1)) <= 0:
@@ -115,8 +133,14 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile_program
 
+    if layout.recompute == "auto" and device_memory is None:
+        raise OptionError("--recompute auto: expected --device-memory SIZE (e.g. 80GiB) to choose the least "
+                          "recompute that fits; found none; add --device-memory, or name a mode: "
+                          "--recompute none|selective|full")
     mf = load_model_file(model_file)
-    result = compile_program(mf, layout, plan, seed, meta=True)  # shapes only: a 70B shape costs in seconds
+    asked = layout.recompute
+    # recompute changes how the generated code calls the blocks, not the graph: compile once, trace each mode
+    result = compile_program(mf, dataclasses.replace(layout, recompute="none"), plan, seed, meta=True)  # shapes only: a 70B shape costs in seconds
     ctx, gm = result.ctx, result.gm
     layout = ctx.layout
     micro = [i for i in ctx.program.inputs if i.is_tensor]
@@ -125,14 +149,41 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     sym, notes = _symbolic_shapes(mf, layout, seed, gm, b, s)
     per_step_b = layout.dp * ctx.microbatches
     at = {B: batch if batch is not None else b * per_step_b, S: seq if seq is not None else (s or 1)}
-    report = CostReport(layout, at, notes=notes)
-    for pp_rank in range(layout.pp):
-        report.ranks.append(_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b))
+    modes = [_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b) for pp_rank in range(layout.pp)]
+    chosen = choose_recompute(modes, device_memory) if asked == "auto" else asked
+    if chosen not in modes[0]:
+        chosen = "none"  # a model without repeated blocks: the compiler refuses recompute for it
+    layout = dataclasses.replace(layout, recompute=chosen)
+    report = CostReport(layout, at, notes=notes, recompute=chosen, recompute_auto=asked == "auto")
+    for by_mode in modes:
+        report.ranks.append(by_mode[chosen])
         if device_memory is not None:
             report.ranks[-1]["verdict"] = verdict(report.ranks[-1]["peak"].value, device_memory)
     expr, text = bubble_fraction(layout)
     report.bubble, report.bubble_formula = Cost(expr, at), text
     return report
+
+
+def choose_recompute(ranks: list[dict[str, dict]], device_memory: int) -> str:
+    """The least recompute (none < selective < full) under which every rank's predicted peak fits
+    ``device_memory`` bytes; ``ranks``: per pp rank, mode -> that rank's costs under the mode."""
+    modes = [m for m in RECOMPUTE_ORDER if all(m in r for r in ranks)]
+    for mode in modes:
+        if all(r[mode]["peak"].value <= device_memory for r in ranks):
+            return mode
+    last = modes[-1]
+    worst = max(ranks, key=lambda r: r[last]["peak"].value)[last]
+    raise LayoutError(
+        f"--recompute auto: expected a recompute mode under which every rank fits --device-memory "
+        f"{_gib(device_memory)}; found none: pp rank {worst['pp_rank']} (global ranks "
+        f"{', '.join(map(str, worst['global_ranks']))}) is predicted to peak at {_gib(worst['peak'].value)} even "
+        f"under --recompute {last}; use more --pp or --tp, more microbatches (a smaller --batch per step), ZeRO "
+        "stage 1-3 with --dp, or a larger device")
+
+
+def _gib(n: float) -> str:
+    scale, unit = next(((f, u) for f, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if n >= f), (1, "B"))
+    return f"{n / scale:.2f} {unit} ({n:.0f} bytes)"
 
 
 def planned_memory(out: str | Path) -> dict[int, dict] | str:
@@ -225,7 +276,8 @@ def _fit(d1: int, d2: int, b: int, s: int, b2: int, s2: int) -> sympy.Expr:
     return fits[0] if len(fits) == 1 else sympy.Integer(d1)
 
 
-def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> dict:
+def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> dict[str, dict]:
+    """One pp rank's costs, per recompute mode (only ``none`` for a model without repeated blocks)."""
     from fxshard.passes.checks import local_value_shapes
 
     layout = ctx.layout
@@ -269,12 +321,11 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi,
                                                           _block_params(state, ctx, layout))), at)
     row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
-    if stages:
-        memory = {st.index: trace_saved(st.nodes, ctx, coords, local, dims, at, held=[*st.inputs, *st.outputs])
-                  for st in stages}
-    else:
-        memory = {0: trace_saved(nodes, ctx, coords, local, dims, at)}
-    row |= _peak(row, memory, layout, pp_rank, m, at)
+    traces = _traces(gm, ctx, stages, nodes, state, coords, local, dims, at)
+    by_mode = {mode: _peak(row, mem, layout, pp_rank, m, at, _recompute_extra(traces["none"], mem, at))
+               for mode, mem in traces.items()}
+    row["recompute_peaks"] = {mode: r["peak"] for mode, r in by_mode.items()}
+    row["recompute_flops"] = _flop_overhead(traces["none"])
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
     for op in ("all_reduce", "all_gather"):
@@ -282,24 +333,59 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
                                                 else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
-    return row
+    return {mode: row | peak for mode, peak in by_mode.items()}
 
 
-def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dict) -> dict:
+def _traces(gm, ctx, stages, nodes, state, coords, local, dims, at) -> dict[str, dict]:
+    """Recompute mode -> {stage index: StageMemory}: each stage traced as the generated code runs it under that
+    mode (its repeated blocks found as code generation finds them); only ``none`` for a model without blocks."""
+    blocks = find_blocks(ctx.program.module_types)
+    if stages:
+        spans = [(st.index, st.nodes, st.state, [*st.inputs, *st.outputs], set(st.outputs), set(st.recomputed))
+                 for st in stages]
+    else:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        spans = [(0, nodes, state, [], set(out.all_input_nodes), set())]
+    units = {i: block_units(ns, sn, blocks, keep, exclude) for i, ns, sn, _, keep, exclude in spans}
+    modes = RECOMPUTE_ORDER if any(units.values()) else ("none",)
+    return {mode: {i: trace_saved(ns, ctx, coords, local, dims, at, held=held, recompute_mode=mode, units=units[i])
+                   for i, ns, _, held, _, _ in spans} for mode in modes}
+
+
+def _recompute_extra(none: dict, mem: dict, at: dict) -> sympy.Expr:
+    """What backward holds again while it recomputes one block: the block's forward as kept without recompute,
+    less what the mode kept of it anyway; the largest block of the rank (one block recomputes at a time)."""
+    extra = [none[i].blocks[b] - mem[i].blocks[b] for i in mem for b in mem[i].blocks]
+    return max(extra, key=lambda e: float(e.subs(at)), default=sympy.Integer(0))
+
+
+def _flop_overhead(none: dict) -> dict[str, float]:
+    """FLOPs each mode adds, as a share of a step's (forward + backward ~ 3 x forward): full runs every block's
+    forward again, selective the ops it does not keep (counted as :mod:`torch.utils.flop_counter` does, at the
+    captured size)."""
+    forward = sum(mem.flops.get("forward", 0) for mem in none.values())
+    again = {"none": 0, "selective": sum(mem.flops.get("selective", 0) for mem in none.values()),
+             "full": sum(mem.flops.get("blocks", 0) for mem in none.values())}
+    return {mode: (n / (3 * forward) if forward else 0.0) for mode, n in again.items()}
+
+
+def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dict,
+          recompute_extra: sympy.Expr = sympy.Integer(0)) -> dict:
     """Model state + bytes held for backward x the microbatches the schedule keeps alive + the transient.
 
     Of the combinations {stage: microbatches alive} the schedule passes through (:mod:`fxshard.tools.alive`),
     the one holding the most bytes at ``at``.  The transient is an estimate: twice the largest value one
     microbatch's forward makes, for its backward holds that value's gradient next to the gradient of the
     op's input (of the same size for the elementwise ops and projections that make the largest values);
-    what a gradient is made of beyond that is not modelled."""
+    what a gradient is made of beyond that is not modelled.  Under recompute, ``recompute_extra`` joins it: the
+    block whose forward backward runs again."""
     counts = alive_counts(layout.schedule, layout.pp, m, layout.stages_per_rank)[pp_rank] if layout.pp > 1 \
         else [{0: 1}]
     held = max(((sum((c * memory[s].saved for s, c in v.items()), sympy.Integer(0)), v) for v in counts),
                key=lambda e: float(e[0].subs(at)))
     largest = max((memory[s] for s in memory), key=lambda mem: float(mem.largest.subs(at)))
     state = row["params_peak"].expr + row["grads"].expr + row["optimizer"].expr
-    transient = 2 * largest.largest
+    transient = sympy.expand(2 * largest.largest + recompute_extra)
     return {"saved": Cost(sum((mem.saved for mem in memory.values()), sympy.Integer(0)), at),
             "alive": Cost(sympy.Integer(sum(held[1].values())), at), "alive_by_stage": held[1],
             "activations": Cost(sympy.expand(held[0]), at), "transient": Cost(transient, at),

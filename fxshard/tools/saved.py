@@ -17,7 +17,17 @@ by construction; exact at other sizes where the fit is (every dimension of the s
 
 Fake tensors report the CPU device, so ``scaled_dot_product_attention`` takes the CPU flash kernel, which
 saves q, k, v, the output and the logsumexp, not the S x S weights of the math path: the same tensors as
-the CUDA flash kernel, and the measured CPU run (``fxshard run --memory-report``) picks it too::
+the CUDA flash kernel, and the measured CPU run (``fxshard run --memory-report``) picks it too.
+
+Under ``--recompute`` each repeated block (``units``, :func:`fxshard.codegen.blocks.block_units`, the spans the
+generated code calls as submodules) runs through the runtime's own :func:`fxshard.runtime.recompute.recompute`,
+that is ``torch.utils.checkpoint`` with the same policy: checkpoint saves the block's inputs through the hooks,
+and the outputs selective recompute keeps (cached by torch where the hooks do not see them) are noted through
+:func:`fxshard.runtime.recompute.watching_kept`.  Per block, ``blocks`` holds the bytes it keeps; the plan
+takes the difference to the run without recompute as the block's forward alive again in backward.
+
+``flops`` counts the forward's FLOPs as :mod:`torch.utils.flop_counter` does (matrix multiplies and
+attention; elementwise ops count 0), at the traced (captured) size: per block and what recompute repeats::
 
     stage = trace_saved(nodes, ctx, coords, local, dims, held=stage_inputs + stage_outputs)
     stage.saved            # 10*B*S + ... bytes per microbatch
@@ -26,17 +36,20 @@ the CUDA flash kernel, and the measured CPU run (``fxshard run --memory-report``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import RankValue
 from fxshard.passes.checks import fake_value
+from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
 
 @dataclass(frozen=True)
@@ -48,20 +61,24 @@ class StageMemory:
     storages: int
     largest: sympy.Expr
     largest_node: str
+    blocks: dict = field(default_factory=dict)  # block fqn -> bytes of the storages first kept inside it
+    flops: dict = field(default_factory=dict)  # "forward", "blocks", "selective": forward FLOPs (captured size)
 
 
 def trace_saved(nodes: list[fx.Node], ctx, coords: dict[str, int], local: dict, dims, at: dict,
-                held: list[fx.Node] = ()) -> StageMemory:
+                held: list[fx.Node] = (), recompute_mode: str = "none", units: dict | None = None) -> StageMemory:
     """Run ``nodes`` forward on fake tensors and cost what autograd saves (plus the values in ``held``).
 
     ``local``: each node's local shape; ``dims(node)``: its local dimensions as expressions in B and S;
-    ``at``: where to evaluate to pick the largest value."""
+    ``at``: where to evaluate to pick the largest value; ``units``: the repeated blocks among ``nodes`` (first
+    node -> :class:`~fxshard.codegen.blocks.BlockUnit`), run as ``recompute_mode`` has the generated code run them."""
     state = set(ctx.program.state_by_name())
     grad_inputs = requires_grad(nodes[0].graph.owning_module, ctx.params) if nodes else set()
-    env, producer, saved, running = {}, {}, [], [None]
+    env, producer, saved, running = {}, {}, [], [None, None]  # running: the node and the block being run
+    units = units or {}
 
     def pack(t):
-        saved.append((t, running[0]))
+        saved.append((t, *running))
         return t
 
     def arg(a):
@@ -73,27 +90,45 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: dict[str, int], local: dict, 
             return torch.device("cpu")
         return a
 
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad(), \
+    def ensure(a):  # a stage input, parameter or buffer: made when first read
+        if a not in env:
+            env[a] = _leaf(a, local, a in ctx.params or a in grad_inputs)
+            _own(producer, env[a], a)
+
+    def run(node):
+        for a in node.all_input_nodes:
+            ensure(a)
+        running[0] = node
+        env[node] = _run_node(node, arg, coords, ctx)
+        _own(producer, env[node], node)
+
+    flops = _Flops()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad(), flops, watching_kept(pack), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        for node in nodes:
-            for a in node.all_input_nodes:
-                if a not in env:
-                    env[a] = _leaf(a, local, a in ctx.params or a in grad_inputs)
-                    _own(producer, env[a], a)
-            running[0] = node
-            env[node] = _run_node(node, arg, coords, ctx)
-            _own(producer, env[node], node)
+        i = 0
+        while i < len(nodes):
+            unit = units.get(nodes[i])
+            if unit is None:
+                run(nodes[i])
+                i += 1
+                continue
+            running[1] = flops.block = unit.fqn
+            for a in unit.inputs:
+                ensure(a)
+            _run_block(unit, run, env, recompute_mode)
+            running[1] = flops.block = None
+            i += len(unit.nodes)
         for n in held:  # a value passed through (targets to the loss) is held without being used here
             if n not in env:
                 env[n] = _leaf(n, local, False)
                 _own(producer, env[n], n)
-            saved.append((env[n], None))
+            saved.append((env[n], None, None))
 
     def is_state(node: fx.Node | None) -> bool:
         return node is not None and node.op == "placeholder" and (node in ctx.params or node.name in state)
 
-    total, seen = sympy.Integer(0), set()
-    for t, op in saved:
+    total, seen, blocks = sympy.Integer(0), set(), {u.fqn: sympy.Integer(0) for u in units.values()}
+    for t, op, block in saved:
         if not isinstance(t, torch.Tensor):
             continue
         storage = t.untyped_storage()
@@ -102,10 +137,60 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: dict[str, int], local: dict, 
         if key in seen or is_state(owner):
             continue
         seen.add(key)
-        total += _storage_expr(t, storage.nbytes(), owner, op, env, dims)
+        expr = _storage_expr(t, storage.nbytes(), owner, op, env, dims)
+        total += expr
+        if block is not None:
+            blocks[block] += expr
     largest = max(((_bytes(dims(n), env[n]), n.name) for n in nodes if _is_float(env.get(n)) and n.name),
                   key=lambda e: float(e[0].subs(at)), default=(sympy.Integer(0), ""))
-    return StageMemory(sympy.expand(total), len(seen), *largest)
+    return StageMemory(sympy.expand(total), len(seen), *largest, blocks={k: sympy.expand(v) for k, v in blocks.items()},
+                       flops=flops.totals())
+
+
+def _run_block(unit, run, env: dict, mode: str) -> None:
+    """One repeated block's span, as the generated code calls it: plainly, or through ``rt.recompute``."""
+
+    def body(*args):
+        for a, v in zip(unit.inputs, args, strict=True):
+            env[a] = v
+        for n in unit.nodes:
+            run(n)
+        return tuple(env[o] for o in unit.outputs)
+
+    args = [env[a] for a in unit.inputs]
+    outs = body(*args) if mode == "none" else recompute(body, *args, keep=KEEP_OF_MODE[mode])
+    for o, v in zip(unit.outputs, outs, strict=True):
+        env[o] = v
+
+
+# the CPU flash kernel the plan's fake tensors take has no formula of its own; it does the CUDA flash kernel's work
+_FLOPS_AS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+             torch.ops.aten._scaled_dot_product_flash_attention}
+
+
+class _Flops(TorchDispatchMode):
+    """Forward FLOPs by :mod:`torch.utils.flop_counter`'s formulas: all, inside blocks, and inside blocks by ops
+    selective recompute does not keep (what it runs again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.counts = None, {"forward": 0, "blocks": 0, "selective": 0}
+        self._kept = {op._overloadpacket for op in SAVED_OPS}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(_FLOPS_AS.get(func._overloadpacket, func._overloadpacket))
+        if formula is not None:
+            n = formula(*args, **kwargs, out_val=out)
+            self.counts["forward"] += n
+            if self.block is not None:
+                self.counts["blocks"] += n
+                self.counts["selective"] += 0 if func._overloadpacket in self._kept else n
+        return out
+
+    def totals(self) -> dict:
+        return dict(self.counts)
 
 
 def _leaf(node: fx.Node, local: dict, grad: bool):

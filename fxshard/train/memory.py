@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxshard.runtime.recompute import watching_kept
+
 FORMULAS = {  # (zero, mixed) -> bytes per parameter as (replicated, divided by N) per category
     (0, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (8, 0)},
     (1, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (0, 8)},
@@ -194,13 +196,17 @@ def _pointer(t: torch.Tensor) -> int | None:
 
 
 class SavedTensors:
-    """While entered, notes every tensor autograd saves for backward (``saved_tensors_hooks``); ``nbytes`` is the
-    bytes of their distinct storages (a view counts its base once), leaving out ``state`` (parameters, buffers)."""
+    """While entered, notes every tensor autograd saves for backward (``saved_tensors_hooks``) and every output a
+    selective recompute keeps (torch's checkpoint caches those where the hooks do not see them,
+    :func:`fxshard.runtime.recompute.watching_kept`); ``nbytes`` is the bytes of their distinct storages (a view
+    counts its base once), leaving out ``state`` (parameters, buffers).  A fully recomputed block shows here as
+    its inputs, which checkpoint saves through the hooks."""
 
     def __init__(self, state, extra=()):
         self.state = {_pointer(s) for s in state if s is not None} - {None}
         self.tensors: list[torch.Tensor] = []  # kept until counted: a freed storage's address could be reused
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._kept = watching_kept(self._pack)
         self.add(extra)
 
     def _pack(self, t):
@@ -213,9 +219,11 @@ class SavedTensors:
 
     def __enter__(self):
         self._hooks.__enter__()
+        self._kept.__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._kept.__exit__(*exc)
         self._hooks.__exit__(*exc)
 
     def nbytes(self) -> int:
