@@ -28,6 +28,7 @@ from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
 from fxshard.runtime import random as rt_random
+from fxshard.runtime.recompute import KEEP_OF_MODE
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
@@ -375,7 +376,8 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             if mode == "none":
                 line = f"{outs} = self.{sub}({args}){drop}"
             else:
-                keep = ', keep="matmuls"' if mode == "selective" else ""
+                kept = KEEP_OF_MODE[mode]  # rt.recompute's default keeps the inputs only
+                keep = "" if kept == "inputs" else f', keep="{kept}"'
                 line = f"{outs} = rt.recompute(self.{sub}, {args}{keep}){drop}"
                 note = (note + "; " if note else "") + _RECOMPUTE_NOTE[mode]
             lines += [*([""] if lines else []), _group_comment(st.nodes[0], ctx, "", st.fqn, block=True),
