@@ -4,7 +4,9 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory, or compile
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory,
+                                          # activations (saved bytes per layer vs Korthikanti and the plan),
+                                          # recompute (step time of each --recompute mode), or compile
                                           # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
 """
 
@@ -19,20 +21,31 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import comm, comm_axes, compile_scaling, memory, pipeline_idle, tp_step  # noqa: E402
+from benchmarks import (  # noqa: E402
+    activations,
+    comm,
+    comm_axes,
+    compile_scaling,
+    memory,
+    pipeline_idle,
+    recompute_time,
+    tp_step,
+)
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline", "traffic", "memory", "compile")
+PARTS = ("tp", "pipeline", "traffic", "memory", "activations", "recompute", "compile")
 
 
 def plan(quick: bool) -> dict:
     """What to run: model sizes and rounds for tp, (pp, microbatches) pairs and rounds for pipelines."""
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
-                "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0}
+                "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
+                "recompute_rounds": 2, "recompute_warmup": 0}
     return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 40, "tp_warmup": 2,
-            "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2}
+            "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
+            "recompute_rounds": 20, "recompute_warmup": 2}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,6 +79,14 @@ def main(argv: list[str] | None = None) -> dict:
         if "memory" in parts:
             results["memory"] = memory.run(2 if args.quick else 4, Path(work))
             sections += ["## Memory per rank under each ZeRO stage", memory.markdown(results["memory"])]
+        if "activations" in parts:
+            results["activations"] = activations.run(Path(work), args.quick)
+            sections += ["## Activation bytes per layer per token (Korthikanti et al. 2022, and the plan)",
+                         activations.markdown(results["activations"])]
+        if "recompute" in parts:
+            results["recompute"] = recompute_time.run(Path(work), settings["recompute_rounds"],
+                                                      settings["recompute_warmup"], args.quick)
+            sections += ["## Step time under each recompute mode", recompute_time.markdown(results["recompute"])]
         if "compile" in parts:  # a fresh process per layer count: its peak RSS is its own
             results["compile"] = compile_scaling.run(Path(work), args.quick)
             sections += ["## Compile time and memory (70B-shaped Llama on meta, tp=8 pp=4)",
