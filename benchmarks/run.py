@@ -4,13 +4,16 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory, or compile
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory,
+                                          # activations (saved bytes per layer vs Korthikanti and the plan),
+                                          # recompute (step time of each --recompute mode), or compile
                                           # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -19,63 +22,125 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import comm, comm_axes, compile_scaling, memory, pipeline_idle, tp_step  # noqa: E402
+from benchmarks import (  # noqa: E402
+    activations,
+    comm,
+    comm_axes,
+    compile_scaling,
+    memory,
+    pipeline_idle,
+    recompute_time,
+    tp_step,
+)
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline", "traffic", "memory", "compile")
+PARTS = ("tp", "pipeline", "traffic", "memory", "activations", "recompute", "compile")
 
 
 def plan(quick: bool) -> dict:
     """What to run: model sizes and rounds for tp, (pp, microbatches) pairs and rounds for pipelines."""
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
-                "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0}
+                "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
+                "recompute_rounds": 2, "recompute_warmup": 0}
     return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 40, "tp_warmup": 2,
-            "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2}
+            "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
+            "recompute_rounds": 12, "recompute_warmup": 2}
+
+
+# part -> its key in the results and its sections: (heading, markdown of the part's result)
+SECTIONS = {
+    "tp": ("tp_step", [("Tensor-parallel step time", tp_step.markdown), ("Collectives per step", comm.markdown)]),
+    "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
+    "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown)]),
+    "memory": ("memory", [("Memory per rank under each ZeRO stage", memory.markdown)]),
+    "activations": ("activations", [("Activation bytes per layer per token (Korthikanti et al. 2022, and the plan)",
+                                     activations.markdown)]),
+    "recompute": ("recompute", [("Step time under each recompute mode", recompute_time.markdown)]),
+    "compile": ("compile", [("Compile time and memory (70B-shaped Llama on meta, tp=8 pp=4)",
+                             compile_scaling.markdown)]),
+}
+
+
+def run_part(part: str, settings: dict, work: Path, quick: bool):
+    if part == "tp":
+        return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
+    if part == "pipeline":
+        return [pipeline_idle.run(pp, m, work, settings["pipeline_rounds"], settings["pipeline_warmup"])
+                for pp, m in settings["pipelines"]]
+    if part == "traffic":
+        return comm_axes.run(work)
+    if part == "memory":
+        return memory.run(2 if quick else 4, work)
+    if part == "activations":
+        return activations.run(work, quick)
+    if part == "recompute":
+        return recompute_time.run(work, settings["recompute_rounds"], settings["recompute_warmup"], quick)
+    assert part == "compile"
+    return compile_scaling.run(work, quick)  # a fresh process per layer count: its peak RSS is its own
+
+
+def render(results: dict) -> str:
+    """The markdown of a results dict: the run's line, then each part it holds, in :data:`PARTS` order."""
+    env = results["environment"]
+    head = (f"`{results['command']}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "
+            f"{env['threads_per_process']} thread per process, {env['date']} ({results['elapsed_s']:.0f} s). "
+            "Absolute times on a shared CPU mean little; compare the ratios, measured in the same run.")
+    runs: dict[tuple[str, str], list[str]] = {}
+    for part, where in results.get("earlier", {}).items():
+        runs.setdefault((where["command"], where["date"]), []).append(part)
+    for (command, date), parts in runs.items():
+        head += f" Not rerun here: {', '.join(parts)}, from `{command}`, {date}."
+    sections = [head]
+    for part in PARTS:
+        key, parts = SECTIONS[part]
+        if key in results:
+            for heading, markdown in parts:
+                sections += [f"## {heading}", markdown(results[key])]
+    return "\n\n".join(sections)
+
+
+def merged_with_earlier(results: dict, folder: Path, ran: list[str]) -> dict:
+    """``results`` of an ``--only`` run, with the parts it did not run taken from the earlier ``latest.json``
+    (so rerunning one part keeps the others' numbers); ``earlier`` says, per part taken, which run measured it."""
+    path = folder / "latest.json"
+    if not path.exists():
+        return results
+    earlier = json.loads(path.read_text())
+    out = dict(results, earlier={})
+    for part in PARTS:
+        key = SECTIONS[part][0]
+        if part in ran or key not in earlier:
+            continue
+        out[key] = earlier[key]
+        out["earlier"][part] = earlier.get("earlier", {}).get(part) or {"command": earlier["command"],
+                                                                        "date": earlier["environment"]["date"]}
+    out["settings"] = {**earlier.get("settings", {}), **results["settings"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and two steps: a smoke run")
-    parser.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable)")
+    parser.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable); the "
+                        "other parts' results in latest.json are kept")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown results")
     args = parser.parse_args(argv)
-    parts = args.only or list(PARTS)
+    parts = [p for p in PARTS if p in (args.only or PARTS)]
     settings = plan(args.quick)
     name = "quick" if args.quick else "latest"
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
         "".join(f" --only {p}" for p in args.only or [])
     results: dict = {"command": command, "environment": environment(), "settings": settings}
-    sections = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fxshard-bench-") as work:
-        if "tp" in parts:
-            results["tp_step"] = [tp_step.run(size, Path(work), settings["tp_rounds"], settings["tp_warmup"])
-                                  for size in settings["tp_sizes"]]
-            sections += ["## Tensor-parallel step time", tp_step.markdown(results["tp_step"]),
-                         "## Collectives per step", comm.markdown(results["tp_step"])]
-        if "pipeline" in parts:
-            results["pipeline"] = [pipeline_idle.run(pp, m, Path(work), settings["pipeline_rounds"],
-                                                     settings["pipeline_warmup"])
-                                   for pp, m in settings["pipelines"]]
-            sections += ["## Pipeline idle fraction", pipeline_idle.markdown(results["pipeline"])]
-        if "traffic" in parts:
-            results["traffic"] = comm_axes.run(Path(work))
-            sections += ["## Pipeline and data-parallel traffic per step", comm_axes.markdown(results["traffic"])]
-        if "memory" in parts:
-            results["memory"] = memory.run(2 if args.quick else 4, Path(work))
-            sections += ["## Memory per rank under each ZeRO stage", memory.markdown(results["memory"])]
-        if "compile" in parts:  # a fresh process per layer count: its peak RSS is its own
-            results["compile"] = compile_scaling.run(Path(work), args.quick)
-            sections += ["## Compile time and memory (70B-shaped Llama on meta, tp=8 pp=4)",
-                         compile_scaling.markdown(results["compile"])]
+        for part in parts:
+            results[SECTIONS[part][0]] = run_part(part, settings, Path(work), args.quick)
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
-    env = results["environment"]
-    head = (f"`{command}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "
-            f"{env['threads_per_process']} thread per process, {env['date']} ({results['elapsed_s']:.0f} s). "
-            "Absolute times on a shared CPU mean little; compare the ratios, measured in the same run.")
-    markdown = "\n\n".join([head, *sections])
+    if args.only and not args.quick:
+        results = merged_with_earlier(results, args.out, parts)
+    markdown = render(results)
     json_path, md_path = write_results(results, markdown, args.out, name)
     print(f"\n{markdown}\n\nwrote {json_path} and {md_path}")
     return results

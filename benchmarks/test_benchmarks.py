@@ -1,13 +1,18 @@
-"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly.
+"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly, and the
+activation benchmark's per-layer figure is right.
 
 It runs ``python -m benchmarks.run --quick --only tp`` in-process (tiny GPT, two interleaved steps
 of each contender on 2 gloo processes) and checks the JSON it writes: its structure, that fxshard,
 the hand-written Megatron code and DTensor start from the same loss, and that the collectives
-measured for fxshard are the ones its output states.  Timings are never asserted.
+measured for fxshard are the ones its output states.  The activation benchmark's formulas must be
+Korthikanti et al.'s closed forms, and its per-layer difference of two measured depths must agree with the
+plan's at one small setting (tp=2; and tp=2 with sequence parallelism once ``Layout.sp`` exists).
+Timings are never asserted.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -76,3 +81,31 @@ def test_measured_collectives_match_what_fxshard_states(quick):
     assert measured["forward"]["all_gather"] == {"calls": 1, "bytes": tokens * 2 * 4}
     assert "optimizer" not in measured
     assert c["fxshard_stated"]["header"].startswith("forward ")
+
+
+def test_activation_formulas_are_korthikantis():
+    from benchmarks.activations import SETTINGS, formula
+
+    by_name = {s.name: s for s in SETTINGS}
+    for h, a, s, t in [(256, 4, 256, 2), (12288, 96, 2048, 8), (64, 8, 16, 4)]:
+        closed = {"TP": h * (10 + 24 / t + 5 * a * s / (h * t)), "TP+SP": h * (34 / t + 5 * a * s / (h * t)),
+                  "TP+selective": h * (10 + 24 / t), "TP+SP+selective": 34 * h / t, "full": 2 * h}
+        for name, want in closed.items():
+            setting = dataclasses.replace(by_name[name], tp=t)
+            assert formula(setting, h, a, s) == pytest.approx(want), (name, h, a, s, t)
+        assert formula(by_name["none"], h, a, s) == pytest.approx(h * (34 + 5 * a * s / h))
+
+
+@pytest.mark.distributed
+def test_per_layer_activation_bytes_agree_with_the_plan(tmp_path):
+    from benchmarks.activations import run, sp_built
+
+    result = run(tmp_path, quick=True, only=("TP", "TP+SP"), log=lambda *_: None)
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert rows["TP+SP"]["built"] == sp_built()
+    for row in (r for r in rows.values() if r["built"]):
+        assert row["same_on_every_rank"], row
+        assert 0.9 <= row["per_layer_measured_over_plan"] <= 1.1, row
+        for depth, ratios in row["measured_over_plan"].items():
+            assert all(0.9 <= x <= 1.1 for x in ratios), (row["setting"], depth, ratios)
+        assert row["per_layer_per_token"] > 0
