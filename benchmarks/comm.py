@@ -104,7 +104,7 @@ def megatron_expected(batch: int, seq: int, hidden: int, vocab: int, layers: int
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4}
-_HEADER = re.compile(r"^# collectives per \w+ \(forward; backward mirrors them\): (.*)$", re.M)
+_HEADER = re.compile(r"^# collectives per \w+: (forward .*?)(?: \(returning .*\))?$", re.M)
 
 
 def fxshard_stated(out: Path, manifest: Manifest, rank: int = 0) -> dict:
