@@ -181,11 +181,11 @@ def _check_trace(trace: Path) -> None:
     """--trace DIR: a folder that exists or can be made, and can be written (every rank writes a file into it)."""
     from fxshard.errors import OptionError
 
-    if trace.exists() and not trace.is_dir():
-        raise OptionError(f"--trace {trace}: is a file; --trace names a folder, e.g. {trace.with_suffix('')}-trace")
-    if not trace.exists() and not trace.parent.is_dir():
-        raise OptionError(f"--trace {trace}: the folder {trace.parent} does not exist; create it first")
     try:
+        if trace.exists() and not trace.is_dir():
+            raise OptionError(f"--trace {trace}: is a file; --trace names a folder, e.g. {trace}-trace")
+        if not trace.exists() and not trace.parent.is_dir():
+            raise OptionError(f"--trace {trace}: the folder {trace.parent} does not exist; create it first")
         trace.mkdir(exist_ok=True)
         probe = trace / f".fxshard-write-test-{os.getpid()}"
         probe.write_text("")
