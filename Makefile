@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup demo test test-fast lint bench zoo clean
+.PHONY: setup browser demo test test-fast lint bench zoo clean
 
 setup: $(STAMP)
 
@@ -11,10 +11,14 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
+# Debian's chromium for the browser tests, installed only when /usr/bin/chromium is missing
+browser:
+	bash scripts/install_chromium.sh
+
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).

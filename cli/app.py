@@ -264,6 +264,35 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
 
 
 @app.command()
+def report(
+    out: Path = typer.Argument(..., help="compiled output folder"),
+    device_memory: DeviceMemory = None,
+    metrics: Path = typer.Option(None, "--metrics", help="the run's --metrics file (default: the one the last "
+                                                          "`fxshard run` of OUT wrote, from OUT/run.json)"),
+    trace: Path = typer.Option(None, "--trace", help="the run's --trace folder (default: from OUT/run.json)"),
+    to: Path = typer.Option(None, "--to", help="write the page here (default OUT/report.html)"),
+):
+    """Write OUT/report.html: one self-contained page of the mesh (what each rank holds, its memory by the plan),
+    the model as compiled (placements, collectives, the rank files), the pipeline schedule (planned, and measured
+    when the run was traced) and the last run (loss, step time, tokens/s, memory)."""
+    from fxshard.report.render import write_report
+    from fxshard.tools.costs import parse_size
+
+    try:
+        device = parse_size(device_memory) if device_memory is not None else None
+        for flag, path in (("--metrics", metrics), ("--trace", trace)):
+            if path is not None and not path.exists():
+                from fxshard.errors import OptionError
+
+                raise OptionError(f"{flag} {path}: no such file or folder")
+        with console.status(f"reporting {out}"):
+            path = write_report(out, device, metrics, trace, to)
+    except FxshardError as e:
+        _fail(e)
+    console.print(f"wrote {path}: open it in a browser (one file, nothing fetched)")
+
+
+@app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
     hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model folder here"),
@@ -323,6 +352,20 @@ def verify(
     verify_report(console, result)
     if not result.ok:
         raise typer.Exit(1)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from fxshard.tools.environment import describe
+
+        console.print(describe(), highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="print fxshard's and torch's versions and torch's backend, and exit")):
+    """Compile unmodified PyTorch models into readable per-rank distributed training code."""
 
 
 def main() -> None:

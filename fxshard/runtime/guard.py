@@ -27,6 +27,7 @@ import time
 import torch.distributed as dist
 
 from fxshard.errors import FxshardError
+from fxshard.runtime import trace
 from fxshard.runtime.liveness import peer_states
 
 
@@ -63,9 +64,28 @@ def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
     ``tensor`` and ``site`` (file, line of the generated code) make the message name shape, dtype and line."""
     number = _issued[id(group)] = _issued.get(id(group), 0) + 1
     try:
-        yield
+        if trace.enabled():  # fxshard run --trace: time it as one event of this rank
+            with trace.span(what, "collective", **_trace_args(group, tensor, site, number)):
+                yield
+        else:
+            yield
     except Exception as e:  # backend errors have many types (DistBackendError, RuntimeError, ...)
         raise CollectiveError(_message(what, group, tensor, site, number, e)) from e
+
+
+def _trace_args(group, tensor, site, number: int) -> dict:
+    """What a traced collective's event says: its group, buffer, the generated line that issued it."""
+    args = {"number": number, "step": _current_step["step"]}
+    try:
+        args["ranks"] = dist.get_process_group_ranks(group) if group is not None else []
+    except Exception:  # the default group, or one already torn down: the ranks are not what matters here
+        pass
+    if tensor is not None:
+        args |= {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                 "bytes": tensor.numel() * tensor.element_size()}
+    if site:
+        args["site"] = f"{os.path.basename(site[0])}:{site[1]}"
+    return args
 
 
 def _message(what: str, group, tensor, site, number: int | None, e: Exception, unknown: str = HINT) -> str:

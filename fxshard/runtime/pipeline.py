@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from fxshard.runtime import trace
 from fxshard.runtime.guard import guarded
 from fxshard.runtime.random import begin_microbatch
 
@@ -44,7 +45,20 @@ class _Stage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         begin_microbatch(fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with trace.span(f"F{fwd_chunk_id}", "pipeline", stage=self.stage_index, microbatch=fwd_chunk_id, action="F"):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    # the schedule's backward actions, timed under fxshard run --trace: B (full), or I then W (split backward)
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        action = "B" if full else "I"
+        with trace.span(f"{action}{bwd_chunk_id}", "pipeline", stage=self.stage_index, microbatch=bwd_chunk_id,
+                        action=action):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with trace.span(f"W{bwd_chunk_id}", "pipeline", stage=self.stage_index, microbatch=bwd_chunk_id, action="W"):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     # gloo sends contiguous tensors only; a stage's output may be a strided view (T5 at pp=2 sends one:
     # "input tensor has to be contiguous") and an input's gradient may be strided the same way

@@ -26,7 +26,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import Manifest, RankEntry, import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
-from fxshard.runtime import load_state
+from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
@@ -90,6 +90,8 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
     from fxshard.runtime.guard import doing
 
     liveness.start(rank, doing)  # so that a rank whose collective fails can tell a stopped peer from a busy one
+    if options.trace is not None:
+        trace.start(rank, options.trace)
     try:
         memory = {} if memory_report is not None else None
         final_state = options.final_state
@@ -101,6 +103,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
 
             Path(final_state).mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in state.items()}, str(Path(final_state) / f"rank{rank}.safetensors"))
+        rows = None
         if memory_report is not None:
             from fxshard.train.memory import report_rows
 
@@ -109,7 +112,16 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             if rank == 0:
                 from fxshard.tools.costs import planned_memory
 
-                memory_report(report_rows(samples, read_manifest(out).layout, planned_memory(out)))
+                rows = report_rows(samples, read_manifest(out).layout, planned_memory(out))
+                memory_report(rows)
+        if trace.save() is not None:
+            dist.barrier()  # every rank's file written: rank 0 joins them
+            if rank == 0:
+                trace.merge(options.trace, dist.get_world_size())
+        if rank == 0:
+            from fxshard.train.record import write_run_record
+
+            write_run_record(out, options, losses, rows)
         return losses
     finally:
         dist.destroy_process_group()
@@ -161,6 +173,12 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
     probe = MemoryProbe(list(run.held.values()), run.layout.pp > 1) if memory is not None else None
     rank = dist.get_rank()
     losses = []
+    progress = None
+    if rank == 0:
+        from fxshard.train.progress import StepProgress, tokens_per_step
+
+        tokens = tokens_per_step(run.manifest, optim.grad_accum)
+        progress = StepProgress(steps, run.first_step, tokens, log, terminal=None if log is print else False)
     # a resumed run appends to the metrics of the run it continues
     mode = "a" if run.first_step > 1 else "w"
     sink = open(metrics, mode) if metrics is not None and rank == 0 else None  # noqa: SIM115
@@ -168,16 +186,18 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
         for step in range(run.first_step, steps + 1):
             start = time.perf_counter()
             measured = probe.measured_step(run.device) if probe is not None and step == steps else contextlib.nullcontext()
-            with measured:  # the last step: saved bytes per microbatch and the peak (fxshard run --memory-report)
-                value = _train_step(run, step, optim, probe)
+            with measured, trace.span(f"step {step}", "step", step=step):  # measured: the last step's saved bytes
+                value = _train_step(run, step, optim, probe)  # per microbatch and peak (fxshard run --memory-report)
+            seconds = time.perf_counter() - start
             if not math.isfinite(value):  # every rank has the same step loss: all stop here, none saves
                 raise FxshardError(f"step {step}: the loss is {value}; training stops at the first non-finite loss "
                                    "(check the weights and inputs for inf/nan, or lower --lr)")
             losses.append(value)
             if rank == 0:
-                log(f"step {step}/{steps}  loss {value:.6f}  ({time.perf_counter() - start:.3f} s)")
+                progress.step(step, value, seconds)
                 if sink:
-                    sink.write(json.dumps({"step": step, "loss": value}) + "\n")
+                    sink.write(json.dumps({"step": step, "loss": value, "seconds": round(seconds, 6),
+                                           "tokens": tokens}) + "\n")
                     sink.flush()
             if checkpoint is not None and checkpoint.save_every and step % checkpoint.save_every == 0:
                 from fxshard.train.checkpoint import save_checkpoint
@@ -186,8 +206,10 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                     saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
                                             run.manifest, run.coords, run.groups["dp"], optim)
                 if saved is not None:
-                    log(f"saved checkpoint {saved}")
+                    (progress.print if progress else log)(f"saved checkpoint {saved}")
     finally:
+        if progress is not None:
+            progress.close()
         if sink:
             sink.close()
     if memory is not None:
@@ -261,7 +283,8 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
             if p.grad is not None:
                 p.grad.div_(divisor)
     if run.finish is not None:
-        run.finish()
+        with trace.span("tied and split-backward gradient sums", "step"):
+            run.finish()
     if dp > 1:
         value = _dp_mean(value, run.groups["dp"], run.device)
     if probe is not None:
@@ -269,7 +292,8 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     if optim.clip_grad_norm is not None:
         clip_grad_norm_([(local(p.grad), w) for p, w in run.weighted if p.grad is not None], optim.clip_grad_norm)
     with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups["dp"]):
-        run.opt.step()  # ZeRO 1 broadcasts the updated parameters
+        with trace.span("optimizer step", "step"):
+            run.opt.step()  # ZeRO 1 broadcasts the updated parameters
     if probe is not None:
         probe.after_step(run.opt)
     run.opt.zero_grad(set_to_none=True)

@@ -59,6 +59,9 @@ class RunOptions:
     optim: OptimConfig = OptimConfig()  # --lr, --beta1, --beta2, --eps, --weight-decay, --clip-grad-norm, ...
     metrics: Path | None = option(None, "write one JSON line per step")
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
+    trace: Path | None = option(None, "write per-rank Chrome trace JSON of every pipeline action and collective to "
+                                      "DIR (rank<R>.json, joined in trace.json: open it in ui.perfetto.dev, or read it "
+                                      "with `fxshard report`)")
     memory_report: bool = option(False, "after training, print each rank's bytes of parameters, gradients and "
                                         "optimizer state next to the ZeRO formula")
     final_state: Path | None = option(None, "write each rank's trained tensors to DIR/rank<R>.safetensors",
@@ -140,6 +143,8 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
         _check_metrics(out, metrics)
+    if options.trace is not None:
+        _check_trace(options.trace)
     if final_state is not None and final_state.exists() and not final_state.is_dir():
         raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
     if checkpoint is not None:
@@ -170,6 +175,24 @@ def _check_metrics(out: Path, metrics: Path) -> None:
     except OSError as e:
         raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
                           "write to") from None
+
+
+def _check_trace(trace: Path) -> None:
+    """--trace DIR: a folder that exists or can be made, and can be written (every rank writes a file into it)."""
+    from fxshard.errors import OptionError
+
+    try:
+        if trace.exists() and not trace.is_dir():
+            raise OptionError(f"--trace {trace}: is a file; --trace names a folder, e.g. {trace}-trace")
+        if not trace.exists() and not trace.parent.is_dir():
+            raise OptionError(f"--trace {trace}: the folder {trace.parent} does not exist; create it first")
+        trace.mkdir(exist_ok=True)
+        probe = trace / f".fxshard-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OptionError(f"--trace {trace}: cannot be written ({e.strerror}); choose a folder you can write "
+                          "to") from None
 
 
 def _refuse_generated(out: Path, metrics: Path) -> None:

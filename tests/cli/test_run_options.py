@@ -46,6 +46,9 @@ def _run(*args):
     (["--final-state", "{tmp}/a-file"], "is a file; --final-state names a folder"),
     (["--metrics", "{out}/model.py"], "is model.py of the compiled folder"),  # was overwritten with JSON lines
     (["--metrics", "{out}/manifest.json"], "is manifest.json of the compiled folder"),
+    (["--trace", "{tmp}/a-file"], "--trace {tmp}/a-file: is a file; --trace names a folder"),
+    (["--trace", "{tmp}/missing/trace"], "the folder {tmp}/missing does not exist"),
+    (["--trace", "{tmp}/" + "t" * 300], "cannot be written (File name too long)"),
 ])
 def test_a_bad_option_is_refused_before_launch(out, tmp_path, args, says):
     (tmp_path / "a-file").write_text("not a folder")
@@ -71,7 +74,7 @@ def test_a_launched_rank_parses_the_options_of_its_launcher():
     optim = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2)
     options = RunOptions(steps=5, optim=optim, metrics=Path("m.jsonl"), timeout=60.0, memory_report=True,
                          final_state=Path("final"), checkpoint=Path("ckpt"), save_every=2, resume=True,
-                         allow_edited=True)
+                         allow_edited=True, trace=Path("trace"))
     run = typer.main.get_command(app).commands["run"]
     assert RunOptions.from_flags(run.make_context("run", options.argv("out")[1:]).params) == options
     assert RunOptions.from_flags(run.make_context("run", ["out"]).params) == RunOptions()

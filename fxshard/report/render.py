@@ -1,0 +1,101 @@
+"""``fxshard report OUT``: one self-contained HTML page (inline CSS, SVG and a little JS; nothing fetched).
+
+The page is the template ``templates/report.html.j2`` filled from :func:`fxshard.report.data.report_data`;
+this module only turns numbers into what the template draws (sizes as text, bars and timeline boxes as
+positions)::
+
+    write_report(Path("out/l"))   # out/l/report.html
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+from fxshard.report.data import MEMORY_PARTS, ReportData, report_data
+
+REPORT = "report.html"
+ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input gradient)", "W": "backward (weight gradient)"}
+
+
+def write_report(out: str | Path, device_memory: int | None = None, metrics: Path | None = None,
+                 trace: Path | None = None, path: Path | None = None) -> Path:
+    """Write the report of compiled folder ``out`` to ``path`` (default ``out/report.html``); its path."""
+    data = report_data(out, device_memory, metrics, trace)
+    path = Path(path) if path is not None else Path(out) / REPORT
+    path.write_text(render(data))
+    return path
+
+
+def render(data: ReportData) -> str:
+    import torch
+
+    import fxshard
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("fxshard.report", "templates"),
+                             autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["size"] = human_bytes
+    template = env.get_template("report.html.j2")
+    return template.render(d=data, m=data.manifest, layout=data.layout, parts=MEMORY_PARTS, bar_scale=_bar_scale(data),
+                           grid=_grid(data), pp_files=_pp_files(data), per_step=_per_step(data),
+                           loss=_loss_curve(data), measured_rows=_measured_rows(data), actions=ACTION_NAMES,
+                           versions={"fxshard": fxshard.__version__, "torch": torch.__version__})
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _bar_scale(data: ReportData) -> float:
+    """Bytes a full memory bar stands for: the device, or the largest predicted peak."""
+    peaks = [c.peak for c in data.cells if c.peak is not None]
+    return float(data.device_memory or max(peaks, default=1) or 1)
+
+
+def _grid(data: ReportData) -> list[list[list]]:
+    """Cells as dp blocks of pp rows of tp columns."""
+    layout = data.layout
+    return [[[data.cells[layout.rank_of(d, p, t)] for t in range(layout.tp)] for p in range(layout.pp)]
+            for d in range(layout.dp)]
+
+
+def _pp_files(data: ReportData) -> list[str]:
+    """The tp-rank-0 file of each pp rank: the module list shows one per pp rank (tp ranks hold equal shares)."""
+    return [data.manifest.rank({"dp": 0, "pp": p, "tp": 0}).file for p in range(data.layout.pp)]
+
+
+def _per_step(data: ReportData) -> int:
+    """How many times a stage's code runs per optimizer step (its microbatches)."""
+    return data.manifest.pipeline.microbatches if data.manifest.pipeline else 1
+
+
+def _loss_curve(data: ReportData, width: int = 560, height: int = 200, pad: int = 40) -> dict | None:
+    if data.run is None or not data.run.losses:
+        return None
+    steps = [s for s, _ in data.run.losses]
+    values = [v for _, v in data.run.losses]
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1
+    first, last = min(steps), max(steps)
+    span = max(last - first, 1)
+    points = [(pad + (s - first) / span * (width - 2 * pad), height - pad - (v - lo) / (hi - lo) * (height - 2 * pad))
+              for s, v in data.run.losses]
+    return {"width": width, "height": height, "pad": pad, "points": points, "lo": lo, "hi": hi, "first": first,
+            "last": last, "path": " ".join(f"{x:.1f},{y:.1f}" for x, y in points)}
+
+
+def _measured_rows(data: ReportData) -> list[tuple[int, dict, list[dict]]]:
+    """The traced ranks ordered as the schedule's rows are: by pp rank, then dp, then tp."""
+    if data.measured is None:
+        return []
+    layout = data.layout
+    order = sorted(data.measured.rows, key=lambda r: (layout.coords(r)["pp"], layout.coords(r)["dp"],
+                                                      layout.coords(r)["tp"]))
+    return [(r, layout.coords(r), data.measured.rows[r]) for r in order]

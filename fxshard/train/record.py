@@ -1,0 +1,45 @@
+"""``OUT/run.json``: what the last ``fxshard run`` of a compiled folder did, for ``fxshard report`` to find.
+
+Rank 0 writes it after training: the steps, the losses, where ``--metrics`` and ``--trace`` wrote (absolute
+paths) and, with ``--memory-report``, each rank's measured bytes next to the plan.  It records the digests of
+the rank files it ran, so a report never shows a run of an earlier compile as this one's::
+
+    record = read_run_record(Path("out/l"), manifest)   # None: no run of this compile
+    record["trace"]                                     # '/home/me/out/l/trace'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+RUN_RECORD = "run.json"
+
+
+def write_run_record(out: Path, options, losses: list[float], memory_rows: list[dict] | None) -> Path | None:
+    """Write ``out/run.json`` (None, silently, where the folder cannot be written: the run itself succeeded)."""
+    from fxshard.codegen.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": options.steps, "losses": losses,
+              "metrics": str(Path(options.metrics).resolve()) if options.metrics else None,
+              "trace": str(Path(options.trace).resolve()) if options.trace else None,
+              "memory": memory_rows, "digests": manifest.digests}
+    path = Path(out) / RUN_RECORD
+    with contextlib.suppress(OSError):
+        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        return path
+    return None
+
+
+def read_run_record(out: Path, manifest) -> dict | None:
+    """The record of the last run of ``out``'s program, or None (no run, unreadable, or an earlier compile's)."""
+    try:
+        record = json.loads((Path(out) / RUN_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(record, dict) or record.get("digests") != manifest.digests:
+        return None
+    return record
