@@ -1,13 +1,13 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
 from fxshard.runtime.collectives import (
-           all_gather,
-           all_reduce,
-           copy_to,
-           gather_to,
-           reduce_scatter,
-           scatter,
-           shard,
+    all_gather,
+    all_reduce,
+    copy_to,
+    gather_to,
+    reduce_scatter,
+    scatter,
+    shard,
 )
 from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.functions import TENSOR, autograd_function
