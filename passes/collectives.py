@@ -72,14 +72,14 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _token_splits(gm: fx.GraphModule) -> dict[fx.Node, int]:
-    """Partial sums some consumer needs split (over tokens, under ``--sp``) -> the dimension: reduce-scattered."""
+def _token_splits(gm: fx.GraphModule) -> dict[fx.Node, Shard]:
+    """Partial sums some consumer needs split (over tokens, under ``--sp``) -> that split: reduce-scattered."""
     found = {}
     for node in gm.graph.nodes:
         required = spec(node).inputs if node.op in ("call_function", "output") else None
         for arg, need in zip(tensor_args(node), required or (), strict=False):
-            if isinstance(spec(arg).placement, Partial) and isinstance(need, Shard) and need.blocks == 1:
-                found.setdefault(arg, need.dim)
+            if isinstance(spec(arg).placement, Partial) and isinstance(need, Shard):
+                found.setdefault(arg, need)
     return found
 
 
@@ -95,15 +95,15 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
             return _make(gm, made, ("copy_to", arg), (arg, GROUP), {}, R, consumer, consumer)
         return arg
     if isinstance(has, Partial) and scattered and arg in scattered:
-        dim = scattered[arg]
-        reduced = _make(gm, made, ("reduce_scatter", arg), (arg, GROUP), {"dim": dim}, Shard(dim), arg, None)
+        split = scattered[arg]
+        reduced = _make(gm, made, ("reduce_scatter", arg), (arg, GROUP), _split_kwargs(split), split, arg, None)
         return _redistribute(gm, reduced, need, consumer, *again)
     if isinstance(has, Partial):
         reduced = _make(gm, made, ("all_reduce", arg), (arg, GROUP), {}, R, arg, None)
         return _redistribute(gm, reduced, need, consumer, *again)
     if isinstance(has, Shard) and scattered is not None and need == R and sharded_out and grad \
-            and has.blocks == 1 and consumer.op != "output":
-        return _make(gm, made, ("gather_to", arg), (arg, GROUP), {"dim": has.dim}, R, arg, consumer)
+            and consumer.op != "output":
+        return _make(gm, made, ("gather_to", arg), (arg, GROUP), _split_kwargs(has), R, arg, consumer)
     if isinstance(has, Shard):
         gathered = _make(gm, made, ("all_gather", arg), (arg, GROUP),
                          {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
@@ -115,6 +115,10 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
                      {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
     return _make(gm, made, ("shard", arg, need), (arg,),
                  {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
+
+
+def _split_kwargs(split: Shard) -> dict:
+    return {"dim": split.dim} | ({"blocks": split.blocks} if split.blocks > 1 else {})
 
 
 def _make(gm, made, key, args, kwargs, placement, owner: fx.Node, before: fx.Node | None) -> fx.Node:

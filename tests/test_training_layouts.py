@@ -19,7 +19,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
-from fxshard.testing import CaseFailure, case_result, spawn_cases
+from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
@@ -117,20 +117,6 @@ def _train_one(out: str, optim: OptimConfig):
     return losses, state
 
 
-def _selected(request) -> list[str]:
-    """The cases this session runs (``-k gpt-tp2``): only those are compiled and trained; all of them when a test
-    of this file that reads several cases is selected too."""
-    chosen = set()
-    for item in request.session.items:
-        if item.module is not request.module or "trained" not in getattr(item, "fixturenames", ()):
-            continue
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if "case" not in params:
-            return list(CASES)
-        chosen.add(params["case"])
-    return [c for c in CASES if c in chosen]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, request):
     """Compile the selected cases, train each world size's cases in one spawn.  {case: (per-rank results,
@@ -138,7 +124,7 @@ def trained(tmp_path_factory, request):
     test)."""
     folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
     results: dict = {}
-    for case in _selected(request):
+    for case in selected_cases(request, CASES):
         path, layout, plan, optim = _case(case)
         out = tmp_path_factory.mktemp(case)
         try:

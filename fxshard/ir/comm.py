@@ -68,8 +68,8 @@ def _same(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.clone()
 
 
-def _reduced_part(x: torch.Tensor, size: int, dim: int) -> torch.Tensor:
-    return rtc.shard(x, dim, 0, size)  # the shape of one rank's part (a fresh buffer, as the reduce-scatter's)
+def _reduced_part(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
+    return rtc.shard(x, dim, 0, size, blocks)  # the shape of one rank's part (a fresh buffer, as the reduce-scatter's)
 
 
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (

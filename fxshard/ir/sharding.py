@@ -12,6 +12,7 @@ This is analysis only; ``passes/tensor_parallel.py`` applies it.  Rules see glob
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -174,7 +175,8 @@ def sequence_decision(node: fx.Node, args: list[fx.Node], placements: list[Place
     exact on any split); a consumer no rule computes on the token split (a column-parallel layer, attention)
     gets the value gathered.  Records in ``prop.sequence`` which outputs are split over tokens."""
     if decision is None and any(isinstance(p, Partial) for p in placements):
-        tokens = [_token_split(a, p, tp) if isinstance(p, Partial) else p for a, p in zip(args, placements, strict=True)]
+        tokens = [_token_split(a, p, tp, node) if isinstance(p, Partial) else p
+                  for a, p in zip(args, placements, strict=True)]
         if tokens != placements:
             decision = _rule(node, args, tokens)
     if decision is None and any(a in prop.sequence and isinstance(p, Shard) for a, p in zip(args, placements,
@@ -191,20 +193,27 @@ def sequence_decision(node: fx.Node, args: list[fx.Node], placements: list[Place
     return decision
 
 
-def _token_split(node: fx.Node, p: Partial, tp: int) -> Placement:
-    """The split over tokens a partial sum is reduce-scattered to, checked: the token count must divide."""
-    dim = sequence_dim(node)
+def _token_split(node: fx.Node, p: Partial, tp: int, consumer: fx.Node) -> Placement:
+    """The split over tokens a partial sum is reduce-scattered to, checked: the token count must divide.
+
+    A ``[B*S, H]`` partial sum that ``consumer`` views as ``[B, S, H]`` (GPT-2's ``Conv1D`` multiplies
+    flattened tokens) is split as that view's sequence: each of its B blocks of S rows split, ``S(0)xB``."""
+    dim, blocks = sequence_dim(node), 1
+    if dim is None and len(shape(node)) == 2 and consumer.target in _RESHAPES:
+        out = shape(consumer)
+        if len(out) >= 3 and out[-1] == shape(node)[1] and math.prod(out[:-1]) == shape(node)[0]:
+            dim, blocks = 0, shape(node)[0] // out[-2]
     if dim is None:
         return p
-    size = shape(node)[dim]
+    size = shape(node)[dim] // blocks
     if size % tp:
         from fxshard.capture.program import node_fqn
 
         raise ShardingError(
             f"{node_fqn(node) or 'model'}: --sp splits its output {list(shape(node))} over tp={tp} along dimension "
-            f"{dim}, the sequence ({size} tokens), which {tp} does not divide; use a sequence length divisible by "
+            f"{dim}, the sequence ({size} tokens{f' in each of {blocks} blocks' if blocks > 1 else ''}), which {tp} does not divide; use a sequence length divisible by "
             f"{tp} (pad the batch), another --tp, or drop --sp")
-    return Shard(dim)
+    return Shard(dim, blocks)
 
 
 def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], decision: Decision,
@@ -299,15 +308,35 @@ def _pointwise(node, args, placements):
     return Decision(Shard(od, blocks), need)
 
 
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
 @rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten)
 def _reshape(node, args, placements):
     (p,) = placements[:1]
     if not isinstance(p, Shard):
         return None
+    blocked = _blocked_reshape(shape(args[0]), shape(node), p)
+    if blocked is not None:
+        return Decision(blocked, (p,))
     out = reshape_dim(shape(args[0]), shape(node), p.dim)
     if out is None or (p.blocks > 1 and shape(args[0])[p.dim] != shape(node)[out]):
         return None
     return Decision(Shard(out, p.blocks), (p,))
+
+
+def _blocked_reshape(src: tuple[int, ...], dst: tuple[int, ...], p: Shard) -> Shard | None:
+    """A split of the second of two dimensions that the reshape merges is the merged dimension split in blocks
+    (``[B, S, H]`` split on S viewed as ``[B*S, H]``: each of its B blocks of S rows split, ``S(0)xB``), and
+    back: the same elements, in the same order, on each rank.  None for any other reshape."""
+    d = p.dim
+    if p.blocks == 1 and d >= 1 and len(dst) == len(src) - 1 and src[:d - 1] == dst[:d - 1] \
+            and dst[d - 1] == src[d - 1] * src[d] and src[d + 1:] == dst[d:] and src[d - 1] > 1:
+        return Shard(d - 1, src[d - 1])
+    if p.blocks > 1 and len(dst) == len(src) + 1 and src[:d] == dst[:d] and dst[d] == p.blocks \
+            and src[d] == dst[d] * dst[d + 1] and src[d + 1:] == dst[d + 2:]:
+        return Shard(d + 1)
+    return None
 
 
 def reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:

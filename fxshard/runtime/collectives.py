@@ -66,12 +66,15 @@ def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=N
     return full
 
 
-def _reduce_scatter(x: torch.Tensor, group, dim: int, what: str, site=None) -> torch.Tensor:
-    parts = [p.contiguous() for p in _dense(x).chunk(dist.get_world_size(group), dim=dim)]
+def _reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
+    x = _dense(x)
+    if blocks > 1:  # rank r keeps part r of each block: [b0_r, b1_r, ...], as SliceSpec's blocks
+        x = x.unflatten(dim, (blocks, -1))
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=dim + (blocks > 1))]
     out = torch.empty_like(parts[0])
     with guarded(what, group, x, site):
         dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
-    return out
+    return out.flatten(dim, dim + 1) if blocks > 1 else out
 
 
 def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int) -> torch.Tensor:
@@ -125,26 +128,27 @@ class _Scatter(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, site):
-        ctx.group, ctx.dim, ctx.site = group, dim, site
-        return _reduce_scatter(x, group, dim, "reduce_scatter", site)
+    def forward(ctx, x, group, dim, blocks, site):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
+        return _reduce_scatter(x, group, dim, blocks, "reduce_scatter", site)
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = _all_gather(grad, ctx.group, ctx.dim, 1, "all_gather (backward of reduce_scatter)", ctx.site)
-        return gathered, None, None, None
+        gathered = _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, "all_gather (backward of reduce_scatter)",
+                               ctx.site)
+        return gathered, None, None, None, None
 
 
 class _GatherTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, site):
-        ctx.group, ctx.dim, ctx.site = group, dim, site
-        return _all_gather(x, group, dim, 1, "all_gather", site)
+    def forward(ctx, x, group, dim, blocks, site):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
+        return _all_gather(x, group, dim, blocks, "all_gather", site)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, ctx.dim, "reduce_scatter (backward of gather_to)", ctx.site), \
-            None, None, None
+        what = "reduce_scatter (backward of gather_to)"
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.blocks, what, ctx.site), None, None, None, None
 
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
@@ -167,16 +171,16 @@ def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: in
     return _Scatter.apply(x, group, dim, index, parts, blocks, _site())
 
 
-def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Sum partial results over ``group`` and keep this rank's part along ``dim``; backward all-gathers the
-    gradient."""
-    return _ReduceScatter.apply(x, group, dim, _site())
+def reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Sum partial results over ``group`` and keep this rank's part along ``dim`` (of each of ``blocks`` equal
+    blocks); backward all-gathers the gradient."""
+    return _ReduceScatter.apply(x, group, dim, blocks, _site())
 
 
-def gather_to(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+def gather_to(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
     """Enter a tensor-parallel region from a split value: all-gather along ``dim`` forward; backward sums the
     ranks' gradients and keeps this rank's part (a reduce-scatter)."""
-    return _GatherTo.apply(x, group, dim, _site())
+    return _GatherTo.apply(x, group, dim, blocks, _site())
 
 
 def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
