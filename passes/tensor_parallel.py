@@ -64,6 +64,9 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
     prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None)
+    if ctx.layout.sp and not prop.sequence:
+        ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
+                         "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")
     _check_divisible(gm, prop, tp, ctx, ops)
     apply_propagation(gm, prop, ctx, roles)
     gm.graph.lint()

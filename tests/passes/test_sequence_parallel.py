@@ -137,3 +137,9 @@ def test_a_sequence_length_tp_does_not_divide_names_the_module(tmp_path):
 def test_without_sp_nothing_changes():
     gm = compile_program(SAMPLES / "gpt.py", Layout(tp=2)).gm
     assert not [n for n in _nodes(gm) if n.target in (rtc.reduce_scatter, rtc.gather_to)]
+
+
+def test_a_model_without_token_activations_says_sp_splits_nothing(models):
+    result = compile_program(models / "mlp.py", Layout(tp=2, sp=True))  # [4, 16] activations: no sequence
+    assert any(n.startswith("--sp: no value is split over tokens") for n in result.ctx.notes)
+    assert not [n for n in _nodes(result.gm) if n.target in (rtc.reduce_scatter, rtc.gather_to)]
