@@ -84,7 +84,7 @@ def _token_splits(gm: fx.GraphModule) -> dict[fx.Node, Shard]:
 
 
 def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_out: bool, grad: bool,
-                  made: dict, tp: int, scattered: dict[fx.Node, int] | None) -> fx.Node:
+                  made: dict, tp: int, scattered: dict[fx.Node, Shard] | None) -> fx.Node:
     """The node giving ``consumer`` the value ``arg`` at placement ``need``; ``grad``: a gradient flows back
     through ``arg`` (and so through what is inserted for it); ``scattered``: under ``--sp``, the partial sums to
     reduce-scatter (None without)."""
