@@ -66,16 +66,19 @@ DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
                                                   help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
                                                        "whether its predicted peak fits; --recompute auto chooses "
                                                        "by it")]
+SequenceParallel = Annotated[bool, typer.Option("--sp", help="sequence parallelism (with --tp 2 or more): norms, "
+                                                        "dropout and residual adds run on S/tp tokens; the "
+                                                        "all-reduces become reduce-scatters and all-gathers")]
 PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 
 
 def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
-            virtual_stages: int | None, dtype: str, recompute: str = "none"):
+            virtual_stages: int | None, dtype: str, recompute: str = "none", sp: bool = False):
     from fxshard.ir.context import Layout
 
     return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute)
+                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp)
 
 
 @app.command()
@@ -87,6 +90,7 @@ def compile(
     zero: Zero = 0,
     dtype: DType = "fp32",
     recompute: Recompute = "none",
+    sp: SequenceParallel = False,
     schedule: Schedule = "1f1b",
     microbatches: Microbatches = None,
     virtual_stages: VirtualStages = None,
@@ -111,7 +115,7 @@ def compile(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -138,6 +142,7 @@ def plan(
     virtual_stages: VirtualStages = None,
     dtype: DType = "fp32",
     recompute: Recompute = "none",
+    sp: SequenceParallel = False,
     plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
@@ -156,7 +161,7 @@ def plan(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
         report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq,
                             device)
     except FxshardError as e:
@@ -321,6 +326,7 @@ def verify(
     virtual_stages: VirtualStages = None,
     dtype: DType = "fp32",
     recompute: Recompute = "none",
+    sp: SequenceParallel = False,
     plan: PlanFile = None,
     steps: int = typer.Option(3, "--steps", help="training steps"),
     lr: float = typer.Option(1e-3, "--lr"),
@@ -342,7 +348,7 @@ def verify(
     from fxshard.train.optim import OptimConfig
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,

@@ -217,6 +217,9 @@ _PLAN_ROWS = [  # key, label, unit
     ("peak", "predicted peak bytes (model state + activations + transient)", "bytes"),
     ("tp_allreduce", "tp all-reduce elements per step (fwd + bwd)", "count"),
     ("tp_allgather", "tp all-gather elements per step", "count"),
+    ("tp_reducescatter", "tp reduce-scatter elements per step (--sp)", "count"),
+    ("tp_sent", "tp elements each rank sends per step (ring: all-reduce 2(t-1)/t of its buffer, gather and "
+                "reduce-scatter (t-1)/t)", "count"),
     ("pp_send", "pp elements sent per step (activations fwd, grads bwd)", "count"),
     ("dp_bytes", "dp bytes sent per step (ring collectives)", "bytes"),
 ]

@@ -143,6 +143,21 @@ def spawn_cases(fn, world: int, items: list[tuple[str, tuple]], timeout: float =
     return found
 
 
+def selected_cases(request, cases, fixture: str = "trained") -> list[str]:
+    """The cases of ``cases`` (ids of ``@pytest.mark.parametrize("case", ...)``) whose tests this session runs and
+    that read the module fixture ``fixture``, so it compiles and trains those alone (``pytest -k tp2-sp``); all
+    of them when a test of the module reads the fixture without a ``case``."""
+    chosen = set()
+    for item in request.session.items:
+        if item.module is not request.module or fixture not in getattr(item, "fixturenames", ()):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "case" not in params:
+            return list(cases)
+        chosen.add(params["case"])
+    return [c for c in cases if c in chosen]
+
+
 def case_result(results: dict, key: str):
     """The per-rank results of one case of :func:`spawn_cases`; fails the calling test with the case's cause."""
     import pytest

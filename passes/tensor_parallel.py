@@ -36,6 +36,7 @@ from fxshard.ir.sharding import (
     set_argument,
     shape,
     squeezed_dims,
+    tensor_args,
     vocab_parallel_loss,
     written_inputs,
 )
@@ -62,7 +63,10 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
-    prop = propagate(gm, weights, forced)
+    prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None)
+    if ctx.layout.sp and not prop.sequence:
+        ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
+                         "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")
     _check_divisible(gm, prop, tp, ctx, ops)
     apply_propagation(gm, prop, ctx, roles)
     gm.graph.lint()
@@ -286,13 +290,24 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
         inputs = spec(node).inputs[1:]
     node.args, node.kwargs = (x, w), {}
     update_spec(node, inputs=inputs)
+    tokens = _token_need(node)  # under --sp: reduce-scattered, the bias added to this rank's tokens
     with gm.graph.inserting_after(node):
         add = gm.graph.call_function(aten.add.Tensor, (node, b))
     node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
     add.meta["val"] = node.meta["val"]
     add.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     old = spec(node)
-    add.meta["fxshard"] = NodeSpec(Replicate(), old.fqn, old.role, inputs=(Replicate(), Replicate()))
+    out = tokens or Replicate()
+    add.meta["fxshard"] = NodeSpec(out, old.fqn, old.role, inputs=(out, Replicate()))
+
+
+def _token_need(node: fx.Node) -> Shard | None:
+    """The split a consumer takes the partial sums ``node`` in (sequence parallelism: split over tokens)."""
+    for user in node.users:
+        for arg, need in zip(tensor_args(user), spec(user).inputs or (), strict=False):
+            if arg is node and isinstance(need, Shard):
+                return need
+    return None
 
 
 def _vocab_embedding(node: fx.Node, tp: int) -> None:

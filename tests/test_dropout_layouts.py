@@ -18,7 +18,7 @@ import pytest
 from fxshard.capture.modelfile import load_model_file
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
-from fxshard.testing import case_result, spawn_cases
+from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 
@@ -41,6 +41,12 @@ CASES = {  # id -> (layout, optimizer settings)
     # recompute reruns a block's dropouts in backward, after the schedule moved on to later microbatches
     "pp2-1f1b-recompute-full": (Layout(pp=2, microbatches=4, recompute="full"), OptimConfig()),
     "tp2-dp2-zero3-recompute-selective": (Layout(tp=2, dp=2, zero=3, recompute="selective"), OptimConfig()),
+    # --sp: the embedding's and the residual dropouts run on this rank's S/tp tokens, each drawing its slice of
+    # the single-device mask (attention dropout stays split by heads)
+    "tp2-sp": (Layout(tp=2, sp=True), OptimConfig()),
+    "tp2-pp2-sp": (Layout(tp=2, pp=2, sp=True), OptimConfig()),
+    "tp2-dp2-zero1-sp-recompute-selective": (Layout(tp=2, dp=2, zero=1, sp=True, recompute="selective"),
+                                             OptimConfig()),
 }
 
 
@@ -51,10 +57,12 @@ def _train_one(out: str, optim: OptimConfig) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Compile every case and train each world size's cases in one spawn; {case: per-rank losses or CaseFailure}."""
+def trained(tmp_path_factory, request):
+    """Compile the selected cases and train each world size's cases in one spawn; {case: per-rank losses or
+    CaseFailure}."""
     folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
-    for case, (layout, optim) in CASES.items():
+    for case in selected_cases(request, CASES):
+        layout, optim = CASES[case]
         out = tmp_path_factory.mktemp(case)
         compile_model(MODEL, layout, out=out)
         folders.setdefault(layout.world_size, []).append((case, out, optim))

@@ -121,8 +121,10 @@ def test_bf16_training_follows_fp32_and_is_not_fp32():
 
 LLAMA = ROOT / "samples" / "llama.py"
 SAVED_CASES = {1: [(m, lay) for m in ("gpt", "llama") for lay in ("tp1", "tp1-selective", "tp1-full")],
-               2: [(m, lay) for m in ("gpt", "llama") for lay in ("tp2", "pp2", "tp2-selective", "tp2-full")]}
-SAVED_LAYOUTS = {"tp1": Layout(), "tp2": Layout(tp=2), "pp2": Layout(pp=2),
+               2: [(m, lay) for m in ("gpt", "llama") for lay in ("tp2", "pp2", "tp2-selective", "tp2-full")]
+               + [("gpt", "tp2-sp"), ("gpt", "tp2-sp-selective")]}
+SAVED_LAYOUTS = {"tp1": Layout(), "tp2": Layout(tp=2), "pp2": Layout(pp=2), "tp2-sp": Layout(tp=2, sp=True),
+                 "tp2-sp-selective": Layout(tp=2, sp=True, recompute="selective"),
                  **{f"tp{t}-{mode}": Layout(tp=t, recompute=mode) for t in (1, 2) for mode in ("selective", "full")}}
 
 

@@ -19,7 +19,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
-from fxshard.testing import CaseFailure, case_result, spawn_cases
+from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
@@ -86,6 +86,20 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     **{f"gpt-dp2-pp2-zero1-{s}-bf16-clip": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=1, dtype="bf16", schedule=s,
                                                                        microbatches=4), None, CLIP)
        for s in ("zero-bubble", "1f1b")},
+    # --sp: sequence parallelism (reduce-scatter after row-parallel layers, norms/residual adds/dropout on S/tp
+    # tokens, all-gather before column-parallel layers, replicated norm weights' gradients summed over tp)
+    "gpt-tp2-sp": (SAMPLES / "gpt.py", Layout(tp=2, sp=True), None),
+    "llama-tp2-sp": (SAMPLES / "llama.py", Layout(tp=2, sp=True), None),
+    "gpt2-tp2-sp": (SAMPLES / "gpt2.py", Layout(tp=2, sp=True), None),
+    "gpt-tp2-pp2-sp": (SAMPLES / "gpt.py", Layout(tp=2, pp=2, sp=True), None),
+    "llama-tp2-pp2-sp-interleaved-1f1b": (SAMPLES / "llama.py", Layout(tp=2, pp=2, sp=True,
+                                                                      schedule="interleaved-1f1b"), None),
+    "llama-dp2-tp2-zero1-sp": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=1, sp=True), None),
+    "llama-dp2-tp2-zero3-sp-clip": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=3, sp=True), None, CLIP),
+    "gpt-tp2-sp-recompute-selective": (SAMPLES / "gpt.py", Layout(tp=2, sp=True, recompute="selective"), None),
+    "llama-tp2-pp2-sp-recompute-full": (SAMPLES / "llama.py", Layout(tp=2, pp=2, sp=True, recompute="full"), None),
+    "llama-padded-tp2-sp": (ROOT / "tests" / "models" / "llama_padded.py", Layout(tp=2, sp=True), None),
+    "gpt-tp2-sp-bf16": (SAMPLES / "gpt.py", Layout(tp=2, sp=True, dtype="bf16"), None),
 }
 BF16_REL = 2e-2  # bf16 losses are rounded to 8 significant bits (~4e-3); sums over other ranks round differently
 
@@ -104,12 +118,13 @@ def _train_one(out: str, optim: OptimConfig):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """Compile every case, train each world size's cases in one spawn.  {case: (per-rank results, manifest)}, or
-    a CaseFailure naming the case's own compile error or traceback (so one bad case fails one test)."""
+def trained(tmp_path_factory, request):
+    """Compile the selected cases, train each world size's cases in one spawn.  {case: (per-rank results,
+    manifest)}, or a CaseFailure naming the case's own compile error or traceback (so one bad case fails one
+    test)."""
     folders: dict[int, list[tuple[str, Path, OptimConfig]]] = {}
     results: dict = {}
-    for case in CASES:
+    for case in selected_cases(request, CASES):
         path, layout, plan, optim = _case(case)
         out = tmp_path_factory.mktemp(case)
         try:

@@ -10,7 +10,7 @@ experts) is one entry::
     >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
     ('all_reduce', 'all_reduce')
     >>> [k.name for k in communicating("backward")]
-    ['copy_to', 'scatter']
+    ['copy_to', 'scatter', 'reduce_scatter', 'gather_to']
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ def _same(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.clone()
 
 
+def _reduced_part(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
+    return rtc.shard(x, dim, 0, size, blocks)  # the shape of one rank's part (a fresh buffer, as the reduce-scatter's)
+
+
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("copy_to", None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
@@ -78,6 +82,12 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    _gathered),
     CollectiveKind("scatter", None, "all_gather",
                    "R -> S(d): keeps this rank's part forward; all-gather of the gradient backward", _part),
+    # sequence parallelism (Megatron-LM's reduce-scatter <-> all-gather pair): the same bytes as an all-reduce
+    CollectiveKind("reduce_scatter", "reduce_scatter", "all_gather",
+                   "P(sum) -> S(d): reduce-scatter along d forward; all-gather of the gradient backward", _reduced_part),
+    CollectiveKind("gather_to", "all_gather", "reduce_scatter",
+                   "S(d) -> R: all-gather along d forward; reduce-scatter of the gradient backward (enters split "
+                   "compute)", _gathered),
     CollectiveKind("shard", None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
@@ -101,6 +111,6 @@ def communicating(direction: str) -> list[CollectiveKind]:
 def buffer_is_input(kind: CollectiveKind, direction: str) -> bool:
     """Whether the whole buffer of ``kind``'s operation in ``direction`` has the shape of the call's input
     (a reduction, or a scatter whose gradient is gathered back to the input's shape) rather than its output
-    (a gather)."""
+    (a gather forward; a gather's gradient reduce-scattered backward, which has the output's shape)."""
     op = getattr(kind, direction)
-    return op is not None and not (op == "all_gather" and direction == "forward")
+    return op is not None and (op, direction) not in (("all_gather", "forward"), ("reduce_scatter", "backward"))

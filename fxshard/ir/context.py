@@ -29,8 +29,9 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; 
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
 # before code generation
-_ADDED = ("virtual_stages", "dtype", "recompute")  # Layout fields newer than manifest format 1: absent from older manifests
-_SINCE_DEFAULT = {"recompute": "none"}  # written only when set: manifests before it stay byte for byte
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp")  # Layout fields newer than manifest format 1: absent from older
+# manifests
+_SINCE_DEFAULT = {"recompute": "none", "sp": False}  # written only when set: manifests before it stay byte for byte
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Layout:
     virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
     dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
     recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
+    sp: bool = False  # sequence parallelism: what runs between tp regions runs on S/tp tokens (passes/collectives.py)
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp"):
@@ -75,6 +77,9 @@ class Layout:
             raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.recompute not in RECOMPUTE:
             raise LayoutError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.sp and self.tp == 1:
+            raise LayoutError("--sp splits the sequence over the tensor-parallel ranks, and tp=1 has one: nothing "
+                              "would be split; use --tp 2 or more with --sp, or drop --sp")
         if self.microbatches is not None and self.microbatches < 1:
             raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
 
@@ -153,6 +158,8 @@ class Layout:
             text += f" dtype={self.dtype}"
         if self.recompute != "none":
             text += f" recompute={self.recompute}"
+        if self.sp:
+            text += " sp"
         return text
 
 

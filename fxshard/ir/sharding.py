@@ -12,6 +12,7 @@ This is analysis only; ``passes/tensor_parallel.py`` applies it.  Rules see glob
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ class Decision:
 class Propagation:
     decisions: dict[fx.Node, Decision] = field(default_factory=dict)
     fallbacks: list[fx.Node] = field(default_factory=list)
+    # sequence parallelism: the nodes whose split output is split over tokens (a reduce-scatter's, and what is
+    # computed from it token by token), as opposed to split over a weight's dimension
+    sequence: set[fx.Node] = field(default_factory=set)
 
     def placement(self, node: fx.Node) -> Placement:
         out = self.decisions[node].out
@@ -105,12 +109,13 @@ def propagate(
     gm: fx.GraphModule,
     weights: dict[fx.Node, Placement],
     forced: dict[fx.Node, Placement] | None = None,
+    sequence: int | None = None,
 ) -> Propagation:
     """Decide placements for every node, given placements of parameter placeholders.
 
     ``forced`` makes consumers of some nodes see another placement (a ``gather_output`` head computes
     S(-1) and its consumers see R): the collectives pass then inserts the redistribution before the
-    consumers.
+    consumers.  ``sequence``: the tp degree under sequence parallelism (:func:`sequence_decision`), else None.
     """
     prop = Propagation()
     forced = forced or {}
@@ -129,12 +134,16 @@ def propagate(
         if node.target is operator.getitem:
             src = prop.decisions[node.args[0]].out
             prop.decisions[node] = Decision(src[node.args[1]] if isinstance(src, tuple) else src, ())
+            if node.args[0] in prop.sequence and isinstance(prop.decisions[node].out, Shard):
+                prop.sequence.add(node)
             continue
         placements = [forced.get(a, prop.decisions[a].out) for a in args]
         if all(p == R for p in placements):
             decision = Decision(_replicated_out(node), tuple(R for _ in args))
         else:
             decision = _rule(node, args, placements)
+            if sequence is not None:
+                decision = sequence_decision(node, args, placements, decision, prop, sequence)
             if decision is None and any(isinstance(p, Partial) for p in placements):
                 # a partial sum is reduced before use: ask the rule again with it whole, so a split operand
                 # beside it stays split (OLMo2's first q/k/v read the vocab-parallel lookup directly; gathering
@@ -148,6 +157,63 @@ def propagate(
             decision = _in_place(node, args, placements, decision, prop)
         prop.decisions[node] = decision
     return prop
+
+
+def sequence_dim(node: fx.Node) -> int | None:
+    """The token dimension of an activation: the one before the hidden size of ``[B, S, H]`` (any value of 3 or
+    more dimensions: ``[B, S, H]``, ``[S, B, H]``, ``[B, C, S, H]``); None for fewer."""
+    n = len(shape(node))
+    return n - 2 if n >= 3 else None
+
+
+def sequence_decision(node: fx.Node, args: list[fx.Node], placements: list[Placement], decision: Decision | None,
+                      prop: Propagation, tp: int) -> Decision | None:
+    """Sequence parallelism as placements (Megatron-LM's, Korthikanti et al. 2022): a partial sum (row-parallel
+    output, vocab-parallel lookup) whose consumer a rule can compute split over tokens is reduce-scattered
+    along its token dimension instead of all-reduced, and what follows stays split over tokens as long as the
+    rules accept it (norms over the hidden size, elementwise ops, dropout, residual adds: each a rule that is
+    exact on any split); a consumer no rule computes on the token split (a column-parallel layer, attention)
+    gets the value gathered.  Records in ``prop.sequence`` which outputs are split over tokens."""
+    if decision is None and any(isinstance(p, Partial) for p in placements):
+        tokens = [_token_split(a, p, tp, node) if isinstance(p, Partial) else p
+                  for a, p in zip(args, placements, strict=True)]
+        if tokens != placements:
+            decision = _rule(node, args, tokens)
+    if decision is None and any(a in prop.sequence and isinstance(p, Shard) for a, p in zip(args, placements,
+                                                                                                 strict=True)):
+        whole = [R if a in prop.sequence or isinstance(p, Partial) else p for a, p in zip(args, placements, strict=True)]
+        decision = _rule(node, args, whole) if any(p != R for p in whole) else None
+        if decision is None and all(p == R for p in whole):  # the token split gathered, partial sums reduced
+            decision = Decision(_replicated_out(node), tuple(R for _ in args))
+    if decision is not None and any(isinstance(need, Shard) and (a in prop.sequence or isinstance(p, Partial))
+                                    for a, p, need in zip(args, placements, decision.inputs, strict=True)):
+        outs = decision.out if isinstance(decision.out, tuple) else (decision.out,)
+        if any(isinstance(o, Shard) for o in outs):
+            prop.sequence.add(node)
+    return decision
+
+
+def _token_split(node: fx.Node, p: Partial, tp: int, consumer: fx.Node) -> Placement:
+    """The split over tokens a partial sum is reduce-scattered to, checked: the token count must divide.
+
+    A ``[B*S, H]`` partial sum that ``consumer`` views as ``[B, S, H]`` (GPT-2's ``Conv1D`` multiplies
+    flattened tokens) is split as that view's sequence: each of its B blocks of S rows split, ``S(0)xB``."""
+    dim, blocks = sequence_dim(node), 1
+    if dim is None and len(shape(node)) == 2 and consumer.target in _RESHAPES:
+        out = shape(consumer)
+        if len(out) >= 3 and out[-1] == shape(node)[1] and math.prod(out[:-1]) == shape(node)[0]:
+            dim, blocks = 0, shape(node)[0] // out[-2]
+    if dim is None:
+        return p
+    size = shape(node)[dim] // blocks
+    if size % tp:
+        from fxshard.capture.program import node_fqn
+
+        raise ShardingError(
+            f"{node_fqn(node) or 'model'}: --sp splits its output {list(shape(node))} over tp={tp} along dimension "
+            f"{dim}, the sequence ({size} tokens{f' in each of {blocks} blocks' if blocks > 1 else ''}), which {tp} does not divide; use a sequence length divisible by "
+            f"{tp} (pad the batch), another --tp, or drop --sp")
+    return Shard(dim, blocks)
 
 
 def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], decision: Decision,
@@ -242,15 +308,35 @@ def _pointwise(node, args, placements):
     return Decision(Shard(od, blocks), need)
 
 
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
 @rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten)
 def _reshape(node, args, placements):
     (p,) = placements[:1]
     if not isinstance(p, Shard):
         return None
+    blocked = _blocked_reshape(shape(args[0]), shape(node), p)
+    if blocked is not None:
+        return Decision(blocked, (p,))
     out = reshape_dim(shape(args[0]), shape(node), p.dim)
     if out is None or (p.blocks > 1 and shape(args[0])[p.dim] != shape(node)[out]):
         return None
     return Decision(Shard(out, p.blocks), (p,))
+
+
+def _blocked_reshape(src: tuple[int, ...], dst: tuple[int, ...], p: Shard) -> Shard | None:
+    """A split of the second of two dimensions that the reshape merges is the merged dimension split in blocks
+    (``[B, S, H]`` split on S viewed as ``[B*S, H]``: each of its B blocks of S rows split, ``S(0)xB``), and
+    back: the same elements, in the same order, on each rank.  None for any other reshape."""
+    d = p.dim
+    if p.blocks == 1 and d >= 1 and len(dst) == len(src) - 1 and src[:d - 1] == dst[:d - 1] \
+            and dst[d - 1] == src[d - 1] * src[d] and src[d + 1:] == dst[d:] and src[d - 1] > 1:
+        return Shard(d - 1, src[d - 1])
+    if p.blocks > 1 and len(dst) == len(src) + 1 and src[:d] == dst[:d] and dst[d] == p.blocks \
+            and src[d] == dst[d] * dst[d + 1] and src[d + 1:] == dst[d + 2:]:
+        return Shard(d + 1)
+    return None
 
 
 def reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | None:

@@ -1,6 +1,14 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
-from fxshard.runtime.collectives import all_gather, all_reduce, copy_to, scatter, shard
+from fxshard.runtime.collectives import (
+    all_gather,
+    all_reduce,
+    copy_to,
+    gather_to,
+    reduce_scatter,
+    scatter,
+    shard,
+)
 from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
@@ -10,7 +18,8 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "vocab_cross_entropy",
+__all__ = ["all_gather", "all_reduce", "copy_to", "gather_to", "reduce_scatter", "scatter", "shard", "vocab_embedding",
+           "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
            "TENSOR"]

@@ -7,7 +7,14 @@ copy_to        identity                 all-reduce (sum)
 all_reduce     all-reduce (sum)         identity
 all_gather     all-gather along dim     keep this rank's part
 scatter        keep this rank's part    all-gather along dim
+reduce_scatter reduce-scatter along dim all-gather along dim
+gather_to      all-gather along dim     reduce-scatter along dim
 =============  =======================  ==========================
+
+``reduce_scatter`` and ``gather_to`` are sequence parallelism's pair (Megatron-LM's
+``reduce_scatter_to_sequence_parallel_region`` / ``gather_from_sequence_parallel_region``): the first
+replaces the all-reduce after a row-parallel layer, the second the identity before a column-parallel one;
+together they move the bytes of the all-reduce they replace.
 
 ``shard`` keeps this rank's part of a tensor that needs no gradient (no communication).
 A collective that does not complete within the process group's timeout raises an error naming the
@@ -59,6 +66,17 @@ def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=N
     return full
 
 
+def _reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
+    x = _dense(x)
+    if blocks > 1:  # rank r keeps part r of each block: [b0_r, b1_r, ...], as SliceSpec's blocks
+        x = x.unflatten(dim, (blocks, -1))
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=dim + (blocks > 1))]
+    out = torch.empty_like(parts[0])
+    with guarded(what, group, x, site):
+        dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=group)
+    return out.flatten(dim, dim + 1) if blocks > 1 else out
+
+
 def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int) -> torch.Tensor:
     return take(x, SliceSpec(dim, index, parts, blocks)).contiguous()
 
@@ -108,6 +126,31 @@ class _Scatter(torch.autograd.Function):
         return gathered, *([None] * 6)
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, blocks, site):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
+        return _reduce_scatter(x, group, dim, blocks, "reduce_scatter", site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered = _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, "all_gather (backward of reduce_scatter)",
+                               ctx.site)
+        return gathered, None, None, None, None
+
+
+class _GatherTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, blocks, site):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
+        return _all_gather(x, group, dim, blocks, "all_gather", site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        what = "reduce_scatter (backward of gather_to)"
+        return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.blocks, what, ctx.site), None, None, None, None
+
+
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
     return _CopyTo.apply(x, group, _site())
@@ -128,9 +171,22 @@ def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: in
     return _Scatter.apply(x, group, dim, index, parts, blocks, _site())
 
 
+def reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Sum partial results over ``group`` and keep this rank's part along ``dim`` (of each of ``blocks`` equal
+    blocks); backward all-gathers the gradient."""
+    return _ReduceScatter.apply(x, group, dim, blocks, _site())
+
+
+def gather_to(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
+    """Enter a tensor-parallel region from a split value: all-gather along ``dim`` forward; backward sums the
+    ranks' gradients and keeps this rank's part (a reduce-scatter)."""
+    return _GatherTo.apply(x, group, dim, blocks, _site())
+
+
 def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
     """Keep part ``index`` of ``parts`` of a tensor that carries no gradient (no communication)."""
     return _take(x, dim, index, parts, blocks)
 
 
-COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter}
+COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
+               "reduce_scatter": reduce_scatter, "gather_to": gather_to}

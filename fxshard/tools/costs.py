@@ -33,7 +33,7 @@ from fxshard.capture.program import loss_cone
 from fxshard.codegen.blocks import block_units
 from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.autograd import requires_grad
-from fxshard.ir.comm import KINDS, buffer_is_input
+from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import local_shape
@@ -328,9 +328,13 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["recompute_flops"] = _flop_overhead(traces["none"])
     # tensor parallel, elements per step: all-reduces in forward (row-parallel outputs) and backward
     # (inputs of column-parallel layers), all-gathers (gathered outputs, scattered inputs' gradients)
-    for op in ("all_reduce", "all_gather"):
+    # (sequence parallelism: reduce-scatters; a ring all-reduce sends twice what a gather or a reduce-scatter of
+    # the same buffer does, so tp_sent shows --sp moving what the all-reduces it replaces moved)
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
         row[f"tp_{op.replace('_', '')}"] = Cost(sympy.expand(moved.get(op, 0) * m) if layout.tp > 1
                                                 else sympy.Integer(0), at)
+    row["tp_sent"] = Cost(sympy.nsimplify(sum((sympy.nsimplify(WIRE[op](layout.tp)) * moved[op] * m for op in moved),
+                                              sympy.Integer(0))) if layout.tp > 1 else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
     return {mode: row | peak for mode, peak in by_mode.items()}

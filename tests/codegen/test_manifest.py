@@ -71,6 +71,15 @@ def test_keys_older_fxshards_did_not_write_take_their_defaults():
     assert old.layout == Layout(tp=2) and old.custom_ops == {} and old.digests is None
 
 
+def test_sp_is_written_only_when_set_and_reads_back():
+    data = json.loads((FIXTURES / "falcon-tp2.json").read_text())
+    assert "sp" not in data["layout"]  # manifests from before --sp keep their bytes
+    assert Manifest.from_json(data).layout.sp is False
+    layout = Layout(tp=2, sp=True, recompute="selective")
+    assert layout.to_json()["sp"] is True and Layout.from_json(layout.to_json()) == layout
+    assert "sp" not in Layout(tp=2).to_json()
+
+
 def test_a_manifest_missing_a_key_is_refused_when_read(tmp_path):
     compile_model(MLP, Layout(tp=2), out=tmp_path)
     data = json.loads((tmp_path / "manifest.json").read_text())
