@@ -285,15 +285,20 @@ def report(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None
+        from fxshard.errors import OptionError
+
         for flag, path in (("--metrics", metrics), ("--trace", trace)):
             if path is not None and not path.exists():
-                from fxshard.errors import OptionError
-
                 raise OptionError(f"{flag} {path}: no such file or folder")
+        if to is not None and (to.is_dir() or not to.parent.is_dir()):
+            raise OptionError(f"--to {to}: expected a file path in an existing folder; found "
+                              + ("a folder" if to.is_dir() else f"no folder {to.parent}") + "; give e.g. --to report.html")
         with console.status(f"reporting {out}"):
-            path = write_report(out, device, metrics, trace, to)
+            path, warnings = write_report(out, device, metrics, trace, to)
     except FxshardError as e:
         _fail(e)
+    for w in warnings:
+        err.print(f"warning: {w}")
     console.print(f"wrote {path}: open it in a browser (one file, nothing fetched)")
 
 
@@ -372,6 +377,10 @@ def _version(value: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print fxshard's and torch's versions and torch's backend, and exit")):
     """Compile unmodified PyTorch models into readable per-rank distributed training code."""
+    from fxshard.tools.environment import untested_torch
+
+    if note := untested_torch():
+        err.print(f"note: {note}", highlight=False)
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fxshard.codegen.emit import collective_counts
 from fxshard.codegen.manifest import Manifest, RankEntry, read_manifest
+from fxshard.units import human_bytes
 
 
 def _collective_counts(entry: RankEntry) -> str:
@@ -227,10 +228,7 @@ _PLAN_ROWS = [  # key, label, unit
 
 def _human(value: float, unit: str) -> str:
     if unit == "bytes":
-        for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-            if value >= scale:
-                return f"{value / scale:.2f} {name}"
-        return f"{value:.0f} B"
+        return human_bytes(value)
     for scale, name in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= scale:
             return f"{value / scale:.2f}{name}"

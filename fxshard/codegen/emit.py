@@ -29,6 +29,7 @@ from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
 from fxshard.runtime import random as rt_random
 from fxshard.runtime.recompute import KEEP_OF_MODE
+from fxshard.units import human_bytes
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
@@ -40,7 +41,7 @@ _ENV = jinja2.Environment(
 _RECOMPUTE_NOTE = {"full": "keeps its inputs, recomputes its forward in backward",
                    "selective": "keeps its matmul outputs, recomputes the rest in backward"}
 # dtypes as the per-line comments write them
-_SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
                  torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
                  torch.bool: "bool", torch.complex64: "c64"}
 # frames of these packages are not the model's: a group header names the innermost frame outside them
@@ -753,10 +754,7 @@ def _next_block(a: str, b: str) -> bool:
 
 
 def _bytes_text(n: float) -> str:
-    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f} {name}"
-    return f"{int(n)} B"
+    return human_bytes(n, digits=1)
 
 
 def legend_lines(nodes: list[fx.Node]) -> list[str]:
@@ -838,7 +836,7 @@ def _assigned_name(node: fx.Node) -> str:
 
 
 def short_dtype(dtype: torch.dtype) -> str:
-    return _SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+    return SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def _value_text(node: fx.Node, tp: int) -> str:

@@ -20,6 +20,8 @@ import token
 import tokenize
 from dataclasses import dataclass, field
 
+from fxshard.codegen.emit import SHORT_DTYPES
+
 _BUILTINS = {"self", "None", "True", "False", "super", "torch", "rt", "aten"}
 
 
@@ -82,7 +84,7 @@ _CLASS = re.compile(r"^class (\w+)\(")
 _INSTANCES = re.compile(r"as this rank runs it \(([^)]*)\)")
 _HEADER = re.compile(r"^\s+# (\S+|\(the block\))  (\w+)(?:  ([a-z][\w-]*(?: [\w-]+)*))?  \(([^)]*)\)(?:  \(([^)]*)\))?\s*$")
 _CALL = re.compile(r"^\s+(\w+) = rt\.(\w+)\(.*#\s*\[([\d, ]*)\] (\w+)")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "i8": 1, "u8": 1, "bool": 1}
+_DTYPE_BYTES = {short: dtype.itemsize for dtype, short in SHORT_DTYPES.items()}  # as the line comments write them
 
 
 @dataclass
@@ -151,7 +153,7 @@ def rank_modules(source: str, group_size: int = 1) -> list[ModuleLines]:
         if m and m.group(2) in KINDS and KINDS[m.group(2)].communicates and modules:
             kind = KINDS[m.group(2)]
             shape = tuple(int(d) for d in m.group(3).split(",") if d.strip())
-            out_bytes = math.prod(shape) * _DTYPE_BYTES.get(m.group(4), 4)
+            out_bytes = math.prod(shape) * _DTYPE_BYTES[m.group(4)]
             modules[-1].collectives.append(CallSite(
                 number, kind.name, m.group(1), shape, m.group(4), kind.forward, kind.backward,
                 _buffer(kind.forward, "forward", out_bytes, group_size),

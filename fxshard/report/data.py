@@ -83,6 +83,7 @@ class ReportData:
     plan_rows: list[dict] = field(default_factory=list)  # per pp rank, the plan's figures (bytes)
     run: RunInfo | None = None
     measured: Measured | None = None
+    warnings: list[str] = field(default_factory=list)  # what the last run recorded and the report could not read
 
     @property
     def layout(self):
@@ -92,7 +93,8 @@ class ReportData:
 def report_data(out: str | Path, device_memory: int | None = None, metrics: Path | None = None,
                 trace: Path | None = None) -> ReportData:
     """Gather the report of compiled folder ``out`` (and of its last run: ``run.json``, or the files given)."""
-    from fxshard.train.record import read_run_record
+    from fxshard.errors import OptionError
+    from fxshard.train.record import read_run_record, recorded_path
 
     out = Path(out)
     manifest = read_manifest(out)
@@ -102,11 +104,22 @@ def report_data(out: str | Path, device_memory: int | None = None, metrics: Path
     modules = {e.file: rank_modules((out / e.file).read_text(), layout.tp) for e in manifest.ranks}
     code = {e.file: highlight((out / e.file).read_text()) for e in manifest.ranks}
     record = read_run_record(out, manifest) or {}
-    metrics = metrics or (Path(record["metrics"]) if record.get("metrics") else None)
-    trace = trace or (Path(record["trace"]) if record.get("trace") else None)
     data = ReportData(out, manifest, device_memory, cells, modules, code, _schedule(manifest), note, plan_rows)
+    given = trace is not None
+    if metrics is None and (metrics := recorded_path(record, "metrics", out)) and not metrics.is_file():
+        data.warnings.append(f"the last run wrote its metrics to {record['metrics']}, which is not there now; "
+                             "pass --metrics FILE")
+        metrics = None
+    if trace is None:
+        trace = recorded_path(record, "trace", out)
     data.run = _run(record, metrics, manifest)
     data.measured = measured_step(trace, layout.world_size) if trace is not None else None
+    if trace is not None and data.measured is None:
+        what = f"--trace {trace}" if given else f"the last run's trace, {record['trace']}"
+        if given:
+            raise OptionError(f"{what}: expected a folder `fxshard run --trace` wrote (trace.json or rank<R>.json "
+                              "with step events); found none readable")
+        data.warnings.append(f"{what}: not readable now (moved or deleted?); pass --trace DIR")
     return data
 
 

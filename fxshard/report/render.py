@@ -4,7 +4,7 @@ The page is the template ``templates/report.html.j2`` filled from :func:`fxshard
 this module only turns numbers into what the template draws (sizes as text, bars and timeline boxes as
 positions)::
 
-    write_report(Path("out/l"))   # out/l/report.html
+    write_report(Path("out/l"))   # (out/l/report.html, [warnings])
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from fxshard import units
 from fxshard.report.data import MEMORY_PARTS, ReportData, report_data
 
 REPORT = "report.html"
@@ -20,12 +21,13 @@ ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input gradient)
 
 
 def write_report(out: str | Path, device_memory: int | None = None, metrics: Path | None = None,
-                 trace: Path | None = None, path: Path | None = None) -> Path:
-    """Write the report of compiled folder ``out`` to ``path`` (default ``out/report.html``); its path."""
+                 trace: Path | None = None, path: Path | None = None) -> tuple[Path, list[str]]:
+    """Write the report of compiled folder ``out`` to ``path`` (default ``out/report.html``); its path, and what
+    the last run recorded that could not be read (also on the page)."""
     data = report_data(out, device_memory, metrics, trace)
     path = Path(path) if path is not None else Path(out) / REPORT
     path.write_text(render(data))
-    return path
+    return path, data.warnings
 
 
 def render(data: ReportData) -> str:
@@ -45,12 +47,7 @@ def render(data: ReportData) -> str:
 
 
 def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+    return "—" if n is None else units.human_bytes(n)
 
 
 def _bar_scale(data: ReportData) -> float:

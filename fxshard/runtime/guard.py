@@ -58,14 +58,16 @@ def doing() -> str:
 
 
 @contextlib.contextmanager
-def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None):
+def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None, cat: str = "collective"):
     """Run a collective; if it raises, raise :class:`CollectiveError` naming rank, group and collective.
 
-    ``tensor`` and ``site`` (file, line of the generated code) make the message name shape, dtype and line."""
+    ``tensor`` and ``site`` (file, line of the generated code) make the message name shape, dtype and line;
+    ``cat``: the trace category of its event (``"schedule"`` for a whole pipeline step, which holds the
+    stage actions and their sends and receives, not one collective)."""
     number = _issued[id(group)] = _issued.get(id(group), 0) + 1
     try:
         if trace.enabled():  # fxshard run --trace: time it as one event of this rank
-            with trace.span(what, "collective", **_trace_args(group, tensor, site, number)):
+            with trace.span(what, cat, **_trace_args(group, tensor, site, number)):
                 yield
         else:
             yield

@@ -105,7 +105,8 @@ def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, input
     # the schedule API wants a target per microbatch; the loss needs none, so a placeholder is split
     target = torch.zeros(microbatches, device=stages[0].device)
     first = any(s.is_first for s in stages)
-    with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of activations and gradients)", group):
+    with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of activations and gradients)", group,
+                 cat="schedule"):
         if first:
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         else:

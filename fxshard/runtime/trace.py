@@ -62,6 +62,12 @@ def span(name: str, cat: str, **args):
     return _tracer.span(name, cat, args)
 
 
+def stop() -> None:
+    """Stop tracing without writing (a run that failed: its events are dropped)."""
+    global _tracer
+    _tracer = None
+
+
 def save() -> Path | None:
     """Write this rank's events to ``DIR/rank<R>.json`` and stop tracing; the file's path (None when off)."""
     global _tracer

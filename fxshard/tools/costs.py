@@ -41,6 +41,7 @@ from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.saved import trace_saved
 from fxshard.train.memory import formula, peak_params
+from fxshard.units import human_bytes
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 _b = sympy.Symbol("b", positive=True, integer=True)  # microbatch rows, replaced by B / (dp * M)
@@ -182,8 +183,7 @@ def choose_recompute(ranks: list[dict[str, dict]], device_memory: int) -> str:
 
 
 def _gib(n: float) -> str:
-    scale, unit = next(((f, u) for f, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")) if n >= f), (1, "B"))
-    return f"{n / scale:.2f} {unit} ({n:.0f} bytes)"
+    return f"{human_bytes(n)} ({n:.0f} bytes)"
 
 
 def planned_memory(out: str | Path) -> dict[int, dict] | str:

@@ -5,7 +5,18 @@
 
 from __future__ import annotations
 
-SUPPORTED_TORCH = ">=2.13,<2.16"  # pyproject.toml's range
+
+def _supported() -> str:
+    """pyproject.toml's torch range, as the installed package declares it."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        return next((r.split("torch", 1)[1].split(";")[0].strip() for r in requires("fxshard") or []
+                     if r.startswith("torch") and not r.startswith("torch-")), "")
+    except PackageNotFoundError:
+        return ""
+
+
 TESTED_TORCH = "2.13"  # the minor release the test suite runs on (the CPU wheel scripts/setup.sh installs)
 
 
@@ -26,6 +37,16 @@ def describe() -> str:
                 for name, ok in (("NCCL", dist.is_available() and dist.is_nccl_available()),
                                  ("gloo", dist.is_available() and dist.is_gloo_available()))]
     text = f"fxshard {fxshard.__version__}\ntorch {torch.__version__} ({build}; {'; '.join(backends)})"
-    if not torch.__version__.startswith(TESTED_TORCH + "."):
-        text += f"\nnote: fxshard's tests run on torch {TESTED_TORCH}; torch {SUPPORTED_TORCH} is accepted"
-    return text
+    note = untested_torch()
+    return text + (f"\nnote: {note}" if note else "")
+
+
+def untested_torch() -> str | None:
+    """A note when torch is not the release fxshard's tests run on (None when it is)."""
+    import torch
+
+    if torch.__version__.startswith(TESTED_TORCH + "."):
+        return None
+    return (f"torch {torch.__version__} is accepted ({_supported() or 'see pyproject.toml'}) but fxshard's tests run on "
+            f"torch {TESTED_TORCH}: fxshard uses torch's export, pipelining and FSDP2 internals, so report a failure "
+            f"with `fxshard --version`, or install torch=={TESTED_TORCH}.0")

@@ -90,9 +90,9 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
     from fxshard.runtime.guard import doing
 
     liveness.start(rank, doing)  # so that a rank whose collective fails can tell a stopped peer from a busy one
-    if options.trace is not None:
-        trace.start(rank, options.trace)
     try:
+        if options.trace is not None:
+            trace.start(rank, options.trace)
         memory = {} if memory_report is not None else None
         final_state = options.final_state
         state = {} if final_state is not None else None
@@ -124,6 +124,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             write_run_record(out, options, losses, rows)
         return losses
     finally:
+        trace.stop()
         dist.destroy_process_group()
 
 

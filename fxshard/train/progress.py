@@ -2,10 +2,10 @@
 
 On a terminal (rank 0's stdout, which the local launcher's workers inherit) a rich bar shows the step, the
 loss, tokens per second and the time left; piped or logged, each step is the line it has always been, with
-tokens per second added at its end (tests and scripts read ``step N/M  loss X``)::
+tokens per second added after it (scripts read ``step N/M  loss X  (T s)``)::
 
     progress = StepProgress(steps=5, first_step=1, tokens_per_step=64)
-    progress.step(1, 5.54, seconds=0.21)   # "step 1/5  loss 5.540000  (0.210 s, 305 tokens/s)"
+    progress.step(1, 5.54, seconds=0.21)   # "step 1/5  loss 5.540000  (0.210 s)  305 tokens/s"
     progress.close()
 """
 
@@ -42,7 +42,7 @@ class StepProgress:
             self._bar.update(self._task, completed=step, loss=f"loss {loss:.6f}", speed=self.rate(seconds))
             return
         rate = self.rate(seconds)
-        self.log(f"step {step}/{self.steps}  loss {loss:.6f}  ({seconds:.3f} s{', ' + rate if rate else ''})")
+        self.log(f"step {step}/{self.steps}  loss {loss:.6f}  ({seconds:.3f} s){'  ' + rate if rate else ''}")
 
     def print(self, line: str) -> None:
         if self._bar is not None:

@@ -1,11 +1,11 @@
 """``OUT/run.json``: what the last ``fxshard run`` of a compiled folder did, for ``fxshard report`` to find.
 
-Rank 0 writes it after training: the steps, the losses, where ``--metrics`` and ``--trace`` wrote (absolute
-paths) and, with ``--memory-report``, each rank's measured bytes next to the plan.  It records the digests of
+Rank 0 writes it after training: the steps, the losses, where ``--metrics`` and ``--trace`` wrote (relative to
+the folder when inside it, so a moved folder keeps its run) and, with ``--memory-report``, each rank's measured bytes next to the plan.  It records the digests of
 the rank files it ran, so a report never shows a run of an earlier compile as this one's::
 
     record = read_run_record(Path("out/l"), manifest)   # None: no run of this compile
-    record["trace"]                                     # '/home/me/out/l/trace'
+    record["trace"]                                     # 'trace' (out/l/trace), or an absolute path outside
 """
 
 from __future__ import annotations
@@ -24,14 +24,26 @@ def write_run_record(out: Path, options, losses: list[float], memory_rows: list[
 
     manifest = read_manifest(out)
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": options.steps, "losses": losses,
-              "metrics": str(Path(options.metrics).resolve()) if options.metrics else None,
-              "trace": str(Path(options.trace).resolve()) if options.trace else None,
+              "metrics": _recorded(options.metrics, out), "trace": _recorded(options.trace, out),
               "memory": memory_rows, "digests": manifest.digests}
     path = Path(out) / RUN_RECORD
     with contextlib.suppress(OSError):
         path.write_text(json.dumps(record, indent=1, default=str) + "\n")
         return path
     return None
+
+
+def _recorded(path, out: Path) -> str | None:
+    """``path`` relative to ``out`` when inside it, else absolute."""
+    if not path:
+        return None
+    path, folder = Path(path).resolve(), Path(out).resolve()
+    return str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
+
+
+def recorded_path(record: dict, key: str, out: Path) -> Path | None:
+    """Where the run recorded ``key`` ("metrics", "trace") as a path now: relative ones are under ``out``."""
+    return Path(out) / record[key] if record.get(key) else None
 
 
 def read_run_record(out: Path, manifest) -> dict | None:

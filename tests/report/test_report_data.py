@@ -88,3 +88,58 @@ def test_the_page_is_self_contained_and_shows_each_part(data):
     for anchor in ("rank_pp0_tp0.py-L1", "file-rank_pp1_tp1.py"):
         assert f'id="{anchor}"' in page
     assert "does not fit" in page and "Not traced" in page and "No run of this compile yet" in page
+
+
+def _traced(folder: Path, ranks: int = 8) -> None:
+    folder.mkdir()
+    for rank in range(ranks):
+        trace.start(rank, folder)
+        with trace.span("step 1", "step", step=1), trace.span("F0", "pipeline", stage=0, microbatch=0, action="F"):
+            pass
+        trace.save()
+    trace.merge(folder, ranks)
+
+
+def test_a_moved_folder_keeps_its_run_and_a_lost_trace_is_said(out, tmp_path):
+    import json
+    import shutil
+
+    from fxshard.train.options import RunOptions
+    from fxshard.train.record import write_run_record
+
+    folder = tmp_path / "a"
+    shutil.copytree(out, folder)
+    _traced(folder / "trace")
+    (folder / "m.jsonl").write_text(json.dumps({"step": 1, "loss": 5.5, "seconds": 0.2, "tokens": 64}) + "\n")
+    write_run_record(folder, RunOptions(steps=1, metrics=folder / "m.jsonl", trace=folder / "trace"), [5.5], None)
+    assert json.loads((folder / "run.json").read_text())["trace"] == "trace"  # inside the folder: relative
+    moved = tmp_path / "b"
+    folder.rename(moved)
+    data = report_data(moved)
+    assert data.measured is not None and data.run.metrics == str(moved / "m.jsonl") and not data.warnings
+    shutil.rmtree(moved / "trace")
+    (moved / "m.jsonl").unlink()
+    data = report_data(moved)
+    assert data.measured is None and data.run.metrics is None  # the losses still come from run.json
+    assert [w.split(":")[0] for w in data.warnings] == [
+        "the last run wrote its metrics to m.jsonl, which is not there now; pass --metrics FILE",
+        "the last run's trace, trace"]
+    assert "not there now" in render(data)
+
+
+def test_a_trace_given_that_is_not_one_is_refused(out, tmp_path):
+    from fxshard.errors import OptionError
+
+    (tmp_path / "m.jsonl").write_text("{}\n")
+    with pytest.raises(OptionError, match=r"--trace .*m\.jsonl: expected a folder `fxshard run --trace` wrote"):
+        report_data(out, trace=tmp_path / "m.jsonl")
+
+
+def test_report_to_a_path_it_cannot_write_is_one_clear_line(out, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    for to, found in ((tmp_path / "nope" / "x.html", "found no folder"), (tmp_path, "found a folder")):
+        result = CliRunner().invoke(app, ["report", str(out), "--to", str(to)])
+        assert result.exit_code != 0 and found in result.output and "Traceback" not in result.output, result.output
