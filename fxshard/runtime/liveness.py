@@ -27,7 +27,8 @@ import torch.distributed as dist
 INTERVAL_S = 0.5
 WATCH_S = 3.0  # six beats: a live rank on a crowded CPU still bumps its counter in that time
 
-_store = {"client": None, "prefix": "", "lock": threading.Lock()}
+_store = {"client": None, "prefix": "", "lock": threading.Lock(), "thread": None}
+_stopping = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -48,21 +49,34 @@ def start(rank: int, doing: Callable[[], str]) -> bool:
         return False
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     _store["client"], _store["prefix"] = client, f"fxshard/heartbeat/{run}/"
-    threading.Thread(target=_beat, args=(rank, doing), daemon=True, name="fxshard-heartbeat").start()
+    _stopping.clear()
+    _store["thread"] = threading.Thread(target=_beat, args=(rank, doing), daemon=True, name="fxshard-heartbeat")
+    _store["thread"].start()
     return True
+
+
+def stop() -> None:
+    """End the heartbeat and wait for its thread: a daemon thread still inside a store call while the interpreter
+    exits is ended mid-C++, which aborts the process ("terminate called without an active exception")."""
+    thread = _store["thread"]
+    if thread is None:
+        return
+    _stopping.set()
+    thread.join(timeout=10)
+    _store["thread"] = _store["client"] = None
 
 
 def _beat(rank: int, doing: Callable[[], str]) -> None:
     key = _store["prefix"] + str(rank)
     count = 0
-    while True:
+    while not _stopping.is_set():
         count += 1
         try:
             with _store["lock"]:
                 _store["client"].set(key, f"{count} {doing()}")
         except Exception:  # the store is gone (the launcher ended): nobody is left to ask
             return
-        time.sleep(INTERVAL_S)
+        _stopping.wait(INTERVAL_S)
 
 
 def peer_states(ranks: list[int], watch_s: float = WATCH_S) -> dict[int, PeerState] | None:

@@ -125,6 +125,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         return losses
     finally:
         trace.stop()
+        liveness.stop()
         dist.destroy_process_group()
 
 

@@ -38,3 +38,21 @@ def test_a_killed_peer_is_said_to_have_died(monkeypatch):
 
 def test_without_a_store_there_is_no_heartbeat():
     assert peer_states([1]) is None
+
+
+def test_stop_ends_the_heartbeat_thread_before_the_process_exits(monkeypatch):
+    """A daemon thread inside a store call at interpreter exit aborts the process: stop() joins it first."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fxshard.runtime import liveness
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    assert liveness.start(0, lambda: "training step 1")
+    thread = liveness._store["thread"]
+    assert peer_states([0], watch_s=1.2)[0].alive  # it beats into the real store
+    liveness.stop()
+    assert not thread.is_alive() and peer_states([0]) is None
