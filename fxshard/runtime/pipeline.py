@@ -10,6 +10,8 @@ the full batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import (
@@ -106,12 +108,55 @@ def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, input
     target = torch.zeros(microbatches, device=stages[0].device)
     first = any(s.is_first for s in stages)
     with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of activations and gradients)", group,
-                 cat="schedule"):
+                 cat="schedule"), _traced_p2p():
         if first:
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         else:
             schedule.step(target=target, losses=losses, return_outputs=False)
     return losses
+
+
+@contextlib.contextmanager
+def _traced_p2p():
+    """Under ``fxshard run --trace``: each batch of sends and receives torch's schedule issues between stages, and
+    each wait on one, is an event (category ``p2p``: the desc torch gives it, the peers and the bytes), so the
+    trace shows where a stage waits for its neighbour.  Off, nothing is touched."""
+    if not trace.enabled():
+        yield
+        return
+    from torch.distributed.pipelining import schedules
+
+    issue = schedules._batch_p2p  # every schedule's sends and receives go through it (torch 2.13)
+
+    def traced(p2p_ops, desc=None):
+        if not p2p_ops:  # the first stage's receives of activations, the last's of gradients: nothing issued
+            return issue(p2p_ops, desc)
+        args = {"peers": sorted({p.peer for p in p2p_ops}),
+                "bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in p2p_ops)}
+        name = desc or "/".join(sorted({"send" if p.op is dist.isend else "recv" for p in p2p_ops}))
+        with trace.span(name, "p2p", **args):
+            works = issue(p2p_ops, desc)
+        return [_TracedWork(w, f"wait {name}", args) for w in works]
+
+    schedules._batch_p2p = traced
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = issue
+
+
+class _TracedWork:
+    """A send's or receive's ``dist.Work`` whose ``wait`` is a trace event."""
+
+    def __init__(self, work, name: str, args: dict):
+        self._work, self._name, self._args = work, name, args
+
+    def wait(self, *a, **k):
+        with trace.span(self._name, "p2p", **self._args):
+            return self._work.wait(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def sum_tied_grads(copies: list[torch.nn.Parameter], group) -> None:

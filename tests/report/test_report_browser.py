@@ -4,6 +4,7 @@ it).  A screenshot of the page is saved in the test's tmp folder."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,10 @@ def report(tmp_path_factory):
     run = fxshard("run", out, "--steps", 2, "--trace", out / "trace", "--metrics", out / "m.jsonl", "--memory-report")
     assert "step 2/2" in run.stdout and "tokens/s" in run.stdout  # piped: plain lines, as before
     fxshard("report", out)
+    events = json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]
+    p2p = [e for e in events if e.get("cat") == "p2p"]
+    assert {e["name"] for e in p2p} >= {"fwd_send", "fwd_recv", "bwd_send", "bwd_recv", "wait fwd_recv"}
+    assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in p2p)
     return out / "report.html"
 
 
@@ -58,6 +63,8 @@ def test_the_report_shows_the_mesh_schedule_and_run_without_script_errors(report
         assert page.locator("#schedule-plan .row[data-pp='1'] .slot text").all_text_contents() == ["F0", "B0", "F1", "B1"]
         assert page.locator("#schedule-measured .mrow").count() == 8  # traced: one row per rank
         assert page.locator("#schedule-measured rect").count() > 8 * 4
+        # every rank waits on a send or receive between stages at least once per step: torch's p2p, traced
+        assert page.locator("#schedule-measured .p2p-wait").count() >= 8
         assert "Bubble: 33.3%" in page.locator("#schedule").inner_text()
         assert page.locator("#loss-curve circle").count() == 2 and page.locator("#steps tr").count() == 3
         assert page.locator("#memory tr").count() == 9
