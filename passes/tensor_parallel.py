@@ -105,7 +105,7 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
         elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(d.inputs[0], Shard):
             _localize_squeeze(node, d.inputs[0], tp)
         if d.rewrite == "bias_after_reduce":
-            _bias_after_reduce(gm, node)
+            _bias_after_reduce(gm, node, ctx.layout.sp)
         elif d.rewrite == "vocab_embedding":
             _vocab_embedding(node, tp)
         elif d.rewrite == "vocab_cross_entropy":
@@ -279,8 +279,9 @@ def _localize_squeeze(node: fx.Node, p: Shard, tp: int) -> None:
         node.args, node.kwargs = (node.args[0], dims), {}
 
 
-def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
-    """``linear(x, W, b)`` -> ``linear(x, W)`` (partial sums) then ``+ b`` after the all-reduce."""
+def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node, sp: bool = False) -> None:
+    """``linear(x, W, b)`` -> ``linear(x, W)`` (partial sums) then ``+ b`` after the all-reduce (under ``sp``, after
+    the reduce-scatter over tokens, on this rank's tokens)."""
     if node.target is aten.linear.default:
         x, w, b = (argument(node, name) for name in ("input", "weight", "bias"))
         inputs = spec(node).inputs[:2]
@@ -290,7 +291,11 @@ def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node) -> None:
         inputs = spec(node).inputs[1:]
     node.args, node.kwargs = (x, w), {}
     update_spec(node, inputs=inputs)
-    tokens = _token_need(node)  # under --sp: reduce-scattered, the bias added to this rank's tokens
+    tokens = _token_need(node) if sp else None  # reduce-scattered: the bias added to this rank's tokens
+    if tokens is not None:
+        along = tokens.dim % len(shape(node)) - (len(shape(node)) - len(shape(b)))  # the bias's dim it splits
+        if along >= 0 and shape(b)[along] != 1:  # a split of the hidden size, not of tokens: add the bias whole
+            tokens = None
     with gm.graph.inserting_after(node):
         add = gm.graph.call_function(aten.add.Tensor, (node, b))
     node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)

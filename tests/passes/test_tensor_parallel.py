@@ -204,6 +204,16 @@ def test_a_bias_added_after_the_reduction_into_split_compute_trains_like_one_dev
     assert result.ok, result.summary()
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_reduced_output_split_along_its_bias_dimension_adds_the_bias_whole(models, sp):
+    # review of --sp: the bias add took its consumer's hidden-size split as a token split and failed to compile
+    from fxshard.tools.verify import verify
+
+    result = verify(models / "bias_beside_split.py", Layout(tp=2, sp=sp), steps=3)
+    assert result.ok, result.summary()
+
+
 def test_an_embedding_scaling_gradients_by_frequency_is_looked_up_whole(tmp_path):
     # the frequencies are counted over the whole lookup: split rows would count every other rank's ids as row 0
     model = tmp_path / "freq.py"
