@@ -2,6 +2,7 @@
 needs the reduced output split along the hidden size, which the bias spans (it is added whole, then split)."""
 import torch
 import torch.nn as nn
+
 import fxshard
 
 
