@@ -57,18 +57,20 @@ from fxshard.ir.contracts import (
     contract_of,
 )
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
-from fxshard.ir.placement import local_shape, slice_spec
+from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
+from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
-PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
+PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, dropout_pass, pipeline_pass,
+          checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
 
@@ -321,7 +323,10 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
             code = emit_rank(result.gm, ctx, coords, __version__, global_ranks)
             fname = rank_file_name(coords)
             sources[fname] = code.source
-            ranks.append(_rank_entry(result.gm, ctx, coords, global_ranks, fname, code))
+            for e in range(layout.ep):  # every ep rank runs the same file on its own experts' weights
+                here = coords | ({"ep": e} if layout.ep > 1 else {})
+                holders = [r for r in global_ranks if layout.ep_rank(layout.coords(r)["dp"]) == e]
+                ranks.append(_rank_entry(result.gm, ctx, here, holders, fname, code))
     manifest = _manifest(result.gm, ctx, mf, seed, ranks)
     return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
@@ -340,15 +345,22 @@ def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int],
         s = state[pname]
         placement = spec(placeholders[pname]).placement
         full = program.tensors[s.fqn]
+        shape, part, axis = local_shape(tuple(full.shape), placement, layout.tp), slice_spec(placement, coords["tp"],
+                                                                                              layout.tp), "tp"
+        if s.fqn in ctx.expert_params:  # passes/expert_parallel.py: this ep rank's experts (dim 0)
+            assert placement == Replicate(), (s.fqn, placement)
+            placement, axis = Shard(0), "ep"
+            shape, part = local_shape(tuple(full.shape), placement, layout.ep), slice_spec(placement, coords["ep"],
+                                                                                         layout.ep)
         tensors[key] = TensorEntry(
             source=s.fqn, kind=s.kind, persistent=s.persistent, placement=repr(placement),
-            global_shape=tuple(full.shape), shape=local_shape(tuple(full.shape), placement, layout.tp),
-            dtype=str(full.dtype).removeprefix("torch."), slice=slice_spec(placement, coords["tp"], layout.tp),
-            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))))
+            global_shape=tuple(full.shape), shape=shape, dtype=str(full.dtype).removeprefix("torch."), slice=part,
+            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))), axis=axis)
     # emit describes collectives and stages as dicts: they become typed here, at the manifest's boundary
     stages = tuple(map(StageEntry.from_json, code.stages)) if ctx.pipeline is not None else None
+    ep = f"_ep{coords['ep']}" if "ep" in coords else ""
     return RankEntry(coords=coords, global_ranks=tuple(global_ranks), file=fname,
-                     weights=f"weights/{fname.removesuffix('.py')}.safetensors", tensors=tensors,
+                     weights=f"weights/{fname.removesuffix('.py')}{ep}.safetensors", tensors=tensors,
                      collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)
 
 

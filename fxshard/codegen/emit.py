@@ -118,7 +118,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         cls.forward_lines += ["", f"return {_arg(out_node.args[0], names, coords)}"]
         classes.append(cls)
         attrs.update(a)
-        axes = ["tp"]
+        axes = _axes(ctx)
     else:
         axes = ["tp", "pp"]
         S = layout.num_stages
@@ -160,7 +160,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     else:
         held = [n for s in layout.stages_of(coords["pp"]) for n in all_stages[s].nodes]
         skipped, unit, per_step = set(), "microbatch", ctx.microbatches
-    dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
+    dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks, attrs)
     text = _ENV.get_template("rank.py.j2").render(
         dp_doc=dp_doc,
         dp_lines=dp_lines,
@@ -234,7 +234,13 @@ _ZERO_TEXT = {
 }
 
 
-def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], list[str]]:
+def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> dict[str, str]:
+    """Parameter names (as ``named_parameters`` gives them) of the experts passes/expert_parallel.py split."""
+    state = ctx.program.state_by_name()
+    return {k: p for k, p in attrs.items() if state[p].fqn in ctx.expert_params}
+
+
+def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]) -> tuple[list[str], list[str]]:
     """Docstring and body of the generated ``attach_data_parallel`` (only when dp > 1)."""
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB
 
@@ -245,7 +251,13 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], 
     doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
            f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
     doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp) for line in _ZERO_TEXT[zero]]
-    if zero <= 1:
+    if zero <= 1 and ctx.expert_params:
+        doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
+                   f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
+                   f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
+        names = sorted(k for k, p in _expert_attrs(ctx, attrs).items())
+        body = [f"return rt.ddp(module, dp_mesh, ignore={names!r})"]
+    elif zero <= 1:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
             doc.append(f"    mixed precision: {layout.dtype} parameters and gradients; the optimizer keeps fp32 master "
@@ -325,7 +337,7 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         a = attr_name(s.fqn, taken)
         attrs[a] = node.name
         names[node] = f"self.{a}"
-        init_lines.append(_state_line(a, s, node, tp))
+        init_lines.append(_state_line(a, s, node, tp, ep=_ep_of(s.fqn, ctx)))
     for node in inputs:
         names[node] = node.name
     steps: list[fx.Node | BlockUnit] = []
@@ -445,7 +457,7 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
         a = attr_name(s.fqn.removeprefix(unit.fqn + "."), taken)
         attrs[a] = node.name
         names[node] = f"self.{a}"
-        init_lines.append(_state_line(a, s, node, tp, relative_to=unit.fqn))
+        init_lines.append(_state_line(a, s, node, tp, relative_to=unit.fqn, ep=_ep_of(s.fqn, ctx)))
     # the arguments' names are chosen when every block of the class is known (the names most of its blocks
     # would give): the class's identity cannot depend on them (block 0 reads the embeddings, the others the
     # previous block's output)
@@ -466,7 +478,7 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
         name, i = type_name, 2
         while name in taken_names or name in _RESERVED_CLASSES or re.fullmatch(r"Stage\d+", name):
             name, i = f"{type_name}{i}", i + 1
-        cls = _Class(name, "", [], [], init_lines, ", ".join(args), lines, axes=["tp"])
+        cls = _Class(name, "", [], [], init_lines, ", ".join(args), lines, axes=_axes(ctx))
         classes[key] = _Block(cls, {}, collectives, set(local.values()))
     shared = classes[key]
     shared.users.append(unit.fqn)
@@ -770,7 +782,17 @@ def legend_lines(nodes: list[fx.Node]) -> list[str]:
     return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
 
 
-def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "") -> str:
+def _axes(ctx: CompileContext) -> list[str]:
+    """The process groups a class of a file without pipeline takes: tp, and ep under expert parallelism."""
+    return ["tp", "ep"] if ctx.layout.ep > 1 else ["tp"]
+
+
+def _ep_of(fqn: str, ctx: CompileContext) -> int:
+    """ep for the experts passes/expert_parallel.py split (their node values are this rank's part), else 1."""
+    return ctx.layout.ep if fqn in ctx.expert_params else 1
+
+
+def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "", ep: int = 1) -> str:
     val = node.meta["val"]
     placement = spec(node).placement
     shp = local_shape(tuple(val.shape), placement, tp)
@@ -778,6 +800,8 @@ def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "") -> 
     empty = f"torch.empty({shp}, dtype={dtype}, device=self.device)"
     fqn = s.fqn.removeprefix(relative_to + ".") if relative_to else s.fqn
     where = f"# {fqn}  {placement}" + ("" if placement == Replicate() else " on tp") + f"  global {list(val.shape)}"
+    if ep > 1:  # the experts of this ep rank: val holds the local shape
+        where = f"# {fqn}  S(0) on ep  global {[val.shape[0] * ep, *val.shape[1:]]}"
     if s.kind == "parameter":
         return f"self.{attr} = torch.nn.Parameter({empty})  {where}"
     persistent = "" if s.persistent else ", persistent=False"

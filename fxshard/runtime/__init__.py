@@ -2,6 +2,7 @@
 
 from fxshard.runtime.collectives import all_gather, all_reduce, copy_to, scatter, shard
 from fxshard.runtime.data_parallel import ddp, fully_shard
+from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
@@ -13,4 +14,4 @@ from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_ent
 __all__ = ["all_gather", "all_reduce", "copy_to", "scatter", "shard", "vocab_embedding", "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
-           "TENSOR"]
+           "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets"]

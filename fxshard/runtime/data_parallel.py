@@ -31,11 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 DDP_BUCKET_MB = 25
 
 
-def ddp(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
+def ddp(module: torch.nn.Module, dp_mesh, ignore: list[str] = ()) -> torch.nn.Module:
     """Replicate ``module`` over dp; gradients are averaged in buckets while backward runs.
 
     The gradients are views into DDP's buckets (``gradient_as_bucket_view``), so they are held once,
-    not once in ``.grad`` and again in the bucket."""
+    not once in ``.grad`` and again in the bucket.  ``ignore``: parameters (by name) DDP leaves alone, the
+    experts of an expert-parallel layer, which differ between the dp ranks (:mod:`fxshard.runtime.experts`)."""
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: no buffer sync at all
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB,
