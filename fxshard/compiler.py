@@ -240,6 +240,8 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     check_order(PASSES, CODEGEN_REQUIRES)
     ensured: dict[Fact, str] = {}
     for p in PASSES:
+        if not getattr(p, "applies", lambda layout: True)(ctx.layout):  # a pass for one layout feature (--ep)
+            continue  # is not run, nor named in the rank files' headers, without it
         gm = p(gm, ctx)
         gm.graph.lint()
         ensures = contract_of(p).ensures

@@ -101,6 +101,9 @@ def expert_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     return gm
 
 
+expert_parallel_pass.applies = lambda layout: layout.ep > 1  # the driver runs it only under --ep
+
+
 def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Node]) -> None:
     ep, state = ctx.layout.ep, ctx.program.state_by_name()
     where = f"--ep {ep}: {fqn or 'model'}"
