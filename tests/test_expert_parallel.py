@@ -176,3 +176,14 @@ def test_load_balancing_loss_under_a_split_batch_is_refused():
     with pytest.raises(LayoutError, match="load-balancing loss .* product of two whole-batch means"):
         compile_model(MODELS / "hf_mixtral_aux.py", Layout(dp=2))
     compile_model(MODELS / "hf_mixtral_aux.py", Layout())  # one device, one batch: exact, allowed
+
+
+def test_fxshard_check_compares_the_exchanges_of_every_ep_group(tmp_path):
+    from fxshard.tools.check import check_output
+
+    compile_model(QWEN, Layout(dp=4, ep=2), out=tmp_path / "out")
+    report = check_output(tmp_path / "out")  # runs the rank file on meta tensors, recording every collective
+    (group,) = report.groups
+    assert group.label == "ep groups [0, 1], [2, 3]"
+    # per layer: counts, rows out, rows back forward; the two all-to-alls of the rows again backward
+    assert (group.forward, group.backward) == (6, 4)

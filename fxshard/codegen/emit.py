@@ -688,14 +688,16 @@ class _Issue:
     op: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ranks: int = 0  # the size of its process group (0: tp's); the all-to-alls of --ep go over ep
 
     @property
     def bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _issues(node: fx.Node, tp: int) -> list[_Issue]:
+def _issues(node: fx.Node, tp: int, ep: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
+    ranks = ep if any(isinstance(a, Group) and a.axis == "ep" for a in node.args) else 0
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
@@ -703,7 +705,7 @@ def _issues(node: fx.Node, tp: int) -> list[_Issue]:
             whole = node.args[0] if buffer_is_input(kind, direction) else node
             val = whole.meta["val"]
             out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
-                              val.dtype))
+                              val.dtype, ranks))
     return out
 
 
@@ -736,7 +738,7 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
             continue
         block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
-        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp))
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep))
     for block, issues in per_block.items():
         text = _describe(issues)
         if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
@@ -753,10 +755,11 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         lines.append(f"  {'outside the blocks' if runs else 'all'}: {_describe(rest)}")
     everything = [i for issues in per_block.values() for i in issues] + rest
     moved = sum(i.bytes for i in everything)
-    sent = sum(i.bytes * WIRE[i.op](tp) for i in everything)
+    sent = sum(i.bytes * WIRE[i.op](i.ranks or tp) for i in everything)
     step = f", {_bytes_text(moved * per_step)} per step ({per_step} {unit}es)" if per_step > 1 else ""
+    ep = f", ep={ctx.layout.ep}; all-to-all sizes as if routing were balanced" if ctx.layout.ep > 1 else ""
     lines.append(f"  buffers: {_bytes_text(moved)} per {unit}{step}; ring algorithms send about "
-                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp})")
+                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp}{ep})")
     return lines
 
 

@@ -69,11 +69,11 @@ def _same(x: torch.Tensor, size: int) -> torch.Tensor:
     return x.clone()
 
 
-def _rows(x: torch.Tensor, size: int) -> torch.Tensor:
+def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:
     return x.clone()  # the rows an ep rank receives depend on the routing; balanced, as many as it sends
 
 
-def _counts(offsets: torch.Tensor, size: int) -> torch.Tensor:
+def _counts(offsets: torch.Tensor, size: int, **_) -> torch.Tensor:
     return offsets.new_empty((size, offsets.shape[0] // size), dtype=torch.int64)
 
 

@@ -311,6 +311,14 @@ def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sour
         label = _group_label(layout, "tp", lambda d, t, p=p: layout.rank_of(d, p, t), layout.tp)
         for cls in traces[members[0].file].classes:
             problems += _compare(label, cls, "tp", members, _class_phases(cls), traces, sources, report)
+    for p in range(layout.pp if layout.ep > 1 else 0):  # the ep groups: their ranks' token exchanges, in order
+        for t in range(layout.tp):
+            members = [e for e in manifest.ranks if (e.coords["pp"], e.coords["tp"]) == (p, t)]  # one per ep rank
+            groups = [g for g in layout.expert_groups()["ep"] if (layout.coords(g[0])["pp"], layout.coords(g[0])["tp"])
+                      == (p, t)]
+            label = f"ep group{'s' * (len(groups) > 1)} {', '.join(map(str, groups))}"
+            for cls in traces[members[0].file].classes:
+                problems += _compare(label, cls, "ep", members, _class_phases(cls), traces, sources, report)
     if layout.pp > 1:  # the pp group of each tp coordinate: generated code issues no collective over it
         for t in range(layout.tp):
             members = [entries[(p, t)] for p in range(layout.pp)]
