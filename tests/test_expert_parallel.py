@@ -1,6 +1,6 @@
 """Expert parallelism (``--ep``) trains as one device does, with each rank holding 1/ep of the experts.
 
-Mixtral- and Qwen3-MoE-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 and 1, and
+Mixtral- and Qwen3-MoE-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 to 3, and
 trained for 3 AdamW steps on real gloo process groups through ``fxshard.train.launch.train`` (what ``fxshard run``
 runs on each rank), one spawn per world size.  Losses must match single-device training within 1e-5 relative
 and the trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_training_layouts.py``.
@@ -23,6 +23,7 @@ from fxshard.errors import LayoutError
 from fxshard.ir.context import Layout
 from fxshard.testing import CaseFailure, case_result, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +31,7 @@ MODELS = ROOT / "tests" / "models"
 STEPS = 3
 REL = 1e-5
 QWEN, MIXTRAL, SPARSE = MODELS / "hf_qwen3_moe.py", MODELS / "hf_mixtral.py", MODELS / "hf_moe_sparse.py"
+CLIP = OptimConfig(clip_grad_norm=0.05)
 CASES = {
     "qwen3moe-dp2-ep2-zero0": (QWEN, Layout(dp=2, ep=2)),
     "qwen3moe-dp4-ep2-zero1": (QWEN, Layout(dp=4, ep=2, zero=1)),
@@ -39,15 +41,27 @@ CASES = {
     "mixtral-dp4-ep4-zero1": (MIXTRAL, Layout(dp=4, ep=4, zero=1)),
     "sparse-dp4-ep4-zero0": (SPARSE, Layout(dp=4, ep=4)),
     "sparse-dp4-ep2-zero1": (SPARSE, Layout(dp=4, ep=2, zero=1)),
+    # ZeRO 2/3: FSDP2 shards the dense parameters over dp; the experts stay whole on each ep rank (1/ep each)
+    "qwen3moe-dp4-ep2-zero3": (QWEN, Layout(dp=4, ep=2, zero=3)),
+    "mixtral-dp2-ep2-zero3": (MIXTRAL, Layout(dp=2, ep=2, zero=3)),
+    "sparse-dp4-ep4-zero2": (SPARSE, Layout(dp=4, ep=4, zero=2)),
+    # global-norm clipping: each expert gradient counted once per edp group, not once per dp rank
+    "qwen3moe-dp4-ep2-zero1-clip": (QWEN, Layout(dp=4, ep=2, zero=1), CLIP),
+    "mixtral-dp4-ep2-zero3-clip": (MIXTRAL, Layout(dp=4, ep=2, zero=3), CLIP),
 }
 
 
-def _train_one(out: str):
+def _case(case: str) -> tuple[Path, Layout, OptimConfig]:
+    path, layout, *optim = CASES[case]
+    return path, layout, optim[0] if optim else OptimConfig()
+
+
+def _train_one(out: str, optim: OptimConfig):
     from fxshard.train.launch import train
 
     state: dict = {}
     memory: dict = {}
-    losses = train(Path(out), STEPS, log=lambda *_: None, final_state=state, memory=memory)
+    losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state, memory=memory)
     return losses, state, memory
 
 
@@ -55,7 +69,8 @@ def _train_one(out: str):
 def trained(tmp_path_factory):
     folders: dict[int, list[tuple[str, Path]]] = {}
     results: dict = {}
-    for case, (path, layout) in CASES.items():
+    for case in CASES:
+        path, layout, optim = _case(case)
         out = tmp_path_factory.mktemp(case)
         try:
             compile_model(path, layout, out=out)
@@ -64,28 +79,28 @@ def trained(tmp_path_factory):
             continue
         folders.setdefault(layout.world_size, []).append((case, out))
     for world, items in folders.items():
-        found = spawn_cases(_train_one, world, [(case, (str(o),)) for case, o in items])
+        found = spawn_cases(_train_one, world, [(case, (str(o), _case(case)[2])) for case, o in items])
         for case, out in items:
             results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
     return results
 
 
-_REFERENCE: dict[Path, tuple[list[float], dict]] = {}
+_REFERENCE: dict[tuple, tuple[list[float], dict]] = {}
 
 
-def _reference(path: Path) -> tuple[list[float], dict]:
-    if path not in _REFERENCE:
+def _reference(path: Path, optim: OptimConfig) -> tuple[list[float], dict]:
+    if (path, optim) not in _REFERENCE:
         final: dict = {}
-        _REFERENCE[path] = (reference_losses(load_model_file(path), STEPS, final_state=final), final)
-    return _REFERENCE[path]
+        _REFERENCE[path, optim] = (reference_losses(load_model_file(path), STEPS, optim, final_state=final), final)
+    return _REFERENCE[path, optim]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_parallel_training_matches_single_device(trained, case):
-    path, layout = CASES[case]
+    path, layout, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
-    want, single = _reference(path)
+    want, single = _reference(path, optim)
     for rank, (losses, _, _) in enumerate(per_rank):
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
             assert abs(got - ref) <= REL * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
@@ -107,7 +122,7 @@ def test_expert_parallel_training_matches_single_device(trained, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_rank_holds_one_ep_th_of_the_experts(trained, case):
     """Measured by the --memory-report probe: parameter bytes held = dense + experts / ep."""
-    _, layout = CASES[case]
+    _, layout, _ = _case(case)
     per_rank, manifest = case_result(trained, case)
     entry = manifest.ranks[0]
     experts = sum(math.prod(t.global_shape) for t in entry.tensors.values() if t.axis == "ep")
@@ -115,7 +130,11 @@ def test_each_rank_holds_one_ep_th_of_the_experts(trained, case):
     assert experts > 0 and dense > 0
     for rank, (_, _, memory) in enumerate(per_rank):
         assert memory["psi"] == dense + experts // layout.ep, (case, rank)
-        assert memory["params"] == 4 * (dense + experts // layout.ep), (case, rank, memory)
+        if layout.zero < 2:
+            assert memory["params"] == 4 * (dense + experts // layout.ep), (case, rank, memory)
+        elif layout.zero == 3:  # between forward and backward: the dense parameters' dp shard, this rank's experts
+            assert memory["params"] <= 4 * (math.ceil(dense / layout.dp) + len(entry.tensors) + experts // layout.ep)
+            assert memory["params"] >= 4 * (experts // layout.ep), (case, rank, memory)
 
 
 def test_generated_code_has_the_exchange_as_lines(tmp_path):
@@ -146,8 +165,6 @@ def test_layout_without_ep_writes_no_ep():
     (dict(dp=4, ep=3), "ep must divide dp; use --ep in [1, 2, 4]"),
     (dict(dp=2, ep=2, tp=2), "--ep 2 with --tp 2"),
     (dict(dp=2, ep=2, pp=2), "--ep 2 with --pp 2"),
-    (dict(dp=2, ep=2, zero=2), "--ep 2 with --zero 2"),
-    (dict(dp=2, ep=2, zero=3), "--ep 2 with --zero 3"),
     (dict(dp=2, ep=2, dtype="bf16"), "--ep 2 with --dtype bf16"),
     (dict(dp=2, ep=2, recompute="full"), "--ep 2 with --recompute full"),
     (dict(dp=1, ep=0), "--ep must be at least 1"),
@@ -187,3 +204,8 @@ def test_fxshard_check_compares_the_exchanges_of_every_ep_group(tmp_path):
     assert group.label == "ep groups [0, 1], [2, 3]"
     # per layer: counts, rows out, rows back forward; the two all-to-alls of the rows again backward
     assert (group.forward, group.backward) == (6, 4)
+
+
+@pytest.mark.parametrize("path", [QWEN, MIXTRAL])
+def test_clipping_changes_the_reference_so_the_clip_cases_test_something(path):
+    assert _reference(path, CLIP)[0] != _reference(path, OptimConfig())[0]

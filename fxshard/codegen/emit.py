@@ -255,8 +255,7 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
         doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
                    f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
                    f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
-        names = sorted(k for k, p in _expert_attrs(ctx, attrs).items())
-        body = [f"return rt.ddp(module, dp_mesh, ignore={names!r})"]
+        body = [f"return rt.ddp(module, dp_mesh, ignore={sorted(_expert_attrs(ctx, attrs))!r})"]
     elif zero <= 1:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
@@ -265,7 +264,14 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
     else:
         dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
         blocks = ", blocks=[getattr(module, b) for b in module.BLOCKS]" if zero == 3 else ""
-        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks})"]
+        ignore = ""
+        if ctx.expert_params:
+            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not FSDP2's: "
+                       f"held whole on the {layout.dp // layout.ep} ranks holding the same experts, their gradients "
+                       f"summed over those and divided by {layout.dp} after backward "
+                       "(fxshard.runtime.experts.sync_expert_grads)")
+            ignore = f", ignore={sorted(_expert_attrs(ctx, attrs))!r}"
+        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks}{ignore})"]
         if layout.mixed:
             doc.append(f"    mixed precision: the fp32 shards are the master weights; gathered as {layout.dtype} "
                        "for compute, gradients reduce-scattered in fp32")

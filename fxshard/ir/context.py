@@ -91,12 +91,12 @@ class Layout:
             raise LayoutError(f"--ep {self.ep}: expert parallelism is carved out of the {self.dp} data-parallel ranks, "
                               f"so ep must divide dp; use --ep in {ok} or --dp a multiple of {self.ep}")
         unsupported = [(self.tp > 1, f"--tp {self.tp}"), (self.pp > 1, f"--pp {self.pp}"),
-                       (self.zero > 1, f"--zero {self.zero}"), (self.mixed, f"--dtype {self.dtype}"),
+                       (self.mixed, f"--dtype {self.dtype}"),
                        (self.recompute != "none", f"--recompute {self.recompute}")]
         found = [flag for bad, flag in unsupported if bad]
         if found:
             raise LayoutError(f"--ep {self.ep} with {', '.join(found)}: expert parallelism is implemented with "
-                              "--tp 1 --pp 1, --zero 0 or 1, --dtype fp32 and no --recompute; drop those flags or "
+                              "--tp 1 --pp 1, --dtype fp32 and no --recompute; drop those flags or "
                               "--ep (the experts then train replicated, exactly)")
 
     @property

@@ -258,7 +258,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         expert_ids = {id(p) for p in _expert_parameters(held[""], entry)}
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
-        edp_zero = layout.zero if layout.size("edp") > 1 else 0
+        edp_zero = 1 if layout.zero == 1 and layout.size("edp") > 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
         opt = ExpertSplitOptimizer(make_optimizer(dense, optim, layout.zero, groups["dp"]),
                                    make_optimizer(experts, optim, edp_zero, groups["edp"]))
     else:
@@ -403,8 +403,10 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
             w = 1.0 / copies.get(t.source, 1)
             if t.placement == "Replicate()":
                 w /= layout.tp  # the same gradient on every tp rank
-            if layout.dp > 1 and layout.zero < 2:
-                w /= layout.size("edp") if t.axis == "ep" else layout.dp  # the same gradient on these dp ranks
+            if t.axis == "ep":
+                w /= layout.size("edp")  # the same gradient on the ranks holding the same experts, at any ZeRO
+            elif layout.dp > 1 and layout.zero < 2:
+                w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
             out.append((p, w))
     return out
 
