@@ -120,7 +120,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         attrs.update(a)
         axes = _axes(ctx)
     else:
-        axes = ["tp", "pp"]
+        axes = [*_axes(ctx), "pp"]
         S = layout.num_stages
         all_stages = pipeline_stages(gm, ctx)
         grad = requires_grad(gm, ctx.params)

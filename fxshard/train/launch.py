@@ -247,15 +247,14 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         module.return_outputs = False  # training needs the loss alone
         runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry)
         params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
-        if layout.ep > 1 and layout.dp > 1:
-            experts = _expert_parameters(module, entry)
-            finish = lambda: sync_expert_grads(experts, groups["edp"], layout.dp)  # noqa: E731
     else:
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
                                                   dp_mesh, masters, reader)
+    if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
+        finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
     if layout.ep > 1:  # expert parameters differ between dp ranks: ZeRO 1 shards their state over edp only
-        expert_ids = {id(p) for p in _expert_parameters(held[""], entry)}
+        expert_ids = {id(p) for p in _expert_parameters(held, entry)}
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
         edp_zero = 1 if layout.zero == 1 and layout.size("edp") > 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
@@ -445,9 +444,19 @@ def _expert_groups(layout: Layout, rank: int, checkpoint) -> dict:
     return groups
 
 
-def _expert_parameters(module: torch.nn.Module, entry: RankEntry) -> list[torch.nn.Parameter]:
+def _expert_parameters(held: dict[str, torch.nn.Module], entry: RankEntry) -> list[torch.nn.Parameter]:
     """The parameters the manifest records split over ep (this rank's experts), in module order."""
-    return [p for name, p in module.named_parameters() if entry.tensors[name].axis == "ep"]
+    return [p for prefix, module in held.items() for name, p in module.named_parameters()
+            if entry.tensors[prefix + name].axis == "ep"]
+
+
+def _with_expert_sync(finish: Callable | None, experts: list, edp_group, dp: int) -> Callable:
+    def both() -> None:
+        if finish is not None:
+            finish()
+        sync_expert_grads(experts, edp_group, dp)
+
+    return both
 
 
 def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
