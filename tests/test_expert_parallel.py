@@ -1,6 +1,7 @@
 """Expert parallelism (``--ep``) trains as one device does, with each rank holding 1/ep of the experts.
 
 Mixtral- and Qwen3-MoE-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 to 3, and
+with pp=2 (1f1b and gpipe), and
 trained for 3 AdamW steps on real gloo process groups through ``fxshard.train.launch.train`` (what ``fxshard run``
 runs on each rank), one spawn per world size.  Losses must match single-device training within 1e-5 relative
 and the trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_training_layouts.py``.
@@ -48,6 +49,9 @@ CASES = {
     # global-norm clipping: each expert gradient counted once per edp group, not once per dp rank
     "qwen3moe-dp4-ep2-zero1-clip": (QWEN, Layout(dp=4, ep=2, zero=1), CLIP),
     "mixtral-dp4-ep2-zero3-clip": (MIXTRAL, Layout(dp=4, ep=2, zero=3), CLIP),
+    # with pipeline parallelism: an ep group is the dp ranks of one stage, exchanging per microbatch
+    "mixtral-dp2-pp2-ep2-zero1": (MIXTRAL, Layout(dp=2, pp=2, ep=2, zero=1)),
+    "qwen3moe-dp2-pp2-ep2-zero2-gpipe": (QWEN, Layout(dp=2, pp=2, ep=2, zero=2, schedule="gpipe")),
 }
 
 
@@ -113,7 +117,8 @@ def test_expert_parallel_training_matches_single_device(trained, case):
     assert share <= DEFAULT_PARAM_RTOL["fp32"], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
     # ranks holding the same experts (one edp group) end with the same experts, bit for bit
     for rank, (_, state, _) in enumerate(per_rank):
-        twin = rank % layout.ep  # dp = rank here (tp = pp = 1): the first rank of this rank's edp group
+        c = layout.coords(rank)
+        twin = layout.rank_of(c["dp"] % layout.ep, c["pp"], c["tp"])  # the first rank of this rank's edp group
         for key in state:
             assert torch.equal(state[key], per_rank[twin][1][key]), f"{case}: {key} of rank {rank} vs rank {twin}"
 
@@ -124,11 +129,12 @@ def test_each_rank_holds_one_ep_th_of_the_experts(trained, case):
     """Measured by the --memory-report probe: parameter bytes held = dense + experts / ep."""
     _, layout, _ = _case(case)
     per_rank, manifest = case_result(trained, case)
-    entry = manifest.ranks[0]
-    experts = sum(math.prod(t.global_shape) for t in entry.tensors.values() if t.axis == "ep")
-    dense = sum(math.prod(t.global_shape) for t in entry.tensors.values() if t.kind == "parameter" and t.axis == "tp")
-    assert experts > 0 and dense > 0
     for rank, (_, _, memory) in enumerate(per_rank):
+        entry = manifest.rank(layout.coords(rank))
+        experts = sum(math.prod(t.global_shape) for t in entry.tensors.values() if t.axis == "ep")
+        dense = sum(math.prod(t.global_shape) for t in entry.tensors.values()
+                    if t.kind == "parameter" and t.axis == "tp")
+        assert experts > 0 and dense > 0
         assert memory["psi"] == dense + experts // layout.ep, (case, rank)
         if layout.zero < 2:
             assert memory["params"] == 4 * (dense + experts // layout.ep), (case, rank, memory)
@@ -164,7 +170,8 @@ def test_layout_without_ep_writes_no_ep():
 @pytest.mark.parametrize(("layout", "message"), [
     (dict(dp=4, ep=3), "ep must divide dp; use --ep in [1, 2, 4]"),
     (dict(dp=2, ep=2, tp=2), "--ep 2 with --tp 2"),
-    (dict(dp=2, ep=2, pp=2), "--ep 2 with --pp 2"),
+    (dict(dp=2, ep=2, pp=2, schedule="zero-bubble"), "--ep 2 with --schedule zero-bubble"),
+    (dict(dp=2, ep=2, pp=2, schedule="interleaved-1f1b"), "--ep 2 with --schedule interleaved-1f1b"),
     (dict(dp=2, ep=2, dtype="bf16"), "--ep 2 with --dtype bf16"),
     (dict(dp=2, ep=2, recompute="full"), "--ep 2 with --recompute full"),
     (dict(dp=1, ep=0), "--ep must be at least 1"),

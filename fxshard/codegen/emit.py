@@ -234,10 +234,12 @@ _ZERO_TEXT = {
 }
 
 
-def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> dict[str, str]:
-    """Parameter names (as ``named_parameters`` gives them) of the experts passes/expert_parallel.py split."""
+def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> list[str]:
+    """Parameter names, as each module's ``named_parameters`` gives them (a stage's without its ``StageN.``
+    prefix: ``attach_data_parallel`` gets one stage module at a time), of the experts passes/expert_parallel.py
+    split."""
     state = ctx.program.state_by_name()
-    return {k: p for k, p in attrs.items() if state[p].fqn in ctx.expert_params}
+    return sorted({re.sub(r"^Stage\d+\.", "", k) for k, p in attrs.items() if state[p].fqn in ctx.expert_params})
 
 
 def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -255,7 +257,7 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
         doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
                    f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
                    f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
-        body = [f"return rt.ddp(module, dp_mesh, ignore={sorted(_expert_attrs(ctx, attrs))!r})"]
+        body = [f"return rt.ddp(module, dp_mesh, ignore={_expert_attrs(ctx, attrs)!r})"]
     elif zero <= 1:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
@@ -270,7 +272,7 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
                        f"held whole on the {layout.dp // layout.ep} ranks holding the same experts, their gradients "
                        f"summed over those and divided by {layout.dp} after backward "
                        "(fxshard.runtime.experts.sync_expert_grads)")
-            ignore = f", ignore={sorted(_expert_attrs(ctx, attrs))!r}"
+            ignore = f", ignore={_expert_attrs(ctx, attrs)!r}"
         body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks}{ignore})"]
         if layout.mixed:
             doc.append(f"    mixed precision: the fp32 shards are the master weights; gathered as {layout.dtype} "

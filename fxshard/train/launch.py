@@ -252,6 +252,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
                                                   dp_mesh, masters, reader)
     if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
+        _check_experts_left_alone(held, entry, layout)
         finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
     if layout.ep > 1:  # expert parameters differ between dp ranks: ZeRO 1 shards their state over edp only
         expert_ids = {id(p) for p in _expert_parameters(held, entry)}
@@ -448,6 +449,20 @@ def _expert_parameters(held: dict[str, torch.nn.Module], entry: RankEntry) -> li
     """The parameters the manifest records split over ep (this rank's experts), in module order."""
     return [p for prefix, module in held.items() for name, p in module.named_parameters()
             if entry.tensors[prefix + name].axis == "ep"]
+
+
+def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry, layout: Layout) -> None:
+    """Every expert parameter escaped DDP / FSDP2 (the generated ``ignore=``): else DDP would have broadcast
+    dp rank 0's experts over the others' at construction, and averaged their gradients over dp."""
+    for prefix, module in held.items():
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        for name, p in module.named_parameters():
+            if entry.tensors[prefix + name].axis != "ep":
+                continue
+            if hasattr(p, "to_local") or (layout.dp > 1 and layout.zero < 2 and name not in ignored):
+                raise FxshardError(f"{prefix}{name}: an expert parameter of this ep rank was handed to data "
+                                   "parallelism, which would overwrite or average it across ep ranks; this is a "
+                                   "bug in fxshard's generated attach_data_parallel: please report it")
 
 
 def _with_expert_sync(finish: Callable | None, experts: list, edp_group, dp: int) -> Callable:
