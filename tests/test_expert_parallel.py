@@ -1,6 +1,6 @@
 """Expert parallelism (``--ep``) trains as one device does, with each rank holding 1/ep of the experts.
 
-Mixtral- and Qwen3-MoE-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 to 3, and
+Mixtral-, Qwen3-MoE- and DeepSeek-V3-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 to 3, and
 with pp=2 (1f1b and gpipe), and
 trained for 3 AdamW steps on real gloo process groups through ``fxshard.train.launch.train`` (what ``fxshard run``
 runs on each rank), one spawn per world size.  Losses must match single-device training within 1e-5 relative
@@ -49,6 +49,9 @@ CASES = {
     # global-norm clipping: each expert gradient counted once per edp group, not once per dp rank
     "qwen3moe-dp4-ep2-zero1-clip": (QWEN, Layout(dp=4, ep=2, zero=1), CLIP),
     "mixtral-dp4-ep2-zero3-clip": (MIXTRAL, Layout(dp=4, ep=2, zero=3), CLIP),
+    # DeepSeek-V3: sigmoid scores with a bias for the top-k choice, shared experts beside the routed ones (a dense MLP,
+    # data-parallel), a first dense layer
+    "deepseek-v3-dp2-ep2-zero1": (ROOT / "zoo" / "models" / "deepseek_v3.py", Layout(dp=2, ep=2, zero=1)),
     # with pipeline parallelism: an ep group is the dp ranks of one stage, exchanging per microbatch
     "mixtral-dp2-pp2-ep2-zero1": (MIXTRAL, Layout(dp=2, pp=2, ep=2, zero=1)),
     "qwen3moe-dp2-pp2-ep2-zero2-gpipe": (QWEN, Layout(dp=2, pp=2, ep=2, zero=2, schedule="gpipe")),

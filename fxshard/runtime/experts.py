@@ -106,11 +106,11 @@ def exchange_counts(offsets: torch.Tensor, group) -> torch.Tensor:
     """``[ep, E/ep]`` int64: how many rows each rank of ``group`` sends to each of this rank's experts, from the
     model's cumulative rows per expert ``offsets`` (``[E]``) on every rank (an all-to-all of the counts)."""
     ep = dist.get_world_size(group)
-    counts = _per_expert(offsets.detach())
+    counts = _per_expert(offsets.detach()).to(offsets.dtype)  # sent in the offsets' dtype, as the header states
     out = torch.empty_like(counts)
     with guarded("all_to_all (counts)", group, counts, _site()):
         dist.all_to_all_single(out, counts, group=group)
-    return out.view(ep, -1)
+    return out.to(torch.int64).view(ep, -1)
 
 
 def all_to_all_dispatch(x: torch.Tensor, group, offsets: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
