@@ -48,6 +48,8 @@ TP = Annotated[int, typer.Option("--tp", help="tensor-parallel degree")]
 PP = Annotated[int, typer.Option("--pp", help="pipeline-parallel degree")]
 DP = Annotated[int, typer.Option("--dp", help="data-parallel degree")]
 Zero = Annotated[int, typer.Option("--zero", help="ZeRO stage (0-3)")]
+EP = Annotated[int, typer.Option("--ep", help="expert-parallel degree: each MoE layer's experts split over ep of the "
+                                              "dp ranks (ep divides dp)")]
 DType = Annotated[str, typer.Option("--dtype", help="fp32, or bf16: mixed precision (bf16 compute, fp32 master "
                                                       "weights and Adam state)")]
 Schedule = Annotated[str, typer.Option("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, "
@@ -74,11 +76,12 @@ Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and mak
 
 
 def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
-            virtual_stages: int | None, dtype: str, recompute: str = "none", sp: bool = False):
+            virtual_stages: int | None, dtype: str, recompute: str = "none", sp: bool = False,
+            ep: int = 1):
     from fxshard.ir.context import Layout
 
     return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp)
+                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp, ep=ep)
 
 
 @app.command()
@@ -87,6 +90,7 @@ def compile(
     tp: TP = 1,
     pp: PP = 1,
     dp: DP = 1,
+    ep: EP = 1,
     zero: Zero = 0,
     dtype: DType = "fp32",
     recompute: Recompute = "none",
@@ -115,7 +119,7 @@ def compile(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -136,6 +140,7 @@ def plan(
     tp: TP = 1,
     pp: PP = 1,
     dp: DP = 1,
+    ep: EP = 1,
     zero: Zero = 0,
     schedule: Schedule = "1f1b",
     microbatches: Microbatches = None,
@@ -161,7 +166,7 @@ def plan(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
         report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq,
                             device)
     except FxshardError as e:
@@ -325,6 +330,7 @@ def verify(
     tp: TP = 1,
     pp: PP = 1,
     dp: DP = 1,
+    ep: EP = 1,
     zero: Zero = 0,
     schedule: Schedule = "1f1b",
     microbatches: Microbatches = None,
@@ -353,7 +359,7 @@ def verify(
     from fxshard.train.optim import OptimConfig
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,

@@ -159,7 +159,7 @@ def _activation_table(console: Console, rows: list[dict]) -> None:
 
 
 def check_summary(report) -> str:
-    kinds = [k for k in ("tp", "pp", "tied-weight") if any(g.label.startswith(k + " group") for g in report.groups)]
+    kinds = [k for k in ("tp", "pp", "ep", "tied-weight") if any(g.label.startswith(k + " group") for g in report.groups)]
     text = (f"{report.ranks} rank file(s) agree on the collectives of every {', '.join(kinds)} group"
             if kinds else f"{report.ranks} rank file(s), no process group to compare")
     return text + (f"; {len(report.links)} pipeline send/recv pair(s) match" if report.links else "")

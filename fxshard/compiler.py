@@ -57,18 +57,20 @@ from fxshard.ir.contracts import (
     contract_of,
 )
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
-from fxshard.ir.placement import local_shape, slice_spec
+from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
+from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
-PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, dropout_pass, pipeline_pass, checks_pass]
+PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, dropout_pass, pipeline_pass,
+          checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
 
@@ -183,6 +185,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = _capture(mf, layout, seed, inputs, meta)
+    _check_router_loss(program, layout.dp * microbatches, mf)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -216,12 +219,29 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     return CompiledProgram(None, ctx, gm)
 
 
+def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:
+    """A mixture-of-experts load-balancing loss (transformers' ``load_balancing_loss_func``) is E times the sum
+    over experts of (fraction of the batch's tokens routed to e) x (mean router probability of e): a product of
+    two means over the whole batch.  Computed per dp rank (or microbatch) and averaged, it is another number
+    (measured: 7.6e-4 relative on a tiny Mixtral at --dp 2), so it is refused rather than trained inexactly."""
+    config = getattr(program.model, "config", None)
+    if split > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise LayoutError(f"{mf.path.name}: {type(program.model).__name__} adds its load-balancing loss "
+                          f"(router_aux_loss_coef={config.router_aux_loss_coef}) to the loss; expected a loss that "
+                          "sums over parts of the batch, found a product of two whole-batch means, which --dp "
+                          "(or pipeline microbatches) would compute per part and average: training would not equal "
+                          "one device; set output_router_logits=False in the model file, or train at --dp 1 "
+                          "without microbatches")
+
+
 def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Run :data:`PASSES` in order, holding each to its contract (:mod:`fxshard.ir.contracts`): the order is
     checked before any runs, and after each its ``ensures`` and every fact an earlier pass ensured."""
     check_order(PASSES, CODEGEN_REQUIRES)
     ensured: dict[Fact, str] = {}
     for p in PASSES:
+        if not getattr(p, "applies", lambda layout: True)(ctx.layout):  # a pass for one layout feature (--ep)
+            continue  # is not run, nor named in the rank files' headers, without it
         gm = p(gm, ctx)
         gm.graph.lint()
         ensures = contract_of(p).ensures
@@ -321,7 +341,10 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
             code = emit_rank(result.gm, ctx, coords, __version__, global_ranks)
             fname = rank_file_name(coords)
             sources[fname] = code.source
-            ranks.append(_rank_entry(result.gm, ctx, coords, global_ranks, fname, code))
+            for e in range(layout.ep):  # every ep rank runs the same file on its own experts' weights
+                here = coords | ({"ep": e} if layout.ep > 1 else {})
+                holders = [r for r in global_ranks if layout.ep_rank(layout.coords(r)["dp"]) == e]
+                ranks.append(_rank_entry(result.gm, ctx, here, holders, fname, code))
     manifest = _manifest(result.gm, ctx, mf, seed, ranks)
     return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
@@ -340,15 +363,22 @@ def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int],
         s = state[pname]
         placement = spec(placeholders[pname]).placement
         full = program.tensors[s.fqn]
+        shape, part, axis = local_shape(tuple(full.shape), placement, layout.tp), slice_spec(placement, coords["tp"],
+                                                                                              layout.tp), "tp"
+        if s.fqn in ctx.expert_params:  # passes/expert_parallel.py: this ep rank's experts (dim 0)
+            assert placement == Replicate(), (s.fqn, placement)
+            placement, axis = Shard(0), "ep"
+            shape, part = local_shape(tuple(full.shape), placement, layout.ep), slice_spec(placement, coords["ep"],
+                                                                                         layout.ep)
         tensors[key] = TensorEntry(
             source=s.fqn, kind=s.kind, persistent=s.persistent, placement=repr(placement),
-            global_shape=tuple(full.shape), shape=local_shape(tuple(full.shape), placement, layout.tp),
-            dtype=str(full.dtype).removeprefix("torch."), slice=slice_spec(placement, coords["tp"], layout.tp),
-            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))))
+            global_shape=tuple(full.shape), shape=shape, dtype=str(full.dtype).removeprefix("torch."), slice=part,
+            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))), axis=axis)
     # emit describes collectives and stages as dicts: they become typed here, at the manifest's boundary
     stages = tuple(map(StageEntry.from_json, code.stages)) if ctx.pipeline is not None else None
+    ep = f"_ep{coords['ep']}" if "ep" in coords else ""
     return RankEntry(coords=coords, global_ranks=tuple(global_ranks), file=fname,
-                     weights=f"weights/{fname.removesuffix('.py')}.safetensors", tensors=tensors,
+                     weights=f"weights/{fname.removesuffix('.py')}{ep}.safetensors", tensors=tensors,
                      collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)
 
 

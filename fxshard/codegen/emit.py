@@ -119,9 +119,9 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         cls.forward_lines += ["", f"return {_arg(out_node.args[0], names, coords)}"]
         classes.append(cls)
         attrs.update(a)
-        axes = ["tp"]
+        axes = _axes(ctx)
     else:
-        axes = ["tp", "pp"]
+        axes = [*_axes(ctx), "pp"]
         S = layout.num_stages
         all_stages = pipeline_stages(gm, ctx)
         grad = requires_grad(gm, ctx.params)
@@ -161,7 +161,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     else:
         held = [n for s in layout.stages_of(coords["pp"]) for n in all_stages[s].nodes]
         skipped, unit, per_step = set(), "microbatch", ctx.microbatches
-    dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks)
+    dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks, attrs)
     text = _ENV.get_template("rank.py.j2").render(
         dp_doc=dp_doc,
         dp_lines=dp_lines,
@@ -235,7 +235,15 @@ _ZERO_TEXT = {
 }
 
 
-def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], list[str]]:
+def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> list[str]:
+    """Parameter names, as each module's ``named_parameters`` gives them (a stage's without its ``StageN.``
+    prefix: ``attach_data_parallel`` gets one stage module at a time), of the experts passes/expert_parallel.py
+    split."""
+    state = ctx.program.state_by_name()
+    return sorted({re.sub(r"^Stage\d+\.", "", k) for k, p in attrs.items() if state[p].fqn in ctx.expert_params})
+
+
+def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]) -> tuple[list[str], list[str]]:
     """Docstring and body of the generated ``attach_data_parallel`` (only when dp > 1)."""
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB
 
@@ -246,7 +254,12 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], 
     doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
            f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
     doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp) for line in _ZERO_TEXT[zero]]
-    if zero <= 1:
+    if zero <= 1 and ctx.expert_params:
+        doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
+                   f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
+                   f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
+        body = [f"return rt.ddp(module, dp_mesh, ignore={_expert_attrs(ctx, attrs)!r})"]
+    elif zero <= 1:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
             doc.append(f"    mixed precision: {layout.dtype} parameters and gradients; the optimizer keeps fp32 master "
@@ -254,7 +267,14 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks) -> tuple[list[str], 
     else:
         dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
         blocks = ", blocks=[getattr(module, b) for b in module.BLOCKS]" if zero == 3 else ""
-        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks})"]
+        ignore = ""
+        if ctx.expert_params:
+            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not FSDP2's: "
+                       f"held whole on the {layout.dp // layout.ep} ranks holding the same experts, their gradients "
+                       f"summed over those and divided by {layout.dp} after backward "
+                       "(fxshard.runtime.experts.sync_expert_grads)")
+            ignore = f", ignore={_expert_attrs(ctx, attrs)!r}"
+        body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks}{ignore})"]
         if layout.mixed:
             doc.append(f"    mixed precision: the fp32 shards are the master weights; gathered as {layout.dtype} "
                        "for compute, gradients reduce-scattered in fp32")
@@ -326,7 +346,7 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
         a = attr_name(s.fqn, taken)
         attrs[a] = node.name
         names[node] = f"self.{a}"
-        init_lines.append(_state_line(a, s, node, tp))
+        init_lines.append(_state_line(a, s, node, tp, ep=_ep_of(s.fqn, ctx)))
     for node in inputs:
         names[node] = node.name
     steps: list[fx.Node | BlockUnit] = []
@@ -446,7 +466,7 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
         a = attr_name(s.fqn.removeprefix(unit.fqn + "."), taken)
         attrs[a] = node.name
         names[node] = f"self.{a}"
-        init_lines.append(_state_line(a, s, node, tp, relative_to=unit.fqn))
+        init_lines.append(_state_line(a, s, node, tp, relative_to=unit.fqn, ep=_ep_of(s.fqn, ctx)))
     # the arguments' names are chosen when every block of the class is known (the names most of its blocks
     # would give): the class's identity cannot depend on them (block 0 reads the embeddings, the others the
     # previous block's output)
@@ -467,7 +487,7 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
         name, i = type_name, 2
         while name in taken_names or name in _RESERVED_CLASSES or re.fullmatch(r"Stage\d+", name):
             name, i = f"{type_name}{i}", i + 1
-        cls = _Class(name, "", [], [], init_lines, ", ".join(args), lines, axes=["tp"])
+        cls = _Class(name, "", [], [], init_lines, ", ".join(args), lines, axes=_axes(ctx))
         classes[key] = _Block(cls, {}, collectives, set(local.values()))
     shared = classes[key]
     shared.users.append(unit.fqn)
@@ -677,14 +697,16 @@ class _Issue:
     op: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ranks: int = 0  # the size of its process group (0: tp's); the all-to-alls of --ep go over ep
 
     @property
     def bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _issues(node: fx.Node, tp: int) -> list[_Issue]:
+def _issues(node: fx.Node, tp: int, ep: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
+    ranks = ep if any(isinstance(a, Group) and a.axis == "ep" for a in node.args) else 0
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
@@ -692,7 +714,7 @@ def _issues(node: fx.Node, tp: int) -> list[_Issue]:
             whole = node.args[0] if buffer_is_input(kind, direction) else node
             val = whole.meta["val"]
             out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
-                              val.dtype))
+                              val.dtype, ranks))
     return out
 
 
@@ -725,7 +747,7 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
             continue
         block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
-        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp))
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep))
     for block, issues in per_block.items():
         text = _describe(issues)
         if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
@@ -742,10 +764,11 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         lines.append(f"  {'outside the blocks' if runs else 'all'}: {_describe(rest)}")
     everything = [i for issues in per_block.values() for i in issues] + rest
     moved = sum(i.bytes for i in everything)
-    sent = sum(i.bytes * WIRE[i.op](tp) for i in everything)
+    sent = sum(i.bytes * WIRE[i.op](i.ranks or tp) for i in everything)
     step = f", {_bytes_text(moved * per_step)} per step ({per_step} {unit}es)" if per_step > 1 else ""
+    ep = f", ep={ctx.layout.ep}; all-to-all sizes as if routing were balanced" if ctx.layout.ep > 1 else ""
     lines.append(f"  buffers: {_bytes_text(moved)} per {unit}{step}; ring algorithms send about "
-                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp})")
+                 f"{_bytes_text(sent * per_step)} per step from each rank (tp={tp}{ep})")
     return lines
 
 
@@ -768,7 +791,17 @@ def legend_lines(nodes: list[fx.Node]) -> list[str]:
     return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
 
 
-def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "") -> str:
+def _axes(ctx: CompileContext) -> list[str]:
+    """The process groups a class of a file without pipeline takes: tp, and ep under expert parallelism."""
+    return ["tp", "ep"] if ctx.layout.ep > 1 else ["tp"]
+
+
+def _ep_of(fqn: str, ctx: CompileContext) -> int:
+    """ep for the experts passes/expert_parallel.py split (their node values are this rank's part), else 1."""
+    return ctx.layout.ep if fqn in ctx.expert_params else 1
+
+
+def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "", ep: int = 1) -> str:
     val = node.meta["val"]
     placement = spec(node).placement
     shp = local_shape(tuple(val.shape), placement, tp)
@@ -776,6 +809,8 @@ def _state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "") -> 
     empty = f"torch.empty({shp}, dtype={dtype}, device=self.device)"
     fqn = s.fqn.removeprefix(relative_to + ".") if relative_to else s.fqn
     where = f"# {fqn}  {placement}" + ("" if placement == Replicate() else " on tp") + f"  global {list(val.shape)}"
+    if ep > 1:  # the experts of this ep rank: val holds the local shape
+        where = f"# {fqn}  S(0) on ep  global {[val.shape[0] * ep, *val.shape[1:]]}"
     if s.kind == "parameter":
         return f"self.{attr} = torch.nn.Parameter({empty})  {where}"
     persistent = "" if s.persistent else ", persistent=False"

@@ -100,11 +100,14 @@ class TensorEntry:
     aliases: tuple[str, ...] = ()  # the other names of a tied weight
     in_shard: bool = True  # False: read at run time from ``checkpoint`` (--weights), or nowhere (--meta)
     checkpoint: CheckpointRef | None = None
+    axis: str = "tp"  # the mesh axis ``placement`` is over: "ep" for the experts of a MoE layer under --ep
 
     def to_json(self) -> dict:
         data = {"source": self.source, "kind": self.kind, "persistent": self.persistent, "placement": self.placement,
                 "global_shape": list(self.global_shape), "shape": list(self.shape), "dtype": self.dtype,
                 "slice": self.slice.to_json(), "aliases": list(self.aliases)}
+        if self.axis != "tp":  # written only when set: manifests without --ep stay byte for byte
+            data["axis"] = self.axis
         if not self.in_shard:
             data["checkpoint"] = self.checkpoint.to_json() if self.checkpoint is not None else None
         return data
@@ -116,7 +119,7 @@ class TensorEntry:
                    placement=data["placement"], global_shape=tuple(data["global_shape"]), shape=tuple(data["shape"]),
                    dtype=data["dtype"], slice=SliceSpec.from_json(data["slice"]),
                    aliases=tuple(data.get("aliases", ())), in_shard="checkpoint" not in data,
-                   checkpoint=CheckpointRef.from_json(ref) if ref is not None else None)
+                   checkpoint=CheckpointRef.from_json(ref) if ref is not None else None, axis=data.get("axis", "tp"))
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,8 @@ class Manifest:
     def rank(self, coords: dict[str, int]) -> RankEntry:
         """The rank file of mesh coordinates ``coords`` (its dp coordinate aside)."""
         for entry in self.ranks:
-            if all(entry.coords[k] == coords[k] for k in ("pp", "tp")):
+            if all(entry.coords[k] == coords[k] for k in ("pp", "tp")) and (
+                    "ep" not in entry.coords or entry.coords["ep"] == self.layout.ep_rank(coords["dp"])):
                 return entry
         raise OutputFolderError(f"no rank file for coordinates {coords} in the manifest; recompile")
 

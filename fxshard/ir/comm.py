@@ -28,6 +28,7 @@ WIRE: dict[str, Callable[[int], float]] = {
     "all_gather": lambda n: (n - 1) / n,  # of the gathered buffer: (n - 1) parts of 1/n each
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # of the buffer: each rank keeps its own 1/n (balanced routing)
 }
 
 
@@ -72,6 +73,14 @@ def _reduced_part(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torc
     return rtc.shard(x, dim, 0, size, blocks)  # the shape of one rank's part (a fresh buffer, as the reduce-scatter's)
 
 
+def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:
+    return x.clone()  # the rows an ep rank receives depend on the routing; balanced, as many as it sends
+
+
+def _counts(offsets: torch.Tensor, size: int, **_) -> torch.Tensor:
+    return offsets.new_empty((size, offsets.shape[0] // size), dtype=torch.int64)
+
+
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("copy_to", None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
@@ -91,6 +100,16 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("shard", None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
+    # expert parallelism (passes/expert_parallel.py): a mixture-of-experts layer's token exchange over ep
+    CollectiveKind("exchange_counts", "all_to_all", None,
+                   "rows per expert -> rows each ep rank sends to each of this rank's experts (all-to-all)",
+                   _counts),
+    CollectiveKind("all_to_all_dispatch", "all_to_all", "all_to_all",
+                   "rows sorted by expert -> the rows of this rank's experts (all-to-all, variable sizes); "
+                   "backward sends their gradients back", _rows),
+    CollectiveKind("all_to_all_combine", "all_to_all", "all_to_all",
+                   "expert outputs -> back to the ranks their rows came from, in their order (all-to-all); "
+                   "backward dispatches the gradient", _rows),
 )}
 BY_FUNCTION = {k.function: k for k in KINDS.values()}
 

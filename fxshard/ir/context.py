@@ -25,13 +25,17 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
 DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
+# expert parallelism is carved out of dp (Megatron-Core, torchtitan): dp coordinate d is ep rank d % ep of the ep
+# group of d // ep; the ranks holding the same experts (d % ep equal) form its expert-data-parallel ("edp") group
+EP, EDP = "ep", "edp"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
 # before code generation
-_ADDED = ("virtual_stages", "dtype", "recompute", "sp")  # Layout fields newer than manifest format 1: absent from older
-# manifests
-_SINCE_DEFAULT = {"recompute": "none", "sp": False}  # written only when set: manifests before it stay byte for byte
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep")  # Layout fields newer than manifest format 1: absent
+# from older manifests
+_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1}  # written only when set: manifests before them stay byte
+# for byte
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,10 @@ class Layout:
     dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
     recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
     sp: bool = False  # sequence parallelism: what runs between tp regions runs on S/tp tokens (passes/collectives.py)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of dp (passes/expert_parallel.py)
 
     def __post_init__(self):
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", "dp", "ep"):
             if getattr(self, axis) < 1:
                 raise LayoutError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
         if self.zero not in (0, 1, 2, 3):
@@ -82,6 +87,23 @@ class Layout:
                               "would be split; use --tp 2 or more with --sp, or drop --sp")
         if self.microbatches is not None and self.microbatches < 1:
             raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """What --ep composes with in this version (the README's table)."""
+        if self.dp % self.ep:
+            ok = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
+            raise LayoutError(f"--ep {self.ep}: expert parallelism is carved out of the {self.dp} data-parallel ranks, "
+                              f"so ep must divide dp; use --ep in {ok} or --dp a multiple of {self.ep}")
+        unsupported = [(self.tp > 1, f"--tp {self.tp}"), (self.pp > 1 and self.schedule not in ("1f1b", "gpipe"), f"--schedule {self.schedule}"),
+                       (self.mixed, f"--dtype {self.dtype}"),
+                       (self.recompute != "none", f"--recompute {self.recompute}")]
+        found = [flag for bad, flag in unsupported if bad]
+        if found:
+            raise LayoutError(f"--ep {self.ep} with {', '.join(found)}: expert parallelism is implemented with "
+                              "--tp 1, --dtype fp32, no --recompute and (with --pp) --schedule 1f1b or gpipe; drop those flags or "
+                              "--ep (the experts then train replicated, exactly)")
 
     @property
     def mixed(self) -> bool:
@@ -101,8 +123,24 @@ class Layout:
         return tuple(self.size(axis) for axis in MESH_AXES)
 
     def size(self, axis: str) -> int:
-        """The number of ranks along mesh ``axis``."""
-        return getattr(self, axis)
+        """The number of ranks along mesh ``axis`` (``edp``: the dp ranks holding the same experts)."""
+        return self.dp // self.ep if axis == EDP else getattr(self, axis)
+
+    def ep_rank(self, dp_rank: int) -> int:
+        """The ep coordinate of dp coordinate ``dp_rank``: which 1/ep of each MoE layer's experts it holds."""
+        return dp_rank % self.ep
+
+    def expert_groups(self) -> dict[str, list[list[int]]]:
+        """The global ranks of every ep group (consecutive dp coordinates) and every edp group (the same
+        experts), per (pp, tp) coordinate: ``Layout(dp=4, ep=2).expert_groups()["ep"] == [[0, 1], [2, 3]]``."""
+        groups: dict[str, list[list[int]]] = {EP: [], EDP: []}
+        for p in range(self.pp):
+            for t in range(self.tp):
+                for g in range(self.dp // self.ep):
+                    groups[EP].append([self.rank_of(g * self.ep + e, p, t) for e in range(self.ep)])
+                for e in range(self.ep):
+                    groups[EDP].append([self.rank_of(g * self.ep + e, p, t) for g in range(self.dp // self.ep)])
+        return groups
 
     @property
     def stages_per_rank(self) -> int:
@@ -150,6 +188,8 @@ class Layout:
 
     def describe(self) -> str:
         text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"
+        if self.ep > 1:
+            text += f" ep={self.ep}"
         if self.pp > 1:
             text += f" schedule={self.schedule} microbatches={self.microbatches}"
             if self.stages_per_rank > 1:
@@ -236,6 +276,7 @@ class CompileContext:
     batch: int | None = None  # examples per step (the leading size of the inputs)
     pipeline: CutPlan | None = None  # passes/pipeline.py, when pp > 1: the cut (its stages: fxshard.ir.stages)
     token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
+    expert_params: dict[str, int] = field(default_factory=dict)  # passes/expert_parallel.py: FQN -> experts (dim 0)
 
     @property
     def plan_summary(self) -> list[str]:

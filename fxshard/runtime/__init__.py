@@ -10,6 +10,7 @@ from fxshard.runtime.collectives import (
     shard,
 )
 from fxshard.runtime.data_parallel import ddp, fully_shard
+from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
@@ -22,4 +23,4 @@ __all__ = ["all_gather", "all_reduce", "copy_to", "gather_to", "reduce_scatter",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
-           "TENSOR"]
+           "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets"]

@@ -29,6 +29,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts
 from fxshard.runtime.guard import guarded
 from fxshard.runtime.slices import SliceSpec, place, take
 
@@ -190,3 +191,4 @@ def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) ->
 
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
                "reduce_scatter": reduce_scatter, "gather_to": gather_to}
+__all__ = [*COLLECTIVES, "shard", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine"]

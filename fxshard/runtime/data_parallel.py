@@ -31,11 +31,14 @@ from torch.nn.parallel import DistributedDataParallel
 DDP_BUCKET_MB = 25
 
 
-def ddp(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
+def ddp(module: torch.nn.Module, dp_mesh, ignore: list[str] = ()) -> torch.nn.Module:
     """Replicate ``module`` over dp; gradients are averaged in buckets while backward runs.
 
     The gradients are views into DDP's buckets (``gradient_as_bucket_view``), so they are held once,
-    not once in ``.grad`` and again in the bucket."""
+    not once in ``.grad`` and again in the bucket.  ``ignore``: parameters (by name) DDP leaves alone, the
+    experts of an expert-parallel layer, which differ between the dp ranks (:mod:`fxshard.runtime.experts`)."""
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: no buffer sync at all
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         return DistributedDataParallel(module, process_group=dp_mesh.get_group(), bucket_cap_mb=DDP_BUCKET_MB,
@@ -44,7 +47,7 @@ def ddp(module: torch.nn.Module, dp_mesh) -> torch.nn.Module:
 
 
 def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool,
-                param_dtype: torch.dtype | None = None, blocks=()) -> torch.nn.Module:
+                param_dtype: torch.dtype | None = None, blocks=(), ignore: list[str] = ()) -> torch.nn.Module:
     """Shard ``module``'s parameters, gradients and optimizer state over dp (FSDP2).
 
     ``blocks``: submodules of ``module`` (its repeated blocks, in the order they run) that become FSDP2
@@ -52,10 +55,13 @@ def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool,
     (forward, and again in backward), the next block's gather issued while this one computes, so a rank
     holds its shards plus about two blocks instead of the whole module.  With ``param_dtype`` (mixed
     precision), the fp32 shards are the master weights; parameters are gathered as ``param_dtype`` and
-    gradients reduced in fp32."""
+    gradients reduced in fp32.  ``ignore``: parameters (by name) FSDP2 leaves whole and alone, the experts of an
+    expert-parallel layer, which differ between the dp ranks (:mod:`fxshard.runtime.experts`)."""
     from fxshard.runtime.mixed_precision import fsdp_policy
 
     policy = {"mp_policy": fsdp_policy(param_dtype)} if param_dtype is not None else {}
+    if ignore:
+        policy["ignored_params"] = {p for name, p in module.named_parameters() if name in set(ignore)}
     units = [_fully_shard(b, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **policy) for b in blocks]
     for block, after in zip(units, units[1:], strict=False):
         block.set_modules_to_forward_prefetch([after])

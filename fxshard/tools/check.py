@@ -172,13 +172,15 @@ def _check_layout(manifest: Manifest, layout, sources: dict[str, str]) -> list[s
     by_coords = {}
     for entry in manifest.ranks:
         c = entry.coords
-        key = (c["pp"], c["tp"])
-        if key in by_coords or not (0 <= c["pp"] < layout.pp and 0 <= c["tp"] < layout.tp) or c.get("dp", 0):
+        key = (c["pp"], c["tp"], c.get("ep", 0))  # under --ep one entry per ep rank, all running one file
+        if key in by_coords or not (0 <= c["pp"] < layout.pp and 0 <= c["tp"] < layout.tp) or c.get("dp", 0) or not (
+                0 <= key[2] < layout.ep):
             problems.append(f"manifest.json: rank file {entry.file} has coordinates {c}, outside the "
                             f"{layout.pp} x {layout.tp} (pp x tp) grid of {layout.describe()} or listed twice")
             continue
         by_coords[key] = entry
-        want_ranks = [r for r in range(layout.world_size) if (layout.coords(r)["pp"], layout.coords(r)["tp"]) == key]
+        want_ranks = [r for r in range(layout.world_size) if (layout.coords(r)["pp"], layout.coords(r)["tp"],
+                                                               layout.ep_rank(layout.coords(r)["dp"])) == key]
         if list(entry.global_ranks) != want_ranks:
             problems.append(f"manifest.json: {entry.file} runs on {_ranks_text(entry.global_ranks)}, but "
                             f"pp={key[0]} tp={key[1]} of a world of {layout.world_size} is {_ranks_text(want_ranks)}")
@@ -192,7 +194,7 @@ def _check_layout(manifest: Manifest, layout, sources: dict[str, str]) -> list[s
             problems.append(f"manifest.json: {entry.file} holds stages {held}"
                             f", but pp rank {key[0]} of {layout.describe()} holds {layout.stages_of(key[0])}")
     missing = [rank_file_name({"pp": p, "tp": t}) for p in range(layout.pp) for t in range(layout.tp)
-               if (p, t) not in by_coords]
+               for e in range(layout.ep) if (p, t, e) not in by_coords]
     if missing:
         problems.append(f"manifest.json: no rank file for {', '.join(missing)}; {layout.describe()} needs "
                         f"{layout.pp * layout.tp} (one per pp x tp coordinate)")
@@ -209,17 +211,17 @@ def _check_sizes(manifest: Manifest, layout) -> list[str]:
                             f"{parts} (dp x microbatches) x its microbatch of {i.microbatch_shape[0]}")
     for entry in manifest.ranks:
         for key, t in entry.tensors.items():
-            placement = _placement(t.placement)
+            placement, n = _placement(t.placement), layout.size(t.axis)
             if placement is None:
                 problems.append(f"manifest.json: {entry.file} {key} has placement {t.placement!r}, "
                                 "not one fxshard writes (Shard(d), Shard(d, blocks=k), Replicate(), Partial(...))")
-            elif isinstance(placement, Shard) and t.global_shape[placement.dim] % (layout.tp * placement.blocks):
+            elif isinstance(placement, Shard) and t.global_shape[placement.dim] % (n * placement.blocks):
                 problems.append(f"{entry.file}: {t.source} has size {t.global_shape[placement.dim]} in dim "
-                                f"{placement.dim}, which does not split over tp={layout.tp}"
+                                f"{placement.dim}, which does not split over {t.axis}={n}"
                                 + (f" in {placement.blocks} blocks" if placement.blocks > 1 else ""))
-            elif list(local_shape(t.global_shape, placement, layout.tp)) != list(t.shape):
+            elif list(local_shape(t.global_shape, placement, n)) != list(t.shape):
                 problems.append(f"manifest.json: {entry.file} {key} ({t.source}, {placement}) has shape "
-                                f"{list(t.shape)}, expected {list(local_shape(t.global_shape, placement, layout.tp))}")
+                                f"{list(t.shape)}, expected {list(local_shape(t.global_shape, placement, n))}")
     return problems
 
 
@@ -259,10 +261,11 @@ def _check_header(source: str, entry: RankEntry, manifest: Manifest) -> list[str
     (n, (pp_rank, tp_rank, ranks)) = found["rank"]
     coords = (int(pp_rank or 0), int(tp_rank))
     listed = [int(r) for r in ranks.replace(",", " ").split()]
-    if coords != (entry.coords["pp"], entry.coords["tp"]) or listed != list(entry.global_ranks):
+    running = sorted(r for e in manifest.ranks if e.file == file for r in e.global_ranks)  # every ep rank's
+    if coords != (entry.coords["pp"], entry.coords["tp"]) or listed != running:
         problems.append(f"{file}:{n}: the header says pp rank {coords[0]}, tp rank {coords[1]}, {_ranks_text(listed)}; "
                         f"manifest.json has it at pp={entry.coords['pp']} tp={entry.coords['tp']}, "
-                        f"{_ranks_text(entry.global_ranks)}")
+                        f"{_ranks_text(running)}")
     (n, (digest,)) = found["model"]
     if manifest.model_digest is not None and digest != manifest.model_digest:
         problems.append(f"{file}:{n}: generated from model digest {digest}, but manifest.json is for "
@@ -308,6 +311,14 @@ def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sour
         label = _group_label(layout, "tp", lambda d, t, p=p: layout.rank_of(d, p, t), layout.tp)
         for cls in traces[members[0].file].classes:
             problems += _compare(label, cls, "tp", members, _class_phases(cls), traces, sources, report)
+    for p in range(layout.pp if layout.ep > 1 else 0):  # the ep groups: their ranks' token exchanges, in order
+        for t in range(layout.tp):
+            members = [e for e in manifest.ranks if (e.coords["pp"], e.coords["tp"]) == (p, t)]  # one per ep rank
+            groups = [g for g in layout.expert_groups()["ep"] if (layout.coords(g[0])["pp"], layout.coords(g[0])["tp"])
+                      == (p, t)]
+            label = f"ep group{'s' * (len(groups) > 1)} {', '.join(map(str, groups))}"
+            for cls in traces[members[0].file].classes:
+                problems += _compare(label, cls, "ep", members, _class_phases(cls), traces, sources, report)
     if layout.pp > 1:  # the pp group of each tp coordinate: generated code issues no collective over it
         for t in range(layout.tp):
             members = [entries[(p, t)] for p in range(layout.pp)]

@@ -276,7 +276,7 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
     scan = None if run else _Scan(source, file, entry)
     lay, coords = manifest.layout, entry.coords
     groups = {"tp": FakeGroup("tp", lay.tp, coords["tp"]), "pp": FakeGroup("pp", lay.pp, coords["pp"]),
-              "dp": FakeGroup("dp", lay.dp, coords["dp"])}
+              "dp": FakeGroup("dp", lay.dp, coords["dp"]), "ep": FakeGroup("ep", lay.ep, coords.get("ep", 0))}
     pipe = manifest.pipeline
     if pipe is None:
         inputs = [_meta(i.microbatch_shape, i.dtype, False) if i.is_tensor else None for i in manifest.inputs]

@@ -121,16 +121,17 @@ def _share(diff: float, update: float) -> float:
 
 def gather_parameters(manifest: Manifest, folder: Path | None = None,
                       states: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """Full trained parameters by source FQN, from the dp-rank-0 slices every (pp, tp) rank wrote to
+    """Full trained parameters by source FQN, from the slices the first dp rank of every rank entry wrote to
     ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
     layout = manifest.layout
     pieces: dict[str, dict] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    seen: set[int] = set()
     for rank in range(layout.world_size):
-        coords = layout.coords(rank)
-        if coords["dp"] != 0:  # dp replicas hold the same values (ZeRO 2/3 shards are gathered on save)
-            continue
-        entry = manifest.rank(coords)
+        entry = manifest.rank(layout.coords(rank))
+        if id(entry) in seen:  # dp replicas hold the same values (ZeRO 2/3 shards are gathered on save); under
+            continue  # --ep each ep rank's entry holds its own experts
+        seen.add(id(entry))
         state = states[rank] if states is not None else load_file(str(folder / f"rank{rank}.safetensors"))
         for key, t in entry.tensors.items():
             if t.kind != "parameter":

@@ -28,12 +28,13 @@ from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
+from fxshard.runtime.experts import sync_expert_grads
 from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
 from fxshard.runtime.mixed_precision import promote, split_masters
 from fxshard.runtime.random import begin_batch, local_rows
 from fxshard.train.memory import MemoryProbe
-from fxshard.train.optim import OptimConfig, clip_grad_norm_
+from fxshard.train.optim import ExpertSplitOptimizer, OptimConfig, clip_grad_norm_
 from fxshard.train.options import RunOptions
 
 
@@ -234,6 +235,8 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     with named_phase("start-up: the process groups of the dp x pp x tp mesh"):
         mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+    if layout.ep > 1:
+        groups |= _expert_groups(layout, rank, checkpoint)
     coords = layout.coords(rank)
     entry = manifest.rank(coords)
     code = import_rank_file(out / entry.file)
@@ -250,8 +253,19 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
                                                   dp_mesh, masters, reader)
-    opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
-                         masters=[masters[id(p)] for p in params] if masters else None)
+    if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
+        _check_experts_left_alone(held, entry, layout)
+        finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
+    if layout.ep > 1:  # expert parameters differ between dp ranks: ZeRO 1 shards their state over edp only
+        expert_ids = {id(p) for p in _expert_parameters(held, entry)}
+        dense = [p for p in params if id(p) not in expert_ids]
+        experts = [p for p in params if id(p) in expert_ids]
+        edp_zero = 1 if layout.zero == 1 and layout.size("edp") > 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
+        opt = ExpertSplitOptimizer(make_optimizer(dense, optim, layout.zero, groups["dp"]),
+                                   make_optimizer(experts, optim, edp_zero, groups["edp"]))
+    else:
+        opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
+                             masters=[masters[id(p)] for p in params] if masters else None)
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
@@ -391,7 +405,9 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
             w = 1.0 / copies.get(t.source, 1)
             if t.placement == "Replicate()":
                 w /= layout.tp  # the same gradient on every tp rank
-            if layout.dp > 1 and layout.zero < 2:
+            if t.axis == "ep":
+                w /= layout.size("edp")  # the same gradient on the ranks holding the same experts, at any ZeRO
+            elif layout.dp > 1 and layout.zero < 2:
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
             out.append((p, w))
     return out
@@ -414,6 +430,50 @@ def _plain_step(module):
         return float(loss.detach())
 
     return step
+
+
+def _expert_groups(layout: Layout, rank: int, checkpoint) -> dict:
+    """This rank's ep group (the dp ranks exchanging tokens) and edp group (the dp ranks holding the same experts).
+    Every rank creates every group in the same order (``new_group`` is collective over the world)."""
+    if checkpoint is not None:
+        raise LayoutError(f"--ep {layout.ep}: checkpoints of expert-parallel runs are not implemented yet "
+                          "(expert shards save and resume per ep rank); drop --save-every / --resume, or --ep")
+    groups = {}
+    for axis, members in layout.expert_groups().items():
+        for ranks in members:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[axis] = group
+    return groups
+
+
+def _expert_parameters(held: dict[str, torch.nn.Module], entry: RankEntry) -> list[torch.nn.Parameter]:
+    """The parameters the manifest records split over ep (this rank's experts), in module order."""
+    return [p for prefix, module in held.items() for name, p in module.named_parameters()
+            if entry.tensors[prefix + name].axis == "ep"]
+
+
+def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry, layout: Layout) -> None:
+    """Every expert parameter escaped DDP / FSDP2 (the generated ``ignore=``): else DDP would have broadcast
+    dp rank 0's experts over the others' at construction, and averaged their gradients over dp."""
+    for prefix, module in held.items():
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        for name, p in module.named_parameters():
+            if entry.tensors[prefix + name].axis != "ep":
+                continue
+            if hasattr(p, "to_local") or (layout.dp > 1 and layout.zero < 2 and name not in ignored):
+                raise FxshardError(f"{prefix}{name}: an expert parameter of this ep rank was handed to data "
+                                   "parallelism, which would overwrite or average it across ep ranks; this is a "
+                                   "bug in fxshard's generated attach_data_parallel: please report it")
+
+
+def _with_expert_sync(finish: Callable | None, experts: list, edp_group, dp: int) -> Callable:
+    def both() -> None:
+        if finish is not None:
+            finish()
+        sync_expert_grads(experts, edp_group, dp)
+
+    return both
 
 
 def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:

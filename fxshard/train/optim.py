@@ -81,3 +81,28 @@ def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, gr
         for g, _ in grads:
             g.mul_(coef)
     return norm
+
+
+class ExpertSplitOptimizer:
+    """Two optimizers stepped as one: the dense parameters' (ZeRO 1: sharded over dp) and the experts'
+    (ZeRO 1: sharded over edp, the ranks that hold the same experts; a dp-wide ZeroRedundancyOptimizer would
+    broadcast one ep rank's experts over another's)."""
+
+    def __init__(self, dense, experts):
+        self.parts = [dense, experts]
+        self.param_groups = [g for o in self.parts for g in o.param_groups]
+        self.defaults = dense.defaults
+        self.state = {}
+
+    def step(self, closure=None):
+        for o in self.parts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_tensors(self) -> list:
+        from fxshard.train.memory import optimizer_tensors
+
+        return [t for o in self.parts for t in optimizer_tensors(o)]

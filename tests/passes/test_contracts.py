@@ -29,8 +29,10 @@ def _compile_with(passes, model, layout):
 @pytest.mark.parametrize("model", ["gpt.py", "llama.py"])
 def test_the_real_passes_keep_every_contract(samples, model):
     check_order(PASSES, CODEGEN_REQUIRES)
-    result = compile_program(samples / model, Layout(tp=2, pp=2))  # the driver checks each pass's facts
-    assert result.ctx.passes_run == ["capture"] + [p.__name__.removesuffix("_pass") for p in PASSES]
+    layout = Layout(tp=2, pp=2)
+    result = compile_program(samples / model, layout)  # the driver checks each pass's facts
+    ran = [p for p in PASSES if getattr(p, "applies", lambda _: True)(layout)]  # expert_parallel: only under --ep
+    assert result.ctx.passes_run == ["capture"] + [p.__name__.removesuffix("_pass") for p in ran]
     for fact in CODEGEN_REQUIRES:
         assert fact.broken(result.gm, result.ctx) is None, fact
     assert {spec(n).stage for n in result.gm.graph.nodes} == {None, 0, 1}

@@ -1,0 +1,190 @@
+"""Expert parallelism (``--ep N``): each mixture-of-experts layer's experts split over N ranks of dp.
+
+A transformers 5 MoE layer stores its experts stacked (``experts.gate_up_proj [E, 2I, H]``,
+``experts.down_proj [E, H, I]``) and runs them as two grouped matmuls over the routed rows sorted by
+expert, with the model's cumulative rows per expert as offsets.  The captured graph of such a layer reads::
+
+    offs = cumsum(histc(sorted expert ids))                     # the router's choice, every rank
+    h = grouped_mm(rows, transpose(gate_up_proj), offs)         # row-wise from here ...
+    h = act(chunk(h)[0]) * chunk(h)[1]
+    out = grouped_mm(h, transpose(down_proj), offs)             # ... to here
+    ... weighted by the top-k weights, summed per token in the original order
+
+This pass keeps every one of those lines (the router, top-k, the sort, the activation, the weighting and
+the combine are the model's own) and puts the exchange around the row-wise part::
+
+    counts = rt.exchange_counts(offs, self.ep)                   # all-to-all of the counts
+    rows = rt.all_to_all_dispatch(rows, self.ep, offs, counts)   # rows to the rank of their expert
+    offs_local = rt.expert_offsets(counts)
+    ...the model's grouped matmuls and activation with this rank's E/N experts and offs_local...
+    out = rt.all_to_all_combine(out, self.ep, offs, counts)      # rows back, in the sender's order
+
+Each row meets the same expert weights and the same ops as on one device, so the result is exact (dropless:
+no row is ever dropped).  What cannot be recognized this way is refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard.errors import LayoutError
+from fxshard.ir.context import EP, CompileContext, Group, NodeSpec, spec
+from fxshard.ir.contracts import COMMUNICATED, contract
+from fxshard.ir.placement import Replicate
+from fxshard.runtime import collectives as rtc
+from fxshard.runtime.experts import expert_offsets
+
+aten = torch.ops.aten
+R = Replicate()
+GROUP = Group(EP)
+# the model's weight on its way to the grouped matmul: ops that keep the expert dimension (dim 0) as it is
+WEIGHT_OPS = {aten.transpose.int, aten.to.dtype, aten.contiguous.default, aten._to_copy.default}
+# ops between the two grouped matmuls that act on each row alone (so the rows may be any rows)
+ROW_OPS = {aten.chunk.default, aten.split.Tensor, aten.silu.default, aten.gelu.default, aten.relu.default,
+           aten.sigmoid.default, aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+           aten.to.dtype, aten._to_copy.default, aten.clamp.default, aten.neg.default}
+
+
+def _grouped_mm_ops() -> set:
+    ops = {aten._grouped_mm.default}
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        ops.add(fallback.default)
+    return ops
+
+
+def _weight_param(node: fx.Node, params: set[fx.Node]) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The parameter a grouped matmul's weight argument comes from, and the nodes on the way."""
+    chain = []
+    while node not in params:
+        if node.op != "call_function" or node.target not in WEIGHT_OPS:
+            return None, chain
+        if node.target is aten.transpose.int and 0 in [d % node.args[0].meta["val"].dim() for d in node.args[1:]]:
+            return None, chain
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _offsets(mm: fx.Node) -> fx.Node:
+    return mm.args[2] if len(mm.args) > 2 else mm.kwargs["offs"]
+
+
+def _layers(gm: fx.GraphModule, ctx: CompileContext) -> dict[str, list[fx.Node]]:
+    """The grouped matmuls of each MoE experts module, by module FQN, in graph order."""
+    ops = _grouped_mm_ops()
+    found: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            found.setdefault(spec(node).fqn, []).append(node)
+    return found
+
+
+@contract(requires=(COMMUNICATED,))
+def expert_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    ep = ctx.layout.ep
+    if ep == 1:
+        return gm
+    layers = _layers(gm, ctx)
+    if not layers:
+        stacked = sorted(s.fqn for s in ctx.program.state if s.kind == "parameter" and "expert" in s.fqn)
+        found = (f"expert parameters {stacked[:3]} not run by a grouped matmul (an expert loop, or "
+                 "experts_implementation other than grouped_mm)") if stacked else "no mixture-of-experts layer"
+        raise LayoutError(f"--ep {ep}: {type(ctx.program.model).__name__}: expected mixture-of-experts layers "
+                          "whose stacked experts run as grouped matmuls (transformers 5 experts, "
+                          f"experts_implementation='grouped_mm'); found {found}; drop --ep")
+    for fqn, mms in layers.items():
+        _rewrite(gm, ctx, fqn, mms)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+expert_parallel_pass.applies = lambda layout: layout.ep > 1  # the driver runs it only under --ep
+
+
+def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Node]) -> None:
+    ep, state = ctx.layout.ep, ctx.program.state_by_name()
+    where = f"--ep {ep}: {fqn or 'model'}"
+    if len(mms) != 2:
+        raise LayoutError(f"{where}: expected two grouped matmuls (gate/up, then down) in the experts module, found "
+                          f"{len(mms)}; this expert layout is not supported under --ep; drop --ep")
+    first, second = mms
+    offs = _offsets(first)
+    if _offsets(second) is not offs or set(offs.users) != {first, second}:
+        raise LayoutError(f"{where}: expected both grouped matmuls to take the same expert offsets and nothing else "
+                          f"to read them; found {offs.name} used by {sorted(u.name for u in offs.users)}; drop --ep")
+    _check_row_wise(first, second, where)
+    experts = offs.meta["val"].shape[0]
+    if experts % ep:
+        ok = [e for e in range(1, experts + 1) if experts % e == 0]
+        raise LayoutError(f"{where}: {experts} experts cannot be split over ep={ep}; use --ep in {ok}")
+    for mm in mms:
+        param, chain = _weight_param(mm.args[1], ctx.params)
+        if param is None or param.meta["val"].shape[0] != experts:
+            raise LayoutError(f"{where}: expected the grouped matmul {mm.name}'s weight to be a stacked expert "
+                              f"parameter [{experts}, ...] (transposed or cast at most); found {mm.args[1].name}; "
+                              "drop --ep")
+        ctx.expert_params[state[param.name].fqn] = experts
+        for n in (param, *chain):  # this rank's E/ep experts from here on
+            val = n.meta["val"]
+            n.meta["val"] = val.new_empty((experts // ep, *val.shape[1:]))
+    with gm.graph.inserting_before(first):
+        counts = _node(gm, rtc.exchange_counts, (offs, GROUP), first, "exchange_counts")
+        counts.meta["val"] = offs.meta["val"].new_empty((ep, experts // ep), dtype=torch.int64)
+        rows = _node(gm, rtc.all_to_all_dispatch, (first.args[0], GROUP, offs, counts), first, "all_to_all_dispatch")
+        rows.meta["val"] = first.args[0].meta["val"]
+        local = _node(gm, expert_offsets, (counts,), first, "")
+        local.meta["val"] = offs.meta["val"].new_empty((experts // ep,), dtype=torch.int32)
+    for mm in mms:
+        mm.args = fx.node.map_arg(mm.args, lambda a: local if a is offs else a)
+        mm.kwargs = fx.node.map_arg(mm.kwargs, lambda a: local if a is offs else a)
+    first.args = (rows, *first.args[1:])
+    with gm.graph.inserting_after(second):
+        back = _node(gm, rtc.all_to_all_combine, (second, GROUP, offs, counts), second, "all_to_all_combine")
+        back.meta["val"] = second.meta["val"]
+    second.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+
+
+def _check_row_wise(first: fx.Node, second: fx.Node, where: str) -> None:
+    """Every op from the first grouped matmul to the second must act on each row alone: the rows a rank
+    computes are another set than on one device, in another order."""
+    seen, todo = set(), list(second.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen or n is first:
+            continue
+        seen.add(n)
+        if not _reaches(first, n):
+            continue  # the weights and what else feeds the row-wise part from outside it
+        if n.op != "call_function" or (n.target not in ROW_OPS and n.target.__name__ != "getitem"):
+            raise LayoutError(f"{where}: {n.name} ({n.target}) between the experts' grouped matmuls is not an op "
+                              "known to act row by row; expert parallelism cannot reorder its rows exactly; drop --ep")
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+        if n.target in (aten.chunk.default, aten.split.Tensor) and dim % n.args[0].meta["val"].dim() == 0:
+            raise LayoutError(f"{where}: {n.name} splits the rows between the grouped matmuls; drop --ep")
+        todo.extend(n.all_input_nodes)
+
+
+def _reaches(src: fx.Node, dst: fx.Node) -> bool:
+    todo, seen = [dst], set()
+    while todo:
+        n = todo.pop()
+        if n is src:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
+def _node(gm: fx.GraphModule, target, args, owner: fx.Node, collective: str) -> fx.Node:
+    node = gm.graph.call_function(target, args)
+    node.meta["nn_module_stack"] = owner.meta.get("nn_module_stack", {})
+    if "stack_trace" in owner.meta:
+        node.meta["stack_trace"] = owner.meta["stack_trace"]
+    inputs = None if collective else (R,)
+    node.meta["fxshard"] = NodeSpec(R, spec(owner).fqn, "expert-parallel", collective, inputs,
+                                    spec(owner).segment, spec(owner).stage)
+    return node
