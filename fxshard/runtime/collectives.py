@@ -24,20 +24,13 @@ rank, the group, the collective and the line of the generated file that issued i
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts
+from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
 from fxshard.runtime.slices import SliceSpec, place, take
-
-
-def _site() -> tuple[str, int]:
-    """(file, line) of the generated code that called the public function calling this."""
-    frame = sys._getframe(2)
-    return frame.f_code.co_filename, frame.f_lineno
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:

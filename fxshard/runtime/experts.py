@@ -21,17 +21,11 @@ dp, the normalization DDP gives every other parameter.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
+from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
-
-
-def _site() -> tuple[str, int]:
-    frame = sys._getframe(2)
-    return frame.f_code.co_filename, frame.f_lineno
 
 
 def _per_expert(offsets: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import time
 
 import torch.distributed as dist
@@ -56,6 +57,12 @@ def doing() -> str:
     """What this rank is doing, as its heartbeat tells its peers (:mod:`fxshard.runtime.liveness`)."""
     return _current_step["label"] or "start-up"
 
+
+
+def call_site() -> tuple[str, int]:
+    """(file, line) of the generated code that called the public runtime function calling this."""
+    frame = sys._getframe(2)
+    return frame.f_code.co_filename, frame.f_lineno
 
 @contextlib.contextmanager
 def guarded(what: str, group, tensor=None, site: tuple[str, int] | None = None, cat: str = "collective"):
