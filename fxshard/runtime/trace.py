@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 MERGED = "trace.json"
+DP_THREAD = 1  # the row of the collectives torch's DDP and FSDP2 run beside the rank's own work
 _OFF = contextlib.nullcontext()
 
 
@@ -37,9 +38,12 @@ class _Tracer:
         try:
             yield
         finally:
-            end = time.perf_counter_ns()
-            self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": 0,
-                                "ts": (start + self.origin_ns) / 1e3, "dur": (end - start) / 1e3, "args": args})
+            self.add(name, cat, start, time.perf_counter_ns(), 0, args)
+
+    def add(self, name: str, cat: str, start: int, end: int, tid: int, args: dict) -> None:
+        # list.append is atomic: a collective's completion callback may add from torch's own thread
+        self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
+                            "ts": (start + self.origin_ns) / 1e3, "dur": (end - start) / 1e3, "args": args})
 
 
 _tracer: _Tracer | None = None
@@ -62,6 +66,13 @@ def span(name: str, cat: str, **args):
     return _tracer.span(name, cat, args)
 
 
+def interval(name: str, cat: str, start_ns: int, end_ns: int, tid: int = 0, **args) -> None:
+    """One event from ``start_ns`` to ``end_ns`` (``time.perf_counter_ns()`` readings), for work that runs beside
+    the rank's own thread (``tid`` 1: an all-reduce torch issues and completes while backward goes on)."""
+    if _tracer is not None:
+        _tracer.add(name, cat, start_ns, end_ns, tid, args)
+
+
 def stop() -> None:
     """Stop tracing without writing (a run that failed: its events are dropped)."""
     global _tracer
@@ -77,6 +88,9 @@ def save() -> Path | None:
     meta = [{"name": "process_name", "ph": "M", "pid": tracer.rank, "tid": 0, "args": {"name": f"rank {tracer.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": tracer.rank, "tid": 0,
              "args": {"sort_index": tracer.rank}}]
+    if any(e["tid"] == DP_THREAD for e in tracer.events):
+        meta.append({"name": "thread_name", "ph": "M", "pid": tracer.rank, "tid": DP_THREAD,
+                     "args": {"name": "dp (torch: DDP / FSDP2)"}})
     path = tracer.folder / f"rank{tracer.rank}.json"
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}))

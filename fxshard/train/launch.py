@@ -28,6 +28,7 @@ from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
+from fxshard.runtime.dp_trace import trace_ddp, traced_fsdp
 from fxshard.runtime.experts import sync_expert_grads
 from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
@@ -189,7 +190,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
         for step in range(run.first_step, steps + 1):
             start = time.perf_counter()
             measured = probe.measured_step(run.device) if probe is not None and step == steps else contextlib.nullcontext()
-            with measured, trace.span(f"step {step}", "step", step=step):  # measured: the last step's saved bytes
+            with measured, trace.span(f"step {step}", "step", step=step), traced_fsdp():  # measured: the last step's saved bytes
                 value = _train_step(run, step, optim, probe)  # per microbatch and peak (fxshard run --memory-report)
             seconds = time.perf_counter() - start
             if not math.isfinite(value):  # every rank has the same step loss: all stop here, none saves
@@ -378,7 +379,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if layout.mixed and not (layout.dp > 1 and layout.zero >= 2):
         params = list(module.parameters())
         masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
-    return code.attach_data_parallel(module, dp_mesh) if layout.dp > 1 else module
+    return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
 
 
 def _to_rank(v, dp: int, dp_rank: int, device, layout):

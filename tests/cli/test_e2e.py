@@ -127,3 +127,33 @@ def test_plan_file_with_unmatched_key_warns(tmp_path, models):
     assert "warning: user plan key 'mlp.nope' matches no module" in proc.stderr
     # one line, like an error: no source line of the caller (once `result = compile_program(...)`) after it
     assert "compile_program(" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
+def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples):
+    """--trace times torch's own dp collectives (a DDP comm hook; FSDP2's gathers and reduce-scatters) on a second
+    row per rank, and the traced run trains bitwise as the untraced one (dp=3, where dividing the bucket instead of
+    multiplying by 1/3 as DDP's reducer does would differ in the last bit)."""
+    src = (samples / "gpt.py").read_text()
+    model = tmp_path / "gpt6.py"
+    model.write_text(src.replace("BATCH = 256, 16, 64, 4, 8, 8", "BATCH = 256, 16, 64, 4, 8, 6"))
+    assert model.read_text() != src
+    from safetensors.torch import load_file
+
+    for layout, names in (((3, 0), {"all_reduce (DDP bucket 0)"}),
+                          ((2, 3), {"all_gather (FSDP2 issue)", "all_gather (FSDP2 wait, copy out)",
+                                    "reduce_scatter (FSDP2)"})):
+        dp, zero = layout
+        out = tmp_path / f"dp{dp}z{zero}"
+        fxshard("compile", model, "--dp", dp, "--zero", zero, "--out", out)
+        fxshard("run", out, "--steps", 2, "--final-state", out / "plain")
+        (out / "trace").mkdir()
+        fxshard("run", out, "--steps", 2, "--final-state", out / "traced", "--trace", out / "trace")
+        events = [e for e in json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]
+                  if e.get("cat") == "dp"]
+        assert {e["name"] for e in events} == names, layout
+        assert {e["pid"] for e in events} == set(range(dp)) and all(e["tid"] == 1 for e in events)
+        assert all(e["args"]["bytes"] > 0 and e["args"]["ranks"] == list(range(dp)) for e in events)
+        for r in range(dp):
+            plain, traced = (load_file(out / f / f"rank{r}.safetensors") for f in ("plain", "traced"))
+            assert all(plain[k].equal(traced[k]) for k in plain), (layout, r)

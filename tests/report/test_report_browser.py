@@ -37,6 +37,9 @@ def report(tmp_path_factory):
     p2p = [e for e in events if e.get("cat") == "p2p"]
     assert {e["name"] for e in p2p} >= {"fwd_send", "fwd_recv", "bwd_send", "bwd_recv", "wait fwd_recv"}
     assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in p2p)
+    # DDP's dp all-reduces (a comm hook while traced): every rank, on the row beside its own work
+    ddp = [e for e in events if e.get("cat") == "dp"]
+    assert {e["pid"] for e in ddp} == set(range(8)) and all(e["tid"] == 1 and e["args"]["bytes"] > 0 for e in ddp)
     return out / "report.html"
 
 
@@ -65,6 +68,7 @@ def test_the_report_shows_the_mesh_schedule_and_run_without_script_errors(report
         assert page.locator("#schedule-measured rect").count() > 8 * 4
         # every rank waits on a send or receive between stages at least once per step: torch's p2p, traced
         assert page.locator("#schedule-measured .p2p-wait").count() >= 8
+        assert page.locator("#schedule-measured .dp-coll").count() >= 8  # DDP's all-reduces, one row per rank
         assert "Bubble: 33.3%" in page.locator("#schedule").inner_text()
         assert page.locator("#loss-curve circle").count() == 2 and page.locator("#steps tr").count() == 3
         assert page.locator("#memory tr").count() == 9

@@ -1,0 +1,101 @@
+"""Under ``fxshard run --trace``: the dp collectives torch itself issues, as trace events of their own.
+
+DDP's bucket all-reduces and FSDP2's all-gathers and reduce-scatters are not lines of the rank files (torch runs
+them from hooks), so :func:`fxshard.runtime.guard.guarded` never sees them.  Traced, they become events of
+category ``dp`` on a second row of the rank (``tid`` :data:`~fxshard.runtime.trace.DP_THREAD`), beside the backward
+they overlap:
+
+- DDP: a comm hook that does what DDP's built-in reducer does (divide the bucket by the group size, all-reduce
+  it, asynchronously) and records the all-reduce from its issue to its completion;
+- FSDP2: torch's ``foreach_all_gather`` (issue), ``foreach_all_gather_copy_out`` (wait and copy out) and
+  ``foreach_reduce`` (the reduce-scatter), timed where FSDP2 calls them (``_fsdp_param_group``, torch 2.13).
+
+Untraced runs touch nothing: no hook is registered and no torch function is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from fxshard.runtime import trace
+from fxshard.runtime.trace import DP_THREAD
+
+
+def _ranks(group) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # the default group: every rank
+        return list(range(dist.get_world_size()))
+
+
+def trace_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    """Register the traced all-reduce hook on a DDP ``module`` when tracing (anything else is returned as is)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if trace.enabled() and isinstance(module, DistributedDataParallel):
+        module.register_comm_hook(module.process_group, _traced_allreduce)
+    return module
+
+
+def _traced_allreduce(group, bucket):  # unannotated: DDP checks annotations against real types
+    """DDP's own averaging all-reduce of one bucket, recorded from issue to completion."""
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / group.size())  # bitwise what the built-in reducer does (a division differs at dp=3)
+    args = {"bytes": buffer.numel() * buffer.element_size(), "dtype": str(buffer.dtype).removeprefix("torch."),
+            "ranks": _ranks(group), "bucket": bucket.index()}
+    name = f"all_reduce (DDP bucket {bucket.index()})"
+    start = time.perf_counter_ns()
+    future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+    def done(f):
+        trace.interval(name, "dp", start, time.perf_counter_ns(), DP_THREAD, **args)
+        return f.value()[0]
+
+    return future.then(done)
+
+
+@contextlib.contextmanager
+def traced_fsdp():
+    """While tracing: FSDP2's all-gathers and reduce-scatters are timed as ``dp`` events."""
+    if not trace.enabled():
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as where
+
+    saved = {n: getattr(where, n) for n in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")}
+
+    def timed(name: str, fn, nbytes, group_at: int):
+        def call(*args, **kwargs):
+            sent = nbytes(args, None)  # before: foreach_reduce empties the list of gradients it is given
+            start = time.perf_counter_ns()
+            result = fn(*args, **kwargs)
+            group = args[group_at] if len(args) > group_at else None
+            trace.interval(name, "dp", start, time.perf_counter_ns(), DP_THREAD, bytes=sent or nbytes(args, result),
+                           ranks=_ranks(group) if group is not None else [])
+            return result
+
+        return call
+
+    def gathered(args, result) -> int:
+        out = getattr(result, "all_gather_output", None) if result is not None else None
+        return out.numel() * out.element_size() if out is not None else 0
+
+    def copied(args, result) -> int:
+        return gathered(args, args[0])
+
+    def reduced(args, result) -> int:
+        return sum(g.numel() * g.element_size() for g in args[1]) if result is None else 0
+
+    where.foreach_all_gather = timed("all_gather (FSDP2 issue)", saved["foreach_all_gather"], gathered, 1)
+    where.foreach_all_gather_copy_out = timed("all_gather (FSDP2 wait, copy out)", saved["foreach_all_gather_copy_out"],
+                                              copied, 2)
+    where.foreach_reduce = timed("reduce_scatter (FSDP2)", saved["foreach_reduce"], reduced, 2)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(where, name, fn)
