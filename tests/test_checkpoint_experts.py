@@ -2,7 +2,8 @@
 ep, from a checkpoint saved without ep, and exported to a folder the transformers class loads.
 
 A tiny Qwen3-MoE (4 experts) trains 3 AdamW steps on real gloo process groups through
-``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), saving every step.  Each resumed run
+``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), saving every step: at dp=4 ep=2 ZeRO 1,
+dp=2 pp=2 ep=2 ZeRO 2 and dp=2 without ep.  Each resumed run
 starts from the step-1 checkpoint and runs steps 2 and 3: its losses must equal the uninterrupted run's and
 single-device training's within 1e-5 relative, and its trained parameters single-device training's within
 ``fxshard verify``'s tolerance (1e-3 of the update).  Step 2's loss reads the saved parameters; step 3's loss
@@ -36,12 +37,16 @@ EXPERT = "model.layers.0.mlp.experts.gate_up_proj"  # [4, 32, 32]: 4 experts sta
 SAVES = {  # id -> layout of an uninterrupted run saving at every step
     "dp4-ep2-zero1": Layout(dp=4, ep=2, zero=1),  # expert Adam state sharded over edp (2 ranks)
     "dp2-zero0": Layout(dp=2),  # no ep: the experts whole
+    # pipeline stages (the experts of each stage's layers) and FSDP2 (ZeRO 2: the dense parameters' DTensor shards
+    # gathered, the experts whole on each ep rank)
+    "dp2-pp2-ep2-zero2": Layout(dp=2, pp=2, ep=2, zero=2, schedule="gpipe"),
 }
 RESUMES = {  # id -> (saved run, layout resuming its step-1 checkpoint)
     "ep2-zero1->same": ("dp4-ep2-zero1", Layout(dp=4, ep=2, zero=1)),
     "ep2-zero1->ep4-zero0": ("dp4-ep2-zero1", Layout(dp=4, ep=4)),
     "ep2-zero1->dp2-zero1": ("dp4-ep2-zero1", Layout(dp=2, zero=1)),
     "dp2-zero0->ep2-zero1": ("dp2-zero0", Layout(dp=4, ep=2, zero=1)),
+    "pp2-ep2-zero2->ep2-zero3": ("dp2-pp2-ep2-zero2", Layout(dp=4, ep=2, zero=3)),
 }
 
 
@@ -70,7 +75,7 @@ def runs(tmp_path_factory):
     ckpts = {case: tmp / f"{case}-ckpt" for case in SAVES}
     resume = {case: (outs[case], CheckpointConfig(ckpts[saved] / "step-00000001", resume=True))
               for case, (saved, _) in RESUMES.items()}
-    done = _spawn(4, {"dp4-ep2-zero1": (outs["dp4-ep2-zero1"], CheckpointConfig(ckpts["dp4-ep2-zero1"], 1))})
+    done = _spawn(4, {case: (outs[case], CheckpointConfig(ckpts[case], 1)) for case in SAVES if case != "dp2-zero0"})
     done |= _spawn(2, {"dp2-zero0": (outs["dp2-zero0"], CheckpointConfig(ckpts["dp2-zero0"], 1)),
                        "ep2-zero1->dp2-zero1": resume["ep2-zero1->dp2-zero1"]})
     done |= _spawn(4, {case: resume[case] for case in RESUMES if case != "ep2-zero1->dp2-zero1"})
