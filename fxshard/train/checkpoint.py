@@ -168,6 +168,7 @@ def _optimizers(opt, dp_group, edp_group) -> dict[str, tuple]:
     from fxshard.train.optim import ExpertSplitOptimizer
 
     if isinstance(opt, ExpertSplitOptimizer):
+        assert edp_group is not None, "an expert-parallel run's checkpoint needs its edp group"
         dense, experts = opt.parts
         return {"tp": (dense, dp_group), "ep": (experts, edp_group)}
     return {"tp": (opt, dp_group)}
