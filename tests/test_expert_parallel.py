@@ -207,14 +207,6 @@ def test_load_balancing_loss_under_a_split_batch_is_refused():
     compile_model(MODELS / "hf_mixtral_aux.py", Layout())  # one device, one batch: exact, allowed
 
 
-def test_checkpoints_of_an_expert_parallel_run_are_refused():
-    from fxshard.train.launch import _expert_groups
-
-    # refused before any process group is made (fxshard run --save-every / --resume pass a checkpoint config)
-    with pytest.raises(LayoutError, match="--ep 2: checkpoints of expert-parallel runs are not implemented yet"):
-        _expert_groups(Layout(dp=2, ep=2), 0, checkpoint=object())
-
-
 def test_fxshard_check_compares_the_exchanges_of_every_ep_group(tmp_path):
     from fxshard.tools.check import check_output
 

@@ -7,6 +7,7 @@ trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the
     index.json                    step, model digest, layout, optimizer, {fqn: global shape + pieces}
     model.py                      a copy of the model file (what `fxshard export` builds)
     shard-pp0-tp1.safetensors     keys "fqn|kind|dim.index.parts.blocks", kind in param/exp_avg/...
+    shard-pp0-tp0-ep1.safetensors under --ep: one file per ep rank, its experts' dim-0 slice (dense in ep0's)
 
 Loading is by slice: a rank of any layout reads the pieces of each source it holds, assembles them
 when its slice differs from the saved one (:func:`fxshard.runtime.slices.assemble`), and takes its own
@@ -64,8 +65,10 @@ def _key(fqn: str, kind: str, sl: SliceSpec) -> str:
     return f"{fqn}|{kind}|{sl.dim}.{sl.index}.{sl.parts}.{sl.blocks}"
 
 
-def _shard_name(coords: dict) -> str:
-    return f"shard-pp{coords['pp']}-tp{coords['tp']}.safetensors"
+def _shard_name(coords: dict, ep_rank: int | None = None) -> str:
+    """The file of (pp, tp) coordinate ``coords``; under --ep one per ep rank (the dense tensors in ep rank 0's)."""
+    ep = "" if ep_rank is None else f"-ep{ep_rank}"
+    return f"shard-pp{coords['pp']}-tp{coords['tp']}{ep}.safetensors"
 
 
 def find_checkpoint(path: str | Path, say=None) -> Path:
@@ -157,6 +160,20 @@ def _check_shard(file: Path) -> None:
 # ---------------------------------------------------------------- save
 
 
+def _optimizers(opt, dp_group, edp_group) -> dict[str, tuple]:
+    """``{axis: (optimizer, group)}``: which optimizer holds the Adam state of a parameter the manifest records
+    over ``axis``, and the group that state is replicated or sharded over — ``"tp"`` (every parameter without
+    --ep, the dense ones with it) over dp; ``"ep"`` (this rank's experts) over edp, the ranks holding the same
+    experts (:class:`fxshard.train.optim.ExpertSplitOptimizer`)."""
+    from fxshard.train.optim import ExpertSplitOptimizer
+
+    if isinstance(opt, ExpertSplitOptimizer):
+        assert edp_group is not None, "an expert-parallel run's checkpoint needs its edp group"
+        dense, experts = opt.parts
+        return {"tp": (dense, dp_group), "ep": (experts, edp_group)}
+    return {"tp": (opt, dp_group)}
+
+
 def _optimizer_view(opt):
     """``view(p) -> (value, state or None, owner dp rank or None)``: where p's trained value and Adam state live.
 
@@ -181,7 +198,8 @@ def _optimizer_view(opt):
 
 
 def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | None:
-    """``{kind: tensor}`` of one parameter on dp rank 0 (None on the others); collective over dp."""
+    """``{kind: tensor}`` of one parameter on dp rank 0 (None on the others); collective over dp (the experts of
+    an ep rank: over its edp group, whose rank 0 writes them)."""
     if owner is not None and dist.get_world_size(dp_group) > 1:
         me = dist.get_rank(dp_group)
         has = torch.tensor([0 if owner == me and not state else 1], device=p.device)
@@ -201,8 +219,12 @@ def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | Non
 
 
 def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankEntry, opt, manifest: Manifest,
-                    coords: dict, dp_group, optim_config) -> Path | None:
-    """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path."""
+                    coords: dict, dp_group, optim_config, edp_group=None) -> Path | None:
+    """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path.
+
+    Each distinct slice is written once: the dense tensors by dp rank 0, and under --ep each ep rank's experts
+    (its E/ep of the stacked expert weights, a dim-0 slice) by the first rank of its edp group (dp coordinate
+    ``d < ep``), into that ep rank's file, so the global tensor is the concatenation of the ep slices."""
     folder = Path(folder)
     rank = dist.get_rank()
     name = [f"step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"]
@@ -211,19 +233,22 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     if rank == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
-    view = _optimizer_view(opt)
+    views = {axis: (_optimizer_view(o), group) for axis, (o, group) in _optimizers(opt, dp_group, edp_group).items()}
     tensors = {}
     for prefix, module in held.items():
         for pname, p in module.named_parameters():
             t = entry.tensors[prefix + pname]
-            got = _gathered(p, *view(p), dp_group)
+            view, group = views[t.axis]
+            got = _gathered(p, *view(p), group)
             if got is not None:
                 tensors |= {_key(t.source, k, t.slice): v.detach().cpu().contiguous() for k, v in got.items()}
-    if coords["dp"] == 0:
+    layout = manifest.layout
+    if coords["dp"] < layout.ep:  # dp rank 0; under --ep the first rank of each edp group
         from safetensors.torch import save_file
 
-        save_file(tensors, str(tmp / _shard_name(coords)))
-        _fsync(tmp / _shard_name(coords))  # on disk before the index says the checkpoint is complete
+        shard = tmp / _shard_name(coords, layout.ep_rank(coords["dp"]) if layout.ep > 1 else None)
+        save_file(tensors, str(shard))
+        _fsync(shard)  # on disk before the index says the checkpoint is complete
     if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
         os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
     dist.barrier()
@@ -238,6 +263,7 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
     from dataclasses import asdict
 
     pieces: dict[str, dict] = {}
+    ep = manifest.layout.ep > 1
     for e in manifest.ranks:
         for t in e.tensors.values():
             if t.kind != "parameter":
@@ -245,7 +271,8 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
             rec = pieces.setdefault(t.source, {"global_shape": list(t.global_shape), "dtype": t.dtype,
                                                "aliases": list(t.aliases), "pieces": []})
             if all(p["slice"] != t.slice.to_json() for p in rec["pieces"]):
-                rec["pieces"].append({"slice": t.slice.to_json(), "file": _shard_name(e.coords)})
+                file = _shard_name(e.coords, (e.coords["ep"] if t.axis == "ep" else 0) if ep else None)
+                rec["pieces"].append({"slice": t.slice.to_json(), "file": file})
     index = {"format": FORMAT, "step": step, "model_file": manifest.model_file,
              "model_name": manifest.model_name, "model_digest": manifest.model_digest,
              "seed": manifest.seed, "layout": manifest.layout.to_json(), "optimizer": asdict(optim_config),
@@ -388,29 +415,35 @@ def load_parameters(reader: CheckpointReader, module: torch.nn.Module, entry: Ra
             p.copy_(value)
 
 
-def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group) -> None:
-    """Give ``opt`` the checkpoint's Adam state of every parameter this rank (and dp rank) optimizes."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from fxshard.runtime.mixed_precision import MasterWeightAdamW
-
-    me = dist.get_rank(dp_group) if dist.get_world_size(dp_group) > 1 else 0
-    index = {id(p): i for i, p in enumerate(opt.params)} if isinstance(opt, MasterWeightAdamW) else {}
+def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group, edp_group=None) -> None:
+    """Give ``opt`` the checkpoint's Adam state of every parameter this rank (and dp rank) optimizes; under --ep
+    the experts' optimizer gets this ep rank's slice of theirs (at ZeRO 1 the share of this rank of edp)."""
+    parts = _optimizers(opt, dp_group, edp_group)
     for prefix, module in held.items():
         for name, p in module.named_parameters():
             t = entry.tensors[prefix + name]
             if not reader.has_state(t.source):
                 continue
             state = {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS}
-            if isinstance(opt, MasterWeightAdamW):
-                m = opt.masters.get(index[id(p)])
-                if m is not None:
-                    opt.optim.state[m] = _on(state, m)
-            elif isinstance(opt, ZeroRedundancyOptimizer):
-                if opt._param_to_rank[p] == me:
-                    opt.optim.state[p] = _on(state, p)
-            else:
-                opt.state[p] = _on(state, p)
+            _give_state(*parts[t.axis], p, state)
+
+
+def _give_state(opt, group, p, state: dict) -> None:
+    """Make ``state`` ``p``'s Adam state in ``opt`` where ``opt`` keeps it (ZeRO 1: on its owner in ``group``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from fxshard.runtime.mixed_precision import MasterWeightAdamW
+
+    if isinstance(opt, MasterWeightAdamW):
+        m = opt.masters.get(next(i for i, q in enumerate(opt.params) if q is p))
+        if m is not None:
+            opt.optim.state[m] = _on(state, m)
+    elif isinstance(opt, ZeroRedundancyOptimizer):
+        me = dist.get_rank(group) if dist.get_world_size(group) > 1 else 0
+        if opt._param_to_rank[p] == me:
+            opt.optim.state[p] = _on(state, p)
+    else:
+        opt.state[p] = _on(state, p)
 
 
 def _on(state: dict, p) -> dict:

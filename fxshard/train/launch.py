@@ -208,7 +208,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
 
                 with named_phase(f"the checkpoint save of step {step}", dist.group.WORLD):
                     saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
-                                            run.manifest, run.coords, run.groups["dp"], optim)
+                                            run.manifest, run.coords, run.groups["dp"], optim, run.groups.get("edp"))
                 if saved is not None:
                     (progress.print if progress else log)(f"saved checkpoint {saved}")
     finally:
@@ -237,7 +237,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     if layout.ep > 1:
-        groups |= _expert_groups(layout, rank, checkpoint)
+        groups |= _expert_groups(layout, rank)
     coords = layout.coords(rank)
     entry = manifest.rank(coords)
     code = import_rank_file(out / entry.file)
@@ -271,7 +271,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
 
-        load_optimizer(reader, opt, held, entry, groups["dp"])
+        load_optimizer(reader, opt, held, entry, groups["dp"], groups.get("edp"))
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
                 _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
                 getattr(code, "count_tokens", None))
@@ -433,12 +433,9 @@ def _plain_step(module):
     return step
 
 
-def _expert_groups(layout: Layout, rank: int, checkpoint) -> dict:
+def _expert_groups(layout: Layout, rank: int) -> dict:
     """This rank's ep group (the dp ranks exchanging tokens) and edp group (the dp ranks holding the same experts).
     Every rank creates every group in the same order (``new_group`` is collective over the world)."""
-    if checkpoint is not None:
-        raise LayoutError(f"--ep {layout.ep}: checkpoints of expert-parallel runs are not implemented yet "
-                          "(expert shards save and resume per ep rank); drop --save-every / --resume, or --ep")
     groups = {}
     for axis, members in layout.expert_groups().items():
         for ranks in members:
