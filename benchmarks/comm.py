@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import markdown_table
 from fxshard.codegen.manifest import Manifest
+from fxshard.ir.comm import KINDS
 
 # op name -> index of the argument holding this rank's input tensor(s)
 _C10D_INPUT = {
@@ -118,7 +119,8 @@ def fxshard_stated(out: Path, manifest: Manifest, rank: int = 0) -> dict:
         nbytes = _DTYPE_BYTES.get(c.dtype, 4)
         for s in c.shape:
             nbytes *= s
-        phases = [] if c.op == "copy_to" else [("forward", c.op)]
+        forward = KINDS[c.op].forward  # copy_to and copy_to_linears issue nothing forward
+        phases = [("forward", forward)] if forward else []
         if c.backward:
             phases.append(("backward", c.backward))
         for phase, kind in phases:

@@ -28,6 +28,7 @@ from benchmarks import (  # noqa: E402
     comm_axes,
     compile_scaling,
     memory,
+    overlap,
     pipeline_idle,
     recompute_time,
     tp_step,
@@ -35,7 +36,7 @@ from benchmarks import (  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "pipeline", "traffic", "memory", "activations", "recompute", "compile")
+PARTS = ("tp", "overlap", "pipeline", "traffic", "memory", "activations", "recompute", "compile")
 
 
 def plan(quick: bool) -> dict:
@@ -52,6 +53,7 @@ def plan(quick: bool) -> dict:
 # part -> its key in the results and its sections: (heading, markdown of the part's result)
 SECTIONS = {
     "tp": ("tp_step", [("Tensor-parallel step time", tp_step.markdown), ("Collectives per step", comm.markdown)]),
+    "overlap": ("overlap", [("Backward all-reduce overlapped with the weight gradients (tp=2)", overlap.markdown)]),
     "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
     "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown)]),
     "memory": ("memory", [("Memory per rank under each ZeRO stage", memory.markdown)]),
@@ -66,6 +68,8 @@ SECTIONS = {
 def run_part(part: str, settings: dict, work: Path, quick: bool):
     if part == "tp":
         return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
+    if part == "overlap":
+        return [overlap.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
     if part == "pipeline":
         return [pipeline_idle.run(pp, m, work, settings["pipeline_rounds"], settings["pipeline_warmup"])
                 for pp, m in settings["pipelines"]]

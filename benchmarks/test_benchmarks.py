@@ -109,3 +109,13 @@ def test_per_layer_activation_bytes_agree_with_the_plan(tmp_path):
         for depth, ratios in row["measured_over_plan"].items():
             assert all(0.9 <= x <= 1.1 for x in ratios), (row["setting"], depth, ratios)
         assert row["per_layer_per_token"] > 0
+
+
+@pytest.mark.distributed
+def test_quick_overlap_benchmark_trains_both_ways_to_the_bit(tmp_path):
+    from benchmarks.run import main
+
+    main(["--quick", "--only", "overlap", "--out", str(tmp_path)])
+    (r,) = json.loads((tmp_path / "quick.json").read_text())["overlap"]
+    assert r["fused_calls"] > 0 and r["losses_equal"]
+    assert list(r["step_ms"]) == ["overlapped", "eager"] and r["ratios"]["paired overlapped/eager"]["median"] > 0

@@ -71,17 +71,21 @@ DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
 SequenceParallel = Annotated[bool, typer.Option("--sp", help="sequence parallelism (with --tp 2 or more): norms, "
                                                         "dropout and residual adds run on S/tp tokens; the "
                                                         "all-reduces become reduce-scatters and all-gathers")]
+Overlap = Annotated[bool, typer.Option("--overlap/--no-overlap",
+                                       help="write copy_to and the column-parallel linears reading it as one "
+                                            "rt.copy_to_linears, whose backward overlaps the input gradient's "
+                                            "all-reduce with the weight gradients (same values, same bytes)")]
 PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 
 
 def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
             virtual_stages: int | None, dtype: str, recompute: str = "none", sp: bool = False,
-            ep: int = 1):
+            ep: int = 1, overlap: bool = True):
     from fxshard.ir.context import Layout
 
     return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp, ep=ep)
+                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp, ep=ep, overlap=overlap)
 
 
 @app.command()
@@ -95,6 +99,7 @@ def compile(
     dtype: DType = "fp32",
     recompute: Recompute = "none",
     sp: SequenceParallel = False,
+    overlap: Overlap = True,
     schedule: Schedule = "1f1b",
     microbatches: Microbatches = None,
     virtual_stages: VirtualStages = None,
@@ -119,7 +124,7 @@ def compile(
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep, overlap)
         user_plan = load_plan_file(plan) if plan else None
         if split_before:
             cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
@@ -338,6 +343,7 @@ def verify(
     dtype: DType = "fp32",
     recompute: Recompute = "none",
     sp: SequenceParallel = False,
+    overlap: Overlap = True,
     plan: PlanFile = None,
     steps: int = typer.Option(3, "--steps", help="training steps"),
     lr: float = typer.Option(1e-3, "--lr"),
@@ -359,7 +365,7 @@ def verify(
     from fxshard.train.optim import OptimConfig
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
+        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep, overlap)
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,

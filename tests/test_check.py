@@ -108,11 +108,14 @@ def test_reordered_collectives_name_both_lines(compiled, tmp_path):
 
 def test_dropped_copy_to_is_caught_in_backward(compiled, tmp_path):
     out = copy(gpt_tp2(compiled), tmp_path)
-    line = edit(out / "rank_pp0_tp1.py", "copy_to_16 = rt.copy_to(layer_norm_16, self.tp)", "copy_to_16 = layer_norm_16")
+    # the LM head's column-parallel input, whose copy_to is written fused with the linear (rt.copy_to_linears)
+    line = edit(out / "rank_pp0_tp1.py", "copy_to_linears_16 = rt.copy_to_linears(layer_norm_16, self.tp, "
+                "weights=(self.lm_head_weight,), biases=(None,))",
+                "copy_to_linears_16 = (aten.linear.default(layer_norm_16, self.lm_head_weight),)")
     msg = check_error(out)
     assert re.match(rf"rank_pp0_tp1\.py:{line} \(global rank 1\): tp group \[0, 1\] in RankModule: backward "
                     rf"collective #\d+ is missing: rank_pp0_tp0\.py:{line} \(global rank 0\) issues all_reduce "
-                    r"float32 \[8, 16, 64\] \(copy_to_16 = rt\.copy_to\(\.\.\.\)\)", msg), msg
+                    r"float32 \[8, 16, 64\] \(copy_to_linears_16 = rt\.copy_to_linears\(\.\.\.\)\)", msg), msg
 
 
 def test_collective_over_the_wrong_group(compiled, tmp_path):

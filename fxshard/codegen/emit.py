@@ -27,9 +27,12 @@ from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
+from fxshard.runtime import collectives as rt_collectives
 from fxshard.runtime import random as rt_random
 from fxshard.runtime.recompute import KEEP_OF_MODE
 from fxshard.units import human_bytes
+
+aten = torch.ops.aten
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
@@ -182,7 +185,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         collective_unit=unit,
         collective_lines=collective_header(held, ctx, skipped, unit, per_step),
         recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users]),
-        legend_lines=legend_lines(held),
+        legend_lines=legend_lines(held, {c["op"] for c in collectives}),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
         classes=classes,
@@ -378,6 +381,7 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
     where = _group_lines(nodes, recomputed, guarded_nodes)
     dead = _dead_after([(st.all_input_nodes, [st]) if isinstance(st, fx.Node) else (st.inputs, st.outputs)
                         for st in steps], inputs, keep)
+    fused, part_of = _overlapped(nodes, names, ctx)
     lines: list[str] = []
     group_key = None
     for i, st in enumerate(steps):
@@ -419,10 +423,26 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
                 lines.append("")
             lines.append(_group_comment(node, ctx, where.get(node, ""), relative_to=relative_to)
                          + ("  (recomputed here, not received)" if again else ""))
-        line = f"{names[node]} = {_call(node, names, coords)}{drop}"
-        note = _note(node, tp)
-        lines.append(f"{line}  # {note}" if note else line)
         target = getattr(node.target, "__name__", "")
+        if node in fused:  # copy_to and the column-parallel linears reading it, as one overlapped call
+            linears = fused[node]
+            names[node] = names[node].replace("copy_to", "copy_to_linears", 1)
+            weights = tuple(n.args[1] for n in linears)
+            biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
+            call = (f"rt.copy_to_linears({_arg(node.args[0], names, coords)}, {_arg(node.args[1], names, coords)}, "
+                    f"weights={_arg(weights, names, coords)}, biases={_arg(biases, names, coords)})")
+            after = ", ".join(str(spec(n).placement) for n in linears)
+            lines.append(f"{names[node]} = {call}{drop}  # {_value_text(node, tp)} {spec(node.args[0]).placement} "
+                         f"-> ({after})")
+            target = "copy_to_linears"
+        elif node in part_of:
+            line = f"{names[node]} = {names[part_of[node][0]]}[{part_of[node][1]}]{drop}"
+            note = _note(node, tp)
+            lines.append(f"{line}  # {note}" if note else line)
+        else:
+            line = f"{names[node]} = {_call(node, names, coords)}{drop}"
+            note = _note(node, tp)
+            lines.append(f"{line}  # {note}" if note else line)
         if spec(node).collective and KINDS[target].communicates:
             val = node.meta.get("val")
             collectives.append({
@@ -436,6 +456,33 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             if node in guarded_nodes:
                 collectives[-1]["outputs_only"] = True
     return lines
+
+
+def _overlapped(nodes: list[fx.Node], names: dict, ctx: CompileContext) -> tuple[dict, dict]:
+    """The ``copy_to`` calls written as ``rt.copy_to_linears`` (``fxshard/runtime/collectives.py``): those whose
+    every user is a linear of this body taking it as its input, with weights and biases the module's own
+    parameters.  Their backward starts the input gradient's all-reduce, computes the weight gradients while it
+    runs and waits for it (Megatron-LM's overlap); the graph, which the plan and the checks read, keeps the
+    ``copy_to`` and the linears.  Not under zero-bubble, whose split backward would run the fused backward in both
+    of its passes.  Returns ``{copy_to: [linears]}`` and ``{linear: (copy_to, index)}``."""
+    if ctx.layout.schedule == "zero-bubble" or not ctx.layout.overlap:
+        return {}, {}
+    here = set(nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    fused, part_of = {}, {}
+    for node in nodes:
+        if node.op != "call_function" or node.target is not rt_collectives.copy_to or not node.users:
+            continue
+        users = list(node.users)
+        if not all(u in here and u.op == "call_function" and u.target is aten.linear.default and not u.kwargs
+                   and u.args[0] is node and all(isinstance(a, fx.Node) and a.op == "placeholder"
+                                                 and names.get(a, "").startswith("self.") for a in u.args[1:]
+                                                 if a is not None)
+                   for u in users):
+            continue
+        fused[node] = sorted(users, key=order.__getitem__)
+        part_of |= {u: (node, i) for i, u in enumerate(fused[node])}
+    return fused, part_of
 
 
 @dataclass
@@ -780,13 +827,18 @@ def _bytes_text(n: float) -> str:
     return human_bytes(n, digits=1)
 
 
-def legend_lines(nodes: list[fx.Node]) -> list[str]:
-    """What each collective this file calls does, once (from :mod:`fxshard.ir.comm`), in the order of first use."""
+def legend_lines(nodes: list[fx.Node], emitted: set[str] = frozenset()) -> list[str]:
+    """What each collective this file calls does, once (from :mod:`fxshard.ir.comm`), in the order of first use;
+    ``emitted``: the collectives the file's lines call (a ``copy_to`` may be written as ``copy_to_linears``)."""
     used = []
     for n in nodes:
         name = spec(n).collective and n.target.__name__
-        if name and name not in used:
-            used.append(name)
+        written = [name]
+        if name == "copy_to" and "copy_to_linears" in emitted:
+            written = ["copy_to_linears"] + (["copy_to"] if "copy_to" in emitted else [])
+        for w in written:
+            if w and w not in used:
+                used.append(w)
     width = max((len(u) for u in used), default=0)
     return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
 

@@ -10,7 +10,7 @@ experts) is one entry::
     >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
     ('all_reduce', 'all_reduce')
     >>> [k.name for k in communicating("backward")]
-    ['copy_to', 'scatter', 'reduce_scatter', 'gather_to']
+    ['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to']
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def _reduced_part(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torc
     return rtc.shard(x, dim, 0, size, blocks)  # the shape of one rank's part (a fresh buffer, as the reduce-scatter's)
 
 
+def _linears(x: torch.Tensor, size: int, weights: tuple = (), biases: tuple = ()) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+
 def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:
     return x.clone()  # the rows an ep rank receives depend on the routing; balanced, as many as it sends
 
@@ -84,6 +88,11 @@ def _counts(offsets: torch.Tensor, size: int, **_) -> torch.Tensor:
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("copy_to", None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
+    # passes/overlap.py: copy_to fused with the column-parallel linears reading it, for overlap in backward
+    CollectiveKind("copy_to_linears", None, "all_reduce",
+                   "R: copy_to and the column-parallel linears that read it, fused: backward starts the input "
+                   "gradient's all-reduce, computes the weight gradients while it runs, then waits for it",
+                   _linears),
     CollectiveKind("all_reduce", "all_reduce", None,
                    "P(sum) -> R: all-reduce forward; the gradient passes unchanged backward", _same),
     CollectiveKind("all_gather", "all_gather", None,

@@ -32,9 +32,9 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; 
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
 # before code generation
-_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep")  # Layout fields newer than manifest format 1: absent
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap")  # Layout fields newer than manifest format 1: absent
 # from older manifests
-_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1}  # written only when set: manifests before them stay byte
+_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True}  # written only when set: manifests before them stay byte
 # for byte
 
 
@@ -51,6 +51,9 @@ class Layout:
     recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
     sp: bool = False  # sequence parallelism: what runs between tp regions runs on S/tp tokens (passes/collectives.py)
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of dp (passes/expert_parallel.py)
+    # copy_to + the column-parallel linears reading it written as rt.copy_to_linears: backward overlaps the input
+    # gradient's all-reduce with the weight gradients (fxshard/codegen/emit.py); False: plain copy_to and linears
+    overlap: bool = True
 
     def __post_init__(self):
         for axis in ("tp", "pp", "dp", "ep"):
@@ -200,6 +203,8 @@ class Layout:
             text += f" recompute={self.recompute}"
         if self.sp:
             text += " sp"
+        if not self.overlap:
+            text += " no-overlap"
         return text
 
 

@@ -9,12 +9,20 @@ all_gather     all-gather along dim     keep this rank's part
 scatter        keep this rank's part    all-gather along dim
 reduce_scatter reduce-scatter along dim all-gather along dim
 gather_to      all-gather along dim     reduce-scatter along dim
+copy_to_linears copy_to + its column-   all-reduce of the input gradient, started before the weight
+               parallel linears         gradients are computed and waited for after them (overlap)
 =============  =======================  ==========================
 
 ``reduce_scatter`` and ``gather_to`` are sequence parallelism's pair (Megatron-LM's
 ``reduce_scatter_to_sequence_parallel_region`` / ``gather_from_sequence_parallel_region``): the first
 replaces the all-reduce after a row-parallel layer, the second the identity before a column-parallel one;
 together they move the bytes of the all-reduce they replace.
+
+``copy_to_linears`` is ``copy_to`` fused with the column-parallel linears that read its output
+(``passes/overlap.py``), Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``: in backward it
+computes the input gradient first, starts its all-reduce asynchronously, computes the weight and bias
+gradients while the all-reduce runs, and waits for it last.  Same bytes, same values (the gradients are the
+ones autograd's linear backward computes, summed in the order autograd would sum them).
 
 ``shard`` keeps this rank's part of a tensor that needs no gradient (no communication).
 A collective that does not complete within the process group's timeout raises an error naming the
@@ -145,6 +153,44 @@ class _GatherTo(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.group, ctx.dim, ctx.blocks, what, ctx.site), None, None, None, None
 
 
+class _CopyToLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, site, n, *weights_and_biases):
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
+        ctx.group, ctx.site, ctx.biases = group, site, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+        # the input gradient first, summed as autograd sums what the linears send it: the last linear's first
+        dx = None
+        for g, w in reversed(list(zip(flat, weights, strict=True))):
+            part = g.mm(w)
+            dx = part if dx is None else dx + part
+        dx = dx.reshape(x.shape)
+        x2 = x.reshape(-1, x.shape[-1])
+        with guarded("all_reduce (backward of copy_to_linears, overlapped with the weight gradients)", ctx.group,
+                     dx, ctx.site):
+            work = dist.all_reduce(dx, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)  # start
+            dw = [x2.t().mm(g).t() for g in flat]  # what autograd's addmm backward computes, while it runs
+            db = [g.sum(0) if has else None for g, has in zip(flat, ctx.biases, strict=True)]
+            work.wait()
+        return dx, None, None, None, *dw, *db
+
+
+def copy_to_linears(x: torch.Tensor, group, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
+    """``copy_to(x)`` and ``linear(·, weights[i], biases[i])`` for each i, fused so that backward overlaps the
+    input gradient's all-reduce with the weight gradients (see the module docstring).  Under torch.compile,
+    ``copy_to`` and the linears, for the compiler to schedule."""
+    if torch.compiler.is_compiling():
+        x = copy_to(x, group)
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+    return _CopyToLinears.apply(x, group, _site(), len(weights), *weights, *biases)
+
+
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
     return _CopyTo.apply(x, group, _site())
@@ -183,5 +229,5 @@ def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) ->
 
 
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
-               "reduce_scatter": reduce_scatter, "gather_to": gather_to}
+               "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears}
 __all__ = [*COLLECTIVES, "shard", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine"]

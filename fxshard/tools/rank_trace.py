@@ -163,9 +163,15 @@ class Recorder:
         if kind.forward:
             self._note(kind.forward, group, x, "forward", kind.name, site)
         size = group.size if isinstance(group, FakeGroup) else 1
+
+        def note(g):
+            self._note(kind.backward, group, g, "backward", kind.name, site)
+
+        if kind.backward and kind.name == "copy_to_linears":  # several outputs: noted on its input's gradient
+            return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
         y = kind.fake(x, size, **kwargs)
         if kind.backward:
-            y = _OnGrad.apply(y, lambda g: self._note(kind.backward, group, g, "backward", kind.name, site))
+            y = _OnGrad.apply(y, note)
         return y
 
     def recompute(self, block, *args, keep="inputs"):

@@ -157,3 +157,22 @@ def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples):
         for r in range(dp):
             plain, traced = (load_file(out / f / f"rank{r}.safetensors") for f in ("plain", "traced"))
             assert all(plain[k].equal(traced[k]) for k in plain), (layout, r)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sample, flags", [("gpt.py", ["--tp", 2]),
+                                           ("llama.py", ["--tp", 2, "--dtype", "bf16", "--recompute", "selective"])])
+def test_overlapped_backward_trains_bitwise_as_the_plain_program(tmp_path, samples, sample, flags):
+    """rt.copy_to_linears (the default) against --no-overlap (rt.copy_to and the linears): the same trained tensors
+    to the bit, since its backward computes the gradients autograd computes, in autograd's order."""
+    from safetensors.torch import load_file
+
+    for mode in ("--overlap", "--no-overlap"):
+        out = tmp_path / mode.strip("-")
+        fxshard("compile", samples / sample, *flags, mode, "--out", out)
+        code = (out / "rank_pp0_tp0.py").read_text()
+        assert ("rt.copy_to_linears(" in code) == (mode == "--overlap") and ("rt.copy_to(" in code) != (mode == "--overlap")
+        fxshard("run", out, "--steps", 3, "--final-state", out / "state")
+    for r in range(2):
+        a, b = (load_file(tmp_path / m / "state" / f"rank{r}.safetensors") for m in ("overlap", "no-overlap"))
+        assert sorted(a) == sorted(b) and all(a[k].equal(b[k]) for k in a), r

@@ -49,7 +49,7 @@ def test_mlp_generated_code_counts_and_bias_after_reduce(models, tmp_path):
     result = compile_model(models / "mlp.py", Layout(tp=2), out=tmp_path)
     code = result.sources["rank_pp0_tp0.py"]
     assert code.count("rt.all_reduce(") == 1
-    assert code.count("rt.copy_to(") == 1
+    assert code.count("rt.copy_to_linears(") == 1 and "rt.copy_to(" not in code  # fc_in's, overlapped
     # the row-parallel bias is added once, after the reduction
     lines = code.splitlines()
     reduce_line = next(i for i, ln in enumerate(lines) if "rt.all_reduce(" in ln)
@@ -193,7 +193,7 @@ def test_a_bias_added_after_the_reduction_gets_its_copy_to_into_split_compute(mo
     # the add is inserted by the tensor-parallel pass; whether a gradient flows back through it is asked of the
     # graph as it is then (fxshard.ir.autograd), so its gradient, a partial sum over tp, is all-reduced
     code = compile_model(models / "bias_into_split.py", Layout(tp=2)).sources["rank_pp0_tp0.py"]
-    assert "copy_to = rt.copy_to(add_tensor, self.tp)" in code
+    assert "copy_to_linears = rt.copy_to_linears(add_tensor, self.tp, weights=(self.c_weight,)" in code
 
 
 @pytest.mark.distributed
