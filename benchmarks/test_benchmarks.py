@@ -1,5 +1,6 @@
-"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly, and the
-activation benchmark's per-layer figure is right.
+"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly, the
+activation benchmark's per-layer figure is right, and ZeRO 1's distributed optimizer issues 2 collectives per
+bucket with textbook bytes.
 
 It runs ``python -m benchmarks.run --quick --only tp`` in-process (tiny GPT, two interleaved steps
 of each contender on 2 gloo processes) and checks the JSON it writes: its structure, that fxshard,
@@ -109,3 +110,21 @@ def test_per_layer_activation_bytes_agree_with_the_plan(tmp_path):
         for depth, ratios in row["measured_over_plan"].items():
             assert all(0.9 <= x <= 1.1 for x in ratios), (row["setting"], depth, ratios)
         assert row["per_layer_per_token"] > 0
+
+
+@pytest.mark.distributed
+def test_zero1_distributed_optimizer_issues_two_collectives_per_bucket(tmp_path):
+    from benchmarks.zero1 import CONTENDERS, run
+
+    result = run(tmp_path, rounds=1, warmup=0, log=lambda *_: None)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    before = rows["before"]  # DDP + ZeroRedundancyOptimizer: a broadcast per parameter tensor
+    assert before["collectives"]["broadcast"]["calls"] == result["tensors"]
+    assert abs(before["ratio"] - 1) < 1e-3
+    for name in CONTENDERS[1:]:
+        r = rows[name]
+        assert set(r["collectives"]) == {"reduce_scatter", "all_gather"}, r["collectives"]
+        assert r["calls"] == 2 * r["buckets"]
+        assert abs(r["ratio"] - 1) < 1e-3, r  # padding to a multiple of dp is a few elements per bucket
+        assert r["loss_rel_diff"] <= 1e-6, r
+    assert rows["after"]["buckets"] == 1 and rows[CONTENDERS[2]]["buckets"] > 2
