@@ -225,9 +225,9 @@ class DistributedOptimizer:
                 continue
             for k, i in enumerate(b.indices):
                 p, start = self.params[i], b.starts[k]
-                got = {kind: v[start:start + p.numel()].view(p.shape) for kind, v in whole.items()}
+                got = {kind: v[start:start + p.numel()].view(p.shape).clone() for kind, v in whole.items()}
                 if "step" in state:
-                    got["step"] = state["step"]
+                    got["step"] = state["step"].clone()
                 out[id(p)] = got
         return out
 
