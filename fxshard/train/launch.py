@@ -315,7 +315,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         with trace.span("ZeRO-1 gradient reduce-scatter", "step"):
             run.opt.reduce_gradients()  # each rank's shard of the averaged gradients
     if optim.clip_grad_norm is not None:
-        pairs = run.opt.grad_pieces(dict((id(p), w) for p, w in run.weighted)) if sharded else \
+        pairs = run.opt.grad_pieces({id(p): w for p, w in run.weighted}) if sharded else \
             [(local(p.grad), w) for p, w in run.weighted if p.grad is not None]
         clip_grad_norm_(pairs, optim.clip_grad_norm)
     with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups["dp"]):
@@ -329,7 +329,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
 
 def _torch_issued(layout: Layout, step: int) -> str:
     """What torch itself communicates in a training step (fxshard's own collectives name their lines)."""
-    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "the step's communication",
+    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
             2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
     return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
