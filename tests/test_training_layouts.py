@@ -79,9 +79,10 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
                                   OptimConfig(clip_grad_norm=0.05, grad_accum=2)),
     "gpt-pp2-accum3": (SAMPLES / "gpt.py", Layout(pp=2), None, OptimConfig(grad_accum=3)),
     # ZeRO 1's distributed optimizer with small buckets: parameters cross bucket and shard boundaries (9 buckets on
-    # gpt's 1.7 MB; llama's tp shards in several buckets per stage too)
-    "gpt-dp2-zero1-9-buckets-clip": (SAMPLES / "gpt.py", Layout(dp=2, zero=1), None,
-                                     OptimConfig(clip_grad_norm=0.05, zero_bucket_mb=0.25)),
+    # gpt's 1.7 MB, with weight decay: AdamW on a flat shard decays each element as on its whole tensor; llama's tp
+    # shards in several buckets per stage too)
+    "gpt-dp2-zero1-9-buckets-clip-wd": (SAMPLES / "gpt.py", Layout(dp=2, zero=1), None,
+                                        OptimConfig(clip_grad_norm=0.05, weight_decay=0.1, zero_bucket_mb=0.25)),
     "llama-dp2-tp2-zero1-buckets": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=1), None,
                                     OptimConfig(zero_bucket_mb=0.05)),
     # --dtype bf16: bf16 parameters/activations/gradients, fp32 master weights (DDP + fxshard's master-weight
