@@ -101,11 +101,14 @@ class DistributedOptimizer:
     def __init__(self, params, config, group, masters=None, bucket_bytes: int | None = None,
                  average_over: int | None = None, names: list[str] | None = None):
         bucket_bytes = bucket_bytes or int(config.zero_bucket_mb * 2**20)  # OptimConfig: --zero-bucket-mb
-        self.params = list(params)
+        params = list(params)
+        names = names or [f"parameter {i}" for i in range(len(params))]
+        keep = [i for i, p in enumerate(params) if p.requires_grad]  # torch's AdamW never steps a frozen one
+        self.params, self.names = [params[i] for i in keep], [names[i] for i in keep]
+        masters = None if masters is None else [masters[i] for i in keep]
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.average_over = average_over or self.world
-        self.names = names or [f"parameter {i}" for i in range(len(self.params))]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.buckets: list[_Bucket] = []
         for dtype in dict.fromkeys(p.dtype for p in self.params):  # a bucket holds one dtype
@@ -117,7 +120,7 @@ class DistributedOptimizer:
         if masters is not None:  # fp32 master shards; the caller drops its full copies
             self.masters = [self._master_shard(b, masters) for b in self.buckets]
         self.shards = self.masters or [b.params[b.lo:b.hi] for b in self.buckets]
-        self.optim = config.make(self.shards)
+        self.optim = config.make(self.shards or [torch.zeros(1, requires_grad=True)])  # a rank with nothing to train
         self._reduced = False
 
     @staticmethod
@@ -242,7 +245,9 @@ class DistributedOptimizer:
     def load_state(self, p: torch.nn.Parameter, state: dict[str, torch.Tensor]) -> None:
         """Take this rank's part of ``p``'s whole Adam state (``exp_avg``, ``exp_avg_sq`` shaped like ``p``,
         ``step``).  Every parameter of a shard must come with the same step."""
-        i = self._index[id(p)]
+        i = self._index.get(id(p))
+        if i is None:  # a frozen parameter: no state
+            return
         for b, shard in zip(self.buckets, self.shards, strict=True):
             for c in (c for c in b.pieces if c.index == i):
                 st = self.optim.state.setdefault(shard, {})
