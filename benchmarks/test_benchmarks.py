@@ -118,7 +118,7 @@ def test_zero1_distributed_optimizer_issues_two_collectives_per_bucket(tmp_path)
 
     result = run(tmp_path, rounds=1, warmup=0, log=lambda *_: None)
     rows = {r["recipe"]: r for r in result["rows"]}
-    before = rows["before"]  # DDP + ZeroRedundancyOptimizer: a broadcast per parameter tensor (and 2 more)
+    before = rows["before"]  # DDP + ZeroRedundancyOptimizer: at least a broadcast per parameter tensor
     assert before["collectives"]["broadcast"]["calls"] >= result["tensors"]
     assert abs(before["ratio"] - 1) < 1e-3
     for name in CONTENDERS[1:]:
