@@ -11,8 +11,8 @@ a rank, N dp ranks, fp32):
 - pipeline: every microbatch sends b·S·H activations forward across each boundary and b·S·H
   gradients backward (fxshard also forwards the int targets the loss needs, b·S);
 - data parallel (ring collectives; bytes on the wire per rank): ZeRO 0 all-reduces the gradients,
-  2(N−1)/N · 4Ψ; ZeRO 1 adds the broadcast of updated parameters, (N−1)/N · 4Ψ; ZeRO 2 reduce-scatters
-  gradients and all-gathers parameters once, 2(N−1)/N · 4Ψ; ZeRO 3 gathers parameters twice
+  2(N−1)/N · 4Ψ; ZeRO 1 (the distributed optimizer) and ZeRO 2 reduce-scatter gradients and all-gather
+  parameters once, 2(N−1)/N · 4Ψ; ZeRO 3 gathers parameters twice
   (forward and backward), 3(N−1)/N · 4Ψ.  Under a pipeline schedule with M microbatches, FSDP2 gathers
   a stage's parameters before each microbatch's forward and once more for all its backwards (it keeps
   them until the last), (M + 2)(N−1)/N · 4Ψ with the reduce-scatter: the "dp=2 pp=2 zero=3" rows.
@@ -117,14 +117,14 @@ def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
         else:
             # the kinds of the ZeRO stage's recipe; the 8-byte loss all-reduce is not model traffic, nor
             # (with pp) the all-reduce summing the tied embedding's gradient between stages (pp axis)
-            recipe = {0: {"all_reduce"}, 1: {"all_reduce", "broadcast"}}.get(layout.zero, {"all_gather", "reduce_scatter"})
+            recipe = {"all_reduce"} if layout.zero == 0 else {"all_gather", "reduce_scatter"}
             wire = sum(WIRE[k](dp) * v["bytes"] for k, v in measured["collectives"].items() if k in recipe
                        and v["bytes"] > 64)
             row["measured_bytes"] = wire
             m = result.manifest.pipeline.microbatches if layout.pp > 1 else 1
-            # passes of 4Ψ bytes: ZeRO 0 all-reduce 2, ZeRO 1 + broadcast 3, ZeRO 2 reduce-scatter + gather 2,
-            # ZeRO 3 reduce-scatter + a gather per microbatch forward + one for the backwards
-            row["expected_bytes"] = {0: 2, 1: 3, 2: 2, 3: m + 2}[layout.zero] * (dp - 1) / dp * 4 * psi
+            # passes of 4Ψ bytes: ZeRO 0 all-reduce 2, ZeRO 1 and 2 reduce-scatter + gather 2, ZeRO 3
+            # reduce-scatter + a gather per microbatch forward + one for the backwards
+            row["expected_bytes"] = {0: 2, 1: 2, 2: 2, 3: m + 2}[layout.zero] * (dp - 1) / dp * 4 * psi
             row["stated_bytes"] = stated["dp_bytes"].value
         rows.append(row)
     return {"model": str(MODEL.relative_to(ROOT)), "rows": rows}

@@ -6,7 +6,9 @@
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
     python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory,
                                           # activations (saved bytes per layer vs Korthikanti and the plan),
-                                          # recompute (step time of each --recompute mode), or compile
+                                          # recompute (step time of each --recompute mode), zero1 (ZeRO 1
+                                          # collectives and step time before/after the distributed optimizer),
+                                          # or compile
                                           # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
 """
 
@@ -32,11 +34,12 @@ from benchmarks import (  # noqa: E402
     pipeline_idle,
     recompute_time,
     tp_step,
+    zero1,
 )
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "overlap", "pipeline", "traffic", "memory", "activations", "recompute", "compile")
+PARTS = ("tp", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
 
 
 def plan(quick: bool) -> dict:
@@ -44,10 +47,10 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
-                "recompute_rounds": 2, "recompute_warmup": 0}
+                "recompute_rounds": 2, "recompute_warmup": 0, "zero1_rounds": 2, "zero1_warmup": 0}
     return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 40, "tp_warmup": 2,
             "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
-            "recompute_rounds": 12, "recompute_warmup": 2}
+            "recompute_rounds": 12, "recompute_warmup": 2, "zero1_rounds": 20, "zero1_warmup": 2}
 
 
 # part -> its key in the results and its sections: (heading, markdown of the part's result)
@@ -56,6 +59,7 @@ SECTIONS = {
     "overlap": ("overlap", [("Backward all-reduce overlapped with the weight gradients (tp=2)", overlap.markdown)]),
     "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
     "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown)]),
+    "zero1": ("zero1", [("ZeRO 1 before and after the distributed optimizer", zero1.markdown)]),
     "memory": ("memory", [("Memory per rank under each ZeRO stage", memory.markdown)]),
     "activations": ("activations", [("Activation bytes per layer per token (Korthikanti et al. 2022, and the plan)",
                                      activations.markdown)]),
@@ -75,6 +79,8 @@ def run_part(part: str, settings: dict, work: Path, quick: bool):
                 for pp, m in settings["pipelines"]]
     if part == "traffic":
         return comm_axes.run(work)
+    if part == "zero1":
+        return zero1.run(work, settings["zero1_rounds"], settings["zero1_warmup"])
     if part == "memory":
         return memory.run(2 if quick else 4, work)
     if part == "activations":

@@ -1,5 +1,6 @@
-"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly, and the
-activation benchmark's per-layer figure is right.
+"""Smoke test of the benchmarks: the tensor-parallel benchmark's quick mode runs and reports sensibly, the
+activation benchmark's per-layer figure is right, and ZeRO 1's distributed optimizer issues 2 collectives per
+bucket with textbook bytes.
 
 It runs ``python -m benchmarks.run --quick --only tp`` in-process (tiny GPT, two interleaved steps
 of each contender on 2 gloo processes) and checks the JSON it writes: its structure, that fxshard,
@@ -119,3 +120,21 @@ def test_quick_overlap_benchmark_trains_both_ways_to_the_bit(tmp_path):
     (r,) = json.loads((tmp_path / "quick.json").read_text())["overlap"]
     assert r["fused_calls"] > 0 and r["losses_equal"]
     assert list(r["step_ms"]) == ["overlapped", "eager"] and r["ratios"]["paired overlapped/eager"]["median"] > 0
+
+
+@pytest.mark.distributed
+def test_zero1_distributed_optimizer_issues_two_collectives_per_bucket(tmp_path):
+    from benchmarks.zero1 import CONTENDERS, run
+
+    result = run(tmp_path, rounds=1, warmup=0, log=lambda *_: None)
+    rows = {r["recipe"]: r for r in result["rows"]}
+    before = rows["before"]  # DDP + ZeroRedundancyOptimizer: at least a broadcast per parameter tensor
+    assert before["collectives"]["broadcast"]["calls"] >= result["tensors"]
+    assert abs(before["ratio"] - 1) < 1e-3
+    for name in CONTENDERS[1:]:
+        r = rows[name]
+        assert set(r["collectives"]) == {"reduce_scatter", "all_gather"}, r["collectives"]
+        assert r["calls"] == 2 * r["buckets"]
+        assert abs(r["ratio"] - 1) < 1e-3, r  # padding to a multiple of dp is a few elements per bucket
+        assert r["loss_rel_diff"] <= 1e-6, r
+    assert rows["after"]["buckets"] == 1 and rows[CONTENDERS[2]]["buckets"] > 2

@@ -62,7 +62,8 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     **{f"gpt2-dp2-pp2-zero{z}": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=z), None) for z in (1, 3)},
     "gpt-dp2-pp2-tp2-zero1": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, tp=2, zero=1), None),
     # zero-bubble splits backward into input- and weight-gradient passes; torch computes the second with
-    # autograd.grad, which DDP's hooks never see: fxshard averages those gradients itself (ZeRO 0/1)
+    # autograd.grad, which DDP's hooks never see: fxshard averages those gradients itself (ZeRO 0; ZeRO 1 reduces
+    # them once per step anyway)
     **{f"gpt-dp2-pp2-zero{z}-zero-bubble": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=z, schedule="zero-bubble",
                                                                        microbatches=4), None) for z in (0, 1, 2)},
     "gpt-dp2-pp2-zero1-zero-bubble-accum2": (SAMPLES / "gpt.py", Layout(dp=2, pp=2, zero=1, schedule="zero-bubble",
@@ -77,8 +78,15 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "gpt-dp2-zero1-accum2-clip": (SAMPLES / "gpt.py", Layout(dp=2, zero=1), None,
                                   OptimConfig(clip_grad_norm=0.05, grad_accum=2)),
     "gpt-pp2-accum3": (SAMPLES / "gpt.py", Layout(pp=2), None, OptimConfig(grad_accum=3)),
+    # ZeRO 1's distributed optimizer with small buckets: parameters cross bucket and shard boundaries (9 buckets on
+    # gpt's 1.7 MB, with weight decay: AdamW on a flat shard decays each element as on its whole tensor; llama's tp
+    # shards in several buckets per stage too)
+    "gpt-dp2-zero1-9-buckets-clip-wd": (SAMPLES / "gpt.py", Layout(dp=2, zero=1), None,
+                                        OptimConfig(clip_grad_norm=0.05, weight_decay=0.1, zero_bucket_mb=0.25)),
+    "llama-dp2-tp2-zero1-buckets": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=1), None,
+                                    OptimConfig(zero_bucket_mb=0.05)),
     # --dtype bf16: bf16 parameters/activations/gradients, fp32 master weights (DDP + fxshard's master-weight
-    # AdamW at ZeRO 0/1, its dp share only at ZeRO 1; FSDP2 MixedPrecisionPolicy at ZeRO 2/3)
+    # AdamW at ZeRO 0; the distributed optimizer's fp32 master shards at ZeRO 1; FSDP2 MixedPrecisionPolicy at 2/3)
     **{f"gpt-dp2-zero{z}-bf16": (SAMPLES / "gpt.py", Layout(dp=2, zero=z, dtype="bf16"), None) for z in (0, 1, 2, 3)},
     "llama-dp2-tp2-zero1-bf16": (SAMPLES / "llama.py", Layout(dp=2, tp=2, zero=1, dtype="bf16"), None),
     "gpt2-dp2-pp2-zero3-bf16-clip": (SAMPLES / "gpt2.py", Layout(dp=2, pp=2, zero=3, dtype="bf16"), None, CLIP),

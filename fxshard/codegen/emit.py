@@ -224,9 +224,12 @@ def _count_tokens_function(count: fx.GraphModule) -> str:
 _ZERO_TEXT = {
     0: ["gradients: DDP all-reduce (average) over dp in {mb} MB buckets, overlapping backward",
         "parameters and optimizer state: replicated on every dp rank"],
-    1: ["gradients: DDP all-reduce (average) over dp in {mb} MB buckets, overlapping backward",
-        "optimizer state: sharded over dp (ZeroRedundancyOptimizer: each parameter's Adam state on one dp "
-        "rank, which broadcasts the updated parameter)"],
+    1: ["fxshard's distributed optimizer (fxshard.runtime.distributed_optimizer, as Megatron-Core's; no DDP):",
+        "the parameters are views of flat buckets (fxshard run --zero-bucket-mb, default {zmb:g} MB) and their",
+        "gradients accumulate into flat gradient buckets; once per step, after the last backward, each bucket's",
+        "gradients are reduce-scattered (average) over dp into this rank's 1/{dp} shard, AdamW steps that shard",
+        "alone (its Adam state is the only copy), and the updated parameters are all-gathered: 2 collectives per",
+        "bucket and step"],
     2: ["FSDP2 fully_shard on the dp mesh, reshard_after_forward=False: gradients reduce-scattered (average)",
         "as backward produces them; each dp rank keeps 1/{dp} of the gradients and optimizer state;",
         "parameters are all-gathered for forward and kept for backward"],
@@ -249,6 +252,7 @@ def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> list[str]:
 def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]) -> tuple[list[str], list[str]]:
     """Docstring and body of the generated ``attach_data_parallel`` (only when dp > 1)."""
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB
+    from fxshard.train.optim import OptimConfig
 
     layout = ctx.layout
     if layout.dp == 1:
@@ -256,17 +260,27 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
     zero = layout.zero
     doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
            f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
-    doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp) for line in _ZERO_TEXT[zero]]
-    if zero <= 1 and ctx.expert_params:
+    zmb = OptimConfig().zero_bucket_mb
+    doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp, zmb=zmb) for line in _ZERO_TEXT[zero]]
+    if zero == 1:
+        if ctx.expert_params:
+            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) have a distributed "
+                       f"optimizer of their own over the {layout.dp // layout.ep} ranks holding the same experts "
+                       f"(gradients summed over those and divided by {layout.dp})")
+        if layout.mixed:
+            doc.append(f"    mixed precision: {layout.dtype} parameters, gradients and buckets; the optimizer keeps "
+                       "fp32 master weights of its shard")
+        body = ["return module  # the optimizer, built after this, takes the parameters into its buckets"]
+    elif zero == 0 and ctx.expert_params:
         doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
                    f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
                    f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
         body = [f"return rt.ddp(module, dp_mesh, ignore={_expert_attrs(ctx, attrs)!r})"]
-    elif zero <= 1:
+    elif zero == 0:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
             doc.append(f"    mixed precision: {layout.dtype} parameters and gradients; the optimizer keeps fp32 master "
-                       "weights" + (" (its dp share)" if zero == 1 else ""))
+                       "weights")
     else:
         dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
         blocks = ", blocks=[getattr(module, b) for b in module.BLOCKS]" if zero == 3 else ""

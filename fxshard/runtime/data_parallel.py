@@ -5,8 +5,9 @@ zero    gradients                                       parameters / optimizer s
 ======  ==============================================  ===========================================
 0       DDP: bucketed all-reduce (average), overlapping  replicated / replicated
         backward
-1       DDP, as above                                    replicated / sharded over dp
-                                                         (``ZeroRedundancyOptimizer``)
+1       reduce-scatter (average) once per step, one per  replicated (all-gathered per bucket after the
+        flat bucket, into each rank's shard (no DDP)     step) / sharded over dp
+                                                         (:mod:`~fxshard.runtime.distributed_optimizer`)
 2       FSDP2 ``fully_shard``: reduce-scatter (average)  kept gathered after forward (not resharded);
         as backward produces them, each rank keeps its   optimizer state of the rank's shard only
         shard
@@ -73,19 +74,20 @@ def inner(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def make_optimizer(params, config, zero: int, dp_group, masters=None):
-    """AdamW over ``params``; at ZeRO stage 1 its state is sharded over dp (each parameter's on one rank).
+def make_optimizer(params, config, zero: int, dp_group, masters=None, names=None, average_over=None):
+    """AdamW over ``params``; at ZeRO stage 1 fxshard's distributed optimizer, its state sharded over ``dp_group``
+    in flat buckets of ``config.zero_bucket_mb``; ``names`` and ``average_over``: see
+    :class:`~fxshard.runtime.distributed_optimizer.DistributedOptimizer`.
 
     With ``masters`` (fp32 copies of low-precision ``params``), AdamW steps the masters instead."""
+    if zero == 1:
+        from fxshard.runtime.distributed_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(params, config, dp_group, masters, average_over=average_over, names=names)
     if masters is not None:
         from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
-        return MasterWeightAdamW(params, masters, config, shard_group=dp_group if zero == 1 else None)
-    if zero == 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,
-                                       **config.kwargs())
+        return MasterWeightAdamW(params, masters, config)
     return config.make(params)
 
 

@@ -454,8 +454,8 @@ def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
         return 0
     ring = (n - 1) / n
     low = 2 if layout.mixed else 4
-    if layout.zero <= 1:  # all-reduce of the gradients (2 passes); ZeRO 1 also broadcasts updated parameters
-        return 2 * ring * low * psi + (ring * low * psi if layout.zero == 1 else 0)
+    if layout.zero <= 1:  # ZeRO 0: all-reduce of the gradients (2 passes); ZeRO 1: reduce-scatter of the gradient
+        return 2 * ring * low * psi  # buckets and all-gather of the parameter buckets (both in the compute dtype)
     gather = ring * low * psi  # all-gather of the parameters (compute dtype)
     reduce = ring * 4 * psi if layout.mixed else ring * low * psi  # reduce-scatter of gradients (fp32 under bf16)
     return reduce + gather * (1 if layout.zero == 2 else microbatches + 1)

@@ -177,23 +177,25 @@ def _optimizers(opt, dp_group, edp_group) -> dict[str, tuple]:
 def _optimizer_view(opt):
     """``view(p) -> (value, state or None, owner dp rank or None)``: where p's trained value and Adam state live.
 
-    ``owner`` None: every dp rank holds them (replicated, or DTensor shards gathered by ``full_tensor``)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    ``owner`` None: dp rank 0 holds them (replicated; DTensor shards gathered by ``full_tensor``; the ZeRO-1
+    distributed optimizer's shards gathered here, collectively, once for all parameters)."""
+    from fxshard.runtime.distributed_optimizer import DistributedOptimizer
     from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
     if isinstance(opt, MasterWeightAdamW):
         index = {id(p): i for i, p in enumerate(opt.params)}
 
         def view(p):
-            i = index[id(p)]
-            m = opt.masters.get(i)
-            owner = opt.owner[i] if opt.shard_group is not None else None
-            return (p if m is None else m), (None if m is None else opt.optim.state.get(m)), owner
+            m = opt.masters[index[id(p)]]
+            return m, opt.optim.state.get(m), None
         return view
-    if isinstance(opt, ZeroRedundancyOptimizer):
-        owners = opt._param_to_rank
-        return lambda p: (p, opt.optim.state.get(p), owners[p])
+    if isinstance(opt, DistributedOptimizer):
+        whole = opt.gathered_state()  # on dp rank 0; the others' values are not saved
+
+        def sharded(p):
+            got = whole.get(id(p), {})
+            return got.get("param", p), (got if "exp_avg" in got else None), None
+        return sharded
     return lambda p: (p, opt.state.get(p), None)
 
 
@@ -429,19 +431,16 @@ def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: RankEntry, 
 
 
 def _give_state(opt, group, p, state: dict) -> None:
-    """Make ``state`` ``p``'s Adam state in ``opt`` where ``opt`` keeps it (ZeRO 1: on its owner in ``group``)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    """Make ``state`` ``p``'s Adam state in ``opt`` where ``opt`` keeps it (ZeRO 1: this rank's part of its buckets)."""
+    from fxshard.runtime.distributed_optimizer import DistributedOptimizer
     from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
     if isinstance(opt, MasterWeightAdamW):
         m = opt.masters.get(next(i for i, q in enumerate(opt.params) if q is p))
         if m is not None:
             opt.optim.state[m] = _on(state, m)
-    elif isinstance(opt, ZeroRedundancyOptimizer):
-        me = dist.get_rank(group) if dist.get_world_size(group) > 1 else 0
-        if opt._param_to_rank[p] == me:
-            opt.optim.state[p] = _on(state, p)
+    elif isinstance(opt, DistributedOptimizer):
+        opt.load_state(p, state)  # this rank's part of each of its buckets (ZeRO 1)
     else:
         opt.state[p] = _on(state, p)
 

@@ -254,19 +254,24 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
                                                   dp_mesh, masters, reader)
+    names = {id(p): prefix + name for prefix, m in held.items() for name, p in m.named_parameters()}
     if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
         _check_experts_left_alone(held, entry, layout)
-        finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
+        if layout.zero != 1:  # at ZeRO 1 the experts' distributed optimizer reduce-scatters them over edp
+            finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
     if layout.ep > 1:  # expert parameters differ between dp ranks: ZeRO 1 shards their state over edp only
         expert_ids = {id(p) for p in _expert_parameters(held, entry)}
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
-        edp_zero = 1 if layout.zero == 1 and layout.size("edp") > 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
-        opt = ExpertSplitOptimizer(make_optimizer(dense, optim, layout.zero, groups["dp"]),
-                                   make_optimizer(experts, optim, edp_zero, groups["edp"]))
+        edp_zero = 1 if layout.zero == 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
+        opt = ExpertSplitOptimizer(  # experts: summed over edp, divided by dp (as sync_expert_grads)
+            make_optimizer(dense, optim, layout.zero, groups["dp"], names=[names[id(p)] for p in dense]),
+            make_optimizer(experts, optim, edp_zero, groups["edp"], names=[names[id(p)] for p in experts],
+                           average_over=layout.dp))
     else:
         opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
-                             masters=[masters[id(p)] for p in params] if masters else None)
+                             masters=[masters[id(p)] for p in params] if masters else None,
+                             names=[names[id(p)] for p in params])
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
@@ -306,11 +311,17 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         value = _dp_mean(value, run.groups["dp"], run.device)
     if probe is not None:
         probe.after_backward(run.params)
+    sharded = layout.zero == 1 and layout.dp > 1  # fxshard's distributed optimizer
+    if sharded:
+        with trace.span("ZeRO-1 gradient reduce-scatter", "step"):
+            run.opt.reduce_gradients()  # each rank's shard of the averaged gradients
     if optim.clip_grad_norm is not None:
-        clip_grad_norm_([(local(p.grad), w) for p, w in run.weighted if p.grad is not None], optim.clip_grad_norm)
+        pairs = run.opt.grad_pieces({id(p): w for p, w in run.weighted}) if sharded else \
+            [(local(p.grad), w) for p, w in run.weighted if p.grad is not None]
+        clip_grad_norm_(pairs, optim.clip_grad_norm)
     with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups["dp"]):
         with trace.span("optimizer step", "step"):
-            run.opt.step()  # ZeRO 1 broadcasts the updated parameters
+            run.opt.step()  # ZeRO 1 all-gathers the updated parameters
     if probe is not None:
         probe.after_step(run.opt)
     run.opt.zero_grad(set_to_none=True)
@@ -319,7 +330,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
 
 def _torch_issued(layout: Layout, step: int) -> str:
     """What torch itself communicates in a training step (fxshard's own collectives name their lines)."""
-    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "DDP's bucketed gradient all-reduce over dp",
+    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
             2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
     return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
@@ -406,9 +417,11 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
             w = 1.0 / copies.get(t.source, 1)
             if t.placement == "Replicate()":
                 w /= layout.tp  # the same gradient on every tp rank
-            if t.axis == "ep":
-                w /= layout.size("edp")  # the same gradient on the ranks holding the same experts, at any ZeRO
-            elif layout.dp > 1 and layout.zero < 2:
+            if layout.zero == 1 and layout.dp > 1:
+                pass  # the distributed optimizer's pieces: each element on one rank of its dp (edp) group
+            elif t.axis == "ep":
+                w /= layout.size("edp")  # the same gradient on the ranks holding the same experts
+            elif layout.dp > 1 and layout.zero == 0:
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
             out.append((p, w))
     return out
@@ -459,7 +472,7 @@ def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry
         for name, p in module.named_parameters():
             if entry.tensors[prefix + name].axis != "ep":
                 continue
-            if hasattr(p, "to_local") or (layout.dp > 1 and layout.zero < 2 and name not in ignored):
+            if hasattr(p, "to_local") or (layout.dp > 1 and layout.zero == 0 and name not in ignored):
                 raise FxshardError(f"{prefix}{name}: an expert parameter of this ep rank was handed to data "
                                    "parallelism, which would overwrite or average it across ep ranks; this is a "
                                    "bug in fxshard's generated attach_data_parallel: please report it")

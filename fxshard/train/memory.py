@@ -8,7 +8,8 @@ all-gather buffers count once):
   under mixed precision at ZeRO 0/1;
 - **gathered**: the most parameter bytes held at once *during* a forward (ZeRO 3 gathers them before
   use: a transient, not in the formulas);
-- **grads**: gradients after backward (DDP's buckets, FSDP2's reduce-scattered shards);
+- **grads**: gradients after backward (DDP's buckets, ZeRO 1's flat gradient buckets, FSDP2's reduce-scattered
+  shards);
 - **optimizer**: Adam moments and fp32 master weights after the step (only the rank's share at ZeRO ≥ 1).
 
 The formulas (Adam, Ψ parameters on this rank before dp sharding, N dp ranks), bytes per Ψ::
@@ -103,10 +104,9 @@ def held_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def optimizer_tensors(opt) -> list[torch.Tensor]:
-    if hasattr(opt, "state_tensors"):  # fxshard's MasterWeightAdamW
+    if hasattr(opt, "state_tensors"):  # fxshard's MasterWeightAdamW, DistributedOptimizer, ExpertSplitOptimizer
         return opt.state_tensors()
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer holds its rank's optimizer
-    return [v for st in inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
 @dataclass

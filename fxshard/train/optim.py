@@ -22,6 +22,9 @@ class OptimConfig:
         "help": "clip the global gradient norm (over all tp, pp and dp shards)"})
     grad_accum: int = field(default=1, metadata={  # one step over them all (see passes/token_mean.py)
         "help": "batches per optimizer step (gradients averaged)"})
+    zero_bucket_mb: float = field(default=160.0, metadata={  # fxshard.runtime.distributed_optimizer's buckets
+        "help": "ZeRO 1: MB of parameters per flat bucket (one gradient reduce-scatter and one parameter "
+                "all-gather per bucket and step; Megatron-Core's default, 40M fp32 elements)"})
 
     def __post_init__(self):
         from fxshard.errors import OptionError
@@ -42,6 +45,8 @@ class OptimConfig:
             raise bad("clip-grad-norm", self.clip_grad_norm, "a positive norm, e.g. 1.0 (leave it out not to clip)")
         if not (isinstance(self.grad_accum, int) and self.grad_accum >= 1):
             raise bad("grad-accum", self.grad_accum, "at least 1 batch per optimizer step")
+        if not (math.isfinite(self.zero_bucket_mb) and self.zero_bucket_mb > 0):
+            raise bad("zero-bucket-mb", self.zero_bucket_mb, "a positive size in MB, e.g. 160")
 
     def kwargs(self) -> dict:
         # foreach=False: the per-tensor loop gives the same update for a tensor whether or not it is
@@ -84,9 +89,9 @@ def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, gr
 
 
 class ExpertSplitOptimizer:
-    """Two optimizers stepped as one: the dense parameters' (ZeRO 1: sharded over dp) and the experts'
-    (ZeRO 1: sharded over edp, the ranks that hold the same experts; a dp-wide ZeroRedundancyOptimizer would
-    broadcast one ep rank's experts over another's)."""
+    """Two optimizers stepped as one: the dense parameters' (ZeRO 1: a distributed optimizer over dp) and the
+    experts' (ZeRO 1: one over edp, the ranks that hold the same experts; a dp-wide one would mix one ep rank's
+    experts with another's)."""
 
     def __init__(self, dense, experts):
         self.parts = [dense, experts]
@@ -101,6 +106,13 @@ class ExpertSplitOptimizer:
     def zero_grad(self, set_to_none: bool = True):
         for o in self.parts:
             o.zero_grad(set_to_none=set_to_none)
+
+    def reduce_gradients(self) -> None:
+        for o in self.parts:
+            o.reduce_gradients()
+
+    def grad_pieces(self, weights: dict) -> list:
+        return [x for o in self.parts for x in o.grad_pieces(weights)]
 
     def state_tensors(self) -> list:
         from fxshard.train.memory import optimizer_tensors

@@ -29,6 +29,7 @@ def _run(*args):
 
 @pytest.mark.parametrize("args, says", [
     (["--grad-accum", "0"], "--grad-accum 0: expected at least 1"),
+    (["--zero-bucket-mb", "0"], "--zero-bucket-mb 0.0: expected a positive size in MB"),
     (["--steps", "0"], "--steps 0: expected at least 1 step"),
     (["--steps", "-1"], "--steps -1: expected at least 1 step"),
     (["--lr", "nan"], "--lr nan: expected a finite learning rate"),
@@ -71,7 +72,8 @@ def test_a_launched_rank_parses_the_options_of_its_launcher():
     from fxshard.train.optim import OptimConfig
     from fxshard.train.options import RunOptions
 
-    optim = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2)
+    optim = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2,
+                        zero_bucket_mb=0.5)
     options = RunOptions(steps=5, optim=optim, metrics=Path("m.jsonl"), timeout=60.0, memory_report=True,
                          final_state=Path("final"), checkpoint=Path("ckpt"), save_every=2, resume=True,
                          allow_edited=True, trace=Path("trace"))

@@ -70,7 +70,12 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
                         r"collective #\d+ over this group in training step \d+\)"),
     (GPT, Layout(pp=2), r"rank 0: pipeline schedule Schedule1F1B \(send/recv of activations and gradients\) "
                         r"\(collective #\d+ over this group in training step \d+\)"),
-], ids=["dp2-zero3", "tp2", "pp2"])
+    # ZeRO 1's bucket collectives are guarded like the rank files' (or the stop caught the step loss's all-reduce)
+    (MLP, Layout(dp=2, zero=1), r"rank 0: (reduce_scatter of a ZeRO-1 gradient bucket over dp float32 \[\d+\] |"
+                                r"all_gather of a ZeRO-1 parameter bucket over dp float32 \[\d+\] |"
+                                r"all_reduce of the step loss over dp )\(collective #\d+ over this group in "
+                                r"training step \d+\)"),
+], ids=["dp2-zero3", "tp2", "pp2", "dp2-zero1"])
 def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting):
     out = tmp_path / "o"
     compile_model(model, layout, out=out)

@@ -1,0 +1,121 @@
+"""ZeRO 1 before and after the distributed optimizer: collectives per step, bytes, step time.
+
+samples/gpt.py at dp = 2, trained by ``fxshard run``'s own step (:func:`fxshard.train.launch._train_step`) in
+the same two processes, the contenders taking turns step by step (:func:`benchmarks.common.interleave`):
+
+- **before**: the recipe fxshard used until the distributed optimizer: DDP's bucketed all-reduce of the
+  gradients, then torch's ``ZeroRedundancyOptimizer`` (AdamW state of each parameter on one dp rank), which
+  broadcasts every parameter from its owner after the step: one broadcast per parameter tensor;
+- **after**: ``--zero 1`` (:mod:`fxshard.runtime.distributed_optimizer`): one reduce-scatter of each flat gradient
+  bucket and one all-gather of each parameter bucket; at the default bucket size, and with small buckets
+  (``--zero-bucket-mb``) to show the count growing with the buckets.
+
+Collectives are counted on rank 0 over one step by :class:`benchmarks.comm.CollectiveCounter` (the 8-byte loss
+all-reduce every recipe issues is left out).  Bytes on the wire use ring algorithms (as
+:mod:`benchmarks.comm_axes`); the textbook figure is 2(N−1)/N · 4Ψ for the reduce-scatter and all-gather
+(the bytes of one all-reduce) and, before, 3(N−1)/N · 4Ψ (the all-reduce plus the broadcasts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import combine_ranks, interleave, markdown_table, paired_ratio, spawn, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "samples" / "gpt.py"
+SMALL_BUCKET_MB = 0.25
+CONTENDERS = ("before", "after", f"after, {SMALL_BUCKET_MB:g} MB buckets")
+
+
+def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: int) -> dict:
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from benchmarks.comm import CollectiveCounter
+    from fxshard.train.launch import _set_up, _train_step
+    from fxshard.train.optim import OptimConfig
+
+    steps = warmup + rounds + 1  # and one counted step
+    optims = {"before": OptimConfig(), "after": OptimConfig(), CONTENDERS[2]: OptimConfig(zero_bucket_mb=SMALL_BUCKET_MB)}
+    runs, losses, done = {}, {}, {}
+    for name, optim in optims.items():
+        run = _set_up(Path(outs[name]), steps, optim, torch.device("cpu"), None)
+        if name == "before":  # compiled at ZeRO 0 (DDP): swap its AdamW for torch's ZeRO 1 optimizer
+            run.opt = ZeroRedundancyOptimizer(run.params, optimizer_class=torch.optim.AdamW,
+                                              process_group=run.groups["dp"], **optim.kwargs())
+        runs[name], losses[name], done[name] = run, [], 0
+
+    def stepper(name: str):
+        def step():
+            done[name] += 1
+            losses[name].append(_train_step(runs[name], done[name], optims[name], None))
+        return step
+
+    times = interleave({name: stepper(name) for name in runs}, rounds, warmup)
+    counts, buckets = {}, {}
+    for name in runs:
+        counter = CollectiveCounter()
+        with counter:
+            stepper(name)()
+        counts[name] = {k: v for k, v in counter.counts.get("step", {}).items()}
+        opt = runs[name].opt
+        buckets[name] = len(opt.buckets) if hasattr(opt, "buckets") else None
+    psi = sum(p.numel() for p in runs["after"].params)
+    return {"times": times, "counts": counts, "buckets": buckets, "losses": losses, "psi": psi,
+            "tensors": len(runs["after"].params)}
+
+
+def run(workdir: Path, rounds: int = 20, warmup: int = 2, log=print) -> dict:
+    from fxshard.compiler import compile as compile_model
+    from fxshard.ir.context import Layout
+
+    dp = 2
+    outs = {}
+    for name, zero in (("before", 0), ("after", 1)):
+        outs[name] = str(workdir / f"zero1-{name}")
+        compile_model(MODEL, Layout(dp=dp, zero=zero), out=outs[name])
+    outs[CONTENDERS[2]] = outs["after"]
+    log(f"zero1: before/after the distributed optimizer, dp={dp}, {rounds} rounds")
+    per_rank = spawn(_worker, dp, outs, rounds, warmup)
+    first = per_rank[0]
+    times = combine_ranks([r["times"] for r in per_rank])
+    steps = summarize(times)
+    wire = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+            "all_gather": lambda n: n - 1, "broadcast": lambda n: (n - 1) / n}  # x input bytes, as comm_axes
+    rows = []
+    for name in CONTENDERS:
+        counts = {k: v for k, v in first["counts"][name].items() if v["bytes"] > 64}  # not the step loss's
+        measured = sum(wire[k](dp) * v["bytes"] for k, v in counts.items())
+        passes = 3 if name == "before" else 2
+        textbook = passes * (dp - 1) / dp * 4 * first["psi"]
+        diff = max(abs(a - b) / abs(b) for a, b in zip(first["losses"][name], first["losses"]["before"], strict=True))
+        rows.append({"recipe": name, "buckets": first["buckets"][name], "collectives": counts,
+                     "calls": sum(v["calls"] for v in counts.values()), "measured_bytes": measured,
+                     "textbook_bytes": textbook, "ratio": round(measured / textbook, 4), "step": steps[name],
+                     "per_round": None if name == "before" else paired_ratio(times, name, "before"),
+                     "loss_rel_diff": diff})
+    return {"model": str(MODEL.relative_to(ROOT)), "dp": dp, "psi": first["psi"], "tensors": first["tensors"],
+            "rounds": rounds, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    from benchmarks.comm import describe
+
+    rows = []
+    for r in result["rows"]:
+        s, pr = r["step"], r["per_round"]
+        rows.append([r["recipe"], r["buckets"] if r["buckets"] is not None else "—",
+                     describe({"step": r["collectives"]}, "step"), r["calls"],
+                     f"{r['measured_bytes'] / 1e6:.3f}", f"{r['textbook_bytes'] / 1e6:.3f}", f"**{r['ratio']:.3f}**",
+                     f"{s['median_ms']:.1f} ({s['p25_ms']:.0f}–{s['p75_ms']:.0f})", f"{s['cpu_median_ms']:.1f}",
+                     "—" if pr is None else f"{pr['median']:.3f} ({pr['p25']:.2f}–{pr['p75']:.2f})",
+                     f"{r['loss_rel_diff']:.1e}"])
+    head = (f"{result['model']} (Ψ = {result['psi']:,} parameters in {result['tensors']} tensors per rank) at dp = "
+            f"{result['dp']}, rank 0, one "
+            f"training step; {result['rounds']} interleaved rounds. before = DDP + ZeroRedundancyOptimizer, after = "
+            "`--zero 1`'s distributed optimizer. The step loss's 8-byte all-reduce is left out.")
+    return head + "\n\n" + markdown_table(
+        ["ZeRO 1 recipe", "buckets", "collectives per step", "calls", "MB on the wire", "textbook MB",
+         "measured ÷ textbook", "step ms, median (p25–p75)", "CPU ms", "÷ before, per round",
+         "largest relative loss difference from before"], rows)
