@@ -403,8 +403,8 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
         for name, p in module.named_parameters():
             t = entry.tensors[prefix + name]
             w = 1.0 / copies.get(t.source, 1)
-            if t.placement == "Replicate()":
-                w /= layout.tp  # the same gradient on every tp rank
+            if t.placement == "Replicate()" or t.axis == "ep":
+                w /= layout.tp  # the same gradient on every tp rank (experts: whole on each tp rank)
             if t.axis == "ep":
                 w /= layout.size("edp")  # the same gradient on the ranks holding the same experts, at any ZeRO
             elif layout.dp > 1 and layout.zero < 2:
