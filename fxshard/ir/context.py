@@ -96,10 +96,7 @@ class Layout:
             ok = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
             raise LayoutError(f"--ep {self.ep}: expert parallelism is carved out of the {self.dp} data-parallel ranks, "
                               f"so ep must divide dp; use --ep in {ok} or --dp a multiple of {self.ep}")
-        if self.pp > 1 and self.schedule not in ("1f1b", "gpipe"):
-            raise LayoutError(f"--ep {self.ep} with --schedule {self.schedule}: expert parallelism is implemented with "
-                              "--schedule 1f1b or gpipe under --pp; use one of those, or drop --ep (the experts then "
-                              "train replicated, exactly)")
+
 
     @property
     def mixed(self) -> bool:
