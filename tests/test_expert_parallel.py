@@ -313,3 +313,15 @@ def test_fxshard_check_compares_the_exchanges_of_every_ep_group(tmp_path):
 @pytest.mark.parametrize("path", [QWEN, MIXTRAL])
 def test_clipping_changes_the_reference_so_the_clip_cases_test_something(path):
     assert _reference(path, CLIP)[0] != _reference(path, OptimConfig())[0]
+
+
+def test_a_mixtral_8x22b_shape_compiles_on_meta_at_ep8_tp2_pp4(tmp_path):
+    """samples/mixtral8x22b.py (141B parameters, 56 layers of 8 experts) on meta tensors, code and manifest only;
+    the README gives its compile time (not asserted here: the machine is shared)."""
+    layout = Layout(tp=2, pp=4, dp=8, ep=8, zero=1, dtype="bf16")
+    result = compile_model(ROOT / "samples" / "mixtral8x22b.py", layout, out=tmp_path / "out", meta=True)
+    assert len(result.sources) == 8 and len(result.manifest.ranks) == 8 * 8  # one entry per (pp, tp, ep) coordinate
+    t = result.manifest.ranks[0].tensors["Stage0.model_layers_0.mlp_experts_gate_up_proj"]
+    assert (t.axis, t.shape, t.global_shape) == ("ep", (1, 32768, 6144), (8, 32768, 6144))  # one expert per rank
+    ep_groups = [g for g in result.checks.groups if g.label.startswith("ep group")]  # one label per (pp, tp) coordinate
+    assert len(ep_groups) == 4 * 2 and all(g.forward > 0 for g in ep_groups), [g.label for g in result.checks.groups]
