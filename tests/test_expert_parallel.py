@@ -73,6 +73,7 @@ CASES = {
     # fxshard's master-weight AdamW steps them), their gradients summed over edp in fp32
     "mixtral-tp2-dp2-ep2-zero1-bf16": (MIXTRAL, Layout(tp=2, dp=2, ep=2, zero=1, dtype="bf16")),
     "qwen3moe-dp4-ep2-zero3-bf16": (QWEN, Layout(dp=4, ep=2, zero=3, dtype="bf16")),
+    "mixtral-dp4-ep2-zero1-bf16": (MIXTRAL, Layout(dp=4, ep=2, zero=1, dtype="bf16")),  # expert masters over edp=2
     # --recompute: the block's forward runs again in backward, its exchanges with it (the same counts: the routing is
     # recomputed bit for bit)
     "qwen3moe-dp4-ep2-zero1-full": (QWEN, Layout(dp=4, ep=2, zero=1, recompute="full")),
