@@ -91,12 +91,11 @@ class Layout:
             self._check_ep()
 
     def _check_ep(self) -> None:
-        """What --ep composes with in this version (the README's table)."""
+        """ep is carved out of dp (every other flag composes with it: the README's table)."""
         if self.dp % self.ep:
             ok = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
             raise LayoutError(f"--ep {self.ep}: expert parallelism is carved out of the {self.dp} data-parallel ranks, "
                               f"so ep must divide dp; use --ep in {ok} or --dp a multiple of {self.ep}")
-
 
     @property
     def mixed(self) -> bool:
