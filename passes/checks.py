@@ -90,6 +90,10 @@ def fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext
         size = ctx.layout.size(groups[0].axis) if groups else 1
         return kind.fake(args[0], size, **kwargs)
     args = tuple(a for a in args if not isinstance(a, Group))
+    if node.target is torch.ops.aten.histc.default and not args[0].is_floating_point():
+        # a capture on meta tensors takes transformers' non-CPU path of a MoE layer (histc of the expert ids as int),
+        # which CPU kernels and their fake checks refuse; the result's shape does not depend on the input's dtype
+        return node.target(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
     try:
         return node.target(*args, **kwargs)
     except Exception as e:

@@ -184,7 +184,8 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         collective_summary=summary,
         collective_unit=unit,
         collective_lines=collective_header(held, ctx, skipped, unit, per_step),
-        recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users]),
+        recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users],
+                                       "tp and ep" if layout.ep > 1 else "tp"),
         legend_lines=legend_lines(held, {c["op"] for c in collectives}),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
@@ -197,15 +198,15 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     return RankCode(text, attrs, collectives, stages)
 
 
-def _recompute_line(mode: str, blocks: list[str]) -> str:
-    """What ``--recompute`` does in this file, for its header."""
+def _recompute_line(mode: str, blocks: list[str], axes: str = "tp") -> str:
+    """What ``--recompute`` does in this file, for its header (``axes``: whose collectives run again)."""
     if mode == "none":
         return ""
     held = ", ".join(blocks) if len(blocks) <= 3 else f"{blocks[0]}, ..., {blocks[-1]} ({len(blocks)} blocks)"
-    what = ("keep only their inputs for backward; backward runs each one's forward again, its tp collectives "
+    what = (f"keep only their inputs for backward; backward runs each one's forward again, its {axes} collectives "
             "included" if mode == "full" else
             "keep their matmul and fused-attention outputs for backward; backward recomputes the rest (norms, "
-            "activations, softmax, elementwise ops, tp collectives)")
+            f"activations, softmax, elementwise ops, {axes} collectives)")
     return f"recompute: {mode}: {held} {what}" if blocks else f"recompute: {mode}: no block of this rank to recompute"
 
 

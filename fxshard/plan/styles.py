@@ -107,7 +107,7 @@ _HF_IMPLIED = {
 }
 
 _EXPERTS = ("experts stay whole on every tp rank, training exactly as on one device at their full size on each "
-            "rank (expert parallelism is a separate, later feature of fxshard)")
+            "rank (--ep N splits them over N data-parallel ranks instead)")
 # Styles fxshard does not implement, with what it does instead; a compile note lists the entries.
 _HF_INSTEAD = {
     "moe_tp_experts": _EXPERTS,

@@ -127,18 +127,18 @@ def expert_offsets(recv_counts: torch.Tensor) -> torch.Tensor:
 def sync_expert_grads(params: list[torch.nn.Parameter], edp_group, dp: int) -> None:
     """Sum expert gradients over the ranks holding the same experts and divide by dp: with the all-to-all's
     backward (which brought every ep rank's contribution), the sum over all dp ranks that DDP averages the
-    other parameters by.  One flat buffer, one all-reduce."""
+    other parameters by.  One flat buffer in fp32 (bf16 gradients are summed and divided there, then rounded
+    once), one all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
     if dist.get_world_size(edp_group) > 1:
-        flat = torch.cat([g.reshape(-1) for g in grads])
         with guarded("all_reduce of the expert gradients over edp", edp_group, flat, None):
             dist.all_reduce(flat, group=edp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    flat.div_(dp)
+    offset = 0
     for g in grads:
-        g.div_(dp)
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 

@@ -206,7 +206,8 @@ def split_backward_stages(schedule, stages: list[PipelineStage]) -> list[Pipelin
 
 def all_reduce_grads(module: torch.nn.Module, group, bucket_bytes: int) -> None:
     """Average ``module``'s gradients over ``group`` in buckets of about ``bucket_bytes`` (flattened per
-    dtype): what DDP would have done while backward ran, done once after it."""
+    dtype): what DDP would have done while backward ran, done once after it; the parameters DDP was told to
+    ignore (the experts of an expert-parallel layer, which differ between dp ranks) are left alone, as DDP does."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     world = dist.get_world_size(group)
@@ -221,7 +222,8 @@ def all_reduce_grads(module: torch.nn.Module, group, bucket_bytes: int) -> None:
 
     bucket: list[torch.Tensor] = []
     held = 0  # bytes in the bucket
-    for g in (p.grad for p in module.parameters() if p.grad is not None):
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    for g in (p.grad for name, p in module.named_parameters() if p.grad is not None and name not in ignored):
         size = g.numel() * g.element_size()
         if bucket and (g.dtype != bucket[0].dtype or held + size > bucket_bytes):
             flush(bucket)

@@ -112,14 +112,19 @@ def check_program(sources: dict[str, str], manifest: Manifest, weights: dict[str
     if problems:
         _fail(problems, fix)
     traces: dict[str, RankTrace] = {}
+    failed: set[str] = set()
     for entry in manifest.ranks:
         problems += _check_header(sources[entry.file], entry, manifest)
-        try:
-            traces[entry.file] = trace = trace_rank(sources[entry.file], entry.file, manifest, entry, run)
-        except CheckError as e:
-            problems.append(str(e))
+        if entry.file in failed:
             continue
-        problems += _check_tensors(trace, entry, (weights or {}).get(entry.weights))
+        if entry.file not in traces:  # under --ep every ep rank's entry runs one file: traced once (its first)
+            try:
+                traces[entry.file] = trace_rank(sources[entry.file], entry.file, manifest, entry, run)
+            except CheckError as e:
+                problems.append(str(e))
+                failed.add(entry.file)
+                continue
+        problems += _check_tensors(traces[entry.file], entry, (weights or {}).get(entry.weights))
     if problems:  # the comparisons below need every rank file traced
         _fail(problems, fix)
     report = CheckReport(len(sources), layout.world_size, run)

@@ -265,9 +265,10 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         experts = [p for p in params if id(p) in expert_ids]
         edp_zero = 1 if layout.zero == 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
         opt = ExpertSplitOptimizer(  # experts: summed over edp, divided by dp (as sync_expert_grads)
-            make_optimizer(dense, optim, layout.zero, groups["dp"], names=[names[id(p)] for p in dense]),
-            make_optimizer(experts, optim, edp_zero, groups["edp"], names=[names[id(p)] for p in experts],
-                           average_over=layout.dp))
+            make_optimizer(dense, optim, layout.zero, groups["dp"], _masters_of(dense, masters),
+                           names=[names[id(p)] for p in dense]),
+            make_optimizer(experts, optim, edp_zero, groups["edp"], _masters_of(experts, masters),
+                           names=[names[id(p)] for p in experts], average_over=layout.dp))
     else:
         opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
                              masters=[masters[id(p)] for p in params] if masters else None,
@@ -387,10 +388,24 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
         from fxshard.train.checkpoint import load_parameters
 
         load_parameters(reader, module, entry, prefix)
-    if layout.mixed and not (layout.dp > 1 and layout.zero >= 2):
-        params = list(module.parameters())
+    if layout.mixed:
+        params = _needing_masters(module, layout, entry, prefix)
         masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
     return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
+
+
+def _needing_masters(module, layout, entry: RankEntry | None, prefix: str) -> list[torch.nn.Parameter]:
+    """The parameters that get an fp32 master copy under mixed precision: all of them, except under FSDP2 (ZeRO 2/3,
+    whose fp32 shards are the masters) those it manages; the experts of an expert-parallel layer, which it leaves
+    alone, still need theirs."""
+    if not (layout.dp > 1 and layout.zero >= 2):
+        return list(module.parameters())
+    return [p for name, p in module.named_parameters() if entry is not None and entry.tensors[prefix + name].axis == "ep"]
+
+
+def _masters_of(params: list, masters: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
+    """The fp32 masters of ``params`` (mixed precision, parameters not sharded by FSDP2), else None."""
+    return [masters[id(p)] for p in params] if params and all(id(p) in masters for p in params) else None
 
 
 def _to_rank(v, dp: int, dp_rank: int, device, layout):
@@ -415,8 +430,8 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
         for name, p in module.named_parameters():
             t = entry.tensors[prefix + name]
             w = 1.0 / copies.get(t.source, 1)
-            if t.placement == "Replicate()":
-                w /= layout.tp  # the same gradient on every tp rank
+            if t.placement == "Replicate()" or t.axis == "ep":
+                w /= layout.tp  # the same gradient on every tp rank (experts: whole on each tp rank)
             if layout.zero == 1 and layout.dp > 1:
                 pass  # the distributed optimizer's pieces: each element on one rank of its dp (edp) group
             elif t.axis == "ep":

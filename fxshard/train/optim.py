@@ -95,8 +95,9 @@ class ExpertSplitOptimizer:
 
     def __init__(self, dense, experts):
         self.parts = [dense, experts]
-        self.param_groups = [g for o in self.parts for g in o.param_groups]
-        self.defaults = dense.defaults
+        torch_optims = [o if hasattr(o, "param_groups") else o.optim for o in self.parts]  # MasterWeightAdamW: .optim
+        self.param_groups = [g for o in torch_optims for g in o.param_groups]
+        self.defaults = torch_optims[0].defaults
         self.state = {}
 
     def step(self, closure=None):
