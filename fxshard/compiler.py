@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from safetensors.torch import save_file
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from fxshard import __version__
@@ -24,6 +25,7 @@ from fxshard.capture.modelfile import (
     ModelFile,
     buffers_to_meta,
     load_model_file,
+    meta_as_cpu,
     to_meta,
 )
 from fxshard.capture.program import Program, capture
@@ -268,7 +270,14 @@ def _capture(mf: ModelFile, layout: Layout, seed: int, inputs, meta: bool = Fals
         masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
         cast_parameters(model, layout.compute_dtype)
         inputs = cast_inputs(inputs, layout.compute_dtype)
-    program = capture(mf, seed, model=model, inputs=inputs)
+    if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
+        with meta_as_cpu(model, inputs) as fake_inputs:
+            program = capture(mf, seed, model=model, inputs=fake_inputs)
+        held = dict(model.state_dict(keep_vars=True)) | dict(model.named_buffers())  # the meta tensors, put back
+        program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                           if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}
+    else:
+        program = capture(mf, seed, model=model, inputs=inputs)
     for fqn in program.tensors:
         if fqn in masters or fqn in real:
             program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]
