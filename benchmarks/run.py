@@ -26,6 +26,7 @@ from benchmarks import (  # noqa: E402
     activations,
     comm,
     comm_axes,
+    comm_experts,
     compile_scaling,
     memory,
     pipeline_idle,
@@ -53,7 +54,8 @@ def plan(quick: bool) -> dict:
 SECTIONS = {
     "tp": ("tp_step", [("Tensor-parallel step time", tp_step.markdown), ("Collectives per step", comm.markdown)]),
     "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
-    "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown)]),
+    "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown),
+                            ("Expert-parallel all-to-all traffic per step", comm_experts.traffic_markdown)]),
     "memory": ("memory", [("Memory per rank under each ZeRO stage", memory.markdown)]),
     "activations": ("activations", [("Activation bytes per layer per token (Korthikanti et al. 2022, and the plan)",
                                      activations.markdown)]),
@@ -70,7 +72,7 @@ def run_part(part: str, settings: dict, work: Path, quick: bool):
         return [pipeline_idle.run(pp, m, work, settings["pipeline_rounds"], settings["pipeline_warmup"])
                 for pp, m in settings["pipelines"]]
     if part == "traffic":
-        return comm_axes.run(work)
+        return comm_axes.run(work) | {"experts": comm_experts.run(work)}  # --ep's all-to-alls: a table of their own
     if part == "memory":
         return memory.run(2 if quick else 4, work)
     if part == "activations":
