@@ -226,14 +226,22 @@ def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:
     over experts of (fraction of the batch's tokens routed to e) x (mean router probability of e): a product of
     two means over the whole batch.  Computed per dp rank (or microbatch) and averaged, it is another number
     (measured: 7.6e-4 relative on a tiny Mixtral at --dp 2), so it is refused rather than trained inexactly."""
-    config = getattr(program.model, "config", None)
-    if split > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        raise LayoutError(f"{mf.path.name}: {type(program.model).__name__} adds its load-balancing loss "
+    check_router_loss(program.model, split, mf.path.name, "--dp (or pipeline microbatches) would compute per part "
+                      "and average", "or train at --dp 1 without microbatches")
+
+
+def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, fix: str) -> None:
+    """Refuse a model whose loss adds transformers' load-balancing loss when the step's batch is cut into
+    ``parts`` that each compute the loss (``how``: by which flag; ``fix``: the other way out than turning the loss
+    off).  Also ``fxshard run --grad-accum K`` (:func:`fxshard.train.launch.train`): each accumulated batch would
+    compute the two means on its own batch."""
+    config = getattr(model, "config", None)
+    if parts > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise LayoutError(f"{where}: {type(model).__name__} adds its load-balancing loss "
                           f"(router_aux_loss_coef={config.router_aux_loss_coef}) to the loss; expected a loss that "
-                          "sums over parts of the batch, found a product of two whole-batch means, which --dp "
-                          "(or pipeline microbatches) would compute per part and average: training would not equal "
-                          "one device; set output_router_logits=False in the model file, or train at --dp 1 "
-                          "without microbatches")
+                          f"sums over parts of the batch, found a product of two whole-batch means, which {how}: "
+                          f"training would not equal one device; set output_router_logits=False in the model file, "
+                          f"{fix}")
 
 
 def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -207,6 +207,27 @@ def test_load_balancing_loss_under_a_split_batch_is_refused():
     compile_model(MODELS / "hf_mixtral_aux.py", Layout())  # one device, one batch: exact, allowed
 
 
+def test_load_balancing_loss_under_grad_accumulation_is_refused(tmp_path):
+    # --grad-accum k is one step over k batches; each batch would compute the two means on its own (two different
+    # batches of this model: 4.4e-5 relative in the loss), so fxshard run and verify refuse it before launching
+    from fxshard.cli.app import app
+    from typer.testing import CliRunner
+
+    from fxshard.train.options import RunOptions, check_run_options
+
+    out = tmp_path / "out"
+    compile_model(MODELS / "hf_mixtral_aux.py", Layout(), out=out)
+    check_run_options(out, RunOptions(optim=OptimConfig(grad_accum=1)))
+    with pytest.raises(LayoutError, match=r"--grad-accum 2: MixtralForCausalLM adds its load-balancing loss .*"
+                                          r"each accumulated batch would compute on its own .* --grad-accum 1"):
+        check_run_options(out, RunOptions(optim=OptimConfig(grad_accum=2)))
+    run = CliRunner().invoke(app, ["run", str(out), "--steps", "1", "--grad-accum", "2"])
+    assert run.exit_code == 2 and "--grad-accum 2: MixtralForCausalLM adds its load-balancing loss" in run.output
+    plain = tmp_path / "plain"  # a MoE model without the loss accumulates as before
+    compile_model(MIXTRAL, Layout(), out=plain)
+    check_run_options(plain, RunOptions(optim=OptimConfig(grad_accum=2)))
+
+
 def test_checkpoints_of_an_expert_parallel_run_are_refused():
     from fxshard.train.launch import _expert_groups
 
