@@ -66,13 +66,14 @@ from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.pipeline import pipeline_pass
+from fxshard.passes.router_loss import has_router_loss, router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
-PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, dropout_pass, pipeline_pass,
-          checks_pass]
+PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
+          dropout_pass, pipeline_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
 
@@ -187,7 +188,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = _capture(mf, layout, seed, inputs, meta)
-    _check_router_loss(program, layout.dp * microbatches, mf)
+    _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -224,10 +225,11 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
 def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:
     """A mixture-of-experts load-balancing loss (transformers' ``load_balancing_loss_func``) is E times the sum
     over experts of (fraction of the batch's tokens routed to e) x (mean router probability of e): a product of
-    two means over the whole batch.  Computed per dp rank (or microbatch) and averaged, it is another number
-    (measured: 7.6e-4 relative on a tiny Mixtral at --dp 2), so it is refused rather than trained inexactly."""
-    check_router_loss(program.model, split, mf.path.name, "--dp (or pipeline microbatches) would compute per part "
-                      "and average", "or train at --dp 1 without microbatches")
+    two means over the whole batch.  Computed per pipeline microbatch and averaged, it is another number (7.6e-4
+    relative on a tiny Mixtral split in 2), so it is refused rather than trained inexactly; under --dp the means are
+    made whole-batch means (passes/router_loss.py)."""
+    check_router_loss(program.model, split, mf.path.name, "pipeline microbatches would compute per microbatch "
+                      "and average", "or train without --pp (--dp makes both means whole-batch means)")
 
 
 def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, fix: str) -> None:
@@ -236,7 +238,7 @@ def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, 
     off).  Also ``fxshard run --grad-accum K`` (:func:`fxshard.train.launch.train`): each accumulated batch would
     compute the two means on its own batch."""
     config = getattr(model, "config", None)
-    if parts > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+    if parts > 1 and has_router_loss(model):
         raise LayoutError(f"{where}: {type(model).__name__} adds its load-balancing loss "
                           f"(router_aux_loss_coef={config.router_aux_loss_coef}) to the loss; expected a loss that "
                           f"sums over parts of the batch, found a product of two whole-batch means, which {how}: "
@@ -252,6 +254,8 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for p in PASSES:
         if not getattr(p, "applies", lambda layout: True)(ctx.layout):  # a pass for one layout feature (--ep)
             continue  # is not run, nor named in the rank files' headers, without it
+        if not getattr(p, "applies_to", lambda ctx: True)(ctx):  # one for what a program holds (a router loss)
+            continue
         gm = p(gm, ctx)
         gm.graph.lint()
         ensures = contract_of(p).ensures

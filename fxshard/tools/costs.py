@@ -488,7 +488,7 @@ def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
     moved: dict[str, sympy.Expr] = {}
     for n in tensors:
         kind = KINDS.get(spec(n).collective)
-        if kind is None or any(isinstance(a, Group) and a.axis == EP for a in n.args):  # ep: its own row
+        if kind is None or any(isinstance(a, Group) and a.axis != "tp" for a in n.args):  # ep: its own row
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)
