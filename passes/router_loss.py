@@ -31,7 +31,9 @@ from fxshard.ir.placement import Replicate
 from fxshard.runtime import collectives as rtc
 
 aten = torch.ops.aten
-_SUMS = {aten.histc.default, aten.sum.dim_IntList}  # a layer's term: its top-k ids counted, its probabilities summed
+# a layer's term: its top-k ids counted (histc; scatter_add of the attention mask's weights), its probabilities summed
+_COUNTS = {aten.histc.default, aten.scatter_add.default, aten.scatter_add_.default}
+_SUMS = _COUNTS | {aten.sum.dim_IntList}
 
 
 def has_router_loss(model: torch.nn.Module) -> bool:
@@ -54,9 +56,10 @@ def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rows = next(iter(divisors))
     probabilities = next(n for n in means if _term_kind(n) == "probabilities")
     counted = sum(t.args[0].meta["val"].shape[0] for t in _terms(probabilities.args[0]))
-    if isinstance(rows, (int, float)) and rows != counted:
-        raise LayoutError(f"{where}: expected {probabilities.name} to divide by the {counted} rows its sums add up; "
-                          f"found {rows}; set output_router_logits=False in the model file, or train at --dp 1")
+    if (rows != counted) if isinstance(rows, (int, float)) else not _is_mask_count(rows):
+        raise LayoutError(f"{where}: expected {probabilities.name} to divide by the {counted} rows its sums add up "
+                          f"(or by the attention mask's sum per layer); found {getattr(rows, 'name', rows)}; set "
+                          "output_router_logits=False in the model file, or train at --dp 1")
     for node in means:
         with gm.graph.inserting_before(node):
             mean = gm.graph.call_function(rtc.batch_mean, (node.args[0], Group("dp")), {"rows": rows})
@@ -85,7 +88,7 @@ def _is_mean_of_sums(node: fx.Node) -> bool:
 
 
 def _terms(node: fx.Node) -> list[fx.Node]:
-    """The per-layer terms of an add chain ``zeros + t_0 + t_1 + ...`` (each a histc or a sum over dim 0), or []."""
+    """The per-layer terms of an add chain ``zeros + t_0 + t_1 + ...`` (each a count or a sum over dim 0), or []."""
     terms = []
     while node.op == "call_function" and node.target is aten.add.Tensor:
         a, b = node.args
@@ -100,5 +103,16 @@ def _terms(node: fx.Node) -> list[fx.Node]:
 
 def _term_kind(node: fx.Node) -> str:
     targets = {t.target for t in _terms(node.args[0])}
-    return {frozenset({aten.histc.default}): "counts",
-            frozenset({aten.sum.dim_IntList}): "probabilities"}.get(frozenset(targets), "mixed")
+    return "counts" if targets <= _COUNTS else "probabilities" if targets == {aten.sum.dim_IntList} else "mixed"
+
+
+def _is_mask_count(node) -> bool:
+    """``0.0 + mask.sum() + mask.sum() + ...``: the rows the attention mask counts, once per layer."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.add.Tensor:
+        a, b = node.args
+        term, node = (b, a) if isinstance(b, fx.Node) and b.target is aten.sum.default else (a, b)
+        if not (isinstance(term, fx.Node) and term.target is aten.sum.default):
+            return False
+        if not isinstance(node, fx.Node):
+            return node == 0
+    return False

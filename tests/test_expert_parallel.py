@@ -197,8 +197,10 @@ def test_experts_that_do_not_divide_are_refused(tmp_path):
         compile_model(model, Layout(dp=4, ep=4))
 
 
-AUX = MODELS / "hf_mixtral_aux.py"
-AUX_CASES = {"mixtral-aux-dp2": Layout(dp=2), "mixtral-aux-dp2-ep2": Layout(dp=2, ep=2)}
+AUX, AUX_MASKED = MODELS / "hf_mixtral_aux.py", MODELS / "hf_mixtral_aux_masked.py"
+AUX_CASES = {"mixtral-aux-dp2": (AUX, Layout(dp=2)), "mixtral-aux-dp2-ep2": (AUX, Layout(dp=2, ep=2)),
+             # counted rows from the mask, 13 and 14 on the two ranks: the row total is all-reduced with the sums
+             "mixtral-aux-masked-dp2": (AUX_MASKED, Layout(dp=2))}
 
 
 @pytest.mark.distributed
@@ -206,15 +208,15 @@ def test_load_balancing_loss_under_dp_trains_as_one_device(tmp_path):
     # E * sum_e(fraction routed to e) * (mean probability of e): a product of whole-batch means; per dp rank and
     # averaged it was 7.6e-4 relative off at --dp 2.  passes/router_loss.py all-reduces both means over dp
     items = []
-    for case, layout in AUX_CASES.items():
+    for case, (path, layout) in AUX_CASES.items():
         out = tmp_path / case
-        result = compile_model(AUX, layout, out=out)
+        result = compile_model(path, layout, out=out)
         assert result.sources["rank_pp0_tp0.py"].count("rt.batch_mean(") == 2
         items.append((case, (str(out), OptimConfig())))
     found = spawn_cases(_train_one, 2, items)
-    want, single = _reference(AUX, OptimConfig())
-    initial = dict(load_model_file(AUX).build_model(0).named_parameters(remove_duplicate=False))
-    for case in AUX_CASES:
+    for case, (path, _) in AUX_CASES.items():
+        want, single = _reference(path, OptimConfig())
+        initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
         per_rank = case_result(found, case)
         for rank, (losses, _, _) in enumerate(per_rank):
             for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
