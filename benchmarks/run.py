@@ -28,6 +28,7 @@ from benchmarks import (  # noqa: E402
     activations,
     comm,
     comm_axes,
+    comm_experts,
     compile_scaling,
     memory,
     overlap,
@@ -58,7 +59,8 @@ SECTIONS = {
     "tp": ("tp_step", [("Tensor-parallel step time", tp_step.markdown), ("Collectives per step", comm.markdown)]),
     "overlap": ("overlap", [("Backward all-reduce overlapped with the weight gradients (tp=2)", overlap.markdown)]),
     "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
-    "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown)]),
+    "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown),
+                            ("Expert-parallel all-to-all traffic per step", comm_experts.traffic_markdown)]),
     "zero1": ("zero1", [("ZeRO 1 before and after the distributed optimizer", zero1.markdown)]),
     "memory": ("memory", [("Memory per rank under each ZeRO stage", memory.markdown)]),
     "activations": ("activations", [("Activation bytes per layer per token (Korthikanti et al. 2022, and the plan)",
@@ -78,7 +80,7 @@ def run_part(part: str, settings: dict, work: Path, quick: bool):
         return [pipeline_idle.run(pp, m, work, settings["pipeline_rounds"], settings["pipeline_warmup"])
                 for pp, m in settings["pipelines"]]
     if part == "traffic":
-        return comm_axes.run(work)
+        return comm_axes.run(work) | {"experts": comm_experts.run(work)}  # --ep's all-to-alls: a table of their own
     if part == "zero1":
         return zero1.run(work, settings["zero1_rounds"], settings["zero1_warmup"])
     if part == "memory":

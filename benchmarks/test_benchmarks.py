@@ -138,3 +138,21 @@ def test_zero1_distributed_optimizer_issues_two_collectives_per_bucket(tmp_path)
         assert abs(r["ratio"] - 1) < 1e-3, r  # padding to a multiple of dp is a few elements per bucket
         assert r["loss_rel_diff"] <= 1e-6, r
     assert rows["after"]["buckets"] == 1 and rows[CONTENDERS[2]]["buckets"] > 2
+
+
+@pytest.mark.distributed
+def test_expert_all_to_all_bytes_equal_the_exact_figure_of_the_routing(tmp_path):
+    from benchmarks.comm_experts import markdown, run
+
+    result = run(tmp_path, layouts=((2, 2),), log=lambda *_: None)
+    (row,) = result["rows"]
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    for r in row["ranks"]:
+        # per step: 2 layers x (counts, dispatch, combine) forward and (dispatch, combine) backward
+        assert r["calls"] == 10
+        assert r["measured_bytes"] == r["exact_bytes"] > 0, r
+        assert r["measured_bytes"] < r["input_bytes"]  # what a rank keeps for its own experts is not sent
+    # balanced: L (4 passes x b*S*k rows x H x 4 bytes + E x 4 bytes) (N-1)/N; at B = 4, S = 8: b*S*k = 2*8*2
+    rows = 2 * 8 * 2
+    assert row["balanced_expr"] == "512*B*S + 16" and row["balanced_bytes"] == 2 * (4 * rows * 32 * 4 + 4 * 4) / 2
+    assert "**1.000**" in markdown(result)

@@ -222,7 +222,13 @@ _PLAN_ROWS = [  # key, label, unit
     ("tp_sent", "tp elements each rank sends per step (ring: all-reduce 2(t-1)/t of its buffer, gather and "
                 "reduce-scatter (t-1)/t)", "count"),
     ("pp_send", "pp elements sent per step (activations fwd, grads bwd)", "count"),
-    ("dp_bytes", "dp bytes sent per step (ring collectives)", "bytes"),
+    ("dp_bytes", "dp bytes sent per step (ring collectives; --ep: the experts' over dp/ep)", "bytes"),
+    # --ep only
+    ("ep_psi", "expert parameters (this rank's E/ep of each MoE layer; in Ψ)", "count"),
+    ("ep_state", "expert model state bytes (parameters, gradients, Adam; ZeRO 1: Adam over dp/ep; ZeRO 2/3: "
+                 "whole)", "bytes"),
+    ("ep_alltoall", "ep all-to-all bytes sent per step (dispatch + combine, fwd + bwd, + counts; balanced "
+                    "routing: (N-1)/N of tokens x top-k)", "bytes"),
 ]
 
 
@@ -260,6 +266,8 @@ def plan_report(console: Console, report) -> None:
         table.add_column("expression (B: examples per step, S: sequence length)")
         table.add_column(f"at {at}", justify="right")
         for key, label, unit in _PLAN_ROWS:
+            if key not in row:  # a row of a flag not given (--ep)
+                continue
             cost = row[key]
             table.add_row(label, _plan_expression(row, key), _human(cost.value, unit))
         if "verdict" in row:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from safetensors.torch import save_file
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from fxshard import __version__
@@ -24,6 +25,7 @@ from fxshard.capture.modelfile import (
     ModelFile,
     buffers_to_meta,
     load_model_file,
+    meta_as_cpu,
     to_meta,
 )
 from fxshard.capture.program import Program, capture
@@ -64,13 +66,14 @@ from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.pipeline import pipeline_pass
+from fxshard.passes.router_loss import has_router_loss, router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
 
-PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, dropout_pass, pipeline_pass,
-          checks_pass]
+PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
+          dropout_pass, pipeline_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
 
@@ -185,7 +188,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = _capture(mf, layout, seed, inputs, meta)
-    _check_router_loss(program, layout.dp * microbatches, mf)
+    _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -222,16 +225,25 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
 def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:
     """A mixture-of-experts load-balancing loss (transformers' ``load_balancing_loss_func``) is E times the sum
     over experts of (fraction of the batch's tokens routed to e) x (mean router probability of e): a product of
-    two means over the whole batch.  Computed per dp rank (or microbatch) and averaged, it is another number
-    (measured: 7.6e-4 relative on a tiny Mixtral at --dp 2), so it is refused rather than trained inexactly."""
-    config = getattr(program.model, "config", None)
-    if split > 1 and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        raise LayoutError(f"{mf.path.name}: {type(program.model).__name__} adds its load-balancing loss "
+    two means over the whole batch.  Computed per pipeline microbatch and averaged, it is another number (7.6e-4
+    relative on a tiny Mixtral split in 2), so it is refused rather than trained inexactly; under --dp the means are
+    made whole-batch means (passes/router_loss.py)."""
+    check_router_loss(program.model, split, mf.path.name, "pipeline microbatches would compute per microbatch "
+                      "and average", "or train without --pp (--dp makes both means whole-batch means)")
+
+
+def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, fix: str) -> None:
+    """Refuse a model whose loss adds transformers' load-balancing loss when the step's batch is cut into
+    ``parts`` that each compute the loss (``how``: by which flag; ``fix``: the other way out than turning the loss
+    off).  Also ``fxshard run --grad-accum K`` (:func:`fxshard.train.launch.train`): each accumulated batch would
+    compute the two means on its own batch."""
+    config = getattr(model, "config", None)
+    if parts > 1 and has_router_loss(model):
+        raise LayoutError(f"{where}: {type(model).__name__} adds its load-balancing loss "
                           f"(router_aux_loss_coef={config.router_aux_loss_coef}) to the loss; expected a loss that "
-                          "sums over parts of the batch, found a product of two whole-batch means, which --dp "
-                          "(or pipeline microbatches) would compute per part and average: training would not equal "
-                          "one device; set output_router_logits=False in the model file, or train at --dp 1 "
-                          "without microbatches")
+                          f"sums over parts of the batch, found a product of two whole-batch means, which {how}: "
+                          f"training would not equal one device; set output_router_logits=False in the model file, "
+                          f"{fix}")
 
 
 def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -242,6 +254,8 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for p in PASSES:
         if not getattr(p, "applies", lambda layout: True)(ctx.layout):  # a pass for one layout feature (--ep)
             continue  # is not run, nor named in the rank files' headers, without it
+        if not getattr(p, "applies_to", lambda ctx: True)(ctx):  # one for what a program holds (a router loss)
+            continue
         gm = p(gm, ctx)
         gm.graph.lint()
         ensures = contract_of(p).ensures
@@ -268,7 +282,14 @@ def _capture(mf: ModelFile, layout: Layout, seed: int, inputs, meta: bool = Fals
         masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
         cast_parameters(model, layout.compute_dtype)
         inputs = cast_inputs(inputs, layout.compute_dtype)
-    program = capture(mf, seed, model=model, inputs=inputs)
+    if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
+        with meta_as_cpu(model, inputs) as fake_inputs:
+            program = capture(mf, seed, model=model, inputs=fake_inputs)
+        held = dict(model.state_dict(keep_vars=True)) | dict(model.named_buffers())  # the meta tensors, put back
+        program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                           if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}
+    else:
+        program = capture(mf, seed, model=model, inputs=inputs)
     for fqn in program.tensors:
         if fqn in masters or fqn in real:
             program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]

@@ -205,3 +205,31 @@ def test_a_truncated_weights_file_is_named_not_a_traceback(compiled, tmp_path):
     assert "the file is unreadable, truncated or damaged" in message
     result = CliRunner().invoke(app, ["check", str(out)])
     assert result.exit_code == 2 and "Traceback" not in result.stderr
+
+
+def test_each_ep_rank_is_checked_against_its_group(compiled, tmp_path):
+    # under --ep the ranks of an ep group run one rank file (per pp x tp coordinate), so their exchanges are the
+    # same lines; what can differ per ep rank is its manifest entry and its weight shard, and both are checked
+    result = compiled("qwen3moe_dp4_ep2", "tests/models/hf_qwen3_moe.py", dp=4, ep=2)
+    report = check_output(result.out)
+    assert [(g.label, g.forward, g.backward) for g in report.groups] == [("ep groups [0, 1], [2, 3]", 6, 4)]
+    # ep rank 1 pointed at another rank file, one whose second all-to-all is gone: a rank that would hang
+    out = copy(result, tmp_path)
+    rank_file = (out / "rank_pp0_tp0.py").read_text()
+    combine = next(line.split(" = ")[1].split(";")[0] for line in rank_file.splitlines()
+                   if "rt.all_to_all_combine(" in line)
+    value = combine.split("(")[1].split(",")[0]
+    (out / "rank_pp0_tp0_ep1.py").write_text(rank_file.replace(combine, value))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["ranks"][1]["file"] = "rank_pp0_tp0_ep1.py"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert "the rank file of pp=0 tp=0 is rank_pp0_tp0_ep1.py, expected rank_pp0_tp0.py" in check_error(out)
+    # ep rank 1's shard holding all 4 experts of a layer instead of its 2: its exchange would expect other counts
+    out = tmp_path / "shard"
+    shutil.copytree(result.out, out)
+    shard = out / "weights" / "rank_pp0_tp0_ep1.safetensors"
+    tensors = load_file(shard)
+    tensors["model_layers_0.mlp_experts_down_proj"] = tensors["model_layers_0.mlp_experts_down_proj"].repeat(2, 1, 1)
+    save_file(tensors, shard)
+    assert ("creates model_layers_0.mlp_experts_down_proj with shape [2, 32, 16], but "
+            "weights/rank_pp0_tp0_ep1.safetensors has [4, 32, 16]") in check_error(out)

@@ -205,3 +205,52 @@ def test_compile_auto_writes_the_chosen_mode():
     assert result.ctx.layout.recompute == "full" and result.memory_plan.recompute_auto
     assert "rt.recompute(self.blocks_0" in result.sources["rank_pp0_tp0.py"]
     assert "recompute=full" in result.sources["rank_pp0_tp0.py"]
+
+
+QWEN_MOE = ROOT / "tests" / "models" / "hf_qwen3_moe.py"  # 2 MoE layers, hidden 32, 4 experts of 16, top-2
+MOE_L, MOE_H, MOE_E, MOE_I, MOE_K = 2, 32, 4, 16, 2
+
+
+def test_a_meta_compile_of_a_moe_model_writes_what_a_real_compile_writes():
+    # transformers' grouped-matmul experts histogram the expert ids as floats on cpu and as int32 elsewhere (CPU
+    # kernels refuse int32); captured on meta, fxshard plan (which compiles on meta) took the int32 branch and
+    # failed on every MoE model: "histogram_cpu" not implemented for 'torch.int32'.  Now meta tensors are traced
+    # as fake CPU tensors, and the rank files are the same, byte for byte.
+    from fxshard.compiler import compile as compile_model
+
+    for layout in (Layout(tp=2), Layout(dp=2, ep=2)):
+        real = compile_model(QWEN_MOE, layout).sources
+        meta = compile_model(QWEN_MOE, layout, meta=True).sources
+        assert meta == real, layout
+        assert "aten.histc.default(to_9, 4, 0, 3)" in real["rank_pp0_tp0.py"]
+
+
+def test_plan_of_a_moe_model_without_and_with_ep():
+    (tp,) = plan_costs(QWEN_MOE, Layout(tp=2)).ranks
+    assert tp["tp_allreduce"].value > 0 and "ep_alltoall" not in tp
+    experts = MOE_L * MOE_E * 3 * MOE_H * MOE_I  # gate_up [E, 2I, H] and down [E, H, I] per layer
+    for dp, ep, zero in ((2, 2, 0), (4, 2, 1), (4, 2, 3)):
+        report = plan_costs(QWEN_MOE, Layout(dp=dp, ep=ep, zero=zero))
+        (rank,) = report.ranks
+        ring = sympy.Rational(ep - 1, ep)
+        # bytes per token x top-k x (N-1)/N: every routed row (H fp32) goes out and comes back, forward and
+        # backward; the counts (E int32 per layer) forward only
+        rows = B / dp * S * MOE_K
+        want = MOE_L * (4 * rows * MOE_H * 4 + MOE_E * 4) * ring
+        assert sympy.simplify(rank["ep_alltoall"].expr - want) == 0, rank["ep_alltoall"].expr
+        mine = experts // ep
+        assert rank["ep_psi"].value == mine
+        dense = rank["psi"].value - mine
+        # experts: data-parallel over edp = dp/ep; ZeRO 1 shards their Adam state over edp, ZeRO 2/3 leave them whole
+        edp = dp // ep
+        assert rank["ep_state"].value == mine * (4 + 4 + (8 / edp if zero == 1 else 8))
+        assert rank["optimizer"].value == dense * 8 / (dp if zero else 1) + mine * (8 / edp if zero == 1 else 8)
+        assert rank["grads"].value == dense * 4 / (dp if zero >= 2 else 1) + mine * 4
+        # dp traffic: the dense gradients over dp, the experts' over edp (none when edp = 1)
+        expert_ring = 2 * (edp - 1) / edp * 4 * mine + ((edp - 1) / edp * 4 * mine if zero == 1 else 0)
+        dense_ring = {0: 2, 1: 3, 3: 3}[zero] * (dp - 1) / dp * 4 * dense
+        assert rank["dp_bytes"].value == pytest.approx(dense_ring + expert_ring)
+        if dp == 2:  # the largest value is this rank's gate_up [E/ep, 2I, H], twice: a number, though E/ep = 2 rows
+            # of the microbatch here and E = 4 twice that at the plan's second capture size (it read 4096*B)
+            assert rank["transient"].expr == 2 * 4 * (MOE_E // ep) * 2 * MOE_I * MOE_H
+        assert any("balanced (expected) volume" in n for n in report.notes)

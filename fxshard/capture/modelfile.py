@@ -118,6 +118,51 @@ def to_meta(inputs: Any) -> Any:
     return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, inputs)
 
 
+@contextlib.contextmanager
+def meta_as_cpu(model: torch.nn.Module, inputs: Any):
+    """While export traces, the model's meta parameters and buffers, and the meta ``inputs``, are fake CPU
+    tensors (shapes and dtypes, no storage); yields the fake inputs.  The model is put back on exit.
+
+    A model may branch on its tensors' device: transformers' grouped-matmul experts histogram the expert ids
+    as floats on ``cpu`` and as int32 elsewhere, which CPU kernels refuse.  Traced on ``meta`` it takes the
+    accelerator branch, and the compiled program then fails on the CPU (and disagrees with a compile of
+    the real model, traced on CPU).  On fake CPU tensors it takes the branch a real capture takes::
+
+        with meta_as_cpu(model, inputs) as fake_inputs:
+            program = capture(mf, model=model, inputs=fake_inputs)
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils import _pytree as pytree
+
+    # the shape environment export expects of a mode it is handed (tracked_fakes)
+    mode = FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True, export=True)
+    fakes: dict[int, torch.Tensor] = {}  # one fake per tensor object, so tied weights stay tied
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            return t
+        if id(t) not in fakes:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            fakes[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else f
+        return fakes[id(t)]
+
+    swapped = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    swapped.append((table, name, t))
+                    table[name] = fake(t)
+    try:
+        yield pytree.tree_map(fake, inputs)
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
 def check_inputs(inputs: Any, where: str) -> None:
     if not isinstance(inputs, (dict, tuple, list)):
         raise ModelFileError(

@@ -766,9 +766,10 @@ class _Issue:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _issues(node: fx.Node, tp: int, ep: int = 1) -> list[_Issue]:
+def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
-    ranks = ep if any(isinstance(a, Group) and a.axis == "ep" for a in node.args) else 0
+    axis = next((a.axis for a in node.args if isinstance(a, Group)), "tp")
+    ranks = {"ep": ep, "dp": dp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
@@ -809,7 +810,7 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
             continue
         block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
-        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep))
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep, ctx.layout.dp))
     for block, issues in per_block.items():
         text = _describe(issues)
         if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
@@ -859,8 +860,12 @@ def legend_lines(nodes: list[fx.Node], emitted: set[str] = frozenset()) -> list[
 
 
 def _axes(ctx: CompileContext) -> list[str]:
-    """The process groups a class of a file without pipeline takes: tp, and ep under expert parallelism."""
-    return ["tp", "ep"] if ctx.layout.ep > 1 else ["tp"]
+    """The process groups a class of a file without pipeline takes: tp, ep under expert parallelism, and dp for the
+    whole-batch means of a load-balancing loss (passes/router_loss.py)."""
+    from fxshard.passes.router_loss import router_loss_pass
+
+    dp = ["dp"] if "router_loss" in ctx.passes_run or router_loss_pass.applies_to(ctx) else []
+    return (["tp", "ep"] if ctx.layout.ep > 1 else ["tp"]) + dp
 
 
 def _ep_of(fqn: str, ctx: CompileContext) -> int:

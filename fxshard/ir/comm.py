@@ -85,6 +85,10 @@ def _counts(offsets: torch.Tensor, size: int, **_) -> torch.Tensor:
     return offsets.new_empty((size, offsets.shape[0] // size), dtype=torch.int64)
 
 
+def _batch_mean(x: torch.Tensor, size: int, rows=1, **_) -> torch.Tensor:
+    return x / (rows * size) if not isinstance(rows, torch.Tensor) else x / rows
+
+
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("copy_to", None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
@@ -109,6 +113,10 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind("shard", None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
+    # a load-balancing loss's whole-batch means under a split batch (passes/router_loss.py), over dp
+    CollectiveKind("batch_mean", "all_reduce", None,
+                   "sums over this rank's rows -> the whole batch's mean: all-reduce over dp forward, / all rows; "
+                   "backward x dp / all rows (DDP then averages over dp)", _batch_mean),
     # expert parallelism (passes/expert_parallel.py): a mixture-of-experts layer's token exchange over ep
     CollectiveKind("exchange_counts", "all_to_all", None,
                    "rows per expert -> rows each ep rank sends to each of this rank's experts (all-to-all)",

@@ -3,6 +3,7 @@
 from fxshard.runtime.collectives import (
     all_gather,
     all_reduce,
+    batch_mean,
     copy_to,
     copy_to_linears,
     gather_to,
@@ -20,7 +21,7 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "vocab_embedding",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",

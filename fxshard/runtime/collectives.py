@@ -11,6 +11,7 @@ reduce_scatter reduce-scatter along dim all-gather along dim
 gather_to      all-gather along dim     reduce-scatter along dim
 copy_to_linears copy_to + its column-   all-reduce of the input gradient, started before the weight
                parallel linears         gradients are computed and waited for after them (overlap)
+batch_mean     all-reduce, / all rows   x n / all rows (DDP averages)
 =============  =======================  ==========================
 
 ``reduce_scatter`` and ``gather_to`` are sequence parallelism's pair (Megatron-LM's
@@ -102,6 +103,25 @@ class _AllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
+
+
+class _BatchMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, rows, site):
+        n = dist.get_world_size(group)
+        if isinstance(rows, torch.Tensor):  # a counted number of rows (a mask's sum): summed with the sums, one call
+            both = _all_reduce(torch.cat([x.reshape(-1), rows.reshape(1).to(x.dtype)]), group,
+                               "all_reduce (whole-batch mean)", site)
+            x_sum, total = both[:-1].view_as(x), both[-1]
+        else:  # the same number of rows on every rank (the batch splits evenly over dp)
+            x_sum, total = _all_reduce(x, group, "all_reduce (whole-batch mean)", site), rows * n
+        ctx.scale = n / total
+        return x_sum / total
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d mean / d x is 1/total on one device; DDP then averages the ranks' gradients (divides by n)
+        return grad * ctx.scale, None, None, None
 
 
 class _AllGather(torch.autograd.Function):
@@ -199,6 +219,14 @@ def copy_to(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``; the gradient passes through unchanged."""
     return _AllReduce.apply(x, group, _site())
+
+
+def batch_mean(x: torch.Tensor, group, rows) -> torch.Tensor:
+    """The mean over the whole batch of per-row values whose sum over this rank's ``rows`` rows is ``x``: the sums
+    (and a counted ``rows`` tensor) all-reduced over ``group`` (dp), divided by the rows of all ranks.  Backward:
+    n / (all rows) times the gradient, which DDP's average over the n ranks makes the single-device 1 / (all rows).
+    Mixture-of-experts load-balancing losses use it for their whole-batch means (passes/router_loss.py)."""
+    return _BatchMean.apply(x, group, rows, _site())
 
 
 def all_gather(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:

@@ -34,7 +34,7 @@ from fxshard.codegen.blocks import block_units
 from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
-from fxshard.ir.context import Layout, spec
+from fxshard.ir.context import EP, Group, Layout, spec
 from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import pipeline_stages
@@ -96,6 +96,10 @@ class CostReport:
                 "flops": {m: max(r["recompute_flops"][m] for r in self.ranks) for m in modes}}
 
 
+EP_NOTE = ("ep all-to-all: the balanced (expected) volume, under uniform routing: each rank keeps the rows routed "
+           "to its own experts (1/{n}) and sends the other (N-1)/N of its tokens x top-k rows, out and back, forward "
+           "and backward; the real volume depends on the routing, step by step (what leaves a rank for another "
+           "counts; rows routed to the same rank do not cross the network)")
 RECOMPUTE_ORDER = ("none", "selective", "full")  # least recompute first: what --recompute auto tries in turn
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -147,7 +151,8 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     micro = [i for i in ctx.program.inputs if i.is_tensor]
     b = micro[0].shape[0] if micro else 1
     s = next((i.shape[1] for i in micro if len(i.shape) >= 2), None)
-    sym, notes = _symbolic_shapes(mf, layout, seed, gm, b, s)
+    state = {n for n in gm.graph.nodes if n.op == "placeholder" and n not in ctx.user_inputs}
+    sym, notes = _symbolic_shapes(mf, layout, seed, gm, b, s, state)
     per_step_b = layout.dp * ctx.microbatches
     at = {B: batch if batch is not None else b * per_step_b, S: seq if seq is not None else (s or 1)}
     modes = [_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b) for pp_rank in range(layout.pp)]
@@ -155,6 +160,8 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     if chosen not in modes[0]:
         chosen = "none"  # a model without repeated blocks: the compiler refuses recompute for it
     layout = dataclasses.replace(layout, recompute=chosen)
+    if layout.ep > 1:
+        notes.append(EP_NOTE.format(n=layout.ep))
     report = CostReport(layout, at, notes=notes, recompute=chosen, recompute_auto=asked == "auto")
     for by_mode in modes:
         report.ranks.append(by_mode[chosen])
@@ -200,8 +207,9 @@ def planned_memory(out: str | Path) -> dict[int, dict] | str:
             for r in report.ranks}
 
 
-def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
-    """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture."""
+def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.Node]):
+    """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture (``state``: the
+    parameter and buffer placeholders, whose sizes stay numbers)."""
     from fxshard.compiler import _capture
 
     inputs = mf.build_inputs(seed)
@@ -223,9 +231,13 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
         second = None
     other = {n.name: n.meta.get("val") for n in second.graph.nodes} if second is not None else {}
     out, unfitted = {}, 0
+    fixed = _state_only(gm, state)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
+            continue
+        if node in fixed:
+            out[node.name] = tuple(sympy.Integer(d) for d in val.shape)
             continue
         val2 = other.get(node.name)
         if not isinstance(val2, torch.Tensor) or val2.dim() != val.dim():
@@ -240,6 +252,18 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None):
     if unfitted and second is not None:
         notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
     return out, notes
+
+
+def _state_only(gm: fx.GraphModule, state: set[fx.Node]) -> set[fx.Node]:
+    """The parameters and buffers (``state``) and the nodes made from them alone: their sizes do not follow
+    the batch.  Under ``--ep`` a rank's stacked experts ``[E/ep, ...]`` would otherwise fit the microbatch
+    when E/ep happens to equal it, as the second capture's E does twice the microbatch."""
+    fixed: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        ins = node.all_input_nodes
+        if node in state or (node.op == "call_function" and ins and all(a in fixed for a in ins)):
+            fixed.add(node)
+    return fixed
 
 
 def _dims_from_inputs(node: fx.Node, fitted: dict) -> tuple:
@@ -315,11 +339,13 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row = {"pp_rank": pp_rank,
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r)["pp"] == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
-    mem = formula(layout.zero, layout.dp, layout.mixed, psi)
+    experts = _expert_psi(state, ctx, layout)  # this rank's E/ep experts: state of their own (none without --ep)
+    mem = formula(layout.zero, layout.dp, layout.mixed, psi - experts)
     for key in ("params", "grads", "optimizer"):
-        row[key] = Cost(sympy.nsimplify(mem[key]), at)
-    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi,
-                                                          _block_params(state, ctx, layout))), at)
+        row[key] = Cost(sympy.nsimplify(mem[key] + expert_state(layout, experts)[key]), at)
+    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi - experts,
+                                                          _block_params(state, ctx, layout))
+                                              + expert_state(layout, experts)["params"]), at)
     row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
     traces = _traces(gm, ctx, stages, nodes, state, coords, local, dims, at)
     by_mode = {mode: _peak(row, mem, layout, pp_rank, m, at, _recompute_extra(traces["none"], mem, at))
@@ -336,7 +362,12 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["tp_sent"] = Cost(sympy.nsimplify(sum((sympy.nsimplify(WIRE[op](layout.tp)) * moved[op] * m for op in moved),
                                               sympy.Integer(0))) if layout.tp > 1 else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
-    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi, m if ctx.pipeline is not None else 1)), at)
+    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi - experts, m if ctx.pipeline is not None else 1)
+                                           + _expert_dp_bytes(layout, experts)), at)
+    if layout.ep > 1:
+        row["ep_psi"] = Cost(sympy.Integer(experts), at)
+        row["ep_state"] = Cost(sympy.nsimplify(expert_state(layout, experts)["total"]), at)
+        row["ep_alltoall"] = Cost(sympy.expand(_all_to_all_bytes(tensors, numel, layout) * m), at)
     return {mode: row | peak for mode, peak in by_mode.items()}
 
 
@@ -398,12 +429,13 @@ def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dic
 
 
 def _block_params(state, ctx, layout: Layout) -> list[int]:
-    """This rank's parameters per repeated block: the FSDP2 units of per-block ZeRO 3."""
+    """This rank's parameters per repeated block: the FSDP2 units of per-block ZeRO 3 (without the experts of
+    ``--ep``, which FSDP2 leaves alone)."""
     blocks = find_blocks(ctx.program.module_types)
     fqns = ctx.program.state_by_name()
     per: dict[str, int] = {}
     for n in state:
-        if n not in ctx.params:
+        if n not in ctx.params or fqns[n.name].fqn in ctx.expert_params:
             continue
         block = next((b for b in (blocks.names if blocks else []) if under(fqns[n.name].fqn, b)), None)
         if block is not None:
@@ -412,13 +444,51 @@ def _block_params(state, ctx, layout: Layout) -> list[int]:
     return list(per.values())
 
 
+def _expert_psi(state, ctx, layout: Layout) -> int:
+    """Parameters of this rank's experts (E/ep of each MoE layer's, as the expert-parallel pass shaped them)."""
+    fqns = ctx.program.state_by_name()
+    return sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
+               for n in state if n in ctx.params and fqns[n.name].fqn in ctx.expert_params)
+
+
+def expert_state(layout: Layout, experts: int) -> dict[str, float]:
+    """Bytes of the experts' model state on one rank (``experts``: their parameters on it, E/ep of each layer's).
+    They are data-parallel over edp (dp/ep ranks holding the same experts), not dp: ZeRO 1 shards their Adam state
+    over edp; under ZeRO 2/3 FSDP2 leaves them whole, so every category is whole (``fxshard.train.launch``)."""
+    return formula(1 if layout.zero == 1 else 0, layout.size("edp"), layout.mixed, experts)
+
+
+def _expert_dp_bytes(layout: Layout, experts: int) -> float:
+    """Bytes a rank sends per step for the experts' gradients: an all-reduce over edp (``sync_expert_grads``),
+    and at ZeRO 1 the broadcast of the updated parameters over edp."""
+    if not experts or layout.size("edp") == 1:
+        return 0
+    edp = dataclasses.replace(layout, dp=layout.size("edp"), ep=1, zero=1 if layout.zero == 1 else 0)
+    return _dp_bytes(edp, experts)
+
+
+def _all_to_all_bytes(tensors, numel, layout: Layout) -> sympy.Expr:
+    """Bytes one microbatch's ep exchanges send from a rank, balanced routing: each all-to-all keeps 1/ep of its
+    buffer (the rows for this rank's own experts) and sends the rest (:data:`fxshard.ir.comm.WIRE`).  The rows
+    dispatched (tokens x top-k, H each) go out and come back forward, and again as gradients backward; the
+    counts (E per layer, the offsets' dtype) forward only."""
+    total = sympy.Integer(0)
+    for n in tensors:
+        kind = KINDS.get(spec(n).collective)
+        if kind is None or not any(isinstance(a, Group) and a.axis == EP for a in n.args):
+            continue
+        times = sum(1 for op in (kind.forward, kind.backward) if op == "all_to_all")
+        total += times * numel(n.args[0]) * n.args[0].meta["val"].element_size()
+    return sympy.nsimplify(WIRE["all_to_all"](layout.ep)) * total
+
+
 def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
     moved: dict[str, sympy.Expr] = {}
     for n in tensors:
         kind = KINDS.get(spec(n).collective)
-        if kind is None:
+        if kind is None or any(isinstance(a, Group) and a.axis != "tp" for a in n.args):  # ep: its own row
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)

@@ -88,6 +88,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
+    from fxshard.train.launch import check_accumulated_loss
     from fxshard.train.local import launch_local
     from fxshard.train.options import RunOptions
 
@@ -97,6 +98,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
         options = RunOptions(steps, optim, metrics, timeout_s, final_state=final)
+        check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
         launch_local(out, options.argv(out), layout.world_size)
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)

@@ -231,6 +231,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     if world != layout.world_size:
         raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
                           f"{world} were started; launch with --nproc-per-node {layout.world_size}")
+    check_accumulated_loss(out, manifest, optim.grad_accum)
     from torch.distributed.device_mesh import init_device_mesh
 
     with named_phase("start-up: the process groups of the dp x pp x tp mesh"):
@@ -459,6 +460,17 @@ def _plain_step(module):
         return float(loss.detach())
 
     return step
+
+
+def check_accumulated_loss(out: Path, manifest: Manifest, grad_accum: int) -> None:
+    """Refuse ``--grad-accum K > 1`` for a model whose loss adds a load-balancing loss (two whole-batch means):
+    each accumulated batch would compute it on its own batch (:func:`fxshard.compiler.check_router_loss`)."""
+    if grad_accum > 1:
+        from fxshard.compiler import check_router_loss
+
+        model = load_model_file(out / manifest.model_file).build_model(manifest.seed, meta=True)  # its config
+        check_router_loss(model, grad_accum, f"--grad-accum {grad_accum}", "each accumulated batch would compute "
+                          "on its own and the step average", "or use --grad-accum 1 (a larger batch per step instead)")
 
 
 def _expert_groups(layout: Layout, rank: int) -> dict:

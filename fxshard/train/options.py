@@ -135,6 +135,11 @@ def check_run_options(out: Path, options: RunOptions, say=print):
     from fxshard.errors import OptionError
 
     checkpoint = options.checkpoint_config()
+    from fxshard.codegen.manifest import read_manifest
+    from fxshard.train.launch import check_accumulated_loss
+
+    if options.optim.grad_accum > 1:  # also refused on each rank (torchrun); here before any process starts
+        check_accumulated_loss(out, read_manifest(out), options.optim.grad_accum)
     if options.steps < 1:
         raise OptionError(f"--steps {options.steps}: expected at least 1 step (steps count from the start, resumed "
                           "or not)")

@@ -31,7 +31,8 @@ def test_the_real_passes_keep_every_contract(samples, model):
     check_order(PASSES, CODEGEN_REQUIRES)
     layout = Layout(tp=2, pp=2)
     result = compile_program(samples / model, layout)  # the driver checks each pass's facts
-    ran = [p for p in PASSES if getattr(p, "applies", lambda _: True)(layout)]  # expert_parallel: only under --ep
+    ran = [p for p in PASSES if getattr(p, "applies", lambda _: True)(layout)  # expert_parallel: only under --ep
+           and getattr(p, "applies_to", lambda _: True)(result.ctx)]  # router_loss: a load-balancing loss under --dp
     assert result.ctx.passes_run == ["capture"] + [p.__name__.removesuffix("_pass") for p in ran]
     for fact in CODEGEN_REQUIRES:
         assert fact.broken(result.gm, result.ctx) is None, fact
