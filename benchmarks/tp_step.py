@@ -24,9 +24,8 @@ and its math attention mixes in a plain causal mask, so every contender runs att
 math backend (same kernels for all) and DTensor runs under ``implicit_replication()``.
 Each contender also runs under ``torch.compile`` (inductor), each the way its stack's users compile it:
 
-- ``fxshard --compile``: the generated module compiled as ``fxshard run --compile`` does
-  (:func:`fxshard.runtime.compiled.compile_module`: one graph per block class, collectives as functional
-  collectives);
+- ``fxshard --compile``: the generated module compiled as ``fxshard run --compile`` does at tp=2
+  (:func:`fxshard.runtime.compiled.compile_module`: one graph, collectives as functional collectives);
 - ``hand-written + compile`` and ``DTensor + compile``: ``torch.compile(model)`` on the whole model (dynamo
   rewrites ``dist.all_reduce`` into functional collectives, and traces DTensor).
 
@@ -311,7 +310,7 @@ def markdown(results: list[dict]) -> str:
     return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
             f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
             "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "
-            "fxshard's blocks one graph per block class, the others the whole model); attention on the math SDPA "
+            "each the whole model); attention on the math SDPA "
             "backend for all (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ hand-written ≤ 1.05, "
             "fxshard ÷ DTensor ≤ 0.5; fxshard --compile ÷ hand-written ≤ 0.85 and ÷ hand-written + compile ≤ 1.0.  "
             "\"Per round\" divides the base's step time by the other's in the same interleaved round (load from "

@@ -389,7 +389,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module)
+        compile_module(module, regional=layout.dp > 1 and layout.zero == 3)  # ZeRO 3: FSDP2 units per block
     return code.attach_data_parallel(module, dp_mesh) if layout.dp > 1 else module
 
 
