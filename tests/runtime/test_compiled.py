@@ -76,11 +76,14 @@ def test_compiled_losses_equal_eager_and_single_device(trained, reference, case)
     ranks = case_result(trained, case)
     eager, compiled = ranks[0]["eager"], ranks[0]["compiled"]
     assert all(r["eager"] == ranks[0]["eager"] and r["compiled"] == compiled for r in ranks)  # the step losses
-    # compiled for real: one graph per generated module class (a block class serves all its blocks), and the
-    # only graph breaks are the ones fxshard.runtime.compiled puts at block calls, none at a collective
+    # compiled for real, no graph break at a collective: the whole forward one graph; under ZeRO 3 one per block
+    # class and the module's own, broken only at the block calls (fxshard.runtime.compiled's, FSDP2's hooks)
     breaks = ranks[0]["breaks"]
-    assert ranks[0]["compile_s"] > 0 and 1 <= ranks[0]["graphs"] <= 6, ranks[0]
-    assert all("disable" in reason for reason in breaks), breaks
+    assert ranks[0]["compile_s"] > 0, ranks[0]
+    if case == "dp2-zero3":
+        assert 1 <= ranks[0]["graphs"] <= 3 and all("disable" in reason for reason in breaks), breaks
+    else:
+        assert ranks[0]["graphs"] == 1 and not breaks, ranks[0]
     assert _rel(compiled, eager) <= COMPILED_RTOL, (case, eager, compiled)
     assert _rel(eager, reference) <= REFERENCE_RTOL and _rel(compiled, reference) <= REFERENCE_RTOL
 
