@@ -172,6 +172,10 @@ def check_compile(out: Path) -> None:
     if layout.recompute != "none":
         why.append(f"--recompute {layout.recompute} (activation checkpointing under torch.compile is not tested "
                    "for exactness yet)")
+    if layout.pp > 1 and layout.schedule == "zero-bubble":
+        why.append("--schedule zero-bubble (its split backward walks the autograd graph inside each stage, which a "
+                   "compiled stage holds as one node: torch fails 'stage backward input'; use 1f1b or "
+                   "interleaved-1f1b)")
     if any("rt.dropout(" in f.read_text() for f in Path(out).glob("rank_*.py")):
         why.append("dropout (its masks are keyed by the batch number, which would recompile every step)")
     if why:

@@ -102,3 +102,10 @@ def test_compile_refuses_dropout_naming_the_fix(tmp_path):
     compile_model(Path(__file__).resolve().parents[1] / "models" / "gpt2_dropout.py", Layout(tp=2), out=out)
     with pytest.raises(OptionError, match=r"--compile: .* dropout .*run it without --compile"):
         check_compile(out)
+
+
+def test_compile_refuses_the_split_backward_of_zero_bubble(tmp_path):
+    out = tmp_path / "zb"
+    compile_model(MODEL, Layout(pp=2, schedule="zero-bubble", microbatches=2), out=out)
+    with pytest.raises(OptionError, match=r"--compile: .*--schedule zero-bubble .*use 1f1b or interleaved-1f1b"):
+        check_compile(out)
