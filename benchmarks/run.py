@@ -49,7 +49,7 @@ def plan(quick: bool) -> dict:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
                 "recompute_rounds": 2, "recompute_warmup": 0, "zero1_rounds": 2, "zero1_warmup": 0}
-    return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 40, "tp_warmup": 2,
+    return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 24, "tp_warmup": 2,
             "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
             "recompute_rounds": 12, "recompute_warmup": 2, "zero1_rounds": 20, "zero1_warmup": 2}
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CONTENDERS = ["fxshard", "hand-written", "DTensor"]
+CONTENDERS = ["fxshard", "hand-written", "DTensor", "fxshard --compile", "hand-written + compile", "DTensor + compile"]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,13 @@ def test_quick_tp_benchmark_writes_every_contender(quick):
     for stats in tp["step_ms"].values():
         assert stats["steps"] == 2
         assert stats["median_ms"] > 0 and stats["cpu_median_ms"] > 0
-    assert set(tp["ratios"]) == {f"{kind}fxshard/{other}" for kind in ("", "cpu ", "paired ")
-                                 for other in ("hand-written", "DTensor")}
-    for other in ("hand-written", "DTensor"):
+    bases = ("fxshard", "fxshard --compile")
+    assert set(tp["ratios"]) == {f"{kind}{base}/{other}" for kind in ("", "cpu ", "paired ") for base in bases
+                                 for other in CONTENDERS if other != base}
+    for other in CONTENDERS[1:]:
         paired = tp["ratios"][f"paired fxshard/{other}"]
         assert 0 < paired["p25"] <= paired["median"] <= paired["p75"]
+    assert set(tp["first_step_s"]) == set(CONTENDERS)
     for name in CONTENDERS:
         assert name in markdown
     assert "## Collectives per step" in markdown
@@ -63,6 +65,8 @@ def test_contenders_start_from_the_same_loss(quick):
     firsts = [tp["losses"][c]["first_loss"] for c in CONTENDERS]
     assert max(firsts) - min(firsts) <= 1e-5, firsts
     assert tp["losses_agree"]
+    # fxshard --compile trains as its eager run does (issue 19: within 1e-6 relative in fp32)
+    assert tp["losses"]["fxshard --compile"]["max_rel_diff_vs_eager"] <= 1e-6
 
 
 @pytest.mark.distributed

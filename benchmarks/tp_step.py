@@ -22,8 +22,18 @@ All start from the same weights and batch (the model file's, seed 0), so their l
 DTensor has no sharding rule for CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``)
 and its math attention mixes in a plain causal mask, so every contender runs attention with the
 math backend (same kernels for all) and DTensor runs under ``implicit_replication()``.
-After the timed rounds each contender runs one more step under
-:class:`benchmarks.comm.CollectiveCounter`.
+Each contender also runs under ``torch.compile`` (inductor), each the way its stack's users compile it:
+
+- ``fxshard --compile``: the generated module compiled as ``fxshard run --compile`` does at tp=2
+  (:func:`fxshard.runtime.compiled.compile_module`: one graph, collectives as functional collectives);
+- ``hand-written + compile`` and ``DTensor + compile``: ``torch.compile(model)`` on the whole model (dynamo
+  rewrites ``dist.all_reduce`` into functional collectives, and traces DTensor).
+
+Every contender takes one untimed step before the rounds (it compiles the compiled ones: compilation is never
+timed; its seconds are reported), so all of them take the same steps on the same batch.
+After the timed rounds each eager contender runs one more step under
+:class:`benchmarks.comm.CollectiveCounter` (a dispatch mode does not see the collectives inside a compiled
+graph, which are the eager program's).
 """
 
 from __future__ import annotations
@@ -45,7 +55,10 @@ from benchmarks.common import combine_ranks, interleave, markdown_table, paired_
 MODEL_FILE = Path(__file__).resolve().parent / "models" / "gpt.py"
 SIZE_VARIABLE = "FXSHARD_BENCH_SIZE"
 TP = 2
-CONTENDERS = ("fxshard", "hand-written", "DTensor")
+EAGER = ("fxshard", "hand-written", "DTensor")
+COMPILED = ("fxshard --compile", "hand-written + compile", "DTensor + compile")
+CONTENDERS = EAGER + COMPILED
+BASES = ("fxshard", "fxshard --compile")  # the table divides these two by every other contender
 LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
 
 
@@ -95,12 +108,18 @@ class Contender:
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
+    """The AdamW `fxshard run` uses (foreach), its parameters grouped by type: a foreach op refuses a mix of
+    DTensors and plain tensors (DTensor's LayerNorms stay plain), and two groups step to the same bits."""
+    from torch.distributed.tensor import DTensor
+
     from fxshard.train.optim import OptimConfig
 
-    return OptimConfig().make(params)  # the AdamW settings `fxshard run` uses
+    params = list(params)
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return OptimConfig().make([{"params": g} for g in groups if g])
 
 
-def fxshard_contender(out: Path, inputs: dict) -> Contender:
+def fxshard_contender(out: Path, inputs: dict, compile: bool = False) -> Contender:
     """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -117,18 +136,23 @@ def fxshard_contender(out: Path, inputs: dict) -> Contender:
     module = code.RankModule(groups, torch.device("cpu"))
     module.return_outputs = False  # as fxshard.train.launch.train does
     load_state(module, out / entry.weights)
+    if compile:
+        from fxshard.runtime.compiled import compile_module
+
+        compile_module(module)
     leaves = flatten_batch(inputs, manifest.inputs)
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
 
 
-def hand_written_contender(full: torch.nn.Module, inputs: dict) -> Contender:
+def hand_written_contender(full: torch.nn.Module, inputs: dict, compile: bool = False) -> Contender:
     from benchmarks.megatron_gpt import MegatronGPT
 
     model = MegatronGPT(full)
-    return Contender(lambda: model(**inputs), _optimizer(model.parameters()))
+    run = torch.compile(model) if compile else model
+    return Contender(lambda: run(**inputs), _optimizer(model.parameters()))
 
 
-def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
+def dtensor_contender(full: torch.nn.Module, inputs: dict, compile: bool = False) -> Contender:
     """``parallelize_module`` on (a copy of) the unmodified model, torchtitan style."""
     import copy
 
@@ -161,7 +185,8 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict) -> Contender:
         stack.enter_context(loss_parallel())
         return stack
 
-    return Contender(lambda: model(**inputs), _optimizer(model.parameters()), context=context)
+    run = torch.compile(model) if compile else model
+    return Contender(lambda: run(**inputs), _optimizer(model.parameters()), context=context)
 
 
 def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
@@ -169,17 +194,25 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
 
     with model_size(size):
         full, inputs = load_model_file(MODEL_FILE).build(seed=0)  # the weights and batch fxshard compiled
-    contenders = {
-        "fxshard": fxshard_contender(Path(out), inputs),
-        "hand-written": hand_written_contender(full, inputs),
-        "DTensor": dtensor_contender(full, inputs),
-    }
-    times = interleave({name: c.step for name, c in contenders.items()}, rounds=rounds, warmup=warmup)
-    counts = {}
-    for name, c in contenders.items():
+    makers = (fxshard_contender, hand_written_contender, dtensor_contender)
+    contenders = {name: make(Path(out), inputs) if make is fxshard_contender else make(full, inputs)
+                  for name, make in zip(EAGER, makers, strict=True)}
+    contenders |= {name: make(Path(out), inputs, compile=True) if make is fxshard_contender else
+                   make(full, inputs, compile=True) for name, make in zip(COMPILED, makers, strict=True)}
+    first_step_s = {}
+    for name, c in contenders.items():  # untimed: compiles the compiled contenders
         dist.barrier()
-        counts[name] = c.counted_step()
-    return {"times": times, "losses": {n: c.losses for n, c in contenders.items()}, "collectives": counts}
+        start = time.perf_counter()
+        c.step()
+        first_step_s[name] = time.perf_counter() - start
+    times = interleave({name: c.step for name, c in contenders.items()}, rounds=rounds, warmup=warmup)
+    losses = {n: list(c.losses) for n, c in contenders.items()}  # the same steps for all (not the counted one)
+    counts = {}
+    for name in EAGER:
+        dist.barrier()
+        counts[name] = contenders[name].counted_step()
+    return {"times": times, "losses": losses, "collectives": counts,
+            "first_step_s": first_step_s}
 
 
 def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
@@ -203,24 +236,31 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     agreement = {name: {"first_loss": ls[0],
                         "max_abs_diff_vs_fxshard": max(abs(a - b) for a, b in zip(ls, losses["fxshard"], strict=True))}
                  for name, ls in losses.items()}
+    for name, eager in zip(COMPILED, EAGER, strict=True):
+        agreement[name]["max_rel_diff_vs_eager"] = max(
+            abs(a - b) / abs(b) for a, b in zip(losses[name], losses[eager], strict=True))
     firsts = [a["first_loss"] for a in agreement.values()]
     spread = max(firsts) - min(firsts)
     for name, a in agreement.items():
         t = step_ms[name]
-        log(f"  {name:13s} first-step loss {a['first_loss']:.7f}  median step {t['median_ms']:.1f} ms "
+        log(f"  {name:22s} first-step loss {a['first_loss']:.7f}  median step {t['median_ms']:.1f} ms "
             f"(CPU {t['cpu_median_ms']:.1f} ms)")
     if spread > LOSS_TOLERANCE:
         log(f"  WARNING: the first-step losses differ by {spread:.2e} (> {LOSS_TOLERANCE}): the contenders "
             "do not compute the same thing")
     ratios = {}
-    for other in CONTENDERS[1:]:
-        ratios[f"fxshard/{other}"] = ratio(step_ms["fxshard"]["median_ms"], step_ms[other]["median_ms"])
-        ratios[f"cpu fxshard/{other}"] = ratio(step_ms["fxshard"]["cpu_median_ms"], step_ms[other]["cpu_median_ms"])
-        ratios[f"paired fxshard/{other}"] = paired_ratio(combined, "fxshard", other)
+    for base in BASES:
+        for other in CONTENDERS:
+            if other != base:
+                ratios[f"{base}/{other}"] = ratio(step_ms[base]["median_ms"], step_ms[other]["median_ms"])
+                ratios[f"cpu {base}/{other}"] = ratio(step_ms[base]["cpu_median_ms"], step_ms[other]["cpu_median_ms"])
+                ratios[f"paired {base}/{other}"] = paired_ratio(combined, base, other)
     config = SIZES[size]
     return {
         "model": {"size": size, "file": "benchmarks/models/gpt.py", "parameters": params, **config},
         "tp": TP, "rounds": rounds, "warmup_rounds": warmup, "compile_s": round(compile_s, 2),
+        # rank 0's untimed first step: torch.compile's compilation for the compiled contenders
+        "first_step_s": {n: round(t, 2) for n, t in per_rank[0]["first_step_s"].items()},
         "step_ms": step_ms,
         "ratios": ratios,
         "losses": agreement, "first_loss_spread": spread, "losses_agree": spread <= LOSS_TOLERANCE,
@@ -238,6 +278,12 @@ def _paired(p: dict) -> str:
     return f"**{p['median']:.3f}** ({p['p25']:.2f}–{p['p75']:.2f})"
 
 
+def _over(q: dict, base: str, c: str, kind: str) -> str:
+    if c == base:
+        return "—"
+    return _paired(q["paired " + base + "/" + c]) if kind == "paired" else f"{q['cpu ' + base + '/' + c]:.3f}"
+
+
 def markdown(results: list[dict]) -> str:
     """The step-time table: per model size, one row per contender."""
     rows = []
@@ -246,22 +292,28 @@ def markdown(results: list[dict]) -> str:
         model = f"{m['size']}: {m['layers']}×{m['hidden']}, vocab {m['vocab']}, {m['batch']}×{m['seq']} tokens"
         for c in CONTENDERS:
             t, loss = r["step_ms"][c], r["losses"][c]
+            eager = loss.get("max_rel_diff_vs_eager")
             rows.append([
                 model if c == CONTENDERS[0] else "", c,
                 f"{t['median_ms']:.1f} ({t['p25_ms']:.0f}–{t['p75_ms']:.0f})", f"{t['cpu_median_ms']:.1f}",
-                "—" if c == "fxshard" else _paired(q["paired fxshard/" + c]),
-                "—" if c == "fxshard" else f"{q['fxshard/' + c]:.3f}",
-                "—" if c == "fxshard" else f"{q['cpu fxshard/' + c]:.3f}",
+                f"{r['first_step_s'][c]:.1f}" if c in COMPILED else "—",
+                *(_over(q, base, c, kind) for base in BASES for kind in ("paired", "cpu")),
                 f"{loss['first_loss']:.7f}", f"{loss['max_abs_diff_vs_fxshard']:.1e}",
+                "—" if eager is None else f"{eager:.1e}",
             ])
     header = ["model", "contender", "step ms, median (p25–p75)", "CPU ms per step, both ranks",
-              "fxshard ÷ this, per round: median (p25–p75)", "fxshard ÷ this, medians", "fxshard ÷ this, CPU", "first-step loss",
-              "largest loss difference from fxshard, all steps"]
+              "first step s (compiles)", "fxshard ÷ this, per round: median (p25–p75)", "fxshard ÷ this, CPU",
+              "fxshard --compile ÷ this, per round: median (p25–p75)", "fxshard --compile ÷ this, CPU",
+              "first-step loss", "largest loss difference from fxshard, all steps",
+              "compiled vs its eager run: largest relative loss difference"]
     first = results[0]
-    return ("Step = forward + backward + AdamW at tp=2: 2 gloo processes with one intra-op thread each, "
-            f"{first['rounds']} interleaved rounds after {first['warmup_rounds']} warm-up rounds; attention on "
-            "the math SDPA backend for all three (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ "
-            "hand-written ≤ 1.05, fxshard ÷ DTensor ≤ 0.5.  \"Per round\" divides fxshard's step time by the other's "
-            "in the same interleaved round (load from elsewhere hits both), \"medians\" the median step times.  DTensor's cost over hand-written code is a fixed "
-            "dispatch cost per operator, so its share of a step falls as the matrices grow: the tiny model is "
-            "dispatch-bound (as small kernels on a GPU are), the medium one compute-bound on these CPU cores.\n\n" + markdown_table(header, rows))
+    return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
+            f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
+            "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "
+            "each the whole model); attention on the math SDPA "
+            "backend for all (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ hand-written ≤ 1.05, "
+            "fxshard ÷ DTensor ≤ 0.5; fxshard --compile ÷ hand-written ≤ 0.85 and ÷ hand-written + compile ≤ 1.0.  "
+            "\"Per round\" divides the base's step time by the other's in the same interleaved round (load from "
+            "elsewhere hits both).  DTensor's cost over hand-written code is a fixed dispatch cost per operator, so "
+            "its share of a step falls as the matrices grow: the tiny model is dispatch-bound (as small kernels on "
+            "a GPU are), the medium one compute-bound on these CPU cores.\n\n" + markdown_table(header, rows))

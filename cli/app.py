@@ -355,6 +355,8 @@ def verify(
                                           "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
     seed: Seed = 0,
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
+    compile: bool = typer.Option(False, "--compile", help="train the distributed side as `fxshard run --compile` "
+                                                          "(torch.compile, inductor)"),
 ):
     """Train MODEL distributed (local gloo processes) and on one device; print the largest differences of
     the losses and of the trained parameters; exit 1 above the tolerance."""
@@ -369,7 +371,7 @@ def verify(
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,
-                         param_rtol, out)
+                         param_rtol, out, compile=compile)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

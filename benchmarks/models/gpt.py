@@ -9,6 +9,7 @@ environment (``tiny``, ``small``, ``medium``; default ``small``) so the file sta
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ def _sample():
     path = Path(__file__).resolve().parents[2] / "samples" / "gpt.py"
     spec = importlib.util.spec_from_file_location("fxshard_sample_gpt", path)
     module = importlib.util.module_from_spec(spec)
+    # registered, as an imported module is: torch.compile looks a function's globals' module up by name
+    module = sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
     return module
 

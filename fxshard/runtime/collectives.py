@@ -29,12 +29,20 @@ ones autograd's linear backward computes, summed in the order autograd would sum
 A collective that does not complete within the process group's timeout raises an error naming the
 rank, the group, the collective and the line of the generated file that issued it (see
 ``fxshard.runtime.guard``); the backward of ``copy_to`` and ``scatter`` names the forward's line.
+
+Under ``torch.compile`` (``fxshard run --compile``) the same functions trace as functional collectives
+(``torch.distributed._functional_collectives``: one graph node each, an op and its ``wait_tensor``), inside
+the same autograd Functions, so a rank's forward and backward each compile to one graph and the Megatron
+semantics above are kept.  The ``guarded`` wrapper (Python around each call) cannot live in a graph: a
+collective that fails there raises torch's own error after the process group's timeout, which the training
+step turns into one naming the rank, the step and the group (``guard.named_phase``), without the line.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts
 from fxshard.runtime.guard import call_site as _site
@@ -48,7 +56,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
     return x.to_dense() if x.is_sparse else x
 
 
+def _compiling() -> bool:
+    """Whether dynamo is tracing this call (``fxshard run --compile``): use functional collectives."""
+    return torch.compiler.is_compiling()
+
+
 def _all_reduce(x: torch.Tensor, group, what: str, site=None) -> torch.Tensor:
+    if _compiling():
+        return funcol.all_reduce(_dense(x).contiguous(), "sum", group)
     x = _dense(x).contiguous().clone()
     with guarded(what, group, x, site):
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
@@ -57,6 +72,8 @@ def _all_reduce(x: torch.Tensor, group, what: str, site=None) -> torch.Tensor:
 
 def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
     world = dist.get_world_size(group)
+    if _compiling():
+        return _functional_all_gather(x, group, dim % x.dim(), blocks, world)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
     with guarded(what, group, x, site):
         dist.all_gather(parts, x.contiguous(), group=group)
@@ -69,10 +86,23 @@ def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=N
     return full
 
 
+def _functional_all_gather(x: torch.Tensor, group, dim: int, blocks: int, world: int) -> torch.Tensor:
+    """:func:`_all_gather` as one functional all-gather (along dim 0) and copies, which dynamo traces."""
+    parts = funcol.all_gather_tensor(x.contiguous(), 0, group).chunk(world, 0)
+    if blocks == 1:
+        return torch.cat(parts, dim=dim)
+    # [..., blocks, world, part, ...]: block b of every rank in rank order, then the next block
+    return torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1).flatten(dim, dim + 2)
+
+
 def _reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
     x = _dense(x)
+    dim %= x.dim()
     if blocks > 1:  # rank r keeps part r of each block: [b0_r, b1_r, ...], as SliceSpec's blocks
         x = x.unflatten(dim, (blocks, -1))
+    if _compiling():
+        out = funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim + (blocks > 1), group)
+        return out.flatten(dim, dim + 1) if blocks > 1 else out
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=dim + (blocks > 1))]
     out = torch.empty_like(parts[0])
     with guarded(what, group, x, site):
@@ -213,12 +243,12 @@ def copy_to_linears(x: torch.Tensor, group, weights: tuple, biases: tuple) -> tu
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyTo.apply(x, group, _site())
+    return _CopyTo.apply(x, group, None if _compiling() else _site())
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum partial results over ``group``; the gradient passes through unchanged."""
-    return _AllReduce.apply(x, group, _site())
+    return _AllReduce.apply(x, group, None if _compiling() else _site())
 
 
 def batch_mean(x: torch.Tensor, group, rows) -> torch.Tensor:
@@ -231,24 +261,24 @@ def batch_mean(x: torch.Tensor, group, rows) -> torch.Tensor:
 
 def all_gather(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
     """Concatenate every rank's part along ``dim``; backward keeps this rank's part of the gradient."""
-    return _AllGather.apply(x, group, dim, blocks, _site())
+    return _AllGather.apply(x, group, dim, blocks, None if _compiling() else _site())
 
 
 def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
     """Keep part ``index`` of ``parts`` along ``dim``; backward all-gathers the gradient."""
-    return _Scatter.apply(x, group, dim, index, parts, blocks, _site())
+    return _Scatter.apply(x, group, dim, index, parts, blocks, None if _compiling() else _site())
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
     """Sum partial results over ``group`` and keep this rank's part along ``dim`` (of each of ``blocks`` equal
     blocks); backward all-gathers the gradient."""
-    return _ReduceScatter.apply(x, group, dim, blocks, _site())
+    return _ReduceScatter.apply(x, group, dim, blocks, None if _compiling() else _site())
 
 
 def gather_to(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
     """Enter a tensor-parallel region from a split value: all-gather along ``dim`` forward; backward sums the
     ranks' gradients and keeps this rank's part (a reduce-scatter)."""
-    return _GatherTo.apply(x, group, dim, blocks, _site())
+    return _GatherTo.apply(x, group, dim, blocks, None if _compiling() else _site())
 
 
 def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:

@@ -83,11 +83,12 @@ class Verification:
 
 def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
            plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
-           out: str | Path | None = None, timeout_s: float = 300.0) -> Verification:
+           out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False) -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
-    their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL)."""
+    their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL).
+    ``compile``: the distributed run is ``fxshard run --compile`` (the single-device reference stays eager)."""
     from fxshard.train.launch import check_accumulated_loss
     from fxshard.train.local import launch_local
     from fxshard.train.options import RunOptions
@@ -97,8 +98,12 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        options = RunOptions(steps, optim, metrics, timeout_s, final_state=final)
+        options = RunOptions(steps, optim, metrics, timeout_s, compile=compile, final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
+        if compile:
+            from fxshard.train.options import check_compile
+
+            check_compile(out)
         launch_local(out, options.argv(out), layout.world_size)
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)

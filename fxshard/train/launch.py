@@ -99,7 +99,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         final_state = options.final_state
         state = {} if final_state is not None else None
         losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
-                       final_state=state, checkpoint=options.checkpoint_config())
+                       final_state=state, checkpoint=options.checkpoint_config(), compile=options.compile)
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -154,7 +154,7 @@ class _Run:
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
-          memory: dict | None = None, checkpoint=None) -> list[float]:
+          memory: dict | None = None, checkpoint=None, compile: bool = False) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
@@ -162,18 +162,20 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     it is filled with the bytes of model state this rank held (see :mod:`fxshard.train.memory`) and ``psi``,
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
-    layout) at its step: only steps after it run, and their losses are returned."""
+    layout) at its step: only steps after it run, and their losses are returned.  With ``compile``, each
+    generated module's forward runs through torch.compile (:mod:`fxshard.runtime.compiled`); rank 0 says how
+    long the first step spent compiling."""
     locked = contextlib.nullcontext()
     if checkpoint is not None and dist.get_rank() == 0:
         from fxshard.train.supervise import checkpoint_lock
 
         locked = checkpoint_lock(Path(checkpoint.folder))  # one run writes a checkpoint folder at a time
     with locked:
-        return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint)
+        return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile)
 
 
-def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint) -> list[float]:
-    run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint)
+def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile) -> list[float]:
+    run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint, compile)
     probe = MemoryProbe(list(run.held.values()), run.layout.pp > 1) if memory is not None else None
     rank = dist.get_rank()
     losses = []
@@ -197,6 +199,11 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                 raise FxshardError(f"step {step}: the loss is {value}; training stops at the first non-finite loss "
                                    "(check the weights and inputs for inf/nan, or lower --lr)")
             losses.append(value)
+            if rank == 0 and compile and step == run.first_step:
+                from fxshard.runtime.compiled import compile_seconds
+
+                progress.print(f"compiled in {compile_seconds():.1f} s (torch.compile, inductor; rank 0, during step "
+                               f"{step}, which took {seconds:.1f} s)")
             if rank == 0:
                 progress.step(step, value, seconds)
                 if sink:
@@ -223,7 +230,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
     return losses
 
 
-def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint) -> _Run:
+def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint, compile: bool = False) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
     layout = manifest.layout
@@ -249,12 +256,12 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     if layout.pp == 1:
         module = code.RankModule(groups, device)
         module.return_outputs = False  # training needs the loss alone
-        runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry)
+        runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry, compile)
         params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
     else:
         groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
-                                                  dp_mesh, masters, reader)
+                                                  dp_mesh, masters, reader, compile)
     names = {id(p): prefix + name for prefix, m in held.items() for name, p in m.named_parameters()}
     if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
         _check_experts_left_alone(held, entry, layout)
@@ -376,12 +383,13 @@ def _resume_reader(checkpoint, manifest: Manifest, out: Path, steps: int):
 
 
 def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
-             entry: RankEntry | None = None) -> torch.nn.Module:
+             entry: RankEntry | None = None, compile: bool = False) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
     are exact: FSDP2 (ZeRO 2/3) keeps them as its shards; otherwise ``masters`` gets an fp32 copy of
-    each parameter (keyed by ``id``) and the module's parameters become the compute dtype."""
+    each parameter (keyed by ``id``) and the module's parameters become the compute dtype.  With ``compile``
+    the module's forward is compiled in place, inside DDP's or FSDP2's hooks."""
     if layout.mixed:
         promote(module)
     load_state(module, weights, prefix=prefix)
@@ -392,6 +400,10 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if layout.mixed:
         params = _needing_masters(module, layout, entry, prefix)
         masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
+    if compile:
+        from fxshard.runtime.compiled import compile_module
+
+        compile_module(module, regional=layout.dp > 1 and layout.zero == 3)  # ZeRO 3: FSDP2 units per block
     return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
 
 
@@ -533,7 +545,7 @@ def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
 
 
 def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
-              masters: dict, reader=None):
+              masters: dict, reader=None, compile: bool = False):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated
@@ -555,7 +567,7 @@ def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, 
     for st in entry.stages:
         module = getattr(code, st.class_name)(groups, device)
         runners[st.index] = _prepare(code, module, out / entry.weights, st.class_name + ".", layout, dp_mesh,
-                                     masters, reader, entry)
+                                     masters, reader, entry, compile)
         modules[st.index] = module
     stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
               for s, m in sorted(modules.items())]

@@ -59,6 +59,8 @@ class RunOptions:
     optim: OptimConfig = OptimConfig()  # --lr, --beta1, --beta2, --eps, --weight-decay, --clip-grad-norm, ...
     metrics: Path | None = option(None, "write one JSON line per step")
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
+    compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "
+                                  "(inductor), collectives as functional collectives; the first step compiles")
     trace: Path | None = option(None, "write per-rank Chrome trace JSON of every pipeline action and collective to "
                                       "DIR (rank<R>.json, joined in trace.json: open it in ui.perfetto.dev, or read it "
                                       "with `fxshard report`)")
@@ -148,6 +150,8 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
         _check_metrics(out, metrics)
+    if options.compile:
+        check_compile(out)
     if options.trace is not None:
         _check_trace(options.trace)
     if final_state is not None and final_state.exists() and not final_state.is_dir():
@@ -159,6 +163,29 @@ def check_run_options(out: Path, options: RunOptions, say=print):
             raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
                               "folder you can write to") from None
     return checkpoint
+
+
+def check_compile(out: Path) -> None:
+    """Refuse ``--compile`` where a compiled run could not be the eager one, or would recompile every step."""
+    from fxshard.codegen.manifest import read_manifest
+    from fxshard.errors import OptionError
+
+    layout = read_manifest(out).layout
+    why = []
+    if layout.ep > 1:
+        why.append(f"--ep {layout.ep} (the all-to-all exchanges of varying sizes are not functional collectives yet)")
+    if layout.recompute != "none":
+        why.append(f"--recompute {layout.recompute} (activation checkpointing under torch.compile is not tested "
+                   "for exactness yet)")
+    if layout.pp > 1 and layout.schedule == "zero-bubble":
+        why.append("--schedule zero-bubble (its split backward walks the autograd graph inside each stage, which a "
+                   "compiled stage holds as one node: torch fails 'stage backward input'; use 1f1b or "
+                   "interleaved-1f1b)")
+    if any("rt.dropout(" in f.read_text() for f in Path(out).glob("rank_*.py")):
+        why.append("dropout (its masks are keyed by the batch number, which would recompile every step)")
+    if why:
+        raise OptionError(f"--compile: {out} was compiled with {'; '.join(why)}; run it without --compile, or "
+                          "compile the model without that setting")
 
 
 def _check_metrics(out: Path, metrics: Path) -> None:
