@@ -188,27 +188,30 @@ NORM_CASES = {"tp2-dp2-ep2-zero1": Layout(tp=2, dp=2, ep=2, zero=1), "dp4-ep2-ze
 
 
 def _norms_after_backward(out: str) -> tuple[float, float]:
-    """The global gradient norm fxshard run clips by after the first batch's backward (and the gradient sums), of
-    all parameters and of the experts alone, each local gradient weighted as ``fxshard run --clip-grad-norm`` does."""
+    """The global gradient norm fxshard run clips by in its first step, of all parameters and of the experts alone,
+    each local gradient (at ZeRO 1: each piece of the distributed optimizer's reduced shards) weighted as
+    ``fxshard run --clip-grad-norm`` does."""
+    import fxshard.train.launch as launch
     from fxshard.runtime.data_parallel import local
-    from fxshard.train.launch import _expert_parameters, _set_up, _train_step
     from fxshard.train.optim import clip_grad_norm_
 
-    run = _set_up(Path(out), 1, OptimConfig(lr=0.0), torch.device("cpu"), None)
-    experts = {id(p) for p in _expert_parameters(run.held, run.entry)}
+    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # the clipping path runs; nothing is scaled
+    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
+    experts = {id(p) for p in launch._expert_parameters(run.held, run.entry)}
+    weights = {id(p): w for p, w in run.weighted}
     found = []
 
-    class Norms:  # _train_step calls it where it clips: after the dp, tied and expert gradient sums
-        def after_backward(self, params):
-            pairs = [(local(p.grad), w) for p, w in run.weighted if p.grad is not None]
-            found.append(clip_grad_norm_(pairs, math.inf))
-            found.append(clip_grad_norm_([(g, w) for (g, w), (p, _) in zip(pairs, run.weighted, strict=True)
-                                          if id(p) in experts], math.inf))
+    def recorded(pairs, max_norm, group=None):  # where _train_step clips: after every gradient sum and reduction
+        found.append(clip_grad_norm_(pairs, math.inf))
+        if run.layout.zero == 1:
+            mine = run.opt.parts[1].grad_pieces(weights)  # ExpertSplitOptimizer: the experts' optimizer over edp
+        else:
+            mine = [(local(p.grad), w) for p, w in run.weighted if p.grad is not None and id(p) in experts]
+        found.append(clip_grad_norm_(mine, math.inf))
+        return found[0]
 
-        def after_step(self, opt):
-            pass
-
-    _train_step(run, 1, OptimConfig(lr=0.0), Norms())
+    launch.clip_grad_norm_ = recorded
+    launch._train_step(run, 1, config, None)
     return tuple(found)
 
 

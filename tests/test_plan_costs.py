@@ -246,9 +246,10 @@ def test_plan_of_a_moe_model_without_and_with_ep():
         assert rank["ep_state"].value == mine * (4 + 4 + (8 / edp if zero == 1 else 8))
         assert rank["optimizer"].value == dense * 8 / (dp if zero else 1) + mine * (8 / edp if zero == 1 else 8)
         assert rank["grads"].value == dense * 4 / (dp if zero >= 2 else 1) + mine * 4
-        # dp traffic: the dense gradients over dp, the experts' over edp (none when edp = 1)
-        expert_ring = 2 * (edp - 1) / edp * 4 * mine + ((edp - 1) / edp * 4 * mine if zero == 1 else 0)
-        dense_ring = {0: 2, 1: 3, 3: 3}[zero] * (dp - 1) / dp * 4 * dense
+        # dp traffic: the dense gradients over dp, the experts' over edp (none when edp = 1); ZeRO 1's distributed
+        # optimizer reduce-scatters the gradients and all-gathers the parameters: 2 (N-1)/N, as DDP's all-reduce
+        expert_ring = 2 * (edp - 1) / edp * 4 * mine
+        dense_ring = {0: 2, 1: 2, 3: 3}[zero] * (dp - 1) / dp * 4 * dense
         assert rank["dp_bytes"].value == pytest.approx(dense_ring + expert_ring)
         if dp == 2:  # the largest value is this rank's gate_up [E/ep, 2I, H], twice: a number, though E/ep = 2 rows
             # of the microbatch here and E = 4 twice that at the plan's second capture size (it read 4096*B)

@@ -55,7 +55,7 @@ def test_modules_carry_placements_lines_and_collectives(out, data):
     assert (call.forward, call.backward, call.forward_bytes) == ("all_reduce", None, 1 * 16 * 64 * 4)
     # every collective line of the file is attributed to a module, as many as the file has
     assert sum(len(m.collectives) for m in mods) == sum(1 for t in lines if re.search(r"= rt\.(all_reduce|copy_to|"
-                                                                                      r"all_gather|scatter)\(", t))
+                                                                                      r"copy_to_linears|all_gather|scatter)\(", t))
 
 
 def test_schedule_rows_per_pp_rank_in_torchs_order(data):
