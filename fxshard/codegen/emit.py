@@ -447,17 +447,14 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             call = (f"rt.copy_to_linears({_arg(node.args[0], names, coords)}, {_arg(node.args[1], names, coords)}, "
                     f"weights={_arg(weights, names, coords)}, biases={_arg(biases, names, coords)})")
             after = ", ".join(str(spec(n).placement) for n in linears)
-            lines.append(f"{names[node]} = {call}{drop}  # {_value_text(node, tp)} {spec(node.args[0]).placement} "
-                         f"-> ({after})")
+            note = f"{_value_text(node, tp)} {spec(node.args[0]).placement} -> ({after})"
             target = "copy_to_linears"
         elif node in part_of:
-            line = f"{names[node]} = {names[part_of[node][0]]}[{part_of[node][1]}]{drop}"
-            note = _note(node, tp)
-            lines.append(f"{line}  # {note}" if note else line)
+            call, note = f"{names[part_of[node][0]]}[{part_of[node][1]}]", _note(node, tp)
         else:
-            line = f"{names[node]} = {_call(node, names, coords)}{drop}"
-            note = _note(node, tp)
-            lines.append(f"{line}  # {note}" if note else line)
+            call, note = _call(node, names, coords), _note(node, tp)
+        line = f"{names[node]} = {call}{drop}"
+        lines.append(f"{line}  # {note}" if note else line)
         if spec(node).collective and KINDS[target].communicates:
             val = node.meta.get("val")
             collectives.append({

@@ -235,7 +235,7 @@ def copy_to_linears(x: torch.Tensor, group, weights: tuple, biases: tuple) -> tu
     """``copy_to(x)`` and ``linear(·, weights[i], biases[i])`` for each i, fused so that backward overlaps the
     input gradient's all-reduce with the weight gradients (see the module docstring).  Under torch.compile,
     ``copy_to`` and the linears, for the compiler to schedule."""
-    if torch.compiler.is_compiling():
+    if _compiling():
         x = copy_to(x, group)
         return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
     return _CopyToLinears.apply(x, group, _site(), len(weights), *weights, *biases)

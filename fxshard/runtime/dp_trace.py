@@ -68,32 +68,29 @@ def traced_fsdp():
 
     saved = {n: getattr(where, n) for n in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")}
 
-    def timed(name: str, fn, nbytes, group_at: int):
+    def timed(name: str, fn, group_at: int, before=None, after=None):
+        """``fn`` timed as one event; its bytes from its arguments ``before`` the call (foreach_reduce empties the
+        list of gradients it is given) or from its result ``after`` it."""
         def call(*args, **kwargs):
-            sent = nbytes(args, None)  # before: foreach_reduce empties the list of gradients it is given
+            sent = before(args) if before else 0
             start = time.perf_counter_ns()
             result = fn(*args, **kwargs)
             group = args[group_at] if len(args) > group_at else None
-            trace.interval(name, "dp", start, time.perf_counter_ns(), DP_THREAD, bytes=sent or nbytes(args, result),
-                           ranks=_ranks(group) if group is not None else [])
+            trace.interval(name, "dp", start, time.perf_counter_ns(), DP_THREAD,
+                           bytes=sent if before else after(result), ranks=_ranks(group) if group is not None else [])
             return result
 
         return call
 
-    def gathered(args, result) -> int:
+    def gathered(result) -> int:  # an AllGatherResult: its output buffer
         out = getattr(result, "all_gather_output", None) if result is not None else None
         return out.numel() * out.element_size() if out is not None else 0
 
-    def copied(args, result) -> int:
-        return gathered(args, args[0])
-
-    def reduced(args, result) -> int:
-        return sum(g.numel() * g.element_size() for g in args[1]) if result is None else 0
-
-    where.foreach_all_gather = timed("all_gather (FSDP2 issue)", saved["foreach_all_gather"], gathered, 1)
+    where.foreach_all_gather = timed("all_gather (FSDP2 issue)", saved["foreach_all_gather"], 1, after=gathered)
     where.foreach_all_gather_copy_out = timed("all_gather (FSDP2 wait, copy out)", saved["foreach_all_gather_copy_out"],
-                                              copied, 2)
-    where.foreach_reduce = timed("reduce_scatter (FSDP2)", saved["foreach_reduce"], reduced, 2)
+                                              2, before=lambda args: gathered(args[0]))
+    where.foreach_reduce = timed("reduce_scatter (FSDP2)", saved["foreach_reduce"], 2,
+                                 before=lambda args: sum(g.numel() * g.element_size() for g in args[1]))
     try:
         yield
     finally:
