@@ -261,7 +261,9 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
             with recorded():  # the launcher's summary then names this rank's error
                 run_rank(out, options,
                          memory_report=(lambda rows: memory_table(console, rows)) if options.memory_report else None)
-            return
+            from fxshard.train.supervise import exit_finished
+
+            exit_finished()  # trained, written and torn down: no interpreter teardown to abort in
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:

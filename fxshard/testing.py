@@ -47,6 +47,9 @@ def _worker(rank: int, world: int, port: int, folder: str, threads: int, fn, arg
     except BaseException:  # report any failure to the parent with its traceback
         result = ("error", traceback.format_exc())
     path.write_bytes(pickle.dumps(result))
+    from fxshard.train.supervise import exit_finished
+
+    exit_finished()  # reported and torn down: skip the interpreter's teardown, where gloo has aborted ranks
 
 
 def _joined(ctx, folder: str, world: int) -> bool:

@@ -150,6 +150,7 @@ class _Run:
     weighted: list  # (parameter, weight) pairs of the global gradient norm
     first_step: int
     count_tokens: Callable | None = None  # the rank file's count of a microbatch's counted targets (token mean)
+    compiled: bool = False  # --compile: fxshard's own collectives run inside torch.compile's graphs
 
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
@@ -288,7 +289,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         load_optimizer(reader, opt, held, entry, groups["dp"], groups.get("edp"))
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
                 _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
-                getattr(code, "count_tokens", None))
+                getattr(code, "count_tokens", None), compile)
 
 
 def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | None) -> float:
@@ -303,7 +304,9 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
         counting = step_tokens(counted, accum * microbatches * dp)
     value = 0.0
-    with counting, named_phase(_torch_issued(layout, step), run.groups["dp"]):
+    # compiled: the rank files' collectives run in the graph, unguarded; the whole mesh's heartbeats say who stopped
+    phase_group = dist.group.WORLD if run.compiled else run.groups["dp"]
+    with counting, named_phase(_torch_issued(layout, step, run.compiled), phase_group):
         for number, batch in enumerate(batches, (step - 1) * accum):
             leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest.inputs)]
             begin_batch(manifest.seed, number, dp_rank * local_rows(leaves))  # dropout masks of this batch
@@ -337,12 +340,19 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     return value
 
 
-def _torch_issued(layout: Layout, step: int) -> str:
-    """What torch itself communicates in a training step (fxshard's own collectives name their lines)."""
+def _torch_issued(layout: Layout, step: int, compiled: bool = False) -> str:
+    """What torch itself communicates in a training step (fxshard's own collectives name their lines, except
+    inside torch.compile's graphs, where no Python runs around them)."""
     what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
             2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
-    return (what if layout.dp > 1 else "the step's communication") + f" in training step {step}"
+    what = what if layout.dp > 1 else ""
+    if compiled:
+        axes = [a for a in ("tp", "ep") if getattr(layout, a) > 1]  # pp: the schedule is guarded
+        inside = (f"the rank files' collectives over {'/'.join(axes)} inside the torch.compile graphs (--compile: "
+                  "run without it to have the failing one named with its line)")
+        what = f"{inside}{', or ' + what if what else ''}" if axes else what
+    return (what or "the step's communication") + f" in training step {step}"
 
 
 def _count_tokens(count: Callable, batch, manifest: Manifest) -> int:

@@ -38,6 +38,24 @@ def become_worker() -> None:
         sys.stdout.reconfigure(line_buffering=True)
 
 
+def exit_finished(code: int = 0) -> None:
+    """End a rank process whose work is done and written: flush its output and stop torch's compile workers,
+    then leave without the interpreter's teardown.  There gloo's threads, still referenced by objects that
+    outlive ``destroy_process_group`` (compiled graphs, FSDP2 and DDP state), have aborted a finished rank
+    ("terminate called without an active exception", SIGABRT: a CI run lost a passing ``verify --compile`` to
+    it); torch's own fix, an exit handler that destroys the groups first, was abandoned (pytorch#179291)."""
+    import logging
+
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.shutdown_compile_workers()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def die_with_parent() -> None:
     """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens).
 

@@ -75,13 +75,19 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
                                 r"all_gather of a ZeRO-1 parameter bucket over dp float32 \[\d+\] |"
                                 r"all_reduce of the step loss over dp )\(collective #\d+ over this group in "
                                 r"training step \d+\)"),
-], ids=["dp2-zero3", "tp2", "pp2", "dp2-zero1"])
-def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting):
+    # --compile: the tp all-reduces run inside the graph, with no Python around them to name the line; the step
+    # names what was in flight and the whole mesh's heartbeats name the stopped rank
+    (MLP, Layout(tp=2), r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "
+                        r"without it to have the failing one named with its line\) in training step \d+ "
+                        r"over process group ranks \[0, 1\]"),
+], ids=["dp2-zero3", "tp2", "pp2", "dp2-zero1", "tp2-compile"])
+def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting, request):
     out = tmp_path / "o"
     compile_model(model, layout, out=out)
+    compiled = ["--compile"] if request.node.callspec.id.endswith("compile") else []
     proc = subprocess.Popen([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
-                             "--timeout", "8", "--no-check"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                             "--timeout", "8", "--no-check", *compiled], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in proc.stdout:
         if "step 2/" in line:
             break
