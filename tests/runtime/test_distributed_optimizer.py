@@ -72,3 +72,72 @@ def test_sharded_adamw_equals_torch_adamw_on_whole_tensors(dtype):
     assert buckets >= 2  # 54 elements (fp32: 5 buckets, bf16: 2) in buckets of at most 64 bytes
     for r in results:
         assert all(c == {"reduce_scatter": buckets, "all_gather": buckets} for c in r["calls"]), r["calls"]
+
+
+class _Block(torch.nn.Module):
+    def forward(self, x):
+        return x + sum(p.sum() for p in self.parameters())
+
+
+def _deferred(rank: int, world: int, folder: str):
+    """The same steps gathered in place (reference) and left in flight (deferred), with a forward between steps."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from fxshard.runtime import trace
+    from fxshard.runtime.distributed_optimizer import DistributedOptimizer, finish_param_sync
+    from fxshard.train.optim import OptimConfig
+
+    config = OptimConfig(lr=0.05, weight_decay=0.1)
+    torch.manual_seed(0)
+    start = [torch.randn(s) for s in SHAPES]
+    models, opts = [], []
+    for _ in range(2):
+        model = torch.nn.Sequential(_Block(), _Block())
+        for j, t in enumerate(start):  # 3 parameters in the first block, 2 in the second
+            model[j * 2 // len(start)].register_parameter(f"p{j}", torch.nn.Parameter(t.clone()))
+        models.append(model)
+        opts.append(DistributedOptimizer(list(model.parameters()), config, dist.group.WORLD, bucket_bytes=64))
+    ref, mine = opts
+    mine.gather_before_use([models[1]])
+    trace.start(rank, Path(folder))
+    waited, in_flight, losses = [], [], []
+    real_wait = mine._wait
+    mine._wait = lambda k: (waited.append(k) if k in mine._pending else None, real_wait(k))[1]
+    for step in range(3):
+        out = [m(torch.zeros(())) for m in models]  # the deferred model's hooks wait for its buckets, in order
+        losses.append([float(o.detach()) for o in out])
+        for m in models:
+            for i, p in enumerate(m.parameters()):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + 10 * rank + i))
+        for o in opts:
+            o.reduce_gradients()
+            o.step()
+            o.zero_grad()
+        in_flight.append(mine.gathers_in_flight)
+    finish_param_sync(mine)
+    trace.save()
+    events = json.loads((Path(folder) / f"rank{rank}.json").read_text())["traceEvents"]
+    same = all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+    return {"buckets": len(mine.buckets), "in_flight": in_flight, "waited": waited, "same": same, "losses": losses,
+            "after": mine.gathers_in_flight, "events": [(e["name"], e["tid"]) for e in events if e["ph"] == "X"]}
+
+
+@pytest.mark.distributed
+def test_deferred_gathers_are_in_flight_after_the_step_and_waited_in_forward_order(tmp_path):
+    """Left in flight (gather_before_use), the all-gathers are still pending when step() returns; the next
+    forward's pre-hooks wait for each bucket before the block using it runs, first bucket first; the values are
+    bitwise those of gathers waited for in the step, and the trace shows each gather from issue to completion."""
+    results = spawn(_deferred, 2, str(tmp_path))
+    for r in results:
+        n = r["buckets"]
+        assert n >= 2 and r["in_flight"] == [list(range(n))] * 3 and r["after"] == []
+        assert r["waited"] == list(range(n)) * 3  # the forwards of steps 2 and 3, then finish_param_sync: in order
+        assert r["same"] and all(a == b for a, b in r["losses"]), r["losses"]
+        dp_row = [name for name, tid in r["events"] if tid == 1]
+        assert sorted(dp_row) == sorted(f"all_gather (ZeRO-1 bucket {k}, issued by the step)" for k in range(n)
+                                        for _ in range(3))
+        waits = [name for name, tid in r["events"] if tid == 0 and name.startswith("the wait for")]
+        assert len(waits) == 3 * n
