@@ -141,3 +141,65 @@ def test_deferred_gathers_are_in_flight_after_the_step_and_waited_in_forward_ord
                                         for _ in range(3))
         waits = [name for name, tid in r["events"] if tid == 0 and name.startswith("the wait for")]
         assert len(waits) == 3 * n
+
+
+def _train_twice(rank: int, world: int, out: str, optim):
+    """``fxshard run``'s training of ``out`` with the gathers waited in the step and left in flight; then, in
+    flight, what is pending after each step and which buckets each next forward waited for, in order."""
+    import dataclasses
+    from pathlib import Path
+
+    from fxshard.train.launch import _set_up, _train_step, train
+
+    results = {}
+    for overlap in (False, True):
+        state: dict = {}
+        config = dataclasses.replace(optim, overlap_param_gather=overlap)
+        results[overlap] = train(Path(out), STEPS, config, log=lambda *_: None, final_state=state), state
+    run = _set_up(Path(out), STEPS, optim, torch.device("cpu"), None)
+    waited: list[int] = []
+    real_wait = run.opt._wait
+    run.opt._wait = lambda k: (waited.append(k) if k in run.opt._pending else None, real_wait(k))[1]
+    pending, waits = [], []
+    for step in range(1, STEPS + 1):
+        _train_step(run, step, optim, None)
+        pending.append(run.opt.gathers_in_flight)
+        waits.append(list(waited))
+        waited.clear()
+    run.opt.finish_param_sync()
+    return {"results": results, "buckets": len(run.opt.buckets), "pending": pending, "waits": waits}
+
+
+STEPS = 3
+OVERLAP_CASES = {  # id -> (sample, layout, optimizer settings)
+    "gpt-dp2-9-buckets": ("gpt.py", dict(dp=2, zero=1), dict(zero_bucket_mb=0.25, weight_decay=0.1,
+                                                             clip_grad_norm=0.05)),
+    "gpt-dp2-pp2-bf16-buckets": ("gpt.py", dict(dp=2, pp=2, zero=1, dtype="bf16"), dict(zero_bucket_mb=0.1)),
+    "llama-dp2-tp2-buckets": ("llama.py", dict(dp=2, tp=2, zero=1), dict(zero_bucket_mb=0.05)),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case, tmp_path, samples):
+    """fxshard run's training with each bucket's all-gather left in flight after the step (the default) and with
+    it waited for in the step (--no-overlap-param-gather): the same losses and trained parameters, bit for bit.
+    In flight, every bucket is still pending when a step returns, and the next forward waits for all of them,
+    in bucket order (the generated module's own parameters first, then its blocks in call order)."""
+    from fxshard.compiler import compile as compile_model
+    from fxshard.ir.context import Layout
+    from fxshard.train.optim import OptimConfig
+
+    sample, layout, optim = OVERLAP_CASES[case]
+    layout = Layout(**layout)
+    compile_model(samples / sample, layout, out=tmp_path)
+    per_rank = spawn(_train_twice, layout.world_size, str(tmp_path), OptimConfig(**optim),
+                     timeout=480)
+    for r in per_rank:
+        (plain, plain_state), (overlapped, overlapped_state) = r["results"][False], r["results"][True]
+        assert overlapped == plain
+        assert plain_state.keys() == overlapped_state.keys()
+        assert all(torch.equal(plain_state[k], overlapped_state[k]) for k in plain_state)
+        n = r["buckets"]
+        assert n >= 2 and r["pending"] == [list(range(n))] * STEPS
+        assert r["waits"] == [[]] + [list(range(n))] * (STEPS - 1)
