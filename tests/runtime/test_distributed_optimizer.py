@@ -3,7 +3,9 @@
 Parameters of odd sizes in buckets of 64 bytes (16 fp32 elements: parameters cross shard boundaries, share
 buckets, and buckets are padded), each rank with its own gradients: after every step the parameters must equal torch's
 ``AdamW(foreach=False)`` stepped on the averaged gradient, with weight decay, bit for bit; each step issues one
-reduce-scatter and one all-gather per bucket.
+reduce-scatter and one all-gather per bucket.  With the all-gathers left in flight after the step (the overlap
+with the next forward, ``fxshard run``'s default), the hooks wait for each bucket in forward order and training
+is bitwise the same as with the gathers waited for in the step.
 """
 
 from __future__ import annotations
@@ -74,6 +76,18 @@ def test_sharded_adamw_equals_torch_adamw_on_whole_tensors(dtype):
         assert all(c == {"reduce_scatter": buckets, "all_gather": buckets} for c in r["calls"]), r["calls"]
 
 
+def _record_waits(opt, into: list[int]) -> None:
+    """Append to ``into`` each bucket whose in-flight all-gather ``opt`` waits for, in the order it does."""
+    real = opt._wait
+
+    def wait(k: int) -> None:
+        if k in opt._pending:
+            into.append(k)
+        real(k)
+
+    opt._wait = wait
+
+
 class _Block(torch.nn.Module):
     def forward(self, x):
         return x + sum(p.sum() for p in self.parameters())
@@ -104,8 +118,7 @@ def _deferred(rank: int, world: int, folder: str):
     mine.gather_before_use([models[1]])
     trace.start(rank, Path(folder))
     waited, in_flight, losses = [], [], []
-    real_wait = mine._wait
-    mine._wait = lambda k: (waited.append(k) if k in mine._pending else None, real_wait(k))[1]
+    _record_waits(mine, waited)
     for step in range(3):
         out = [m(torch.zeros(())) for m in models]  # the deferred model's hooks wait for its buckets, in order
         losses.append([float(o.detach()) for o in out])
@@ -158,8 +171,7 @@ def _train_twice(rank: int, world: int, out: str, optim):
         results[overlap] = train(Path(out), STEPS, config, log=lambda *_: None, final_state=state), state
     run = _set_up(Path(out), STEPS, optim, torch.device("cpu"), None)
     waited: list[int] = []
-    real_wait = run.opt._wait
-    run.opt._wait = lambda k: (waited.append(k) if k in run.opt._pending else None, real_wait(k))[1]
+    _record_waits(run.opt, waited)
     pending, waits = [], []
     for step in range(1, STEPS + 1):
         _train_step(run, step, optim, None)
@@ -193,8 +205,7 @@ def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case,
     sample, layout, optim = OVERLAP_CASES[case]
     layout = Layout(**layout)
     compile_model(samples / sample, layout, out=tmp_path)
-    per_rank = spawn(_train_twice, layout.world_size, str(tmp_path), OptimConfig(**optim),
-                     timeout=480)
+    per_rank = spawn(_train_twice, layout.world_size, str(tmp_path), OptimConfig(**optim), timeout=480)
     for r in per_rank:
         (plain, plain_state), (overlapped, overlapped_state) = r["results"][False], r["results"][True]
         assert overlapped == plain
