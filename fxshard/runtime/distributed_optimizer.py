@@ -11,6 +11,16 @@ r owns shard r.  Once per step, after every accumulated backward::
     opt.step()               # AdamW on this rank's shards only, then per bucket: all_gather of the parameters
     opt.zero_grad()          # zero the gradient buffers (the views stay)
 
+With :meth:`DistributedOptimizer.gather_before_use` (``fxshard run``'s default, ``--no-overlap-param-gather``
+to turn it off) the step leaves each bucket's all-gather in flight (``async_op=True``), as Megatron-Core's
+``overlap_param_gather`` does: a forward pre-hook on each module holding a bucket's parameters waits for that
+bucket before the module runs, so the next forward's first blocks compute while later buckets still arrive.
+Buckets are issued in parameter order, which is the order the generated forward first uses them in (a module's
+own parameters, then its blocks in call order).  Whatever else reads parameters between a step and the next
+forward (a checkpoint, the final state, the end of training) calls :func:`finish_param_sync` first.  The same
+collectives move the same bytes into the same buffers: only the moment of the wait differs, so training is
+bitwise the same.
+
 2 collectives per bucket and step, moving (N−1)/N of the bucket each: the bytes of DDP's all-reduce, where
 ``ZeroRedundancyOptimizer`` adds one broadcast per parameter.  AdamW is elementwise, so stepping a shard (a
 flat slice crossing parameter boundaries) is the same arithmetic as torch's per-tensor AdamW (``foreach=False``)
@@ -22,12 +32,14 @@ copies of bf16 parameters) AdamW steps an fp32 master shard and the rounded valu
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from fxshard.errors import FxshardError
+from fxshard.runtime import trace
 from fxshard.runtime.guard import guarded
 
 
@@ -122,6 +134,9 @@ class DistributedOptimizer:
         self.shards = self.masters or [b.params[b.lo:b.hi] for b in self.buckets]
         self.optim = config.make(self.shards or [torch.zeros(1, requires_grad=True)])  # a rank with nothing to train
         self._reduced = False
+        self._deferred = False  # gather_before_use: step() leaves the all-gathers in flight
+        self._pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather, issued and not yet waited for
+        self._hooks: list = []
 
     @staticmethod
     def _master_shard(b: _Bucket, masters: list[torch.Tensor]) -> torch.Tensor:
@@ -181,20 +196,82 @@ class DistributedOptimizer:
                 for b in self.buckets for c in b.pieces]
 
     def step(self, closure=None) -> None:
-        """AdamW on this rank's shards; then one all-gather per bucket of the updated parameters."""
+        """AdamW on this rank's shards; then one all-gather per bucket of the updated parameters (left in flight
+        after :meth:`gather_before_use`)."""
+        self.finish_param_sync()  # a step before any forward waited (e.g. two steps in a row): the last ones first
         self.reduce_gradients()
         for b, shard in zip(self.buckets, self.shards, strict=True):
             g = b.grads[b.lo:b.hi]
             shard.grad = g.float() if self.masters is not None else g
         self.optim.step()
         with torch.no_grad():
-            for b, shard in zip(self.buckets, self.shards, strict=True):
+            for k, (b, shard) in enumerate(zip(self.buckets, self.shards, strict=True)):
                 shard.grad = None
                 if self.masters is not None:
                     b.params[b.lo:b.hi].copy_(shard)  # rounded to the parameters' dtype
                 if self.world > 1:
-                    with guarded("all_gather of a ZeRO-1 parameter bucket over dp", self.group, b.params):
-                        dist.all_gather_single(b.params, b.params[b.lo:b.hi], group=self.group)
+                    self._gather(k, b)
+
+    def _gather(self, k: int, b: _Bucket) -> None:
+        """Bucket ``k``'s all-gather: waited for here, or (deferred) left in flight with a trace event from its
+        issue to its completion on the rank's dp row."""
+        what = f"all_gather of ZeRO-1 parameter bucket {k} over dp"
+        start = time.perf_counter_ns()
+        with guarded(what + (" (issue)" if self._deferred else ""), self.group, b.params):
+            work = dist.all_gather_single(b.params, b.params[b.lo:b.hi], group=self.group, async_op=self._deferred)
+        if not self._deferred:
+            return
+        self._pending[k] = work
+        if trace.enabled():
+            from fxshard.runtime.dp_trace import traced_until_done
+
+            traced_until_done(work, f"all_gather (ZeRO-1 bucket {k}, issued by the step)", start, self.group,
+                              b.params, bucket=k)
+
+    # ------------------------------------------------------------ overlapped parameter all-gathers
+
+    def gather_before_use(self, modules, per_submodule: bool = True) -> None:
+        """From now on :meth:`step` leaves each bucket's all-gather in flight; before a module of ``modules`` (with
+        ``per_submodule``, each of their submodules) runs forward, it waits for the buckets of the parameters it
+        holds itself.  ``per_submodule=False`` (a forward compiled as one graph, whose submodules' hooks would be
+        traced into it): each module waits for all its parameters' buckets before it runs::
+
+            opt.gather_before_use([module])   # step k's gathers overlap step k+1's forward
+            ...
+            finish_param_sync(opt)            # before reading the parameters anywhere else
+        """
+        bucket_of = {id(self.params[i]): k for k, b in enumerate(self.buckets) for i in b.indices}
+        for module in modules:
+            for sub in module.modules() if per_submodule else [module]:
+                held = sub.parameters(recurse=not per_submodule)
+                needed = sorted({bucket_of[id(p)] for p in held if id(p) in bucket_of})
+                if needed:
+                    self._hooks.append(sub.register_forward_pre_hook(self._waiter(needed)))
+        self._deferred = self.world > 1
+
+    def _waiter(self, needed: list[int]):
+        def wait_for_buckets(module, args) -> None:
+            for k in needed:
+                self._wait(k)
+
+        return wait_for_buckets
+
+    def _wait(self, k: int) -> None:
+        work = self._pending.pop(k, None)
+        if work is not None:
+            with guarded(f"the wait for the all_gather of ZeRO-1 parameter bucket {k} over dp", self.group,
+                         self.buckets[k].params):
+                work.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight: the parameters hold the step's values after it."""
+        for k in sorted(self._pending):
+            self._wait(k)
+
+    @property
+    def gathers_in_flight(self) -> list[int]:
+        """The buckets whose all-gather was issued and not yet waited for (empty unless deferred)."""
+        return sorted(self._pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers; the parameters' ``.grad`` stay views of them (``set_to_none`` is ignored)."""
@@ -223,7 +300,7 @@ class DistributedOptimizer:
             kinds = {k: state[k] for k in ("exp_avg", "exp_avg_sq") if k in state}
             if self.masters is not None:
                 kinds["param"] = shard
-            whole = {k: self._gather(v) for k, v in kinds.items()}
+            whole = {k: self._gather_state(v) for k, v in kinds.items()}
             if self.rank != 0:
                 continue
             for k, i in enumerate(b.indices):
@@ -234,7 +311,7 @@ class DistributedOptimizer:
                 out[id(p)] = got
         return out
 
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+    def _gather_state(self, shard: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return shard
         parts = [torch.empty_like(shard) for _ in range(self.world)] if self.rank == 0 else None
@@ -259,3 +336,14 @@ class DistributedOptimizer:
                 for kind in ("exp_avg", "exp_avg_sq"):
                     v = st.setdefault(kind, torch.zeros_like(shard))
                     v[c.at:c.at + c.hi - c.lo] = state[kind].reshape(-1)[c.lo:c.hi].to(v.dtype)
+
+
+def finish_param_sync(opt) -> None:
+    """Wait for ``opt``'s parameter all-gathers still in flight (ZeRO 1 with overlapped gathers), before anything but
+    the next forward reads the parameters; a no-op for an optimizer that leaves nothing in flight.
+
+    >>> finish_param_sync(run.opt)   # then save a checkpoint, or read the trained parameters
+    """
+    wait = getattr(opt, "finish_param_sync", None)
+    if wait is not None:
+        wait()

@@ -8,7 +8,9 @@ they overlap:
 - DDP: a comm hook that does what DDP's built-in reducer does (divide the bucket by the group size, all-reduce
   it, asynchronously) and records the all-reduce from its issue to its completion;
 - FSDP2: torch's ``foreach_all_gather`` (issue), ``foreach_all_gather_copy_out`` (wait and copy out) and
-  ``foreach_reduce`` (the reduce-scatter), timed where FSDP2 calls them (``_fsdp_param_group``, torch 2.13).
+  ``foreach_reduce`` (the reduce-scatter), timed where FSDP2 calls them (``_fsdp_param_group``, torch 2.13);
+- ZeRO 1's parameter all-gathers left in flight after the step (:mod:`fxshard.runtime.distributed_optimizer`), from
+  their issue to their completion (:func:`traced_until_done`); the forward's wait for each is a span of the rank.
 
 Untraced runs touch nothing: no hook is registered and no torch function is replaced.
 """
@@ -56,6 +58,18 @@ def _traced_allreduce(group, bucket):  # unannotated: DDP checks annotations aga
         return f.value()[0]
 
     return future.then(done)
+
+
+def traced_until_done(work, name: str, start_ns: int, group, tensor: torch.Tensor, **args) -> None:
+    """An asynchronous collective fxshard issued (``work``, started at ``start_ns``) as a ``dp`` event that ends
+    when it completes, whoever waits for it and whenever."""
+    info = {"bytes": tensor.numel() * tensor.element_size(), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "ranks": _ranks(group)} | args
+
+    def done(_future) -> None:
+        trace.interval(name, "dp", start_ns, time.perf_counter_ns(), DP_THREAD, **info)
+
+    work.get_future().then(done)
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ def save() -> Path | None:
              "args": {"sort_index": tracer.rank}}]
     if any(e["tid"] == DP_THREAD for e in tracer.events):
         meta.append({"name": "thread_name", "ph": "M", "pid": tracer.rank, "tid": DP_THREAD,
-                     "args": {"name": "dp (torch: DDP / FSDP2)"}})
+                     "args": {"name": "dp (DDP / FSDP2 / ZeRO 1 gathers)"}})
     path = tracer.folder / f"rank{tracer.rank}.json"
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}))

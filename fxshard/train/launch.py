@@ -28,6 +28,7 @@ from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
+from fxshard.runtime.distributed_optimizer import finish_param_sync
 from fxshard.runtime.dp_trace import trace_ddp, traced_fsdp
 from fxshard.runtime.experts import sync_expert_grads
 from fxshard.runtime.guard import named_phase, set_context
@@ -197,6 +198,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                 value = _train_step(run, step, optim, probe)  # per microbatch and peak (fxshard run --memory-report)
             seconds = time.perf_counter() - start
             if not math.isfinite(value):  # every rank has the same step loss: all stop here, none saves
+                finish_param_sync(run.opt)  # every rank issued the step's gathers: let them land before stopping
                 raise FxshardError(f"step {step}: the loss is {value}; training stops at the first non-finite loss "
                                    "(check the weights and inputs for inf/nan, or lower --lr)")
             losses.append(value)
@@ -215,10 +217,13 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                 from fxshard.train.checkpoint import save_checkpoint
 
                 with named_phase(f"the checkpoint save of step {step}", dist.group.WORLD):
+                    finish_param_sync(run.opt)  # the parameters of this step, not the gathers still in flight
                     saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
                                             run.manifest, run.coords, run.groups["dp"], optim, run.groups.get("edp"))
                 if saved is not None:
                     (progress.print if progress else log)(f"saved checkpoint {saved}")
+        with named_phase("the last step's parameter all-gathers over dp", run.groups["dp"]):
+            finish_param_sync(run.opt)  # whoever reads the trained parameters next sees the last step's values
     finally:
         if progress is not None:
             progress.close()
@@ -283,6 +288,10 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
                              masters=[masters[id(p)] for p in params] if masters else None,
                              names=[names[id(p)] for p in params])
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
+    if layout.zero == 1 and layout.dp > 1 and optim.overlap_param_gather:
+        # each bucket's all-gather waited for just before its first use in the next forward; a compiled forward
+        # is one graph, so its module waits for all of its buckets before it runs
+        opt.gather_before_use(list(held.values()), per_submodule=not compile)
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
 

@@ -25,6 +25,10 @@ class OptimConfig:
     zero_bucket_mb: float = field(default=160.0, metadata={  # fxshard.runtime.distributed_optimizer's buckets
         "help": "ZeRO 1: MB of parameters per flat bucket (one gradient reduce-scatter and one parameter "
                 "all-gather per bucket and step; Megatron-Core's default, 40M fp32 elements)"})
+    overlap_param_gather: bool = field(default=True, metadata={  # DistributedOptimizer.gather_before_use
+        "help": "ZeRO 1: leave each bucket's parameter all-gather in flight after the step and wait for it just "
+                "before the next forward first uses the bucket (Megatron-Core's overlap_param_gather; same values, "
+                "same bytes)"})
 
     def __post_init__(self):
         from fxshard.errors import OptionError
@@ -110,6 +114,17 @@ class ExpertSplitOptimizer:
     def reduce_gradients(self) -> None:
         for o in self.parts:
             o.reduce_gradients()
+
+    def gather_before_use(self, modules, per_submodule: bool = True) -> None:
+        for o in self.parts:
+            if hasattr(o, "gather_before_use"):  # ZeRO 1's distributed optimizers
+                o.gather_before_use(modules, per_submodule)
+
+    def finish_param_sync(self) -> None:
+        from fxshard.runtime.distributed_optimizer import finish_param_sync
+
+        for o in self.parts:
+            finish_param_sync(o)
 
     def grad_pieces(self, weights: dict) -> list:
         return [x for o in self.parts for x in o.grad_pieces(weights)]

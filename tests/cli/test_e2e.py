@@ -131,22 +131,25 @@ def test_plan_file_with_unmatched_key_warns(tmp_path, models):
 
 @pytest.mark.e2e
 def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples):
-    """--trace times torch's own dp collectives (a DDP comm hook; FSDP2's gathers and reduce-scatters) on a second
-    row per rank, and the traced run trains bitwise as the untraced one (dp=3, where dividing the bucket instead of
-    multiplying by 1/3 as DDP's reducer does would differ in the last bit)."""
+    """--trace times torch's own dp collectives (a DDP comm hook; FSDP2's gathers and reduce-scatters) and ZeRO 1's
+    parameter all-gathers left in flight (issue to completion) on a second row per rank, and the traced run trains
+    bitwise as the untraced one (dp=3, where dividing the bucket instead of multiplying by 1/3 as DDP's reducer does
+    would differ in the last bit; ZeRO 1 untraced with its gathers waited for in the step, traced overlapped)."""
     src = (samples / "gpt.py").read_text()
     model = tmp_path / "gpt6.py"
     model.write_text(src.replace("BATCH = 256, 16, 64, 4, 8, 8", "BATCH = 256, 16, 64, 4, 8, 6"))
     assert model.read_text() != src
     from safetensors.torch import load_file
 
-    for layout, names in (((3, 0), {"all_reduce (DDP bucket 0)"}),
-                          ((2, 3), {"all_gather (FSDP2 issue)", "all_gather (FSDP2 wait, copy out)",
-                                    "reduce_scatter (FSDP2)"})):
+    for layout, names, plain in (((3, 0), {"all_reduce (DDP bucket 0)"}, ()),
+                                 ((2, 3), {"all_gather (FSDP2 issue)", "all_gather (FSDP2 wait, copy out)",
+                                           "reduce_scatter (FSDP2)"}, ()),
+                                 ((2, 1), {"all_gather (ZeRO-1 bucket 0, issued by the step)"},
+                                  ("--no-overlap-param-gather",))):
         dp, zero = layout
         out = tmp_path / f"dp{dp}z{zero}"
         fxshard("compile", model, "--dp", dp, "--zero", zero, "--out", out)
-        fxshard("run", out, "--steps", 2, "--final-state", out / "plain")
+        fxshard("run", out, "--steps", 2, "--final-state", out / "plain", *plain)
         (out / "trace").mkdir()
         fxshard("run", out, "--steps", 2, "--final-state", out / "traced", "--trace", out / "trace")
         events = [e for e in json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]

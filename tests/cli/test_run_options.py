@@ -73,7 +73,7 @@ def test_a_launched_rank_parses_the_options_of_its_launcher():
     from fxshard.train.options import RunOptions
 
     optim = OptimConfig(lr=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2,
-                        zero_bucket_mb=0.5)
+                        zero_bucket_mb=0.5, overlap_param_gather=False)
     options = RunOptions(steps=5, optim=optim, metrics=Path("m.jsonl"), timeout=60.0, memory_report=True,
                          final_state=Path("final"), checkpoint=Path("ckpt"), save_every=2, resume=True,
                          allow_edited=True, trace=Path("trace"))
