@@ -11,6 +11,9 @@ the module, its parameter names, state dict and checkpoints are the eager ones, 
 the module stay outside the graph.
 
 The collectives trace as functional collectives (:mod:`fxshard.runtime.collectives`), one graph node each.
+The expert exchanges of ``--ep`` move as many rows as the routing sends: they run eagerly between compiled
+graphs, a graph break at each (:mod:`fxshard.runtime.experts`).  ``rt.recompute`` traces as torch's checkpoint
+operator, whose recompute the compiled backward does (:mod:`fxshard.runtime.recompute`).
 Inductor's CPU code may reorder a reduction; the losses of a compiled run are tested against the eager run's
 within 1e-6 relative (``tests/runtime/test_compiled.py``).
 """
