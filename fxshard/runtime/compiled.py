@@ -6,7 +6,9 @@ block is an FSDP2 unit whose hooks gather and free its parameters around it, so 
 regional, as torch recommends for repeated layers: each block's ``forward`` is compiled once and serves every
 block of its class (its parameters are graph inputs), the hooks run eagerly around it, and the module's own
 ``forward`` (embeddings, head, loss) is compiled around the blocks, its graph broken at each block call.
-Regional compile time is one block's, not the model's.  Only ``forward`` is replaced (an instance attribute):
+Regional compile time is one block's, not the model's.  Under ``--ep`` with ``--recompute`` the compilation is
+regional too: torch's checkpoint under compile cannot hold the graph breaks at a block's expert exchanges, so
+``rt.recompute`` runs it eagerly around each compiled block, which runs again, compiled, in backward.  Only ``forward`` is replaced (an instance attribute):
 the module, its parameter names, state dict and checkpoints are the eager ones, and DDP's and FSDP2's hooks on
 the module stay outside the graph.
 

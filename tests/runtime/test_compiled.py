@@ -40,6 +40,8 @@ LAYOUTS = {
     "tp2-recompute-full": Layout(tp=2, recompute="full"),
     # the exchanges run eagerly between compiled regions (their sizes are the routing's)
     "mixtral-dp2-ep2": (MIXTRAL, Layout(dp=2, ep=2)),
+    # regional: torch's checkpoint runs eagerly around each compiled block, which runs again in backward
+    "mixtral-dp2-ep2-recompute-full": (MIXTRAL, Layout(dp=2, ep=2, recompute="full")),
 }
 
 
@@ -120,12 +122,17 @@ def test_compiled_losses_equal_eager_and_single_device(trained, reference, case)
     assert ranks[0]["compile_s"] > 0 and graphs == graphs[:1] * STEPS, ranks[0]
     if case == "dp2-zero3":
         assert 1 <= graphs[0] <= 3 and all("disable" in reason for reason in breaks), breaks
-    elif case == "mixtral-dp2-ep2":
+    elif case.startswith("mixtral"):
         exchanges = ("exchange_counts", "all_to_all_dispatch", "all_to_all_combine")
-        assert all(any(f"function `<function {f} at" in reason for f in exchanges) for reason in breaks), breaks
-        rows = [r["rows"] for r in ranks]  # 2 layers x (forward, backward of the combine) per step and rank
-        assert all(len(r) == 4 * STEPS for r in rows), rows
-        assert any(len(set(r[i::4])) > 1 for r in rows for i in range(4)), rows  # the routing changed
+        if case == "mixtral-dp2-ep2":
+            assert all(any(f"function `<function {f} at" in reason for f in exchanges) for reason in breaks), breaks
+        else:  # also at the calls of the compiled blocks
+            assert all("torch.compiler.disable" in reason for reason in breaks), breaks
+        # per step and rank, 2 layers x (forward, backward of the combine, and the recompute's forward)
+        per_step = 4 if case == "mixtral-dp2-ep2" else 6
+        rows = [r["rows"] for r in ranks]
+        assert all(len(r) == per_step * STEPS for r in rows), rows
+        assert all(len({tuple(r[i:i + per_step]) for i in range(0, len(r), per_step)}) > 1 for r in rows), rows
     else:
         assert graphs[0] == 1 and not breaks, ranks[0]
     assert _rel(compiled, eager) <= COMPILED_RTOL, (case, eager, compiled)
@@ -164,8 +171,10 @@ def test_compile_refuses_the_split_backward_of_zero_bubble(tmp_path):
         check_compile(out)
 
 
-def test_compile_refuses_recompute_with_expert_parallelism(tmp_path):
-    out = tmp_path / "ep-recompute"
-    compile_model(MIXTRAL, Layout(dp=2, ep=2, recompute="full"), out=out)
-    with pytest.raises(OptionError, match=r"--compile: .*--ep 2 with --recompute full .*uncompiled; use --ep or "):
-        check_compile(out)
+@pytest.mark.parametrize("model, layout", [(MODEL, Layout(dp=2, zero=3, recompute="selective")),
+                                           (MIXTRAL, Layout(dp=2, ep=2, recompute="selective"))], ids=["zero3", "ep"])
+def test_compile_refuses_selective_recompute_around_compiled_blocks(tmp_path, model, layout):
+    compile_model(model, layout, out=tmp_path / "out")
+    with pytest.raises(OptionError, match=r"--compile: .*--recompute selective with (ZeRO 3|--ep 2) .*the compiled "
+                                          r"code calls out to.*; use --recompute full"):
+        check_compile(tmp_path / "out")
