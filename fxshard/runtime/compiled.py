@@ -6,11 +6,16 @@ block is an FSDP2 unit whose hooks gather and free its parameters around it, so 
 regional, as torch recommends for repeated layers: each block's ``forward`` is compiled once and serves every
 block of its class (its parameters are graph inputs), the hooks run eagerly around it, and the module's own
 ``forward`` (embeddings, head, loss) is compiled around the blocks, its graph broken at each block call.
-Regional compile time is one block's, not the model's.  Only ``forward`` is replaced (an instance attribute):
+Regional compile time is one block's, not the model's.  Under ``--ep`` with ``--recompute`` the compilation is
+regional too: torch's checkpoint under compile cannot hold the graph breaks at a block's expert exchanges, so
+``rt.recompute`` runs it eagerly around each compiled block, which runs again, compiled, in backward.  Only ``forward`` is replaced (an instance attribute):
 the module, its parameter names, state dict and checkpoints are the eager ones, and DDP's and FSDP2's hooks on
 the module stay outside the graph.
 
 The collectives trace as functional collectives (:mod:`fxshard.runtime.collectives`), one graph node each.
+The expert exchanges of ``--ep`` move as many rows as the routing sends: they run eagerly between compiled
+graphs, a graph break at each (:mod:`fxshard.runtime.experts`).  ``rt.recompute`` traces as torch's checkpoint
+operator, whose recompute the compiled backward does (:mod:`fxshard.runtime.recompute`).
 Inductor's CPU code may reorder a reduction; the losses of a compiled run are tested against the eager run's
 within 1e-6 relative (``tests/runtime/test_compiled.py``).
 """

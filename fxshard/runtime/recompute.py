@@ -15,12 +15,22 @@ Exact: the recomputed values are the ones the forward made.  Torch's random stat
 :func:`torch.utils.checkpoint.checkpoint`; fxshard's layout-invariant dropout masks are keyed by the batch and
 microbatch being computed (:mod:`fxshard.runtime.random`), which a pipeline schedule has moved on from by
 the time a block is recomputed, so the key of the forward is restored for the recompute.
+
+Under ``torch.compile`` (``fxshard run --compile``) the checkpoint traces as torch's checkpoint higher-order op:
+AOTAutograd's partitioner then decides what the compiled backward recomputes from the same policy (``full``:
+every op of the block prefers recompute; ``selective``: :data:`SAVED_OPS` must be saved).  That path takes a
+context function only as a module-level function or a ``functools.partial`` of one, so it has neither the
+dropout key (``--compile`` refuses dropout: :func:`fxshard.train.options.check_compile`) nor the watchers of
+:func:`watching_kept` (``--memory-report`` measures the eager run).  Around a block compiled on its own
+(:func:`fxshard.train.launch.compiled_regionally`) dynamo cannot trace the checkpoint and runs it eagerly, with
+the same arguments: the block runs again, compiled, in backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -48,6 +58,8 @@ def recompute(block: torch.nn.Module, *args, keep: str = "inputs"):
         raise ValueError(f"rt.recompute: keep={keep!r}; expected one of {', '.join(KEEP)}")
     if not torch.is_grad_enabled():
         return block(*args)
+    if torch.compiler.is_compiling():
+        return checkpoint(block, *args, use_reentrant=False, **_COMPILED_CONTEXT[keep])
     forward_key = copy.copy(rt_random._context)
 
     def contexts():
@@ -60,8 +72,19 @@ def recompute(block: torch.nn.Module, *args, keep: str = "inputs"):
     return checkpoint(block, *args, use_reentrant=False, context_fn=contexts)
 
 
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective recompute's policy: save what :data:`SAVED_OPS` produce, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# rt.recompute's checkpoint arguments under torch.compile, by what it keeps (no context: recompute everything)
+_COMPILED_CONTEXT = {"inputs": {},
+                     "matmuls": {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}}
+
+
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op not in SAVED_OPS:
+    """:func:`_keep_matmuls`, telling the watchers of :func:`watching_kept` what it keeps in the forward."""
+    if _keep_matmuls(ctx, op) is CheckpointPolicy.PREFER_RECOMPUTE:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if not ctx.is_recompute:
         for note in _kept_watchers:

@@ -422,8 +422,16 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module, regional=layout.dp > 1 and layout.zero == 3)  # ZeRO 3: FSDP2 units per block
+        compile_module(module, regional=compiled_regionally(layout))
     return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
+
+
+def compiled_regionally(layout) -> bool:
+    """Whether ``--compile`` compiles each repeated block on its own (:func:`fxshard.runtime.compiled.compile_module`):
+    under ZeRO 3, whose FSDP2 units gather each block's parameters around it, and under ``--ep`` with ``--recompute``,
+    where torch's checkpoint under compile cannot hold the graph breaks at a block's expert exchanges and so runs
+    eagerly around each compiled block (which then runs again in backward)."""
+    return (layout.dp > 1 and layout.zero == 3) or (layout.ep > 1 and layout.recompute != "none")
 
 
 def _needing_masters(module, layout, entry: RankEntry | None, prefix: str) -> list[torch.nn.Parameter]:

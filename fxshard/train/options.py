@@ -169,14 +169,16 @@ def check_compile(out: Path) -> None:
     """Refuse ``--compile`` where a compiled run could not be the eager one, or would recompile every step."""
     from fxshard.codegen.manifest import read_manifest
     from fxshard.errors import OptionError
+    from fxshard.train.launch import compiled_regionally
 
     layout = read_manifest(out).layout
     why = []
-    if layout.ep > 1:
-        why.append(f"--ep {layout.ep} (the all-to-all exchanges of varying sizes are not functional collectives yet)")
-    if layout.recompute != "none":
-        why.append(f"--recompute {layout.recompute} (activation checkpointing under torch.compile is not tested "
-                   "for exactness yet)")
+    if layout.recompute == "selective" and compiled_regionally(layout):
+        failing = " (with --ep torch fails 'Expected out tensor to have device meta')" if layout.ep > 1 else ""
+        why.append(f"--recompute selective with {'ZeRO 3' if layout.ep == 1 else f'--ep {layout.ep}'} (each block "
+                   "is compiled on its own and torch's checkpoint runs eagerly around it, where its selective policy, "
+                   "a dispatch mode, sees only the kernels the compiled code calls out to, not the ops the policy "
+                   f"names{failing}; use --recompute full)")
     if layout.pp > 1 and layout.schedule == "zero-bubble":
         why.append("--schedule zero-bubble (its split backward walks the autograd graph inside each stage, which a "
                    "compiled stage holds as one node: torch fails 'stage backward input'; use 1f1b or "

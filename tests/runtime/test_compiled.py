@@ -1,9 +1,11 @@
 """``fxshard run --compile``: the generated code through torch.compile (inductor) trains exactly as eager.
 
 Real gloo processes, ``tests/models/tiny_gpt.py`` (2 blocks of width 32: inductor compiles for tens of seconds
-on two shared cores, less once its cache holds the graphs).  Each case trains 3 steps eagerly and 3 compiled
-from the same weights and batches in the same processes; the losses must agree within 1e-6 relative (fp32),
-and both must match single-device training within verify's 1e-5.
+on two shared cores, less once its cache holds the graphs) and, under ``--ep``, ``tests/models/hf_mixtral.py``
+(2 layers of 4 experts, top 2).  Each case trains 4 steps eagerly and 4 compiled from the same weights and batches
+in the same processes; the losses must agree within 1e-6 relative (fp32), both must match single-device training
+within verify's 1e-5, and no step after the first may compile a graph (under ``--ep`` the rows each rank's
+experts get differ from step to step).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fxshard.train.options import check_compile
 from fxshard.train.reference import reference_losses
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny_gpt.py"
-STEPS = 3
+MIXTRAL = Path(__file__).resolve().parents[1] / "models" / "hf_mixtral.py"
+STEPS = 4
 COMPILED_RTOL = 1e-6  # compiled vs eager, fp32 (issue 19)
 REFERENCE_RTOL = 1e-5  # either vs one device (fxshard verify's default)
 LAYOUTS = {
@@ -32,38 +35,74 @@ LAYOUTS = {
     "dp2-zero1": Layout(dp=2, zero=1),  # DDP around the compiled module, optimizer state sharded
     "dp2-zero3": Layout(dp=2, zero=3),  # FSDP2: one unit per (compiled) block, hooks outside the graphs
     "pp2": Layout(pp=2, microbatches=2),  # each stage's module compiled
+    # torch's checkpoint under compile: the partitioner recomputes in the compiled backward (collectives included)
+    "tp2-recompute-selective": Layout(tp=2, recompute="selective"),
+    "tp2-recompute-full": Layout(tp=2, recompute="full"),
+    # the exchanges run eagerly between compiled regions (their sizes are the routing's)
+    "mixtral-dp2-ep2": (MIXTRAL, Layout(dp=2, ep=2)),
+    # regional: torch's checkpoint runs eagerly around each compiled block, which runs again in backward
+    "mixtral-dp2-ep2-recompute-full": (MIXTRAL, Layout(dp=2, ep=2, recompute="full")),
 }
 
 
 def _eager_and_compiled(out: str) -> dict:
     import torch._dynamo
 
+    import fxshard.runtime.experts as experts
+    import fxshard.train.launch as launch
     from fxshard.runtime.compiled import compile_seconds
-    from fxshard.train.launch import train
 
     quiet = dict(log=lambda *_: None)
-    eager = train(Path(out), STEPS, **quiet)
+    eager = launch.train(Path(out), STEPS, **quiet)
     torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled = train(Path(out), STEPS, compile=True, **quiet)
     counters = torch._dynamo.utils.counters
-    return {"eager": eager, "compiled": compiled, "compile_s": compile_seconds(),
-            "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+    counters.clear()
+    graphs, rows, saved = [], [], []  # graphs compiled after each step; rows each dispatch got; bytes saved for backward
+    step, dispatch = launch._train_step, experts._dispatch
+
+    def counted_step(*args):
+        loss = step(*args)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return loss
+
+    def counted_dispatch(x, *args):
+        out = dispatch(x, *args)
+        rows.append(out.shape[0])
+        return out
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    launch._train_step, experts._dispatch = counted_step, counted_dispatch
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            compiled = launch.train(Path(out), STEPS, compile=True, **quiet)
+    finally:
+        launch._train_step, experts._dispatch = step, dispatch
+    return {"eager": eager, "compiled": compiled, "compile_s": compile_seconds(), "graphs": graphs,
+            "breaks": dict(counters["graph_break"]), "rows": rows, "saved": sum(saved)}
+
+
+def _model_and_layout(case: str) -> tuple[Path, Layout]:
+    entry = LAYOUTS[case]
+    return entry if isinstance(entry, tuple) else (MODEL, entry)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("compiled")
     items = []
-    for name, layout in LAYOUTS.items():
-        compile_model(MODEL, layout, out=folder / name)
+    for name in LAYOUTS:
+        model, layout = _model_and_layout(name)
+        compile_model(model, layout, out=folder / name)
         items.append((name, (str(folder / name),)))
     return spawn_cases(_eager_and_compiled, 2, items, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_losses(load_model_file(MODEL), STEPS)
+    return {model: reference_losses(load_model_file(model), STEPS) for model in (MODEL, MIXTRAL)}
 
 
 def _rel(a: list[float], b: list[float]) -> float:
@@ -77,15 +116,36 @@ def test_compiled_losses_equal_eager_and_single_device(trained, reference, case)
     eager, compiled = ranks[0]["eager"], ranks[0]["compiled"]
     assert all(r["eager"] == ranks[0]["eager"] and r["compiled"] == compiled for r in ranks)  # the step losses
     # compiled for real, no graph break at a collective: the whole forward one graph; under ZeRO 3 one per block
-    # class and the module's own, broken only at the block calls (fxshard.runtime.compiled's, FSDP2's hooks)
-    breaks = ranks[0]["breaks"]
-    assert ranks[0]["compile_s"] > 0, ranks[0]
+    # class and the module's own, broken only at the block calls (fxshard.runtime.compiled's, FSDP2's hooks);
+    # under --ep broken only at the exchanges.  The first step compiles them all; no later step compiles again
+    graphs, breaks = ranks[0]["graphs"], ranks[0]["breaks"]
+    assert ranks[0]["compile_s"] > 0 and graphs == graphs[:1] * STEPS, ranks[0]
     if case == "dp2-zero3":
-        assert 1 <= ranks[0]["graphs"] <= 3 and all("disable" in reason for reason in breaks), breaks
+        assert 1 <= graphs[0] <= 3 and all("disable" in reason for reason in breaks), breaks
+    elif case.startswith("mixtral"):
+        exchanges = ("exchange_counts", "all_to_all_dispatch", "all_to_all_combine")
+        if case == "mixtral-dp2-ep2":
+            assert all(any(f"function `<function {f} at" in reason for f in exchanges) for reason in breaks), breaks
+        else:  # also at the calls of the compiled blocks
+            assert all("torch.compiler.disable" in reason for reason in breaks), breaks
+        # per step and rank, 2 layers x (forward, backward of the combine, and the recompute's forward)
+        per_step = 4 if case == "mixtral-dp2-ep2" else 6
+        rows = [r["rows"] for r in ranks]
+        assert all(len(r) == per_step * STEPS for r in rows), rows
+        assert all(len({tuple(r[i:i + per_step]) for i in range(0, len(r), per_step)}) > 1 for r in rows), rows
     else:
-        assert ranks[0]["graphs"] == 1 and not breaks, ranks[0]
+        assert graphs[0] == 1 and not breaks, ranks[0]
     assert _rel(compiled, eager) <= COMPILED_RTOL, (case, eager, compiled)
-    assert _rel(eager, reference) <= REFERENCE_RTOL and _rel(compiled, reference) <= REFERENCE_RTOL
+    single = reference[_model_and_layout(case)[0]]
+    assert _rel(eager, single) <= REFERENCE_RTOL and _rel(compiled, single) <= REFERENCE_RTOL
+
+
+@pytest.mark.e2e
+def test_compiled_backward_recomputes(trained):
+    """The compiled forward saves less for backward with selective recompute, and less again with full."""
+    saved = {case: case_result(trained, case)[0]["saved"] for case in ("tp2", "tp2-recompute-selective",
+                                                                        "tp2-recompute-full")}
+    assert saved["tp2"] > saved["tp2-recompute-selective"] > saved["tp2-recompute-full"], saved
 
 
 @pytest.mark.e2e
@@ -109,3 +169,12 @@ def test_compile_refuses_the_split_backward_of_zero_bubble(tmp_path):
     compile_model(MODEL, Layout(pp=2, schedule="zero-bubble", microbatches=2), out=out)
     with pytest.raises(OptionError, match=r"--compile: .*--schedule zero-bubble .*use 1f1b or interleaved-1f1b"):
         check_compile(out)
+
+
+@pytest.mark.parametrize("model, layout", [(MODEL, Layout(dp=2, zero=3, recompute="selective")),
+                                           (MIXTRAL, Layout(dp=2, ep=2, recompute="selective"))], ids=["zero3", "ep"])
+def test_compile_refuses_selective_recompute_around_compiled_blocks(tmp_path, model, layout):
+    compile_model(model, layout, out=tmp_path / "out")
+    with pytest.raises(OptionError, match=r"--compile: .*--recompute selective with (ZeRO 3|--ep 2) .*the compiled "
+                                          r"code calls out to.*; use --recompute full"):
+        check_compile(tmp_path / "out")
