@@ -357,10 +357,10 @@ def _torch_issued(layout: Layout, step: int, compiled: bool = False) -> str:
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
     what = what if layout.dp > 1 else ""
     if compiled:
-        axes = [a for a in ("tp", "ep") if getattr(layout, a) > 1]  # pp: the schedule is guarded
-        inside = (f"the rank files' collectives over {'/'.join(axes)} inside the torch.compile graphs (--compile: "
-                  "run without it to have the failing one named with its line)")
-        what = f"{inside}{', or ' + what if what else ''}" if axes else what
+        # tp's collectives run inside the graphs; pp's schedule and ep's exchanges run eagerly, guarded
+        inside = ("the rank files' collectives over tp inside the torch.compile graphs (--compile: run without it "
+                  "to have the failing one named with its line)")
+        what = f"{inside}{', or ' + what if what else ''}" if layout.tp > 1 else what
     return (what or "the step's communication") + f" in training step {step}"
 
 
