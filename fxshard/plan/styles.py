@@ -121,7 +121,7 @@ _HF_IMPLIED = {
 _EXPERTS = ("experts stay whole on every tp rank, training exactly as on one device at their full size on each "
             "rank (--ep N splits them over N data-parallel ranks instead)")
 _EP_PLAN = ("the expert-parallel plan is what --ep N does (experts split over N data-parallel ranks, rows exchanged "
-            "all-to-all); without --ep it does not apply")
+            "all-to-all)")
 # Styles fxshard does not implement, with what it does instead; a compile note lists the entries.
 _HF_INSTEAD = {
     "moe_identity_expert": _EXPERTS,
