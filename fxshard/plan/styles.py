@@ -41,6 +41,8 @@ class Style:
             raise PlanError(f"unknown parallel style {self.kind!r}; use colwise, rowwise, vocab, replicate or experts")
 
     def __str__(self) -> str:
+        if self.kind == "experts":
+            return "moe_tp_experts()"
         opts = []
         if self.packed != 1:
             opts.append(f"packed={self.packed}")
