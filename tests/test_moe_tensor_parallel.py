@@ -6,7 +6,7 @@ transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 plans name ``moe_tp_experts``; 
 S(2), the second grouped matmul's partial sums are all-reduced over tp and the routed rows' gradient is summed
 over tp (``copy_to``).  Tiny models are trained for 3 AdamW steps on real gloo process groups through
 ``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), alone at tp=2 and with pp=2, dp=2 ZeRO 1
-to 3, bf16 and recompute; losses must match single-device training within 1e-5 relative (bf16: 2e-2) and the
+to 3, --sp, bf16 and recompute; losses must match single-device training within 1e-5 relative (bf16: 2e-2) and the
 trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_expert_parallel.py``.
 """
 
@@ -41,7 +41,8 @@ EXPERTS = "model.layers.*.mlp.experts"
 CASES = {
     "qwen3moe-tp2": (QWEN, Layout(tp=2)),
     "mixtral-tp2": (MIXTRAL, Layout(tp=2)),
-    "deepseek-v3-tp2": (DEEPSEEK, Layout(tp=2)),  # shared experts (a dense MLP, split as Linears) beside the routed
+    "deepseek-v3-tp2": (DEEPSEEK, Layout(tp=2)),
+    "mixtral-tp2-sp": (MIXTRAL, Layout(tp=2, sp=True)),  # tokens gathered before the router, as without --sp  # shared experts (a dense MLP, split as Linears) beside the routed
     # 16 experts, 8 (token, expert) pairs per dp rank: at least half the experts get no row (empty groups)
     "sparse-tp2-dp2-zero1": (SPARSE, Layout(tp=2, dp=2, zero=1)),
     "qwen3moe-tp2-pp2": (QWEN, Layout(tp=2, pp=2)),
@@ -260,3 +261,30 @@ def test_checkpoints_of_split_experts_resume_at_other_layouts_and_export_to_the_
         per_rank = case_result(resumed, name)
         params = gather_parameters(read_manifest(tmp_path / name), states={r: st for r, (_, st) in enumerate(per_rank)})
         assert update_share(compare_parameters(params, single, initial)) <= DEFAULT_PARAM_RTOL["fp32"], name
+
+
+def _norm_after_backward(out: str) -> float:
+    """The global gradient norm ``fxshard run --clip-grad-norm`` clips by in its first step."""
+    import fxshard.train.launch as launch
+    from fxshard.train.optim import clip_grad_norm_
+
+    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # the clipping path runs; nothing is scaled
+    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
+    found = []
+    launch.clip_grad_norm_ = lambda pairs, max_norm, group=None: found.append(clip_grad_norm_(pairs, math.inf))
+    launch._train_step(run, 1, config, None)
+    return found[0]
+
+
+@pytest.mark.distributed
+def test_global_gradient_norm_counts_each_split_expert_once(tmp_path):
+    """Each tp rank's slice of an expert is a different part of its gradient: counted whole, not divided by tp as
+    the replicated parameters' are."""
+    compile_model(QWEN, Layout(tp=2), out=tmp_path / "tp2")
+    found = spawn_cases(_norm_after_backward, 2, [("tp2", (str(tmp_path / "tp2"),))])
+    model_file = load_model_file(QWEN)
+    model = model_file.build_model(0)
+    model(**model_file.batches(1, 0)[0]).loss.backward()
+    want = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
+    for rank, got in enumerate(case_result(found, "tp2")):
+        assert abs(got - want) <= 1e-5 * want, f"rank {rank}: the norm is {got}, single device {want}"
