@@ -161,7 +161,7 @@ def as_style(value, where: str) -> Style:
         return _HF_STYLES[value]
     raise PlanError(
         f"{where}: {value!r} is not a parallel style; use fxshard.colwise(), fxshard.rowwise(), "
-        f"fxshard.vocab_parallel(), fxshard.replicate() or one of {sorted(_HF_STYLES)}"
+        f"fxshard.vocab_parallel(), fxshard.replicate(), fxshard.moe_tp_experts() or one of {sorted(_HF_STYLES)}"
     )
 
 
