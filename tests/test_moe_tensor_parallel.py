@@ -194,6 +194,14 @@ def test_a_user_plan_on_a_module_without_grouped_matmuls_is_refused():
         compile_program(QWEN, Layout(tp=2), plan={"model.layers.*.mlp": fxshard.moe_tp_experts()})
 
 
+def test_experts_whose_columns_are_not_kept_apart_are_refused():
+    # GPT-OSS: gate and up interleaved (h[..., ::2], h[..., 1::2]) between the grouped matmuls, and expert biases
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts: moe_tp_experts cannot split each row's "
+                                        r"columns exactly: slice_\d+ \(aten\.slice\.Tensor\) .* not an op known to "
+                                        r"act row by row\. Keep the experts whole"):
+        compile_program(MODELS / "hf_gpt_oss.py", Layout(tp=2), plan={EXPERTS: "moe_tp_experts"})
+
+
 def test_with_ep_the_models_plan_is_a_note_and_a_users_plan_an_error():
     ctx = compile_program(QWEN, Layout(tp=2, dp=2, ep=2)).ctx
     assert any("under --ep 2 the experts are split over ep and stay whole on every tp rank" in n for n in ctx.notes)
