@@ -8,7 +8,7 @@ from fxshard.errors import FxshardError  # noqa: E402
 # ``fxshard.runtime`` (which must run with torch and the runtime alone).
 _LAZY = {
     "pipeline_split": "fxshard.ir.cut",
-    **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "parallelize")},
+    **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize")},
 }
 
 
@@ -37,5 +37,5 @@ def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, met
     return _compile(model_file, Layout(**layout), out=out, plan=plan, seed=seed, weights=weights, meta=meta)
 
 
-__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "parallelize", "pipeline_split", "compile",
+__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize", "pipeline_split", "compile",
            "__version__"]

@@ -31,6 +31,7 @@ import torch.fx as fx
 from fxshard.errors import LayoutError
 from fxshard.ir.context import EP, CompileContext, Group, NodeSpec, spec
 from fxshard.ir.contracts import COMMUNICATED, contract
+from fxshard.ir.experts import grouped_mms, not_row_wise, offsets, weight_param
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import collectives as rtc
 from fxshard.runtime.experts import expert_offsets
@@ -38,47 +39,11 @@ from fxshard.runtime.experts import expert_offsets
 aten = torch.ops.aten
 R = Replicate()
 GROUP = Group(EP)
-# the model's weight on its way to the grouped matmul: ops that keep the expert dimension (dim 0) as it is
-WEIGHT_OPS = {aten.transpose.int, aten.to.dtype, aten.contiguous.default, aten._to_copy.default}
-# ops between the two grouped matmuls that act on each row alone (so the rows may be any rows)
-ROW_OPS = {aten.chunk.default, aten.split.Tensor, aten.silu.default, aten.gelu.default, aten.relu.default,
-           aten.sigmoid.default, aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
-           aten.to.dtype, aten._to_copy.default, aten.clamp.default, aten.neg.default}
-
-
-def _grouped_mm_ops() -> set:
-    ops = {aten._grouped_mm.default}
-    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
-    if fallback is not None:
-        ops.add(fallback.default)
-    return ops
-
-
-def _weight_param(node: fx.Node, params: set[fx.Node]) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The parameter a grouped matmul's weight argument comes from, and the nodes on the way."""
-    chain = []
-    while node not in params:
-        if node.op != "call_function" or node.target not in WEIGHT_OPS:
-            return None, chain
-        if node.target is aten.transpose.int and 0 in [d % node.args[0].meta["val"].dim() for d in node.args[1:]]:
-            return None, chain
-        chain.append(node)
-        node = node.args[0]
-    return node, chain
-
-
-def _offsets(mm: fx.Node) -> fx.Node:
-    return mm.args[2] if len(mm.args) > 2 else mm.kwargs["offs"]
 
 
 def _layers(gm: fx.GraphModule, ctx: CompileContext) -> dict[str, list[fx.Node]]:
     """The grouped matmuls of each MoE experts module, by module FQN, in graph order."""
-    ops = _grouped_mm_ops()
-    found: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in ops:
-            found.setdefault(spec(node).fqn, []).append(node)
-    return found
+    return grouped_mms(gm, lambda node: spec(node).fqn)
 
 
 @contract(requires=(COMMUNICATED,))
@@ -111,8 +76,8 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Nod
         raise LayoutError(f"{where}: expected two grouped matmuls (gate/up, then down) in the experts module, found "
                           f"{len(mms)}; this expert layout is not supported under --ep; drop --ep")
     first, second = mms
-    offs = _offsets(first)
-    if _offsets(second) is not offs or set(offs.users) != {first, second}:
+    offs = offsets(first)
+    if offsets(second) is not offs or set(offs.users) != {first, second}:
         raise LayoutError(f"{where}: expected both grouped matmuls to take the same expert offsets and nothing else "
                           f"to read them; found {offs.name} used by {sorted(u.name for u in offs.users)}; drop --ep")
     _check_row_wise(first, second, where)
@@ -121,7 +86,7 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Nod
         ok = [e for e in range(1, experts + 1) if experts % e == 0]
         raise LayoutError(f"{where}: {experts} experts cannot be split over ep={ep}; use --ep in {ok}")
     for mm in mms:
-        param, chain = _weight_param(mm.args[1], ctx.params)
+        param, chain = weight_param(mm.args[1], ctx.params)
         if param is None or param.meta["val"].shape[0] != experts:
             raise LayoutError(f"{where}: expected the grouped matmul {mm.name}'s weight to be a stacked expert "
                               f"parameter [{experts}, ...] (transposed or cast at most); found {mm.args[1].name}; "
@@ -150,33 +115,9 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Nod
 def _check_row_wise(first: fx.Node, second: fx.Node, where: str) -> None:
     """Every op from the first grouped matmul to the second must act on each row alone: the rows a rank
     computes are another set than on one device, in another order."""
-    seen, todo = set(), list(second.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen or n is first:
-            continue
-        seen.add(n)
-        if not _reaches(first, n):
-            continue  # the weights and what else feeds the row-wise part from outside it
-        if n.op != "call_function" or (n.target not in ROW_OPS and n.target.__name__ != "getitem"):
-            raise LayoutError(f"{where}: {n.name} ({n.target}) between the experts' grouped matmuls is not an op "
-                              "known to act row by row; expert parallelism cannot reorder its rows exactly; drop --ep")
-        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
-        if n.target in (aten.chunk.default, aten.split.Tensor) and dim % n.args[0].meta["val"].dim() == 0:
-            raise LayoutError(f"{where}: {n.name} splits the rows between the grouped matmuls; drop --ep")
-        todo.extend(n.all_input_nodes)
-
-
-def _reaches(src: fx.Node, dst: fx.Node) -> bool:
-    todo, seen = [dst], set()
-    while todo:
-        n = todo.pop()
-        if n is src:
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
+    why = not_row_wise(first, second)
+    if why is not None:
+        raise LayoutError(f"{where}: {why}; expert parallelism cannot reorder its rows exactly; drop --ep")
 
 
 def _node(gm: fx.GraphModule, target, args, owner: fx.Node, collective: str) -> fx.Node:

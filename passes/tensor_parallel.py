@@ -41,6 +41,7 @@ from fxshard.ir.sharding import (
     written_inputs,
 )
 from fxshard.plan.auto import auto_plan
+from fxshard.plan.experts import expert_split
 from fxshard.plan.layers import WeightOp, style_placements, weight_ops
 from fxshard.plan.styles import ResolvedPlan
 from fxshard.runtime import tensor_parallel as rt_tp
@@ -63,11 +64,15 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
+    experts = expert_split(gm, ctx)
+    weights |= experts.weights
+    roles |= {fqn: "expert tensor-parallel" for fqn, *_ in experts.layers}
     prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None)
     if ctx.layout.sp and not prop.sequence:
         ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
                          "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")
-    _check_divisible(gm, prop, tp, ctx, ops)
+    _check_divisible(gm, prop, tp, ctx, ops, experts.weights)
+    experts.check(prop)
     apply_propagation(gm, prop, ctx, roles)
     gm.graph.lint()
     return gm
@@ -176,7 +181,7 @@ def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str]
                              "label smoothing and probability targets have no vocab-parallel form")
         roles[op.fqn] = style.role
     for fqn, style in plan.styles.items():
-        if fqn not in styled and style.kind != "replicate":
+        if fqn not in styled and style.kind not in ("replicate", "experts"):  # experts: fxshard/plan/experts.py
             msg = (f"{plan.sources.get(fqn, 'plan')} plan entry for {fqn!r} ({style}): the module has no "
                    "Linear/Conv1D/Embedding op of its own; name the layers inside it instead")
             plan.warnings.append(msg)
@@ -208,18 +213,19 @@ def _unsplittable(gm: fx.GraphModule, prop: Propagation, tp: int) -> tuple[fx.No
 
 
 def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext,
-                     ops: list[WeightOp]) -> None:
+                     ops: list[WeightOp], experts: dict[fx.Node, Placement]) -> None:
     found = _unsplittable(gm, prop, tp)
     if found is not None:
         node, p, size = found
-        ok = _degrees_that_split(gm, ops, ctx, size // p.blocks)
+        ok = _degrees_that_split(gm, ops, ctx, size // p.blocks, experts)
         raise ShardingError(_divisibility_message(node, p, size, size // p.blocks, tp, ctx, ok))
 
 
 _LARGEST_TP = 1024  # degrees offered go no higher: each is checked by a propagation over the whole graph
 
 
-def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, size: int) -> list[int]:
+def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, size: int,
+                        experts: dict[fx.Node, Placement]) -> list[int]:
     """The tp degrees to suggest: those dividing the failing ``size`` (a necessary condition) for which the
     same plan (re-planned at that degree when automatic) passes the same check on every split value —
     heads, key/value heads, packed blocks, vocabulary — so a suggested degree never fails on the next size."""
@@ -230,6 +236,7 @@ def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileCon
         else:
             plan = dataclasses.replace(ctx.plan, warnings=[])
         weights, forced, _ = _weight_placements(ops, plan, [])
+        weights |= experts if d > 1 else {}
         if d == 1 or _unsplittable(gm, propagate(gm, weights, forced), d) is None:
             ok.append(d)
     return ok

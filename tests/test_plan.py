@@ -94,7 +94,7 @@ def test_olmo2_splits_every_layer_the_same_way():
 @pytest.mark.parametrize("model", ["hf_olmo2.py", "hf_qwen3_moe.py"])
 def test_models_own_plans_train_at_tp2_like_one_device(model):
     # OLMo2: without its copy_to, the reduced lookup entering layer 0's q/k/v got a partial gradient (2.6e-4);
-    # Qwen3-MoE: the experts, kept whole as the note says, train exactly
+    # Qwen3-MoE: the experts split over tp by its plan's moe_tp_experts
     result = verify(MODELS / model, Layout(tp=2), steps=3)
     assert result.ok, result.summary()
 
@@ -106,9 +106,14 @@ def test_moe_model_compiles_with_one_note_and_no_warning():
     notes = [n for n in ctx.notes if "own parallel plan" in n]
     assert len(notes) == 1, ctx.notes
     (note,) = notes
-    assert "experts stay whole on every tp rank" in note
-    for style in ("moe_tp_experts", "ep_dispatch_experts", "grouped_gemm", "packed_colwise"):
+    # moe_tp_experts is honored (tests/test_moe_tensor_parallel.py), its weights' packed_colwise/rowwise implied by it;
+    # the expert-parallel plan is --ep's
+    assert "the expert-parallel plan is what --ep N does" in note
+    for style in ("ep_dispatch_experts", "grouped_gemm"):
         assert style in note
+    for style in ("moe_tp_experts", "packed_colwise", "experts stay whole"):
+        assert style not in note
+    assert str(ctx.plan.styles["model.layers.1.mlp.experts"]) == "moe_tp_experts()"
     assert "3 entries match no module of this configuration" in note and "model.layers.*.mlp.gate_proj" in note
     assert str(ctx.plan.styles["model.layers.1.self_attn.q_proj"]) == "colwise()"  # the rest of the plan holds
     assert not [n for n in ctx.notes if "generator" in n], ctx.notes  # SDPA without dropout draws nothing

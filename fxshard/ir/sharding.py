@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import ShardingError
+from fxshard.ir.experts import grouped_mm_ops
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
@@ -258,6 +259,8 @@ _RULES: dict = {}
 def _rule(node, args, placements) -> Decision | None:
     packet = getattr(node.target, "overloadpacket", None)
     fn = _RULES.get(node.target) or _RULES.get(packet)
+    if fn is None and node.target in grouped_mm_ops():  # transformers' op exists once transformers registered it
+        fn = _grouped_mm
     if fn is None and isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
         fn = _pointwise
     if fn is None:
@@ -582,6 +585,23 @@ def _matmul(node, args, placements):
         return None
     od, blocks = batch.pop()
     return Decision(Shard(od, blocks), tuple(_aligned(s, p, od, n, blocks) for s, p in ((sa, a), (sb, b))))
+
+
+def _grouped_mm(node, args, placements):
+    """Rows sorted by expert ``x [M, K]`` times stacked expert weights ``w [E, K, N]`` at offsets ``offs [E]``
+    (a mixture-of-experts layer, :mod:`fxshard.ir.experts`): tensor parallelism inside the experts.  Every
+    expert's columns split (``w`` S(2), packed blocks kept) make the rows' columns split; the contraction split
+    in both (``x`` S(1), ``w`` S(1)) makes partial sums.  The offsets are the router's, whole on every rank."""
+    if len(args) != 3 or len(shape(args[0])) != 2 or len(shape(args[1])) != 3:
+        return None  # a bias, or the 3-d x 3-d form without offsets
+    x, w, offs = placements
+    if offs != R:
+        return None
+    if x == R and isinstance(w, Shard) and w.dim == 2:
+        return Decision(Shard(1, w.blocks), (x, w, offs))
+    if isinstance(x, Shard) and x.dim == 1 and w == Shard(1, x.blocks):
+        return Decision(Partial(), (x, w, offs))
+    return None
 
 
 @rule(aten.scaled_dot_product_attention)

@@ -32,15 +32,17 @@ from fxshard.errors import PlanError
 class Style:
     """How one module's weights are split over the tensor-parallel axis."""
 
-    kind: str  # "colwise" | "rowwise" | "vocab" | "replicate"
+    kind: str  # "colwise" | "rowwise" | "vocab" | "replicate" | "experts"
     packed: int = 1  # colwise only: number of packed blocks (fused q/k/v = 3); 0 = infer from the split
     gather_output: bool = False  # colwise only: all-gather the output (an output head before the loss)
 
     def __post_init__(self):
-        if self.kind not in ("colwise", "rowwise", "vocab", "replicate"):
-            raise PlanError(f"unknown parallel style {self.kind!r}; use colwise, rowwise, vocab or replicate")
+        if self.kind not in ("colwise", "rowwise", "vocab", "replicate", "experts"):
+            raise PlanError(f"unknown parallel style {self.kind!r}; use colwise, rowwise, vocab, replicate or experts")
 
     def __str__(self) -> str:
+        if self.kind == "experts":
+            return "moe_tp_experts()"
         opts = []
         if self.packed != 1:
             opts.append(f"packed={self.packed}")
@@ -51,7 +53,7 @@ class Style:
     @property
     def role(self) -> str:
         return {"colwise": "column-parallel", "rowwise": "row-parallel", "vocab": "vocab-parallel",
-                "replicate": "replicated"}[self.kind]
+                "replicate": "replicated", "experts": "expert tensor-parallel"}[self.kind]
 
 
 def colwise(packed: int = 1, gather_output: bool = False) -> Style:
@@ -78,6 +80,17 @@ def replicate() -> Style:
     return Style("replicate")
 
 
+def moe_tp_experts() -> Style:
+    """Split every expert of a mixture-of-experts experts module over tp (Megatron-Core's expert tensor
+    parallelism): the first grouped matmul's weight by its columns (packed gate/up: each half split), the
+    second's by its rows, so each rank holds 1/tp of each expert's intermediate size and the second grouped
+    matmul's partial sums are all-reduced.  Transformers' plans name it (``layers.*.mlp.experts``); give the
+    experts module ``replicate()`` instead to keep the experts whole on every tp rank
+    (:mod:`fxshard.plan.experts`).
+    """
+    return Style("experts")
+
+
 # Every parallel style transformers ships (its ALL_PARALLEL_STYLES registry, the plans of its models), by
 # name: what fxshard does with a module the model's own plan gives that style.  fxshard places each value
 # by propagation and inserts the communication that placement needs, so transformers' input/output
@@ -95,6 +108,7 @@ _HF_STYLES = {
     "embedding_colwise": colwise(),  # an Embedding split over its hidden dim
     "vocab": vocab_parallel(),
     "replicate": replicate(),
+    "moe_tp_experts": moe_tp_experts(),  # the experts' weights' own entries are implied (fxshard/plan/experts.py)
     # the weight gradient's sum over ranks follows from the placements; no style of its own
     "replicated_with_grad_allreduce": replicate(),
     "mla_kv_a_proj": replicate(),  # same: the rope part's gradient is summed because it meets split heads
@@ -108,15 +122,19 @@ _HF_IMPLIED = {
 
 _EXPERTS = ("experts stay whole on every tp rank, training exactly as on one device at their full size on each "
             "rank (--ep N splits them over N data-parallel ranks instead)")
+_EP_PLAN = ("the expert-parallel plan is what --ep N does (experts split over N data-parallel ranks, rows exchanged "
+            "all-to-all)")
 # Styles fxshard does not implement, with what it does instead; a compile note lists the entries.
 _HF_INSTEAD = {
-    "moe_tp_experts": _EXPERTS,
     "moe_identity_expert": _EXPERTS,
-    "ep_dispatch_experts": _EXPERTS,
-    "grouped_gemm": _EXPERTS,
+    "ep_dispatch_experts": _EP_PLAN,
+    "grouped_gemm": _EP_PLAN,
     "packed_rowwise": _EXPERTS,  # shipped only on experts' fused gate/up weights
     "sequence_parallel": "norms stay replicated over the whole sequence (fxshard has no sequence parallelism yet)",
 }
+# what transformers names the stacked expert weights of a moe_tp_experts module: fxshard reads the same splits off
+# the grouped matmuls (fxshard/plan/experts.py), so these entries add nothing
+_EXPERT_WEIGHT_STYLES = {"packed_colwise", "packed_rowwise", "colwise", "rowwise"}
 _BARE_PARAMETER = ("bare parameters stay whole on every tp rank (fxshard splits the Linear/Conv1D/Embedding ops "
                    "of modules; other tensors are placed by propagation)")
 
@@ -143,7 +161,7 @@ def as_style(value, where: str) -> Style:
         return _HF_STYLES[value]
     raise PlanError(
         f"{where}: {value!r} is not a parallel style; use fxshard.colwise(), fxshard.rowwise(), "
-        f"fxshard.vocab_parallel(), fxshard.replicate() or one of {sorted(_HF_STYLES)}"
+        f"fxshard.vocab_parallel(), fxshard.replicate(), fxshard.moe_tp_experts() or one of {sorted(_HF_STYLES)}"
     )
 
 
@@ -232,12 +250,15 @@ def _apply_shipped(model: torch.nn.Module, modules: list[str], resolved: Resolve
     note (grouped by what it does instead), never as warnings."""
     tp_plan, ep_plan = hf_plan(model), hf_plan(model, "ep")
     params = [name for name, _ in model.named_parameters()]
-    experts = {k for k, v in {**tp_plan, **ep_plan}.items() if _HF_INSTEAD.get(v) == _EXPERTS}
+    experts = {k for k, v in tp_plan.items() if _HF_INSTEAD.get(v) == _EXPERTS}
+    split_experts = {k for k, v in tp_plan.items() if v == "moe_tp_experts"}  # their weights' entries are implied
     instead: dict[str, dict[str, list[str]]] = {}  # what fxshard does -> plan key -> styles
     unmatched = []
     entries = [(k, v, False) for k, v in tp_plan.items()] + [(k, v, True) for k, v in ep_plan.items()]
     for key, name, expert_parallel in entries:
-        what = _EXPERTS if expert_parallel else hf_style(name) if _known(name) else _UNKNOWN
+        what = _EP_PLAN if expert_parallel else hf_style(name) if _known(name) else _UNKNOWN
+        if not expert_parallel and key.rsplit(".", 1)[0] in split_experts and name in _EXPERT_WEIGHT_STYLES:
+            continue  # e.g. experts.gate_up_proj packed_colwise: the split moe_tp_experts derives from the graph
         if isinstance(what, Style):
             if _assign(key, what, modules, "model", resolved):
                 continue

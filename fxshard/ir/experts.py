@@ -1,0 +1,112 @@
+"""The grouped-matmul pattern of a mixture-of-experts experts module, as the captured graph shows it.
+
+A transformers 5 MoE layer stores its experts stacked (``experts.gate_up_proj [E, 2I, H]``,
+``experts.down_proj [E, H, I]``) and runs them as two grouped matmuls over the routed rows sorted by
+expert, with the model's cumulative rows per expert as offsets::
+
+    offs = cumsum(histc(sorted expert ids))                     # the router's choice, every rank
+    h = grouped_mm(rows, transpose(gate_up_proj), offs)         # row-wise from here ...
+    h = act(chunk(h)[0]) * chunk(h)[1]
+    out = grouped_mm(h, transpose(down_proj), offs)             # ... to here
+
+Two transformations read this pattern: expert parallelism (``passes/expert_parallel.py``, the rows moved to
+the rank of their expert) and tensor parallelism inside the experts (``fxshard/plan/experts.py``, each
+expert's intermediate size split over tp).  Both need the same facts, found here once: which nodes are an
+experts module's grouped matmuls, which parameter each one's weight is, and that every op between the two
+acts on each row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+# the model's weight on its way to the grouped matmul: ops that keep the expert dimension (dim 0) as it is
+WEIGHT_OPS = {aten.transpose.int, aten.to.dtype, aten.contiguous.default, aten._to_copy.default}
+# ops between the two grouped matmuls that act on each row alone (so the rows may be any rows)
+ROW_OPS = {aten.chunk.default, aten.split.Tensor, aten.silu.default, aten.gelu.default, aten.relu.default,
+           aten.sigmoid.default, aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
+           aten.to.dtype, aten._to_copy.default, aten.clamp.default, aten.neg.default}
+
+
+def grouped_mm_ops() -> set:
+    """``aten._grouped_mm`` and transformers' CPU fallback of it (a custom op, once transformers registered it)."""
+    ops = {aten._grouped_mm.default}
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        ops.add(fallback.default)
+    return ops
+
+
+def weight_param(node: fx.Node, params: set[fx.Node]) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The parameter a grouped matmul's weight argument comes from, and the nodes on the way (the matmul's
+    argument first)."""
+    chain = []
+    while node not in params:
+        if node.op != "call_function" or node.target not in WEIGHT_OPS:
+            return None, chain
+        if node.target is aten.transpose.int and 0 in [d % node.args[0].meta["val"].dim() for d in node.args[1:]]:
+            return None, chain
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def param_dim(chain: list[fx.Node], dim: int) -> int:
+    """The parameter's dimension that becomes dimension ``dim`` of the matmul's weight argument through
+    ``chain`` (as :func:`weight_param` returns it): transposes swap dimensions, casts keep them."""
+    for node in chain:
+        if node.target is aten.transpose.int:
+            n = node.meta["val"].dim()
+            a, b = node.args[1] % n, node.args[2] % n
+            dim = b if dim == a else a if dim == b else dim
+    return dim
+
+
+def offsets(mm: fx.Node) -> fx.Node:
+    return mm.args[2] if len(mm.args) > 2 else mm.kwargs["offs"]
+
+
+def grouped_mms(gm: fx.GraphModule, fqn_of) -> dict[str, list[fx.Node]]:
+    """The grouped matmuls of each experts module, by module FQN (``fqn_of(node)``), in graph order."""
+    ops = grouped_mm_ops()
+    found: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ops:
+            found.setdefault(fqn_of(node), []).append(node)
+    return found
+
+
+def not_row_wise(first: fx.Node, second: fx.Node) -> str | None:
+    """Why the ops from the first grouped matmul to the second do not act on each row alone (None: they do).
+
+    Expert parallelism computes another set of rows in another order; tensor parallelism splits each row's
+    columns, which a row-wise op keeps apart as long as the placements say so."""
+    seen, todo = set(), list(second.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen or n is first:
+            continue
+        seen.add(n)
+        if not reaches(first, n):
+            continue  # the weights and what else feeds the row-wise part from outside it
+        if n.op != "call_function" or (n.target not in ROW_OPS and n.target.__name__ != "getitem"):
+            return f"{n.name} ({n.target}) between the experts' grouped matmuls is not an op known to act row by row"
+        dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+        if n.target in (aten.chunk.default, aten.split.Tensor) and dim % n.args[0].meta["val"].dim() == 0:
+            return f"{n.name} splits the rows between the grouped matmuls"
+        todo.extend(n.all_input_nodes)
+    return None
+
+
+def reaches(src: fx.Node, dst: fx.Node) -> bool:
+    todo, seen = [dst], set()
+    while todo:
+        n = todo.pop()
+        if n is src:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False

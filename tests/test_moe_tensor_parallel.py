@@ -1,0 +1,298 @@
+"""Tensor parallelism inside mixture-of-experts experts (``moe_tp_experts``) trains as one device does, with each
+tp rank holding 1/tp of every expert's intermediate size.
+
+transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 plans name ``moe_tp_experts``; under ``--tp`` fxshard honors it:
+``gate_up_proj [E, 2I, H]`` is split S(1)x2 (the gate's and the up half's I/tp columns), ``down_proj [E, H, I]``
+S(2), the second grouped matmul's partial sums are all-reduced over tp and the routed rows' gradient is summed
+over tp (``copy_to``).  Tiny models are trained for 3 AdamW steps on real gloo process groups through
+``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), alone at tp=2 and with pp=2, dp=2 ZeRO 1
+to 3, --sp, bf16 and recompute; losses must match single-device training within 1e-5 relative (bf16: 2e-2) and the
+trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_expert_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.manifest import read_manifest
+from fxshard.compiler import compile as compile_model
+from fxshard.compiler import compile_program
+from fxshard.errors import PlanError, ShardingError
+from fxshard.ir.context import Layout, spec
+from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
+from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.train.optim import OptimConfig
+from fxshard.train.reference import reference_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "tests" / "models"
+QWEN, MIXTRAL, SPARSE = MODELS / "hf_qwen3_moe.py", MODELS / "hf_mixtral.py", MODELS / "hf_moe_sparse.py"
+DEEPSEEK = ROOT / "zoo" / "models" / "deepseek_v3.py"
+STEPS = 3
+REL = 1e-5
+BF16_REL = 2e-2  # as tests/test_training_layouts.py: bf16 losses are rounded to 8 significant bits
+EXPERTS = "model.layers.*.mlp.experts"
+CASES = {
+    "qwen3moe-tp2": (QWEN, Layout(tp=2)),
+    "mixtral-tp2": (MIXTRAL, Layout(tp=2)),
+    "deepseek-v3-tp2": (DEEPSEEK, Layout(tp=2)),
+    "mixtral-tp2-sp": (MIXTRAL, Layout(tp=2, sp=True)),  # tokens gathered before the router, as without --sp  # shared experts (a dense MLP, split as Linears) beside the routed
+    # 16 experts, 8 (token, expert) pairs per dp rank: at least half the experts get no row (empty groups)
+    "sparse-tp2-dp2-zero1": (SPARSE, Layout(tp=2, dp=2, zero=1)),
+    "qwen3moe-tp2-pp2": (QWEN, Layout(tp=2, pp=2)),
+    "mixtral-tp2-dp2-zero3": (MIXTRAL, Layout(tp=2, dp=2, zero=3)),
+    "qwen3moe-tp2-dp2-zero2-bf16": (QWEN, Layout(tp=2, dp=2, zero=2, dtype="bf16")),
+    "mixtral-tp2-dp2-zero1-full": (MIXTRAL, Layout(tp=2, dp=2, zero=1, recompute="full")),
+}
+
+
+def _train_one(out: str):
+    from fxshard.train.launch import train
+
+    state: dict = {}
+    memory: dict = {}
+    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state, memory=memory)
+    return losses, state, memory
+
+
+@pytest.fixture(scope="module")
+def trained(request, tmp_path_factory):
+    folders: dict[int, list[tuple[str, Path]]] = {}
+    results: dict = {}
+    for case in selected_cases(request, CASES):
+        path, layout = CASES[case]
+        out = tmp_path_factory.mktemp(case)
+        try:
+            compile_model(path, layout, out=out)
+        except Exception as e:
+            results[case] = CaseFailure(f"compile failed: {type(e).__name__}: {e}")
+            continue
+        folders.setdefault(layout.world_size, []).append((case, out))
+    for world, items in folders.items():
+        found = spawn_cases(_train_one, world, [(case, (str(o),)) for case, o in items])
+        for case, out in items:
+            results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
+    return results
+
+
+_REFERENCE: dict[tuple, tuple[list[float], dict]] = {}
+
+
+def _reference(path: Path, dtype: str = "fp32") -> tuple[list[float], dict]:
+    if (path, dtype) not in _REFERENCE:
+        final: dict = {}
+        losses = reference_losses(load_model_file(path), STEPS, OptimConfig(), dtype=dtype, final_state=final)
+        _REFERENCE[path, dtype] = (losses, final)
+    return _REFERENCE[path, dtype]
+
+
+def _expert_entries(entry) -> dict:
+    return {k: t for k, t in entry.tensors.items() if ".mlp.experts." in t.source}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_tp_experts_training_matches_single_device(trained, case):
+    path, layout = CASES[case]
+    per_rank, manifest = case_result(trained, case)
+    want, single = _reference(path, layout.dtype)
+    rel = BF16_REL if layout.mixed else REL
+    for rank, (losses, _, _) in enumerate(per_rank):
+        for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
+            assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
+    params = gather_parameters(manifest, states={r: st for r, (_, st, _) in enumerate(per_rank)})
+    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
+    rows = compare_parameters(params, single, initial)
+    assert {r["fqn"] for r in rows} == set(single)
+    share = update_share(rows)
+    worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
+    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
+    experts = [r for r in rows if ".mlp.experts." in r["fqn"]]
+    assert experts and update_share(experts) <= DEFAULT_PARAM_RTOL[layout.dtype], case  # the experts on their own
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_tp_rank_holds_one_tp_th_of_the_experts(trained, case):
+    """From the manifest (gate_up S(1)x2, down S(2)) and measured by the --memory-report probe: the parameters a
+    rank holds count each expert weight at 1/tp of its elements."""
+    _, layout = CASES[case]
+    per_rank, manifest = case_result(trained, case)
+    for rank, (_, _, memory) in enumerate(per_rank):
+        entry = manifest.rank(layout.coords(rank))
+        experts = _expert_entries(entry)
+        assert experts, (case, rank)
+        for key, t in experts.items():
+            want = "Shard(1, blocks=2)" if t.source.endswith("gate_up_proj") else "Shard(2)"
+            assert t.placement == want and t.axis == "tp", (case, key, t.placement)
+            assert math.prod(t.shape) * layout.tp == math.prod(t.global_shape), (case, key, t.shape)
+            assert t.slice.index == layout.coords(rank)["tp"] and t.slice.parts == layout.tp
+        held = sum(math.prod(t.shape) for t in entry.tensors.values() if t.kind == "parameter")
+        assert memory["psi"] == held, (case, rank, memory["psi"], held)
+
+
+def _routed_pairs(path: Path, dp: int) -> list[torch.Tensor]:
+    """The expert ids each experts module gets in step 1 on each dp rank, from the one-device model."""
+    model_file = load_model_file(path)
+    model, (batch,) = model_file.build_model(0), model_file.batches(1, 0)
+    found = []
+    hooks = [m.register_forward_pre_hook(lambda _, args: found.append(args[1].detach().flatten()))
+             for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    for part in range(dp):
+        model(**{k: v.tensor_split(dp)[part] if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+    for h in hooks:
+        h.remove()
+    return found
+
+
+def test_the_sparse_case_has_experts_without_a_token():
+    experts = load_model_file(SPARSE).build_model(0).config.num_experts
+    for ids in _routed_pairs(SPARSE, dp=2):
+        assert len(set(ids.tolist())) < experts, ids  # some expert gets no row: an empty group on every tp rank
+
+
+def test_the_rank_file_splits_the_grouped_matmuls_and_reduces_once(tmp_path):
+    result = compile_model(QWEN, Layout(tp=2), out=tmp_path / "out")
+    source = result.sources["rank_pp0_tp0.py"]
+    assert "mlp.experts  Qwen3MoeExperts  expert tensor-parallel" in source
+    assert "mlp.experts.gate_up_proj  S(1)x2 on tp  global [4, 32, 32]" in source
+    assert "mlp.experts.down_proj  S(2) on tp  global [4, 32, 16]" in source
+    lines = source.splitlines()
+    first = next(i for i, line in enumerate(lines) if "grouped_mm_fallback.default(" in line)
+    assert "rt.copy_to(" in lines[first - 1] and "[64, 16] f32 S(1)x2" in lines[first]
+    second = next(i for i, line in enumerate(lines[first + 1:], first + 1) if "grouped_mm_fallback.default(" in line)
+    assert "P(sum)" in lines[second] and "rt.all_reduce(" in lines[second + 1]
+    # per layer: the attention's and the experts' all-reduce forward, nothing else over tp inside the experts
+    assert sum("rt.all_reduce(" in line for line in lines[first:second + 2]) == 1
+    notes = " ".join(result.ctx.notes)
+    assert "moe_tp_experts" not in notes and "packed_colwise" not in notes  # honored, so not a difference to note
+
+
+def test_a_user_plan_keeps_the_experts_whole():
+    ctx = compile_program(QWEN, Layout(tp=2), plan={EXPERTS: fxshard.replicate()}).ctx
+    for node in ctx.params:
+        if "experts" in node.name:
+            assert str(spec(node).placement) == "R", node.name
+
+
+def test_an_intermediate_size_tp_does_not_divide_is_refused_naming_the_module():
+    with pytest.raises(ShardingError, match=r"model\.layers\.0\.mlp\.experts: moe_tp_experts splits each expert's "
+                                            r"intermediate size 6 over tp=4, which 4 does not divide; use tp in "
+                                            r"\{1, 2, 3, 6\}, or keep the experts whole .*fxshard\.replicate\(\)"):
+        compile_program(MODELS / "hf_qwen3_moe_odd_experts.py", Layout(tp=4))
+
+
+def test_a_user_plan_on_a_module_without_grouped_matmuls_is_refused():
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp: moe_tp_experts expected two grouped matmuls .*"
+                                        r"found 0\. Keep the experts whole"):
+        compile_program(QWEN, Layout(tp=2), plan={"model.layers.*.mlp": fxshard.moe_tp_experts()})
+
+
+def test_experts_whose_columns_are_not_kept_apart_are_refused():
+    # GPT-OSS: gate and up interleaved (h[..., ::2], h[..., 1::2]) between the grouped matmuls, and expert biases
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.mlp\.experts: moe_tp_experts cannot split each row's "
+                                        r"columns exactly: slice_\d+ \(aten\.slice\.Tensor\) .* not an op known to "
+                                        r"act row by row\. Keep the experts whole"):
+        compile_program(MODELS / "hf_gpt_oss.py", Layout(tp=2), plan={EXPERTS: "moe_tp_experts"})
+
+
+def test_with_ep_the_models_plan_is_a_note_and_a_users_plan_an_error():
+    ctx = compile_program(QWEN, Layout(tp=2, dp=2, ep=2)).ctx
+    assert any("under --ep 2 the experts are split over ep and stay whole on every tp rank" in n for n in ctx.notes)
+    for node in ctx.params:
+        if "experts" in node.name:
+            assert str(spec(node).placement) == "R", node.name
+    with pytest.raises(PlanError, match=r"user plan splits the experts over tp \(moe_tp_experts\) and --ep 2 .* not "
+                                        r"supported yet: drop --ep"):
+        compile_program(QWEN, Layout(tp=2, dp=2, ep=2), plan={EXPERTS: "moe_tp_experts"})
+
+
+def test_plan_counts_the_experts_split():
+    from fxshard.tools.costs import plan_costs
+
+    (whole,) = plan_costs(QWEN, Layout(tp=2), plan={EXPERTS: fxshard.replicate()}).ranks
+    (split,) = plan_costs(QWEN, Layout(tp=2)).ranks
+    experts = 2 * 4 * 3 * 32 * 16  # layers x experts x (gate, up, down) x H x I
+    assert whole["psi"].value - split["psi"].value == experts // 2
+
+
+def _train_saving(out: str, ckpt):
+    from fxshard.train.launch import train
+
+    state: dict = {}
+    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state, checkpoint=ckpt)
+    return losses, state
+
+
+@pytest.mark.distributed
+def test_checkpoints_of_split_experts_resume_at_other_layouts_and_export_to_the_transformers_class(tmp_path):
+    """A tp=2 run saves every step (each tp rank its 1/tp of every expert); its step-1 checkpoint resumes at tp=2 and
+    at dp=2 (the experts whole), both continuing as the uninterrupted run and one device; the exported folder loads
+    in ``Qwen3MoeForCausalLM`` with the experts the tp ranks held, joined."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
+    from fxshard.train.export import export_hf
+
+    layouts = {"tp2": Layout(tp=2), "tp2-resumed": Layout(tp=2), "dp2-resumed": Layout(dp=2)}
+    for name, layout in layouts.items():
+        compile_model(QWEN, layout, out=tmp_path / name)
+    ckpt = tmp_path / "ckpt"
+    saved = spawn_cases(_train_saving, 2, [("tp2", (str(tmp_path / "tp2"), CheckpointConfig(ckpt, 1)))])
+    resumed = spawn_cases(_train_saving, 2, [(name, (str(tmp_path / name),
+                                                      CheckpointConfig(ckpt / "step-00000001", resume=True)))
+                                             for name in ("tp2-resumed", "dp2-resumed")])
+    want, single = _reference(QWEN)
+    uninterrupted = case_result(saved, "tp2")
+    for name in ("tp2-resumed", "dp2-resumed"):
+        for rank, (losses, _) in enumerate(case_result(resumed, name)):
+            for step, (got, ref, one) in enumerate(zip(losses, uninterrupted[0][0][1:], want[1:], strict=True), 2):
+                assert abs(got - ref) <= REL * abs(ref), f"{name} rank {rank} step {step}: {got} vs {ref}"
+                assert abs(got - one) <= REL * abs(one), f"{name} rank {rank} step {step}: {got} vs one device {one}"
+    expert = "model.layers.0.mlp.experts.gate_up_proj"
+    assert CheckpointReader(ckpt / "step-00000001").tensor(expert).shape == (4, 32, 32)  # the tp halves joined
+    export_hf(ckpt, tmp_path / "hf")
+    loaded = dict(Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    trained = gather_parameters(read_manifest(tmp_path / "tp2"),
+                                states={r: st for r, (_, st) in enumerate(uninterrupted)})
+    assert set(trained) == set(loaded)
+    for name, value in trained.items():  # what the tp ranks held at the end, bit for bit
+        assert torch.equal(loaded[name].detach(), value), name
+    initial = dict(load_model_file(QWEN).build_model(0).named_parameters(remove_duplicate=False))
+    for name in ("dp2-resumed",):
+        per_rank = case_result(resumed, name)
+        params = gather_parameters(read_manifest(tmp_path / name), states={r: st for r, (_, st) in enumerate(per_rank)})
+        assert update_share(compare_parameters(params, single, initial)) <= DEFAULT_PARAM_RTOL["fp32"], name
+
+
+def _norm_after_backward(out: str) -> float:
+    """The global gradient norm ``fxshard run --clip-grad-norm`` clips by in its first step."""
+    import fxshard.train.launch as launch
+    from fxshard.train.optim import clip_grad_norm_
+
+    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # the clipping path runs; nothing is scaled
+    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
+    found = []
+    launch.clip_grad_norm_ = lambda pairs, max_norm, group=None: found.append(clip_grad_norm_(pairs, math.inf))
+    launch._train_step(run, 1, config, None)
+    return found[0]
+
+
+@pytest.mark.distributed
+def test_global_gradient_norm_counts_each_split_expert_once(tmp_path):
+    """Each tp rank's slice of an expert is a different part of its gradient: counted whole, not divided by tp as
+    the replicated parameters' are."""
+    compile_model(QWEN, Layout(tp=2), out=tmp_path / "tp2")
+    found = spawn_cases(_norm_after_backward, 2, [("tp2", (str(tmp_path / "tp2"),))])
+    model_file = load_model_file(QWEN)
+    model = model_file.build_model(0)
+    model(**model_file.batches(1, 0)[0]).loss.backward()
+    want = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
+    for rank, got in enumerate(case_result(found, "tp2")):
+        assert abs(got - want) <= 1e-5 * want, f"rank {rank}: the norm is {got}, single device {want}"
