@@ -61,6 +61,7 @@ CASES = {  # id -> (folder, layout)
     "mixtral-tp2": ("mixtral", Layout(tp=2)),
     "mixtral-dp2-ep2": ("mixtral", Layout(dp=2, ep=2)),
     "qwen-tp2-bf16": ("qwen", Layout(tp=2, dtype="bf16")),  # bf16 compute, the slices read into fp32 masters
+    "qwen-pp2": ("qwen", Layout(pp=2)),  # each stage reads its own layers' experts
 }
 
 
@@ -242,6 +243,14 @@ def test_missing_expert_tensor_is_named(folders, tmp_path):
     with pytest.raises(WeightsError, match=r"tensor model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight is missing "
                                            r"from the checkpoint: the model's model\.layers\.1\.mlp\.experts\."
                                            r"gate_up_proj stacks 4 experts"):
+        compile_model(_model_file(folder), Layout(dp=2, ep=2), weights=folder)
+    for e in range(4):  # a whole layer's experts: the stacked name, and the per-expert names transformers reads
+        for w in ("gate", "up"):
+            tensors.pop(f"model.layers.1.mlp.experts.{e}.{w}_proj.weight", None)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightsError, match=r"tensor model\.layers\.1\.mlp\.experts\.gate_up_proj is missing from the "
+                                           r"checkpoint, neither stacked nor one tensor per expert as "
+                                           r"transformers' table reads it \('mlp\.experts\.\*\.gate_proj\.weight', 'mlp\.experts\.\*\.up_proj"):
         compile_model(_model_file(folder), Layout(dp=2, ep=2), weights=folder)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fxshard.capture.program import Program
-from fxshard.codegen.hub_layout import Piece, hub_names
+from fxshard.codegen.hub_layout import Piece, hub_names, hub_sources
 from fxshard.codegen.manifest import CheckpointPiece, CheckpointRef, Manifest, WeightsSource
 from fxshard.errors import WeightsError, warn
 from fxshard.runtime.slices import take
@@ -96,7 +96,10 @@ def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
         if name is None:
             if spec.kind == "buffer":
                 continue  # not saved (rotary tables, masks): the compiled value is used
-            raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint "
+            hub = hub_sources(program.model, spec.fqn)
+            also = f", neither stacked nor one tensor per expert as transformers' table reads it ({', '.join(map(repr, hub))})" \
+                if hub else ""
+            raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint{also} "
                                f"({len(files)} tensors in {_file_list(files)}); the model needs it — {FIX}")
         found = name if name in files else built[name]
         if isinstance(found, tuple):
