@@ -89,6 +89,9 @@ def folders(tmp_path_factory):
         model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(root / name)
         found[name] = root / name
+        if name == "mixtral":  # sharded with an index: the pieces of one stacked tensor in several files
+            model.save_pretrained(root / "mixtral_sharded", max_shard_size="40KB")
+            found["mixtral_sharded"] = root / "mixtral_sharded"
         if name == "qwen":  # as some conversions store it: the model's own state dict, experts stacked
             (root / "qwen_stacked").mkdir()
             shutil.copy(root / name / "config.json", root / "qwen_stacked")
@@ -131,17 +134,20 @@ def _load_ranks(out: Path, monkeypatch):
         yield entry, dict(module.named_parameters()) | dict(module.named_buffers()), list(reads)
 
 
-@pytest.mark.parametrize("case", ["qwen-tp2", "qwen-dp2-ep2", "mixtral-tp2", "mixtral-dp2-ep2", "qwen_stacked-tp2"])
+@pytest.mark.parametrize("case", ["qwen-tp2", "qwen-dp2-ep2", "mixtral-tp2", "mixtral-dp2-ep2", "mixtral_sharded-tp2",
+                                  "qwen_stacked-tp2"])
 def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkeypatch):
     name, layout = case.split("-")[0], Layout(tp=2) if case.endswith("tp2") else Layout(dp=2, ep=2)
     folder = folders[name]
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
+    on_disk = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        on_disk |= load_file(str(file))
+    keys = set(on_disk)
     expert = {"qwen": "model.layers.1.mlp.experts.3.up_proj.weight", "mixtral":
-              "model.layers.1.block_sparse_moe.experts.3.w3.weight"}.get(name)
+              "model.layers.1.block_sparse_moe.experts.3.w3.weight"}.get(name.removesuffix("_sharded"))
     stacked = "model.layers.1.mlp.experts.gate_up_proj"
     assert (expert in keys and stacked not in keys) if expert else stacked in keys  # hub layout on disk, or stacked
-    full, on_disk = _from_pretrained(folder), load_file(str(folder / "model.safetensors"))
+    full = _from_pretrained(folder)
     compile_model(_model_file(folder), layout, out=tmp_path, weights=folder)
     for entry, own, reads in _load_ranks(tmp_path, monkeypatch):
         for key, t in entry.tensors.items():
@@ -159,6 +165,8 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
             assert experts == {"0", "1", "2", "3"} and len(reads) == len(names) == 2 * 4 * 3
             assert all(2 * b == on_disk[n].numel() * 4 for n, b in reads)
         built = [t for t in entry.tensors.values() if t.checkpoint is not None and t.checkpoint.pieces]
+        if name == "mixtral_sharded":
+            assert len({p.file for t in built for p in t.checkpoint.pieces}) > 1
         assert len(built) == 4 and sum(b for _, b in reads) == sum(4 * torch.Size(t.shape).numel() for t in built)
 
 
