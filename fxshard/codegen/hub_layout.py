@@ -91,7 +91,7 @@ def _conversions(model) -> list:
         return []
     if not isinstance(model, PreTrainedModel):
         return []
-    return get_model_conversion_mapping(model, add_legacy=False)
+    return get_model_conversion_mapping(model)  # with the legacy renamings (LayerNorm.gamma), as from_pretrained
 
 
 def _pieces(target: str, shape: tuple[int, ...], got: dict) -> tuple[Piece, ...]:

@@ -153,8 +153,7 @@ def read_built(spec: dict) -> torch.Tensor:
                 if lo < hi:
                     region = [slice(s, s + n) for s, n in zip(start, box, strict=True)]
                     region[dim] = slice(lo, hi)
-                    value = read_region(files, piece, [r for d, r in enumerate(region) if d != stack],
-                                        start).unsqueeze(stack)
+                    value = read_region(files, piece, region).unsqueeze(stack)
                     if out is None:
                         out = torch.empty(local, dtype=value.dtype)
                     region[dim] = slice(at + lo - a, at + hi - a)
@@ -174,16 +173,16 @@ def read_built(spec: dict) -> torch.Tensor:
     return out
 
 
-def read_region(files: dict, piece: dict, region: list[slice], start: list[int]) -> torch.Tensor:
-    """``region`` (in the built tensor's coordinates, the stack dimension left out) of one piece, read from its file
-    (kept open in ``files`` for the pieces after it)."""
+def read_region(files: dict, piece: dict, region: list[slice]) -> torch.Tensor:
+    """``region`` of the built tensor (inside the piece's box), read from the piece as the checkpoint holds it: the
+    stack dimension left out, offsets made the piece's own.  Files stay open in ``files`` for the pieces after it."""
     from safetensors import safe_open
 
     if piece["file"] not in files:
         files[piece["file"]] = safe_open(piece["file"], framework="pt").__enter__()
-    own = [s for d, s in enumerate(start) if d != piece["stack"]]
-    return files[piece["file"]].get_slice(piece["name"])[tuple(slice(r.start - o, r.stop - o)
-                                                               for r, o in zip(region, own, strict=True))]
+    own = tuple(slice(r.start - s, r.stop - s) for d, (r, s) in enumerate(zip(region, piece["start"], strict=True))
+                if d != piece["stack"])
+    return files[piece["file"]].get_slice(piece["name"])[own]
 
 
 def load_checkpoint_tensors(targets: dict[str, torch.Tensor], specs: dict[str, dict], path: Path) -> int:
