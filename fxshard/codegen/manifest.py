@@ -78,11 +78,36 @@ class WeightsSource(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointRef(_Record):
-    """Where a tensor the weights shard does not hold is read from at run time."""
+class CheckpointPiece(_Record):
+    """One checkpoint tensor inside a tensor built from several (an expert's ``gate_proj`` inside ``gate_up_proj``):
+    it fills ``start[d]:start[d] + shape`` of each dimension of the built tensor but ``stack``, where it is the
+    single index ``start[stack]``."""
 
-    name: str  # tensor name in the checkpoint
+    name: str
     file: str
+    shape: tuple[int, ...]  # its own, as the checkpoint holds it
+    start: tuple[int, ...]  # in the built tensor
+    stack: int
+
+
+@dataclass(frozen=True)
+class CheckpointRef(_Record):
+    """Where a tensor the weights shard does not hold is read from at run time: one checkpoint tensor, or (``pieces``)
+    the model's name for a tensor transformers builds from several (hub checkpoints store experts one by one)."""
+
+    name: str  # tensor name in the checkpoint, or the model's name when built from pieces
+    file: str | None  # None when built from pieces
+    pieces: tuple[CheckpointPiece, ...] = ()
+
+    def to_json(self) -> dict:
+        data = {"name": self.name, "file": self.file}
+        if self.pieces:  # written only when built: manifests of plain checkpoints stay byte for byte
+            data["pieces"] = [p.to_json() for p in self.pieces]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> CheckpointRef:
+        return cls(data["name"], data["file"], tuple(CheckpointPiece.from_json(p) for p in data.get("pieces", ())))
 
 
 @dataclass(frozen=True)

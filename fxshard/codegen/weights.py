@@ -14,13 +14,14 @@ tensor data is checked here, from the safetensors headers and ``config.json``::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from fxshard.capture.program import Program
-from fxshard.codegen.manifest import CheckpointRef, Manifest, WeightsSource
+from fxshard.codegen.hub_layout import Piece, hub_names, hub_sources
+from fxshard.codegen.manifest import CheckpointPiece, CheckpointRef, Manifest, WeightsSource
 from fxshard.errors import WeightsError, warn
 from fxshard.runtime.slices import take
 
@@ -36,12 +37,22 @@ FIX = "point --weights at the folder this model's configuration came from, or bu
 @dataclass
 class CheckpointSource:
     dir: Path
-    names: dict[str, str]  # state fqn in the program -> tensor name in the checkpoint
+    names: dict[str, str]  # state fqn in the program -> tensor name in the checkpoint (the fqn itself when built)
     files: dict[str, str]  # checkpoint tensor name -> absolute file path
+    # state fqn -> (piece, its shape): the tensors transformers builds from several (hub experts, one tensor each)
+    pieces: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
 
     def record(self) -> WeightsSource:
         """The manifest's ``weights`` section: the folder and, by tensor name, the file each rank reads."""
         return WeightsSource(str(self.dir), dict(sorted(self.files.items())))
+
+    def ref(self, fqn: str) -> CheckpointRef:
+        """The manifest's record of where ``fqn`` is read from."""
+        if fqn not in self.pieces:
+            name = self.names[fqn]
+            return CheckpointRef(name, self.files[name])
+        return CheckpointRef(fqn, None, tuple(CheckpointPiece(p.name, self.files[p.name], p.shape, p.start, p.stack)
+                                              for p in self.pieces[fqn]))
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -72,34 +83,70 @@ def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
     folder = Path(folder).resolve()
     files = tensor_files(folder)
     _check_config(folder, program)
-    names = {}
+    wanted = {s.fqn: tuple(program.tensors[s.fqn].shape) for s in program.state if s.kind != "constant"}
+    try:
+        built = hub_names(program.model, files, wanted)
+    except WeightsError as e:
+        raise WeightsError(f"{folder}: {e}") from None
+    names, pieces = {}, {}
     for spec in program.state:
         if spec.kind == "constant":
             continue
-        name = _checkpoint_name(spec.fqn, program, files)
+        name = _checkpoint_name(spec.fqn, program, files) or _checkpoint_name(spec.fqn, program, built)
         if name is None:
             if spec.kind == "buffer":
                 continue  # not saved (rotary tables, masks): the compiled value is used
-            raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint "
+            hub = hub_sources(program.model, spec.fqn)
+            also = f", neither stacked nor one tensor per expert as transformers' table reads it ({', '.join(map(repr, hub))})" \
+                if hub else ""
+            raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint{also} "
                                f"({len(files)} tensors in {_file_list(files)}); the model needs it — {FIX}")
-        names[spec.fqn] = name
+        found = name if name in files else built[name]
+        if isinstance(found, tuple):
+            names[spec.fqn] = spec.fqn
+            pieces[spec.fqn] = found
+        else:
+            names[spec.fqn] = found
     headers: dict[Path, dict] = {}
-    for fqn, name in names.items():
+
+    def header(name: str) -> tuple[Path, list[int], str]:
         path = files[name]
         if path not in headers:
             headers[path] = _header(path, name)
         if name not in headers[path]:
             raise WeightsError(f"{path}: the index names it for tensor {name}, but the file does not hold it; "
                                "re-save the checkpoint")
-        shape, dtype = headers[path][name]
+        return path, *headers[path][name]
+
+    for fqn, name in names.items():
         expected = program.tensors[fqn]
+        if fqn in pieces:
+            for piece in pieces[fqn]:
+                _check_piece(piece, header(piece.name), fqn, expected)
+            continue
+        path, shape, dtype = header(name)
         if tuple(shape) != tuple(expected.shape):
             raise WeightsError(f"{path}: tensor {name} has shape {list(shape)}, the model (its config) expects "
                                f"{list(expected.shape)} for {fqn}; {FIX}")
-        if _is_float(dtype) != expected.is_floating_point():
-            raise WeightsError(f"{path}: tensor {name} has dtype {dtype}, the model expects "
-                               f"{str(expected.dtype).removeprefix('torch.')} for {fqn}; {FIX}")
-    return CheckpointSource(folder, names, {names[f]: str(files[names[f]]) for f in names})
+        _check_kind(path, name, dtype, fqn, expected)
+    used = {p.name for built_pieces in pieces.values() for p in built_pieces} | {
+        n for f, n in names.items() if f not in pieces}
+    return CheckpointSource(folder, names, {n: str(files[n]) for n in sorted(used)}, pieces)
+
+
+def _check_piece(piece: Piece, found: tuple[Path, list[int], str], fqn: str, expected: torch.Tensor) -> None:
+    """A piece's shape is its share of the built tensor (an expert's gate: ``[I, H]`` of ``gate_up_proj [E, 2I, H]``)."""
+    path, shape, dtype = found
+    if tuple(shape) != piece.shape:
+        raise WeightsError(f"{path}: tensor {piece.name} has shape {list(shape)}, the model (its config) expects "
+                           f"{list(piece.shape)} for it (at {list(piece.start)} of {fqn} {list(expected.shape)}); {FIX}")
+    _check_kind(path, piece.name, dtype, fqn, expected)
+
+
+def _check_kind(path: Path, name: str, dtype: str, fqn: str, expected: torch.Tensor) -> None:
+    if _is_float(dtype) != expected.is_floating_point():
+        raise WeightsError(f"{path}: tensor {name} has dtype {dtype}, the model expects "
+                           f"{str(expected.dtype).removeprefix('torch.')} for {fqn}; {FIX}")
 
 
 def _checkpoint_name(fqn: str, program: Program, files: dict) -> str | None:
@@ -198,7 +245,7 @@ def external_weights(manifest: Manifest, shards: dict[str, dict], source: Checkp
         for key, t in entry.tensors.items():
             name = source.names.get(t.source) if source is not None else None
             if name is not None:
-                entries[key] = replace(t, in_shard=False, checkpoint=CheckpointRef(name, source.files[name]))
+                entries[key] = replace(t, in_shard=False, checkpoint=source.ref(t.source))
             elif tensors[key].is_meta:
                 if source is not None and t.kind == "constant":
                     raise WeightsError(f"{source.dir}: {t.source} is a tensor made inside forward (a lifted "
@@ -227,6 +274,7 @@ def shard_metadata(manifest: Manifest, shard: str) -> dict[str, str] | None:
     if manifest.weights.dir is None:
         return {KEY: json.dumps({"dir": None})}
     entry = next(e for e in manifest.ranks if e.weights == shard)
-    refs = {k: t.checkpoint.to_json() | {"slice": t.slice.to_json()} for k, t in entry.tensors.items()
-            if t.checkpoint is not None}
+    refs = {k: t.checkpoint.to_json() | {"slice": t.slice.to_json()}
+            | ({"shape": list(t.global_shape)} if t.checkpoint.pieces else {})
+            for k, t in entry.tensors.items() if t.checkpoint is not None}
     return {KEY: json.dumps({"dir": manifest.weights.dir, "tensors": refs}, sort_keys=True)}

@@ -22,6 +22,7 @@ never the full tensor::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,8 @@ def read_slice(spec: dict) -> torch.Tensor:
     """The part of a checkpoint tensor that ``spec`` names, reading only that part."""
     from safetensors import safe_open
 
+    if spec.get("pieces"):
+        return read_built(spec)
     file, name, sl = spec["file"], spec["name"], SliceSpec.from_json(spec["slice"])
     try:
         with safe_open(file, framework="pt") as f:
@@ -122,6 +125,64 @@ def read_slice(spec: dict) -> torch.Tensor:
     except Exception as e:  # a file changed or truncated after compile
         raise OutputFolderError(f"{file}: cannot read tensor {name} ({type(e).__name__}: {e}); check the "
                                 "checkpoint folder is complete, then recompile with --weights") from e
+
+
+def read_built(spec: dict) -> torch.Tensor:
+    """This rank's part of a tensor built from several checkpoint tensors (``spec["pieces"]``: hub experts, one
+    tensor each, inside the model's stacked ``gate_up_proj``), reading from each piece only what the part covers:
+    under ``--ep`` the rank's experts and no other, under ``moe_tp_experts`` its rows of each expert::
+
+        spec = {"name": "model.layers.0.mlp.experts.gate_up_proj", "shape": [4, 32, 32],
+                "slice": {"dim": 1, "index": 1, "parts": 2, "blocks": 2},
+                "pieces": [{"name": "model.layers.0.mlp.experts.0.gate_proj.weight", "file": "/ckpt/model.safetensors",
+                            "shape": [16, 32], "start": [0, 0, 0], "stack": 0}, ...]}
+    """
+    shape, sl = spec["shape"], SliceSpec.from_json(spec["slice"])
+    dim = sl.dim
+    ranges = sl.ranges(shape[dim]) if sl.parts > 1 else [(0, shape[dim])]
+    local = list(shape)
+    local[dim] = sum(b - a for a, b in ranges)
+    out, filled, files = None, 0, {}
+    try:
+        for piece in spec["pieces"]:
+            start, stack = piece["start"], piece["stack"]
+            box = [*piece["shape"][:stack], 1, *piece["shape"][stack:]]
+            at = 0
+            for a, b in ranges:
+                lo, hi = max(a, start[dim]), min(b, start[dim] + box[dim])
+                if lo < hi:
+                    region = [slice(s, s + n) for s, n in zip(start, box, strict=True)]
+                    region[dim] = slice(lo, hi)
+                    value = read_region(files, piece, region).unsqueeze(stack)
+                    if out is None:
+                        out = torch.empty(local, dtype=value.dtype)
+                    region[dim] = slice(at + lo - a, at + hi - a)
+                    out[tuple(region)] = value
+                    filled += value.numel()
+                at += b - a
+    except Exception as e:  # a file changed or truncated after compile
+        raise OutputFolderError(f"{piece['file']}: cannot read tensor {piece['name']} (part of {spec['name']}: "
+                                f"{type(e).__name__}: {e}); check the checkpoint folder is complete, then recompile "
+                                "with --weights") from e
+    finally:
+        for f in files.values():
+            f.__exit__(None, None, None)
+    if out is None or filled != out.numel():
+        raise OutputFolderError(f"{spec['name']}: its pieces cover {filled} of the {math.prod(local)} values of this "
+                                "rank's slice; recompile with --weights")
+    return out
+
+
+def read_region(files: dict, piece: dict, region: list[slice]) -> torch.Tensor:
+    """``region`` of the built tensor (inside the piece's box), read from the piece as the checkpoint holds it: the
+    stack dimension left out, offsets made the piece's own.  Files stay open in ``files`` for the pieces after it."""
+    from safetensors import safe_open
+
+    if piece["file"] not in files:
+        files[piece["file"]] = safe_open(piece["file"], framework="pt").__enter__()
+    own = tuple(slice(r.start - s, r.stop - s) for d, (r, s) in enumerate(zip(region, piece["start"], strict=True))
+                if d != piece["stack"])
+    return files[piece["file"]].get_slice(piece["name"])[own]
 
 
 def load_checkpoint_tensors(targets: dict[str, torch.Tensor], specs: dict[str, dict], path: Path) -> int:
