@@ -67,7 +67,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     experts = expert_split(gm, ctx)
     weights |= experts.weights
     roles |= {fqn: "expert tensor-parallel" for fqn, *_ in experts.layers}
-    prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None)
+    prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None, linear=experts.combine)
     if ctx.layout.sp and not prop.sequence:
         ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
                          "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")

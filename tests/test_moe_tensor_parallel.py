@@ -3,8 +3,8 @@ tp rank holding 1/tp of every expert's intermediate size.
 
 transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 plans name ``moe_tp_experts``; under ``--tp`` fxshard honors it:
 ``gate_up_proj [E, 2I, H]`` is split S(1)x2 (the gate's and the up half's I/tp columns), ``down_proj [E, H, I]``
-S(2), the second grouped matmul's partial sums are all-reduced over tp and the routed rows' gradient is summed
-over tp (``copy_to``).  Tiny models are trained for 3 AdamW steps on real gloo process groups through
+S(2), the second grouped matmul's partial sums pass through the combine and are all-reduced over tp once per layer
+as ``[tokens, H]``, and the routed rows' and routing weights' gradients are summed over tp (``copy_to``).  Tiny models are trained for 3 AdamW steps on real gloo process groups through
 ``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), alone at tp=2 and with pp=2, dp=2 ZeRO 1
 to 3, --sp, bf16 and recompute; losses must match single-device training within 1e-5 relative (bf16: 2e-2) and the
 trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_expert_parallel.py``.
@@ -167,11 +167,59 @@ def test_the_rank_file_splits_the_grouped_matmuls_and_reduces_once(tmp_path):
     first = next(i for i, line in enumerate(lines) if "grouped_mm_fallback.default(" in line)
     assert "rt.copy_to(" in lines[first - 1] and "[64, 16] f32 S(1)x2" in lines[first]
     second = next(i for i, line in enumerate(lines[first + 1:], first + 1) if "grouped_mm_fallback.default(" in line)
-    assert "P(sum)" in lines[second] and "rt.all_reduce(" in lines[second + 1]
+    assert "[64, 32] f32 P(sum)" in lines[second]  # the routed rows' partial sums, reduced after the combine
     # per layer: the attention's and the experts' all-reduce forward, nothing else over tp inside the experts
-    assert sum("rt.all_reduce(" in line for line in lines[first:second + 2]) == 1
+    assert not any("rt.all_reduce(" in line for line in lines[first:second + 1])
     notes = " ".join(result.ctx.notes)
     assert "moe_tp_experts" not in notes and "packed_colwise" not in notes  # honored, so not a difference to note
+
+
+def _combine_sizes(path: Path) -> tuple[int, int, int, int]:
+    """Tokens T (of one example batch), hidden size H, top-k and MoE layers of a model file, from the model and
+    its inputs."""
+    model_file = load_model_file(path)
+    model, (batch,) = model_file.build_model(0), model_file.batches(1, 0)
+    layers = sum(name.endswith("mlp.experts") for name, _ in model.named_modules())
+    return batch["input_ids"].numel(), model.config.hidden_size, model.config.num_experts_per_tok, layers
+
+
+@pytest.mark.parametrize("path", [QWEN, MIXTRAL, DEEPSEEK], ids=lambda p: p.stem)
+def test_the_experts_reduce_once_on_the_tokens_after_the_combine(tmp_path, path):
+    """The partial sums of the routed rows ``[T*k, H]`` pass through the combine (times the routing weights, back
+    in token order, each token's k rows summed, a cast to their own dtype) and are all-reduced once per MoE layer
+    as the ``[T, H]`` tokens: k times fewer bytes.  The routing weights' gradient, computed on each rank from its
+    own partial sums, is summed over tp by their ``copy_to`` (``[T*k, 1]``)."""
+    tokens, hidden, k, layers = _combine_sizes(path)
+    result = compile_model(path, Layout(tp=2), out=tmp_path / "out")
+    lines = result.sources["rank_pp0_tp0.py"].splitlines()
+    seconds = [i for i, line in enumerate(lines) if "grouped_mm_fallback.default(" in line][1::2]
+    assert seconds, path  # identical layers share one block class: each experts module's code appears once
+    for second in seconds:
+        rest = lines[second + 1:]
+        reduced = next(i for i, line in enumerate(rest) if "rt.all_reduce(" in line or "rt.reduce_scatter(" in line)
+        assert f"[{tokens}, {hidden}] f32 P(sum) -> R" in rest[reduced], rest[reduced]
+        combine = rest[:reduced]
+        assert [line.split(" = ")[1].split("(")[0] for line in combine if "P(sum)" in line] == [
+            "aten.mul.Tensor", "aten.index.Tensor", "aten.view.default", "aten.sum.dim_IntList", "aten.to.dtype"]
+        weights = next(line for line in combine if "rt.copy_to(" in line)
+        assert f"[{tokens * k}, 1] f32 R -> R" in weights, weights
+    collectives = read_manifest(tmp_path / "out").rank({"pp": 0, "tp": 0}).collectives
+    reductions = [c.shape for c in collectives if c.op == "all_reduce"]
+    assert (tokens * k, hidden) not in reductions and reductions.count((tokens, hidden)) == layers, reductions
+
+
+def test_plan_counts_one_token_sized_reduce_per_moe_layer():
+    """``fxshard plan``'s tp all-reduce elements: splitting the experts adds, per MoE layer, the tokens' forward
+    all-reduce ``T*H`` (not the rows' ``T*k*H``), the routed rows' gradient ``T*k*H`` (their ``copy_to``) and the
+    routing weights' gradient ``T*k``, over keeping the experts whole."""
+    from fxshard.tools.costs import plan_costs
+
+    for path in (QWEN, MIXTRAL, DEEPSEEK):  # DeepSeek-V3's first layer is dense: one MoE layer of two
+        tokens, hidden, k, layers = _combine_sizes(path)
+        (whole,) = plan_costs(path, Layout(tp=2), plan={EXPERTS: fxshard.replicate()}).ranks
+        (split,) = plan_costs(path, Layout(tp=2)).ranks
+        added = split["tp_allreduce"].value - whole["tp_allreduce"].value
+        assert added == layers * (tokens * hidden + tokens * k * hidden + tokens * k), (path.stem, added)
 
 
 def test_a_user_plan_keeps_the_experts_whole():
@@ -296,3 +344,34 @@ def test_global_gradient_norm_counts_each_split_expert_once(tmp_path):
     want = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
     for rank, got in enumerate(case_result(found, "tp2")):
         assert abs(got - want) <= 1e-5 * want, f"rank {rank}: the norm is {got}, single device {want}"
+
+
+def _router_grads_after_backward(out: str) -> dict[str, torch.Tensor]:
+    """This rank's router weight gradients (``mlp.gate.weight``) after the first step's backward."""
+    import fxshard.train.launch as launch
+
+    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # read the gradients where they are clipped, before the step
+    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
+    found: dict[str, torch.Tensor] = {}
+    launch.clip_grad_norm_ = lambda *_, **__: found.update(
+        {f"{prefix}{name}": p.grad.clone() for prefix, m in run.held.items() for name, p in m.named_parameters()
+         if name.endswith("mlp_gate_weight")})
+    launch._train_step(run, 1, config, None)
+    return found
+
+
+@pytest.mark.distributed
+def test_the_routing_weights_gradient_is_summed_over_tp(tmp_path):
+    """The combine multiplies each rank's partial sums by the routing weights, so each rank's gradient for those
+    weights (and the router behind them) is a partial sum too: their ``copy_to`` sums it over tp.  Adam's update
+    hardly sees a gradient's scale; the gradients themselves are compared, on every tp rank."""
+    compile_model(QWEN, Layout(tp=2), out=tmp_path / "tp2")
+    found = spawn_cases(_router_grads_after_backward, 2, [("tp2", (str(tmp_path / "tp2"),))])
+    model_file = load_model_file(QWEN)
+    model = model_file.build_model(0)
+    model(**model_file.batches(1, 0)[0]).loss.backward()
+    for rank, grads in enumerate(case_result(found, "tp2")):
+        assert len(grads) == 2, grads.keys()  # both layers' routers
+        for name, got in grads.items():
+            want = model.get_submodule(name.split(".")[0].replace("_", ".") + ".mlp.gate").weight.grad
+            assert (got - want).norm() <= 1e-5 * want.norm(), f"rank {rank} {name}: {got.norm()} vs {want.norm()}"

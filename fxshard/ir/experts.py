@@ -8,12 +8,13 @@ expert, with the model's cumulative rows per expert as offsets::
     h = grouped_mm(rows, transpose(gate_up_proj), offs)         # row-wise from here ...
     h = act(chunk(h)[0]) * chunk(h)[1]
     out = grouped_mm(h, transpose(down_proj), offs)             # ... to here
+    out = (out * weights.unsqueeze(-1))[inv_perm].view(T, k, H).sum(1).to(dtype)   # the combine
 
 Two transformations read this pattern: expert parallelism (``passes/expert_parallel.py``, the rows moved to
 the rank of their expert) and tensor parallelism inside the experts (``fxshard/plan/experts.py``, each
 expert's intermediate size split over tp).  Both need the same facts, found here once: which nodes are an
 experts module's grouped matmuls, which parameter each one's weight is, and that every op between the two
-acts on each row alone.
+acts on each row alone, and which ops after the second are linear in its rows (the combine).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ WEIGHT_OPS = {aten.transpose.int, aten.to.dtype, aten.contiguous.default, aten._
 ROW_OPS = {aten.chunk.default, aten.split.Tensor, aten.silu.default, aten.gelu.default, aten.relu.default,
            aten.sigmoid.default, aten.tanh.default, aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor,
            aten.to.dtype, aten._to_copy.default, aten.clamp.default, aten.neg.default}
+
+
+# transformers' combine after the second grouped matmul (grouped_mm_experts_forward): weigh each row by its
+# routing weight, gather the rows back into token order, view them [T, k, H], sum each token's k rows, cast
+_COMBINE_OPS = {aten.mul.Tensor, aten.index.Tensor, aten.view.default, aten.reshape.default,
+                aten._unsafe_view.default, aten.sum.dim_IntList, aten.to.dtype}
 
 
 def grouped_mm_ops() -> set:
@@ -110,3 +117,40 @@ def reaches(src: fx.Node, dst: fx.Node) -> bool:
             seen.add(n)
             todo.extend(n.all_input_nodes)
     return False
+
+
+def combine_chain(second: fx.Node, fqn_of) -> list[fx.Node]:
+    """The nodes after an experts module's second grouped matmul, in order, that are linear in its rows (the
+    combine: ``(out * w.unsqueeze(-1))[inv_perm].view(T, k, H).sum(1).to(dtype)``), so that partial sums of
+    the rows may pass through them and be reduced once, on the ``[T, H]`` result, not on the ``[T*k, H]`` rows.
+
+    Each node is the only user of the one before, in the same module (``fqn_of``), keeps its dtype (a cast
+    rounds each partial sum: not linear), and is one of: a product with another value (which must then be the
+    same on every rank: the propagation rule checks placements), a gather of rows by an index, a view, a sum
+    over some dimensions, a cast to its own dtype.  The chain ends before the first node that is none of these."""
+    chain, node, fqn = [], second, fqn_of(second)
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.op != "call_function" or user.target not in _COMBINE_OPS or fqn_of(user) != fqn \
+                or not _linear_in(user, node):
+            break
+        chain.append(user)
+        node = user
+    return chain
+
+
+def _linear_in(node: fx.Node, x: fx.Node) -> bool:
+    """Whether ``node`` (one of ``_COMBINE_OPS``) is linear in its argument ``x``, without a cast."""
+    val, src = node.meta.get("val"), x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.dtype != src.dtype:
+        return False
+    if node.target is aten.mul.Tensor:
+        return (node.args[0] is x) != (node.args[1] is x)  # x * x is not linear
+    if node.args[0] is not x:
+        return False
+    if node.target is aten.index.Tensor:  # rows gathered: one index, on dimension 0
+        (index, *rest) = node.args[1]
+        return not rest and isinstance(index, fx.Node) and index is not x
+    if node.target is aten.sum.dim_IntList:  # sum(x) with no dimensions named sums every one
+        return len(node.args) > 1 and bool(node.args[1])
+    return True  # view, reshape, a cast to the same dtype (checked above)

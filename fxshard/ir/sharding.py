@@ -111,12 +111,16 @@ def propagate(
     weights: dict[fx.Node, Placement],
     forced: dict[fx.Node, Placement] | None = None,
     sequence: int | None = None,
+    linear: frozenset[fx.Node] | set[fx.Node] = frozenset(),
 ) -> Propagation:
     """Decide placements for every node, given placements of parameter placeholders.
 
     ``forced`` makes consumers of some nodes see another placement (a ``gather_output`` head computes
     S(-1) and its consumers see R): the collectives pass then inserts the redistribution before the
     consumers.  ``sequence``: the tp degree under sequence parallelism (:func:`sequence_decision`), else None.
+    ``linear``: nodes known to be linear in their one partial-sum input (an experts module's combine,
+    :func:`fxshard.ir.experts.combine_chain`), which pass partial sums on (:func:`_partial_through`); no
+    other node does, so no other model's reductions move.
     """
     prop = Propagation()
     forced = forced or {}
@@ -142,7 +146,8 @@ def propagate(
         if all(p == R for p in placements):
             decision = Decision(_replicated_out(node), tuple(R for _ in args))
         else:
-            decision = _rule(node, args, placements)
+            decision = _partial_through(placements) if node in linear else None
+            decision = decision or _rule(node, args, placements)
             if sequence is not None:
                 decision = sequence_decision(node, args, placements, decision, prop, sequence)
             if decision is None and any(isinstance(p, Partial) for p in placements):
@@ -158,6 +163,17 @@ def propagate(
             decision = _in_place(node, args, placements, decision, prop)
         prop.decisions[node] = decision
     return prop
+
+
+def _partial_through(placements: list[Placement]) -> Decision | None:
+    """A node linear in its one partial-sum input, every other input the same on every rank (a routing weight,
+    an index): summing its results over the ranks sums its inputs first, so its result is a partial sum too.
+    The collectives pass gives the replicated inputs that need a gradient a ``copy_to``, whose backward sums
+    their gradient over tp (each rank's is computed from its own partial sums)."""
+    if sum(isinstance(p, Partial) for p in placements) != 1 or any(p != R for p in placements
+                                                                   if not isinstance(p, Partial)):
+        return None
+    return Decision(Partial(), tuple(placements))
 
 
 def sequence_dim(node: fx.Node) -> int | None:
