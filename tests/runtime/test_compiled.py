@@ -2,7 +2,7 @@
 
 Real gloo processes, ``tests/models/tiny_gpt.py`` (2 blocks of width 32: inductor compiles for tens of seconds
 on two shared cores, less once its cache holds the graphs) and, under ``--ep``, ``tests/models/hf_mixtral.py``
-(2 layers of 4 experts, top 2).  Each case trains 4 steps eagerly and 4 compiled from the same weights and batches
+(2 layers of 4 experts, top 2; at tp=2 its experts split inside by moe_tp_experts).  Each case trains 4 steps eagerly and 4 compiled from the same weights and batches
 in the same processes; the losses must agree within 1e-6 relative (fp32), both must match single-device training
 within verify's 1e-5, and no step after the first may compile a graph (under ``--ep`` the rows each rank's
 experts get differ from step to step).
@@ -42,6 +42,8 @@ LAYOUTS = {
     "mixtral-dp2-ep2": (MIXTRAL, Layout(dp=2, ep=2)),
     # regional: torch's checkpoint runs eagerly around each compiled block, which runs again in backward
     "mixtral-dp2-ep2-recompute-full": (MIXTRAL, Layout(dp=2, ep=2, recompute="full")),
+    # moe_tp_experts (the model's own plan): the split grouped matmuls and their all-reduce in the one graph
+    "tp2-mixtral-split-experts": (MIXTRAL, Layout(tp=2)),
 }
 
 
