@@ -4,7 +4,9 @@ transformers 5 holds a layer's experts stacked (``mlp.experts.gate_up_proj [E, 2
 ``save_pretrained`` (and ``fxshard export``) write one tensor per expert under the hub names (Qwen3-MoE
 ``mlp.experts.{e}.gate_proj.weight``, Mixtral ``block_sparse_moe.experts.{e}.w1.weight``), and ``from_pretrained``
 stacks them by transformers' conversion table, which fxshard follows (:mod:`fxshard.codegen.hub_layout`).
-Tiny Qwen3-MoE and Mixtral folders are saved here.  Checked: every rank's tensors equal their slices of
+Tiny Qwen3-MoE, Mixtral and DeepSeek-V3 folders are saved here (DeepSeek-V3: MLA attention, a dense first layer,
+shared experts beside the routed ones, and a router whose ``e_score_correction_bias`` buffer is set non-zero before
+saving, so reading it from the folder is checked, not assumed).  Checked: every rank's tensors equal their slices of
 ``from_pretrained``'s stacked ones and it reads only its pieces (under ``--ep`` its experts' tensors and no other;
 under tp with ``moe_tp_experts`` half of every expert tensor); 3 training steps at tp=2 (also bf16) and dp=2 ep=2
 equal single-device training of ``from_pretrained`` (losses, and parameters within ``fxshard verify``'s tolerance);
@@ -62,11 +64,14 @@ CASES = {  # id -> (folder, layout)
     "mixtral-dp2-ep2": ("mixtral", Layout(dp=2, ep=2)),
     "qwen-tp2-bf16": ("qwen", Layout(tp=2, dtype="bf16")),  # bf16 compute, the slices read into fp32 masters
     "qwen-pp2": ("qwen", Layout(pp=2)),  # each stage reads its own layers' experts
+    "deepseek-tp2": ("deepseek", Layout(tp=2)),  # routed experts split inside, shared experts and MLA by the plan
+    "deepseek-dp2-ep2": ("deepseek", Layout(dp=2, ep=2)),
 }
+MOE_LAYERS = {"qwen": 2, "mixtral": 2, "deepseek": 1}  # DeepSeek-V3's first layer is dense (first_k_dense_replace)
 
 
 def _configs():
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     qwen = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
@@ -74,7 +79,12 @@ def _configs():
     mixtral = MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                             max_position_embeddings=32, router_jitter_noise=0.0)
-    return {"qwen": qwen, "mixtral": mixtral}
+    deepseek = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                                first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=32, pad_token_id=1)
+    return {"qwen": qwen, "mixtral": mixtral, "deepseek": deepseek}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +97,9 @@ def folders(tmp_path_factory):
     for name, config in _configs().items():
         torch.manual_seed(3)
         model = AutoModelForCausalLM.from_config(config)
+        if name == "deepseek":  # from_config leaves the bias at zero, where a bias never read would pass unseen
+            bias = model.model.layers[1].mlp.gate.e_score_correction_bias
+            bias.copy_(torch.linspace(-0.5, 0.5, bias.numel()))
         model.save_pretrained(root / name)
         found[name] = root / name
         if name == "mixtral":  # sharded with an index: the pieces of one stacked tensor in several files
@@ -135,7 +148,7 @@ def _load_ranks(out: Path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["qwen-tp2", "qwen-dp2-ep2", "mixtral-tp2", "mixtral-dp2-ep2", "mixtral_sharded-tp2",
-                                  "qwen_stacked-tp2"])
+                                  "qwen_stacked-tp2", "deepseek-tp2", "deepseek-dp2-ep2"])
 def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkeypatch):
     name, layout = case.split("-")[0], Layout(tp=2) if case.endswith("tp2") else Layout(dp=2, ep=2)
     folder = folders[name]
@@ -144,7 +157,9 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
         on_disk |= load_file(str(file))
     keys = set(on_disk)
     expert = {"qwen": "model.layers.1.mlp.experts.3.up_proj.weight", "mixtral":
-              "model.layers.1.block_sparse_moe.experts.3.w3.weight"}.get(name.removesuffix("_sharded"))
+              "model.layers.1.block_sparse_moe.experts.3.w3.weight", "deepseek":
+              "model.layers.1.mlp.experts.3.up_proj.weight"}.get(name.removesuffix("_sharded"))
+    moe_layers = MOE_LAYERS.get(name.removesuffix("_sharded").removesuffix("_stacked"), 2)
     stacked = "model.layers.1.mlp.experts.gate_up_proj"
     assert (expert in keys and stacked not in keys) if expert else stacked in keys  # hub layout on disk, or stacked
     full = _from_pretrained(folder)
@@ -153,6 +168,11 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
         for key, t in entry.tensors.items():
             if t.kind == "parameter":
                 assert torch.equal(own[key], take(full[t.source], t.slice)), f"{case} {entry.file}: {key}"
+            elif t.source.endswith("e_score_correction_bias"):  # a saved buffer: the folder's value, not the compiled one
+                assert torch.equal(own[key], take(on_disk[t.source], t.slice)), f"{case} {entry.file}: {key}"
+                assert own[key].abs().sum() > 0
+        if name == "deepseek":  # every rank routes, so every rank holds the router's bias
+            assert any(t.source.endswith("e_score_correction_bias") for t in entry.tensors.values()), entry.file
         if not expert:
             assert reads == []  # stacked: read as one tensor each, by the plain path
             continue
@@ -162,12 +182,12 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
             assert experts == {"0", "1"} if entry.coords["ep"] == 0 else {"2", "3"}, (entry.coords, experts)
             assert all(b == on_disk[n].numel() * 4 for n, b in reads)
         else:  # every expert, half of each tensor: its rows of gate and up, its columns of down
-            assert experts == {"0", "1", "2", "3"} and len(reads) == len(names) == 2 * 4 * 3
+            assert experts == {"0", "1", "2", "3"} and len(reads) == len(names) == moe_layers * 4 * 3
             assert all(2 * b == on_disk[n].numel() * 4 for n, b in reads)
         built = [t for t in entry.tensors.values() if t.checkpoint is not None and t.checkpoint.pieces]
         if name == "mixtral_sharded":
             assert len({p.file for t in built for p in t.checkpoint.pieces}) > 1
-        assert len(built) == 4 and sum(b for _, b in reads) == sum(4 * torch.Size(t.shape).numel() for t in built)
+        assert len(built) == 2 * moe_layers and sum(b for _, b in reads) == sum(4 * torch.Size(t.shape).numel() for t in built)
 
 
 def _train_one(out: str, ckpt: CheckpointConfig | None):
