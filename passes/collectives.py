@@ -26,6 +26,10 @@ compute                                         gradient backward (not all_gathe
 A partial sum that some consumer takes split over tokens is reduce-scattered once, and gathered from there
 for any consumer that needs it whole (the bytes of one all-reduce).
 
+A replicated node marked ``enters`` (an experts module's dispatch: the tokens' rows gathered for its first grouped
+matmul) counts as split compute for its inputs, and its consumers take it as it is: the ``copy_to`` goes on the
+``[T, H]`` tokens before the gather, not on the ``[T*k, H]`` rows after it.
+
 Each kind of redistribution of a value is inserted once and shared by all its consumers, so q, k
 and v share one ``copy_to`` — one backward all-reduce per attention block, as in Megatron.
 """
@@ -59,7 +63,8 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         args = tensor_args(node)
         out = spec(node).placement
-        sharded_out = any(isinstance(p, (Shard, Partial)) for p in (out if isinstance(out, tuple) else (out,)))
+        sharded_out = spec(node).enters or any(isinstance(p, (Shard, Partial))
+                                               for p in (out if isinstance(out, tuple) else (out,)))
         replace = {}
         for arg, need in zip(args, required, strict=True):
             new = _redistribute(gm, arg, need, node, sharded_out, arg in grad, made, tp, scattered)
@@ -91,7 +96,7 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
     has = spec(arg).placement
     again = (sharded_out, grad, made, tp, scattered)
     if has == need:
-        if has == R and sharded_out and grad and consumer.op != "output":
+        if has == R and sharded_out and grad and consumer.op != "output" and not spec(arg).enters:
             return _make(gm, made, ("copy_to", arg), (arg, GROUP), {}, R, consumer, consumer)
         return arg
     if isinstance(has, Partial) and scattered and arg in scattered:

@@ -74,6 +74,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     _check_divisible(gm, prop, tp, ctx, ops, experts.weights)
     experts.check(prop)
     apply_propagation(gm, prop, ctx, roles)
+    for node in experts.dispatch:
+        update_spec(node, enters=True)
     gm.graph.lint()
     return gm
 

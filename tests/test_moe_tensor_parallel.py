@@ -165,7 +165,14 @@ def test_the_rank_file_splits_the_grouped_matmuls_and_reduces_once(tmp_path):
     assert "mlp.experts.down_proj  S(2) on tp  global [4, 32, 16]" in source
     lines = source.splitlines()
     first = next(i for i, line in enumerate(lines) if "grouped_mm_fallback.default(" in line)
-    assert "rt.copy_to(" in lines[first - 1] and "[64, 16] f32 S(1)x2" in lines[first]
+    assert "[64, 16] f32 S(1)x2" in lines[first]
+    # the tp region begins on the experts' input tokens [T, H] = [32, 32], before the rows [T*k, H] are gathered
+    # from them: the copy_to's backward all-reduce sums the tokens' gradient, not the rows'
+    entry = max(i for i, line in enumerate(lines[:first]) if "rt.copy_to(" in line)
+    copied = lines[entry].split(" = ")[0].strip()
+    assert "[32, 32] f32 R -> R" in lines[entry], lines[entry]
+    assert f"aten.index.Tensor({copied}, " in lines[entry + 1] and "[64, 32] f32" in lines[entry + 1]
+    assert not any("rt.copy_to(" in line for line in lines[entry + 1:first + 1])
     second = next(i for i, line in enumerate(lines[first + 1:], first + 1) if "grouped_mm_fallback.default(" in line)
     assert "[64, 32] f32 P(sum)" in lines[second]  # the routed rows' partial sums, reduced after the combine
     # per layer: the attention's and the experts' all-reduce forward, nothing else over tp inside the experts
@@ -188,7 +195,9 @@ def test_the_experts_reduce_once_on_the_tokens_after_the_combine(tmp_path, path)
     """The partial sums of the routed rows ``[T*k, H]`` pass through the combine (times the routing weights, back
     in token order, each token's k rows summed, a cast to their own dtype) and are all-reduced once per MoE layer
     as the ``[T, H]`` tokens: k times fewer bytes.  The routing weights' gradient, computed on each rank from its
-    own partial sums, is summed over tp by their ``copy_to`` (``[T*k, 1]``)."""
+    own partial sums, is summed over tp by their ``copy_to`` (``[T*k, 1]``).  In backward, the experts' input
+    enters the split through one ``copy_to`` on the ``[T, H]`` tokens before the rows are gathered from them, so the
+    rows' gradient is summed over tp as the tokens' (``[T, H]``), not as the rows' (``[T*k, H]``)."""
     tokens, hidden, k, layers = _combine_sizes(path)
     result = compile_model(path, Layout(tp=2), out=tmp_path / "out")
     lines = result.sources["rank_pp0_tp0.py"].splitlines()
@@ -206,12 +215,28 @@ def test_the_experts_reduce_once_on_the_tokens_after_the_combine(tmp_path, path)
     collectives = read_manifest(tmp_path / "out").rank({"pp": 0, "tp": 0}).collectives
     reductions = [c.shape for c in collectives if c.op == "all_reduce"]
     assert (tokens * k, hidden) not in reductions and reductions.count((tokens, hidden)) == layers, reductions
+    copies = [c.shape for c in collectives if c.op == "copy_to"]
+    assert (tokens * k, hidden) not in copies and copies.count((tokens, hidden)) == layers, copies
+    assert copies.count((tokens * k, 1)) == layers, copies  # the routing weights'
+
+
+def test_under_sp_the_experts_input_enters_through_gather_to(tmp_path):
+    """Under ``--sp`` the experts' input tokens are split over tp: they enter through ``gather_to`` (all-gather
+    forward, reduce-scatter of the ``[T, H]`` gradient backward) before the rows are gathered from them, in place
+    of a plain all-gather and a ``copy_to`` on the ``[T*k, H]`` rows."""
+    tokens, hidden, k, layers = _combine_sizes(MIXTRAL)
+    compile_model(MIXTRAL, Layout(tp=2, sp=True), out=tmp_path / "out")
+    collectives = read_manifest(tmp_path / "out").rank({"pp": 0, "tp": 0}).collectives
+    gathered = [c.shape for c in collectives if c.op == "gather_to"]  # each rank's tokens: [T/tp, H]
+    assert gathered.count((tokens // 2, hidden)) == layers, gathered
+    copies = [c.shape for c in collectives if c.op == "copy_to"]
+    assert (tokens * k, hidden) not in copies and (tokens, hidden) not in copies, copies
 
 
 def test_plan_counts_one_token_sized_reduce_per_moe_layer():
     """``fxshard plan``'s tp all-reduce elements: splitting the experts adds, per MoE layer, the tokens' forward
-    all-reduce ``T*H`` (not the rows' ``T*k*H``), the routed rows' gradient ``T*k*H`` (their ``copy_to``) and the
-    routing weights' gradient ``T*k``, over keeping the experts whole."""
+    all-reduce ``T*H`` (not the rows' ``T*k*H``), the tokens' gradient ``T*H`` (the ``copy_to`` before the rows are
+    gathered: not the rows' ``T*k*H``) and the routing weights' gradient ``T*k``, over keeping the experts whole."""
     from fxshard.tools.costs import plan_costs
 
     for path in (QWEN, MIXTRAL, DEEPSEEK):  # DeepSeek-V3's first layer is dense: one MoE layer of two
@@ -219,7 +244,7 @@ def test_plan_counts_one_token_sized_reduce_per_moe_layer():
         (whole,) = plan_costs(path, Layout(tp=2), plan={EXPERTS: fxshard.replicate()}).ranks
         (split,) = plan_costs(path, Layout(tp=2)).ranks
         added = split["tp_allreduce"].value - whole["tp_allreduce"].value
-        assert added == layers * (tokens * hidden + tokens * k * hidden + tokens * k), (path.stem, added)
+        assert added == layers * (tokens * hidden + tokens * hidden + tokens * k), (path.stem, added)
 
 
 def test_a_user_plan_keeps_the_experts_whole():

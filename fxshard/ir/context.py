@@ -237,6 +237,10 @@ class NodeSpec:
     # collectives pass inserts a redistribution where an input has another.  None: the node takes its inputs
     # as they are (communication the collectives pass inserted)
     inputs: tuple[Placement, ...] | None = None
+    # tensor_parallel -> collectives: a replicated node where split compute begins (an experts module's dispatch,
+    # fxshard.ir.experts.dispatch_chain): its replicated inputs that need a gradient enter through copy_to (or
+    # gather_to) here, as a split node's would, and its consumers read it without another
+    enters: bool = False
     # capture (``label_markers``) -> pipeline: the number of fxshard.pipeline_split() markers before the node in
     # the forward.  None for nodes the passes inserted: they run with the next labelled node
     segment: int | None = None

@@ -14,7 +14,8 @@ Two transformations read this pattern: expert parallelism (``passes/expert_paral
 the rank of their expert) and tensor parallelism inside the experts (``fxshard/plan/experts.py``, each
 expert's intermediate size split over tp).  Both need the same facts, found here once: which nodes are an
 experts module's grouped matmuls, which parameter each one's weight is, and that every op between the two
-acts on each row alone, and which ops after the second are linear in its rows (the combine).
+acts on each row alone, which ops before the first bring its rows from the module's input (the dispatch), and
+which ops after the second are linear in its rows (the combine).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ ROW_OPS = {aten.chunk.default, aten.split.Tensor, aten.silu.default, aten.gelu.d
            aten.to.dtype, aten._to_copy.default, aten.clamp.default, aten.neg.default}
 
 
+# transformers' dispatch before the first grouped matmul (grouped_mm_experts_forward): the tokens' rows gathered
+# in expert order (``hidden_states[perm // top_k]``), cast to their own dtype
+_DISPATCH_OPS = {aten.index.Tensor, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                 aten.to.dtype}
 # transformers' combine after the second grouped matmul (grouped_mm_experts_forward): weigh each row by its
 # routing weight, gather the rows back into token order, view them [T, k, H], sum each token's k rows, cast
 _COMBINE_OPS = {aten.mul.Tensor, aten.index.Tensor, aten.view.default, aten.reshape.default,
@@ -139,8 +144,28 @@ def combine_chain(second: fx.Node, fqn_of) -> list[fx.Node]:
     return chain
 
 
+def dispatch_chain(first: fx.Node, fqn_of) -> list[fx.Node]:
+    """The nodes before an experts module's first grouped matmul, in order, that bring its rows from the module's
+    input and are linear in it (the dispatch: ``hidden_states[perm // top_k].to(dtype)``), so that tensor
+    parallelism may begin before them: the ``copy_to`` that sums the rows' gradient over tp then sits on the
+    ``[T, H]`` tokens, after the gather's backward has added each token's k row gradients, not on the
+    ``[T*k, H]`` rows.
+
+    Walking back from the matmul's rows, each node is the only user of its result (nothing outside the chain
+    reads a value whose gradient is still partial), in the same module (``fqn_of``), keeps its dtype, and is a
+    gather of rows by an index, a view or a cast to its own dtype.  The chain begins after the first node that
+    is none of these (the module's input: the tokens ``[T, H]``)."""
+    chain, node, fqn = [], first.args[0], fqn_of(first)
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _DISPATCH_OPS \
+            and len(node.users) == 1 and fqn_of(node) == fqn and isinstance(node.args[0], fx.Node) \
+            and _linear_in(node, node.args[0]):
+        chain.insert(0, node)
+        node = node.args[0]
+    return chain
+
+
 def _linear_in(node: fx.Node, x: fx.Node) -> bool:
-    """Whether ``node`` (one of ``_COMBINE_OPS``) is linear in its argument ``x``, without a cast."""
+    """Whether ``node`` (one of ``_COMBINE_OPS`` or ``_DISPATCH_OPS``) is linear in its argument ``x``, without a cast."""
     val, src = node.meta.get("val"), x.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.dtype != src.dtype:
         return False

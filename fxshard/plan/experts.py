@@ -7,8 +7,8 @@ column-parallel / row-parallel Linear pair::
 
     gate_up_proj [E, 2I, H]  S(1)x2   each rank: the gate's and the up half's I/tp columns of every expert
     down_proj    [E, H, I]   S(2)     each rank: the same I/tp rows of every expert's down projection
-    rows R --copy_to--> grouped_mm --> [M, 2I/tp] S(1)x2 --chunk--> gate, up S(1) --act, mul--> S(1)
-        --> grouped_mm --> [M, H] P(sum) --combine--> [T, H] P(sum) --all_reduce--> R
+    tokens [T, H] R --copy_to--> rows [M, H] R --> grouped_mm --> [M, 2I/tp] S(1)x2 --chunk--> gate, up S(1)
+        --act, mul--> S(1) --> grouped_mm --> [M, H] P(sum) --combine--> [T, H] P(sum) --all_reduce--> R
 
 The combine (each row times its routing weight, the rows back in token order, each token's top-k rows summed:
 :func:`fxshard.ir.experts.combine_chain`) is linear in the rows, so the partial sums pass through it and are
@@ -16,6 +16,11 @@ reduced once per layer on the ``[T, H]`` tokens rather than on the ``[M, H] = [T
 reduces after its unpermute too): k times fewer bytes.  The routing weights get a ``copy_to``: each rank's
 gradient for them comes from its own partial sums, and its backward sums them over tp.  Only the nodes of
 this pattern pass partial sums through a product; no other model's reductions move.
+
+In backward the same holds the other way: the dispatch (the tokens' rows gathered in expert order:
+:func:`fxshard.ir.experts.dispatch_chain`) is linear, so the ``copy_to`` whose backward sums the rows' gradient
+over tp sits on the ``[T, H]`` tokens before it (``NodeSpec.enters``), not on the ``[M, H]`` rows: one ``[T, H]``
+all-reduce per layer in backward too (under ``--sp`` a ``gather_to``: reduce-scatter of the ``[T, H]`` gradient).
 
 The split sizes come from the grouped matmuls' weight arguments traced back to the parameters (through the
 model's transposes), so transformers' own entries for the weights (``packed_colwise``, ``rowwise``) are not
@@ -35,7 +40,15 @@ import torch.fx as fx
 from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.ir.context import CompileContext
-from fxshard.ir.experts import combine_chain, grouped_mms, not_row_wise, offsets, param_dim, weight_param
+from fxshard.ir.experts import (
+    combine_chain,
+    dispatch_chain,
+    grouped_mms,
+    not_row_wise,
+    offsets,
+    param_dim,
+    weight_param,
+)
 from fxshard.ir.placement import Partial, Placement, Shard
 from fxshard.ir.sharding import Propagation, shape
 
@@ -47,6 +60,7 @@ class ExpertSplit:
     weights: dict[fx.Node, Placement] = field(default_factory=dict)
     layers: list[tuple[str, fx.Node, fx.Node, int]] = field(default_factory=list)  # fqn, first, second, blocks
     combine: set[fx.Node] = field(default_factory=set)  # the combines' nodes: partial sums pass through them
+    dispatch: set[fx.Node] = field(default_factory=set)  # the dispatches' nodes: tp begins before them
 
     def check(self, prop: Propagation) -> None:
         """Each split layer computes as planned: split columns out of the first grouped matmul, partial sums out
@@ -134,6 +148,7 @@ def _split_layer(fqn: str, mms: list[fx.Node], ctx: CompileContext, split: Exper
     split.weights[down] = Shard(param_dim(down_chain, 1))
     split.layers.append((fqn, first, second, blocks))
     split.combine.update(combine_chain(second, node_fqn))
+    split.dispatch.update(dispatch_chain(first, node_fqn))
 
 
 def _glob(fqn: str) -> str:
