@@ -126,7 +126,10 @@ def _pieces(target: str, shape: tuple[int, ...], got: dict) -> tuple[Piece, ...]
 
 def _by_expert(target: str, pattern: str, keys: list[tuple[str, str]], count: int) -> list[str]:
     """The checkpoint keys of ``pattern`` in expert order, ``count`` of them, or an error naming a missing one."""
-    index = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+    try:  # transformers reads a source pattern as a regular expression whose ``*`` stands for the expert index
+        index = re.compile(pattern.replace("*", r"(\d+)"))
+    except re.error:
+        index = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
     numbered = {}
     for key, renamed in keys:
         match = index.search(renamed)

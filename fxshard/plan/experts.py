@@ -27,7 +27,9 @@ model's transposes), so transformers' own entries for the weights (``packed_colw
 needed.  Every rank routes the same rows (the router is replicated), so the result is the one-device result
 up to the order of the all-reduce's sum.  What does not fit this pattern exactly is refused naming the module:
 an error where the user's plan asked for it; a note, with the experts kept whole, where only the model's own
-plan did.
+plan did.  An intermediate size tp does not divide is an error either way, as a Linear's split size is: the
+pattern fits, the layout does not, and the message names the tp values that divide it and how to keep the
+experts whole.
 """
 
 from __future__ import annotations

@@ -193,7 +193,9 @@ def load_checkpoint_tensors(targets: dict[str, torch.Tensor], specs: dict[str, d
             target = targets[key]
             src = read_slice(spec)
             if tuple(src.shape) != tuple(target.shape):
-                raise OutputFolderError(f"{path}: {spec['file']} tensor {spec['name']} gives a slice of shape "
+                source = (f"{spec['file']} tensor {spec['name']} gives" if spec.get("file") else
+                          f"the {len(spec.get('pieces') or ())} checkpoint tensors that build {spec['name']} give")
+                raise OutputFolderError(f"{path}: {source} a slice of shape "
                                         f"{tuple(src.shape)} for {key}, the rank module expects "
                                         f"{tuple(target.shape)}; recompile with --weights")
             read += src.numel() * src.element_size()

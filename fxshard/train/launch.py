@@ -222,7 +222,8 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                                             run.manifest, run.coords, run.groups["dp"], optim, run.groups.get("edp"))
                 if saved is not None:
                     (progress.print if progress else log)(f"saved checkpoint {saved}")
-        with named_phase("the last step's parameter all-gathers over dp", run.groups["dp"]):
+        with named_phase("the last step's ZeRO 1 parameter all-gathers (over dp, and edp for experts)",
+                         dist.group.WORLD):
             finish_param_sync(run.opt)  # whoever reads the trained parameters next sees the last step's values
     finally:
         if progress is not None:

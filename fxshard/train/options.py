@@ -152,6 +152,8 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         _check_metrics(out, metrics)
     if options.compile:
         check_compile(out)
+        if options.memory_report:
+            _check_compiled_memory_report(out)
     if options.trace is not None:
         _check_trace(options.trace)
     if final_state is not None and final_state.exists() and not final_state.is_dir():
@@ -163,6 +165,18 @@ def check_run_options(out: Path, options: RunOptions, say=print):
             raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
                               "folder you can write to") from None
     return checkpoint
+
+
+def _check_compiled_memory_report(out: Path) -> None:
+    """``--memory-report`` counts what selective recompute keeps as torch's checkpoint keeps it, eagerly; a compiled
+    backward keeps it inside the graph, where nothing is told: the report would show those bytes as none."""
+    from fxshard.codegen.manifest import read_manifest
+    from fxshard.errors import OptionError
+
+    if read_manifest(out).layout.recompute == "selective":
+        raise OptionError(f"--memory-report with --compile: {out} was compiled with --recompute selective, whose kept "
+                          "activations the compiled backward holds where the report cannot count them; drop "
+                          "--compile to measure the eager run, which keeps the same activations")
 
 
 def check_compile(out: Path) -> None:

@@ -48,7 +48,8 @@ def exit_finished(code: int = 0) -> None:
 
     async_compile = sys.modules.get("torch._inductor.async_compile")
     if async_compile is not None:
-        async_compile.shutdown_compile_workers()
+        with contextlib.suppress(Exception):  # the work is written: a pool that fails to stop must not fail the run
+            async_compile.shutdown_compile_workers()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -180,3 +180,13 @@ def test_compile_refuses_selective_recompute_around_compiled_blocks(tmp_path, mo
     with pytest.raises(OptionError, match=r"--compile: .*--recompute selective with (ZeRO 3|--ep 2) .*the compiled "
                                           r"code calls out to.*; use --recompute full"):
         check_compile(tmp_path / "out")
+
+
+def test_compile_refuses_a_memory_report_that_would_miss_selective_recomputes_kept_activations(tmp_path):
+    from fxshard.train.options import RunOptions, check_run_options
+
+    compile_model(MODEL, Layout(tp=2, recompute="selective"), out=tmp_path / "sel")
+    with pytest.raises(OptionError, match=r"--memory-report with --compile: .*--recompute selective.*drop --compile"):
+        check_run_options(tmp_path / "sel", RunOptions(steps=1, compile=True, memory_report=True), say=lambda *_: None)
+    compile_model(MODEL, Layout(tp=2, recompute="full"), out=tmp_path / "full")  # what full keeps is the block input
+    check_run_options(tmp_path / "full", RunOptions(steps=1, compile=True, memory_report=True), say=lambda *_: None)
