@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import assert_matches_single_device
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
@@ -140,17 +141,7 @@ def test_expert_parallel_training_matches_single_device(trained, case):
     path, layout, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
     want, single = _reference(path, optim, layout.dtype)
-    rel = BF16_REL if layout.mixed else REL
-    for rank, (losses, _, _) in enumerate(per_rank):
-        for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
-            assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
-    params = gather_parameters(manifest, states={r: st for r, (_, st, _) in enumerate(per_rank)})
-    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
-    rows = compare_parameters(params, single, initial)
-    assert {r["fqn"] for r in rows} == set(single)
-    share = update_share(rows)
-    worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
-    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
+    assert_matches_single_device(case, path, layout, per_rank, manifest, want, single, BF16_REL if layout.mixed else REL)
     # ranks holding the same experts (one edp group) end with the same experts, bit for bit
     for rank, (_, state, _) in enumerate(per_rank):
         c = layout.coords(rank)

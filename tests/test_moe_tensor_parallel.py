@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import assert_matches_single_device
 
 import fxshard
 from fxshard.capture.modelfile import load_model_file
@@ -102,17 +103,8 @@ def test_moe_tp_experts_training_matches_single_device(trained, case):
     path, layout = CASES[case]
     per_rank, manifest = case_result(trained, case)
     want, single = _reference(path, layout.dtype)
-    rel = BF16_REL if layout.mixed else REL
-    for rank, (losses, _, _) in enumerate(per_rank):
-        for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
-            assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
-    params = gather_parameters(manifest, states={r: st for r, (_, st, _) in enumerate(per_rank)})
-    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
-    rows = compare_parameters(params, single, initial)
-    assert {r["fqn"] for r in rows} == set(single)
-    share = update_share(rows)
-    worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
-    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
+    rows = assert_matches_single_device(case, path, layout, per_rank, manifest, want, single,
+                                        BF16_REL if layout.mixed else REL)
     experts = [r for r in rows if ".mlp.experts." in r["fqn"]]
     assert experts and update_share(experts) <= DEFAULT_PARAM_RTOL[layout.dtype], case  # the experts on their own
 
