@@ -3,7 +3,7 @@ comparison of a distributed run with single-device training that the mixture-of-
 
 from fxshard.testing import spawn
 
-__all__ = ["assert_matches_single_device", "spawn"]
+__all__ = ["assert_matches_single_device", "compile_and_train", "single_device", "spawn", "train_and_record"]
 
 
 def assert_matches_single_device(case: str, path, layout, per_rank: list, manifest, want: list[float], single: dict,
@@ -25,3 +25,56 @@ def assert_matches_single_device(case: str, path, layout, per_rank: list, manife
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
     assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
     return rows
+
+
+def train_and_record(out: str, steps: int, optim) -> tuple[list[float], dict, dict]:
+    """A spawn target: train the compiled folder ``out`` for ``steps``; this rank's losses, trained tensors by
+    name and measured model-state bytes."""
+    from pathlib import Path
+
+    from fxshard.train.launch import train
+
+    state: dict = {}
+    memory: dict = {}
+    losses = train(Path(out), steps, optim, log=lambda *_: None, final_state=state, memory=memory)
+    return losses, state, memory
+
+
+def compile_and_train(cases: dict, tmp_path_factory, steps: int) -> dict:
+    """Compile each case (``name: (model path, Layout, OptimConfig)``) and train each world size's cases in one
+    spawn.  ``{case: (per-rank results of train_and_record, manifest)}``, or a CaseFailure naming the case's own
+    compile error or traceback (so one bad case fails one test)."""
+    from fxshard.codegen.manifest import read_manifest
+    from fxshard.compiler import compile as compile_model
+    from fxshard.testing import CaseFailure, spawn_cases
+
+    folders: dict = {}
+    results: dict = {}
+    for case, (path, layout, optim) in cases.items():
+        out = tmp_path_factory.mktemp(case)
+        try:
+            compile_model(path, layout, out=out)
+        except Exception as e:
+            results[case] = CaseFailure(f"compile failed: {type(e).__name__}: {e}")
+            continue
+        folders.setdefault(layout.world_size, []).append((case, out, optim))
+    for world, items in folders.items():
+        found = spawn_cases(train_and_record, world, [(case, (str(o), steps, opt)) for case, o, opt in items])
+        for case, out, _ in items:
+            results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
+    return results
+
+
+_SINGLE: dict[tuple, tuple[list[float], dict]] = {}
+
+
+def single_device(path, steps: int, optim, dtype: str = "fp32") -> tuple[list[float], dict]:
+    """One device's losses and trained parameters by FQN (cached per model, steps, optimizer and dtype)."""
+    if (path, steps, optim, dtype) not in _SINGLE:
+        from fxshard.capture.modelfile import load_model_file
+        from fxshard.train.reference import reference_losses
+
+        final: dict = {}
+        losses = reference_losses(load_model_file(path), steps, optim, dtype=dtype, final_state=final)
+        _SINGLE[path, steps, optim, dtype] = (losses, final)
+    return _SINGLE[path, steps, optim, dtype]

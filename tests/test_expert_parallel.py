@@ -15,17 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_matches_single_device
+from harness import assert_matches_single_device, compile_and_train, single_device, train_and_record
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import LayoutError
 from fxshard.ir.context import Layout
-from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
+from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
-from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
@@ -95,44 +94,13 @@ def _case(case: str) -> tuple[Path, Layout, OptimConfig]:
     return path, layout, optim[0] if optim else OptimConfig()
 
 
-def _train_one(out: str, optim: OptimConfig):
-    from fxshard.train.launch import train
-
-    state: dict = {}
-    memory: dict = {}
-    losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state, memory=memory)
-    return losses, state, memory
-
-
 @pytest.fixture(scope="module")
 def trained(request, tmp_path_factory):
-    folders: dict[int, list[tuple[str, Path]]] = {}
-    results: dict = {}
-    for case in selected_cases(request, CASES):
-        path, layout, optim = _case(case)
-        out = tmp_path_factory.mktemp(case)
-        try:
-            compile_model(path, layout, out=out)
-        except Exception as e:
-            results[case] = CaseFailure(f"compile failed: {type(e).__name__}: {e}")
-            continue
-        folders.setdefault(layout.world_size, []).append((case, out))
-    for world, items in folders.items():
-        found = spawn_cases(_train_one, world, [(case, (str(o), _case(case)[2])) for case, o in items])
-        for case, out in items:
-            results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
-    return results
-
-
-_REFERENCE: dict[tuple, tuple[list[float], dict]] = {}
+    return compile_and_train({case: _case(case) for case in selected_cases(request, CASES)}, tmp_path_factory, STEPS)
 
 
 def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> tuple[list[float], dict]:
-    if (path, optim, dtype) not in _REFERENCE:
-        final: dict = {}
-        losses = reference_losses(load_model_file(path), STEPS, optim, dtype=dtype, final_state=final)
-        _REFERENCE[path, optim, dtype] = (losses, final)
-    return _REFERENCE[path, optim, dtype]
+    return single_device(path, STEPS, optim, dtype)
 
 
 @pytest.mark.distributed
@@ -287,8 +255,8 @@ def test_load_balancing_loss_under_dp_trains_as_one_device(tmp_path):
         out = tmp_path / case
         result = compile_model(path, layout, out=out)
         assert result.sources["rank_pp0_tp0.py"].count("rt.batch_mean(") == 2
-        items.append((case, (str(out), OptimConfig())))
-    found = spawn_cases(_train_one, 2, items)
+        items.append((case, (str(out), STEPS, OptimConfig())))
+    found = spawn_cases(train_and_record, 2, items)
     for case, (path, _) in AUX_CASES.items():
         want, single = _reference(path, OptimConfig())
         initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import assert_matches_single_device
+from harness import assert_matches_single_device, compile_and_train, single_device
 
 import fxshard
 from fxshard.capture.modelfile import load_model_file
@@ -26,10 +26,9 @@ from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
 from fxshard.errors import PlanError, ShardingError
 from fxshard.ir.context import Layout, spec
-from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
+from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
-from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
@@ -53,44 +52,14 @@ CASES = {
 }
 
 
-def _train_one(out: str):
-    from fxshard.train.launch import train
-
-    state: dict = {}
-    memory: dict = {}
-    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state, memory=memory)
-    return losses, state, memory
-
-
 @pytest.fixture(scope="module")
 def trained(request, tmp_path_factory):
-    folders: dict[int, list[tuple[str, Path]]] = {}
-    results: dict = {}
-    for case in selected_cases(request, CASES):
-        path, layout = CASES[case]
-        out = tmp_path_factory.mktemp(case)
-        try:
-            compile_model(path, layout, out=out)
-        except Exception as e:
-            results[case] = CaseFailure(f"compile failed: {type(e).__name__}: {e}")
-            continue
-        folders.setdefault(layout.world_size, []).append((case, out))
-    for world, items in folders.items():
-        found = spawn_cases(_train_one, world, [(case, (str(o),)) for case, o in items])
-        for case, out in items:
-            results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
-    return results
-
-
-_REFERENCE: dict[tuple, tuple[list[float], dict]] = {}
+    return compile_and_train({case: (*CASES[case], OptimConfig()) for case in selected_cases(request, CASES)},
+                             tmp_path_factory, STEPS)
 
 
 def _reference(path: Path, dtype: str = "fp32") -> tuple[list[float], dict]:
-    if (path, dtype) not in _REFERENCE:
-        final: dict = {}
-        losses = reference_losses(load_model_file(path), STEPS, OptimConfig(), dtype=dtype, final_state=final)
-        _REFERENCE[path, dtype] = (losses, final)
-    return _REFERENCE[path, dtype]
+    return single_device(path, STEPS, OptimConfig(), dtype)
 
 
 def _expert_entries(entry) -> dict:
