@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"
 QWEN, MIXTRAL, SPARSE = MODELS / "hf_qwen3_moe.py", MODELS / "hf_mixtral.py", MODELS / "hf_moe_sparse.py"
 DEEPSEEK = ROOT / "zoo" / "models" / "deepseek_v3.py"
+MASKED = MODELS / "hf_mixtral_aux_masked.py"
 STEPS = 3
 REL = 1e-5
 BF16_REL = 2e-2  # as tests/test_training_layouts.py: bf16 losses are rounded to 8 significant bits
@@ -49,6 +50,8 @@ CASES = {
     "mixtral-tp2-dp2-zero3": (MIXTRAL, Layout(tp=2, dp=2, zero=3)),
     "qwen3moe-tp2-dp2-zero2-bf16": (QWEN, Layout(tp=2, dp=2, zero=2, dtype="bf16")),
     "mixtral-tp2-dp2-zero1-full": (MIXTRAL, Layout(tp=2, dp=2, zero=1, recompute="full")),
+    # a right-padded attention mask; the load-balancing loss over the unmasked tokens of a batch split over dp
+    "mixtral-masked-aux-tp2-dp2": (MASKED, Layout(tp=2, dp=2)),
 }
 
 
