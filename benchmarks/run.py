@@ -4,7 +4,8 @@
 
     python -m benchmarks.run              # everything, a few minutes (make bench)
     python -m benchmarks.run --quick      # tiny sizes, two steps each: a smoke run (results/quick.*)
-    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), pipeline, traffic, memory,
+    python -m benchmarks.run --only tp    # one part: tp (step time and collectives), matmul (the step's fp32
+                                          # products on MKL and on oneDNN), pipeline, traffic, memory,
                                           # activations (saved bytes per layer vs Korthikanti and the plan),
                                           # recompute (step time of each --recompute mode), zero1 (ZeRO 1
                                           # collectives and step time before/after the distributed optimizer),
@@ -30,6 +31,7 @@ from benchmarks import (  # noqa: E402
     comm_axes,
     comm_experts,
     compile_scaling,
+    cpu_matmul,
     memory,
     overlap,
     pipeline_idle,
@@ -40,7 +42,7 @@ from benchmarks import (  # noqa: E402
 from benchmarks.common import environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("tp", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
+PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
 
 
 def plan(quick: bool) -> dict:
@@ -48,15 +50,17 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
-                "recompute_rounds": 2, "recompute_warmup": 0, "zero1_rounds": 2, "zero1_warmup": 0}
+                "recompute_rounds": 2, "recompute_warmup": 0, "zero1_rounds": 2, "zero1_warmup": 0, "matmul_rounds": 2}
     return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 24, "tp_warmup": 2,
             "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
-            "recompute_rounds": 12, "recompute_warmup": 2, "zero1_rounds": 20, "zero1_warmup": 2}
+            "recompute_rounds": 12, "recompute_warmup": 2, "zero1_rounds": 20, "zero1_warmup": 2, "matmul_rounds": 20}
 
 
 # part -> its key in the results and its sections: (heading, markdown of the part's result)
 SECTIONS = {
     "tp": ("tp_step", [("Tensor-parallel step time", tp_step.markdown), ("Collectives per step", comm.markdown)]),
+    "matmul": ("cpu_matmul", [("The step's matrix products on MKL and on oneDNN (--compile's CPU kernel)",
+                                cpu_matmul.markdown)]),
     "overlap": ("overlap", [("Backward all-reduce overlapped with the weight gradients (tp=2)", overlap.markdown)]),
     "pipeline": ("pipeline", [("Pipeline idle fraction", pipeline_idle.markdown)]),
     "traffic": ("traffic", [("Pipeline and data-parallel traffic per step", comm_axes.markdown),
@@ -74,6 +78,8 @@ SECTIONS = {
 def run_part(part: str, settings: dict, work: Path, quick: bool):
     if part == "tp":
         return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
+    if part == "matmul":
+        return [cpu_matmul.run(size, settings["matmul_rounds"]) for size in settings["tp_sizes"]]
     if part == "overlap":
         return [overlap.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
     if part == "pipeline":

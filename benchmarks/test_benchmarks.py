@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CONTENDERS = ["fxshard", "hand-written", "DTensor", "fxshard --compile", "hand-written + compile", "DTensor + compile"]
+CONTENDERS = ["fxshard", "hand-written", "DTensor", "fxshard --compile", "fxshard --compile --cpu-matmul torch",
+              "hand-written + compile", "DTensor + compile"]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,9 @@ def test_contenders_start_from_the_same_loss(quick):
     firsts = [tp["losses"][c]["first_loss"] for c in CONTENDERS]
     assert max(firsts) - min(firsts) <= 1e-5, firsts
     assert tp["losses_agree"]
-    # fxshard --compile trains as its eager run does (issue 19: within 1e-6 relative in fp32)
+    # fxshard --compile trains as its eager run does (issue 19: within 1e-6 relative in fp32), either kernel
     assert tp["losses"]["fxshard --compile"]["max_rel_diff_vs_eager"] <= 1e-6
+    assert tp["losses"]["fxshard --compile --cpu-matmul torch"]["max_rel_diff_vs_eager"] <= 1e-6
 
 
 @pytest.mark.distributed
@@ -114,6 +116,18 @@ def test_per_layer_activation_bytes_agree_with_the_plan(tmp_path):
         for depth, ratios in row["measured_over_plan"].items():
             assert all(0.9 <= x <= 1.1 for x in ratios), (row["setting"], depth, ratios)
         assert row["per_layer_per_token"] > 0
+
+
+def test_quick_matmul_benchmark_times_every_product_of_the_step_on_both_kernels(tmp_path):
+    from benchmarks.run import main
+
+    main(["--quick", "--only", "matmul", "--out", str(tmp_path)])
+    (r,) = json.loads((tmp_path / "quick.json").read_text())["cpu_matmul"]
+    # tiny GPT at tp=2: per layer q, k, v, o_proj, fc_in, fc_out, and the LM head; each forward, input and weight grad
+    assert r["size"] == "tiny" and sum(p["count"] for p in r["products"]) == (2 * 6 + 1) * 3
+    for p in r["products"]:
+        assert all(ms > 0 for ms in p["median_ms"].values()) and max(p["diff_vs_fp64"].values()) < 1e-5, p
+    assert r["step_ms"]["--compile"] > 0 and "## The step's matrix products" in (tmp_path / "quick.md").read_text()
 
 
 @pytest.mark.distributed

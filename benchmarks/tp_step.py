@@ -25,7 +25,10 @@ math backend (same kernels for all) and DTensor runs under ``implicit_replicatio
 Each contender also runs under ``torch.compile`` (inductor), each the way its stack's users compile it:
 
 - ``fxshard --compile``: the generated module compiled as ``fxshard run --compile`` does at tp=2
-  (:func:`fxshard.runtime.compiled.compile_module`: one graph, collectives as functional collectives);
+  (:func:`fxshard.runtime.compiled.compile_module`: one graph, collectives as functional collectives, the
+  fp32 matrix products of 4M multiply-adds and more on oneDNN: :mod:`fxshard.runtime.matmul`);
+- ``fxshard --compile --cpu-matmul torch``: the same with every product on torch's own kernel (MKL), as eager
+  code and plain ``torch.compile`` run them: it tells the compilation's share from the kernel's;
 - ``hand-written + compile`` and ``DTensor + compile``: ``torch.compile(model)`` on the whole model (dynamo
   rewrites ``dist.all_reduce`` into functional collectives, and traces DTensor).
 
@@ -56,7 +59,10 @@ MODEL_FILE = Path(__file__).resolve().parent / "models" / "gpt.py"
 SIZE_VARIABLE = "FXSHARD_BENCH_SIZE"
 TP = 2
 EAGER = ("fxshard", "hand-written", "DTensor")
-COMPILED = ("fxshard --compile", "hand-written + compile", "DTensor + compile")
+# the compiled contenders, each with the eager one it is compiled from
+COMPILED_FROM = {"fxshard --compile": "fxshard", "fxshard --compile --cpu-matmul torch": "fxshard",
+                 "hand-written + compile": "hand-written", "DTensor + compile": "DTensor"}
+COMPILED = tuple(COMPILED_FROM)
 CONTENDERS = EAGER + COMPILED
 BASES = ("fxshard", "fxshard --compile")  # the table divides these two by every other contender
 LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
@@ -119,8 +125,9 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return OptimConfig().make([{"params": g} for g in groups if g])
 
 
-def fxshard_contender(out: Path, inputs: dict, compile: bool = False) -> Contender:
-    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does."""
+def fxshard_contender(out: Path, inputs: dict, compile: bool | str = False) -> Contender:
+    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does;
+    ``compile``: True, or the ``--cpu-matmul`` kernel (True's is ``onednn``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxshard.capture.inputs import flatten_batch
@@ -139,7 +146,7 @@ def fxshard_contender(out: Path, inputs: dict, compile: bool = False) -> Contend
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module)
+        compile_module(module, cpu_matmul="onednn" if compile is True else compile)
     leaves = flatten_batch(inputs, manifest.inputs)
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
 
@@ -197,8 +204,10 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
     makers = (fxshard_contender, hand_written_contender, dtensor_contender)
     contenders = {name: make(Path(out), inputs) if make is fxshard_contender else make(full, inputs)
                   for name, make in zip(EAGER, makers, strict=True)}
-    contenders |= {name: make(Path(out), inputs, compile=True) if make is fxshard_contender else
-                   make(full, inputs, compile=True) for name, make in zip(COMPILED, makers, strict=True)}
+    compiled_as = {"fxshard --compile --cpu-matmul torch": "torch"}
+    contenders |= {name: make(Path(out), inputs, compile=compiled_as.get(name, True)) if make is fxshard_contender
+                   else make(full, inputs, compile=True)
+                   for name, make in ((name, makers[EAGER.index(eager)]) for name, eager in COMPILED_FROM.items())}
     first_step_s = {}
     for name, c in contenders.items():  # untimed: compiles the compiled contenders
         dist.barrier()
@@ -236,7 +245,7 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     agreement = {name: {"first_loss": ls[0],
                         "max_abs_diff_vs_fxshard": max(abs(a - b) for a, b in zip(ls, losses["fxshard"], strict=True))}
                  for name, ls in losses.items()}
-    for name, eager in zip(COMPILED, EAGER, strict=True):
+    for name, eager in COMPILED_FROM.items():
         agreement[name]["max_rel_diff_vs_eager"] = max(
             abs(a - b) / abs(b) for a, b in zip(losses[name], losses[eager], strict=True))
     firsts = [a["first_loss"] for a in agreement.values()]
@@ -310,7 +319,9 @@ def markdown(results: list[dict]) -> str:
     return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
             f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
             "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "
-            "each the whole model); attention on the math SDPA "
+            "each the whole model; `fxshard --compile` runs its fp32 products of 4M multiply-adds and more on "
+            "oneDNN, the others all theirs on torch's MKL: the next section times the two kernels); attention on "
+            "the math SDPA "
             "backend for all (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ hand-written ≤ 1.05, "
             "fxshard ÷ DTensor ≤ 0.5; fxshard --compile ÷ hand-written ≤ 0.85 and ÷ hand-written + compile ≤ 1.0.  "
             "\"Per round\" divides the base's step time by the other's in the same interleaved round (load from "

@@ -16,7 +16,9 @@ The collectives trace as functional collectives (:mod:`fxshard.runtime.collectiv
 The expert exchanges of ``--ep`` move as many rows as the routing sends: they run eagerly between compiled
 graphs, a graph break at each (:mod:`fxshard.runtime.experts`).  ``rt.recompute`` traces as torch's checkpoint
 operator, whose recompute the compiled backward does (:mod:`fxshard.runtime.recompute`).
-Inductor's CPU code may reorder a reduction; the losses of a compiled run are tested against the eager run's
+On CPU the graphs' fp32 matrix products run on oneDNN rather than torch's MKL (``--cpu-matmul``, default
+``onednn``: :mod:`fxshard.runtime.matmul` says why).  Inductor's CPU code may reorder a reduction, and the two
+kernels sum a dot product in different orders; the losses of a compiled run are tested against the eager run's
 within 1e-6 relative (``tests/runtime/test_compiled.py``).
 """
 
@@ -27,22 +29,27 @@ import torch
 BACKEND = "inductor"
 
 
-def compile_module(module: torch.nn.Module, regional: bool = False) -> torch.nn.Module:
+def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: str = "onednn") -> torch.nn.Module:
     """Compile ``module``'s forward (a generated ``RankModule`` or pipeline stage) in place; return it.
     ``regional``: one graph per repeated block class, and the module's forward broken at the block calls.
+    ``cpu_matmul``: the kernel of the graphs' fp32 CPU matrix products, one of
+    :data:`fxshard.runtime.matmul.CPU_MATMULS`.
 
     >>> compile_module(code.RankModule(groups, device))   # first call compiles, later calls reuse
     """
+    from fxshard.runtime.matmul import inductor_options
+
+    options = inductor_options(cpu_matmul)
     for child in module.children() if regional else ():
         if type(child).__module__ == type(module).__module__:  # a repeated block of the same rank file
-            child.forward = _region(child.forward)
-    module.forward = torch.compile(module.forward, backend=BACKEND)
+            child.forward = _region(child.forward, options)
+    module.forward = torch.compile(module.forward, backend=BACKEND, options=options)
     return module
 
 
-def _region(forward):
+def _region(forward, options: dict):
     """``forward`` compiled on its own, and a graph break where the enclosing compiled forward calls it."""
-    compiled = torch.compile(forward, backend=BACKEND)
+    compiled = torch.compile(forward, backend=BACKEND, options=options)
 
     @torch.compiler.disable(recursive=False)  # this frame only: ``compiled`` below still compiles
     def block_forward(*args, **kwargs):

@@ -100,7 +100,8 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         final_state = options.final_state
         state = {} if final_state is not None else None
         losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
-                       final_state=state, checkpoint=options.checkpoint_config(), compile=options.compile)
+                       final_state=state, checkpoint=options.checkpoint_config(),
+                       compile=options.compile and options.cpu_matmul)
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -156,7 +157,7 @@ class _Run:
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
-          memory: dict | None = None, checkpoint=None, compile: bool = False) -> list[float]:
+          memory: dict | None = None, checkpoint=None, compile: bool | str = False) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
@@ -164,9 +165,10 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     it is filled with the bytes of model state this rank held (see :mod:`fxshard.train.memory`) and ``psi``,
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
-    layout) at its step: only steps after it run, and their losses are returned.  With ``compile``, each
-    generated module's forward runs through torch.compile (:mod:`fxshard.runtime.compiled`); rank 0 says how
-    long the first step spent compiling."""
+    layout) at its step: only steps after it run, and their losses are returned.  With ``compile`` (True, or the
+    kernel of the compiled fp32 CPU matrix products: ``"onednn"``, True's, or ``"torch"``), each generated module's
+    forward runs through torch.compile (:mod:`fxshard.runtime.compiled`); rank 0 says how long the first step spent
+    compiling."""
     locked = contextlib.nullcontext()
     if checkpoint is not None and dist.get_rank() == 0:
         from fxshard.train.supervise import checkpoint_lock
@@ -204,9 +206,11 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
             losses.append(value)
             if rank == 0 and compile and step == run.first_step:
                 from fxshard.runtime.compiled import compile_seconds
+                from fxshard.runtime.matmul import onednn_products
 
-                progress.print(f"compiled in {compile_seconds():.1f} s (torch.compile, inductor; rank 0, during step "
-                               f"{step}, which took {seconds:.1f} s)")
+                on_onednn = f"{onednn_products()} fp32 matrix products on oneDNN; " if onednn_products() else ""
+                progress.print(f"compiled in {compile_seconds():.1f} s (torch.compile, inductor; {on_onednn}rank 0, "
+                               f"during step {step}, which took {seconds:.1f} s)")
             if rank == 0:
                 progress.step(step, value, seconds)
                 if sink:
@@ -237,7 +241,8 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
     return losses
 
 
-def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint, compile: bool = False) -> _Run:
+def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint,
+            compile: bool | str = False) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
     layout = manifest.layout
@@ -299,7 +304,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         load_optimizer(reader, opt, held, entry, groups["dp"], groups.get("edp"))
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
                 _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
-                getattr(code, "count_tokens", None), compile)
+                getattr(code, "count_tokens", None), bool(compile))
 
 
 def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | None) -> float:
@@ -403,7 +408,7 @@ def _resume_reader(checkpoint, manifest: Manifest, out: Path, steps: int):
 
 
 def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
-             entry: RankEntry | None = None, compile: bool = False) -> torch.nn.Module:
+             entry: RankEntry | None = None, compile: bool | str = False) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
@@ -423,7 +428,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module, regional=compiled_regionally(layout))
+        compile_module(module, regional=compiled_regionally(layout), cpu_matmul="onednn" if compile is True else compile)
     return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
 
 
@@ -573,7 +578,7 @@ def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
 
 
 def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
-              masters: dict, reader=None, compile: bool = False):
+              masters: dict, reader=None, compile: bool | str = False):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated

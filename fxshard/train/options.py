@@ -61,6 +61,9 @@ class RunOptions:
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
     compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "
                                   "(inductor), collectives as functional collectives; the first step compiles")
+    cpu_matmul: str = option("onednn", "with --compile on CPU: the kernel of the fp32 matrix products, onednn "
+                                       "(faster than torch's MKL on AMD CPUs, where MKL takes its AVX2 path) or "
+                                       "torch (torch's own, as eager runs)")
     trace: Path | None = option(None, "write per-rank Chrome trace JSON of every pipeline action and collective to "
                                       "DIR (rank<R>.json, joined in trace.json: open it in ui.perfetto.dev, or read it "
                                       "with `fxshard report`)")
@@ -150,6 +153,10 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
         _check_metrics(out, metrics)
+    from fxshard.runtime.matmul import CPU_MATMULS
+
+    if options.cpu_matmul not in CPU_MATMULS:
+        raise OptionError(f"--cpu-matmul {options.cpu_matmul}: expected one of {', '.join(CPU_MATMULS)}")
     if options.compile:
         check_compile(out)
         if options.memory_report:

@@ -3,7 +3,8 @@
 Real gloo processes, ``tests/models/tiny_gpt.py`` (2 blocks of width 32: inductor compiles for tens of seconds
 on two shared cores, less once its cache holds the graphs) and, under ``--ep``, ``tests/models/hf_mixtral.py``
 (2 layers of 4 experts, top 2; at tp=2 its experts split inside by moe_tp_experts).  Each case trains 4 steps eagerly and 4 compiled from the same weights and batches
-in the same processes; the losses must agree within 1e-6 relative (fp32), both must match single-device training
+in the same processes, every fp32 matrix product of the compiled one on oneDNN (``--cpu-matmul``'s default kernel,
+unlike the eager run's MKL; its size threshold lowered to 0 for these small models); the losses must agree within 1e-6 relative (fp32), both must match single-device training
 within verify's 1e-5, and no step after the first may compile a graph (under ``--ep`` the rows each rank's
 experts get differ from step to step).
 """
@@ -51,11 +52,14 @@ def _eager_and_compiled(out: str) -> dict:
     import torch._dynamo
 
     import fxshard.runtime.experts as experts
+    import fxshard.runtime.matmul as matmul
     import fxshard.train.launch as launch
     from fxshard.runtime.compiled import compile_seconds
+    from fxshard.runtime.matmul import onednn_products
 
     quiet = dict(log=lambda *_: None)
     eager = launch.train(Path(out), STEPS, **quiet)
+    matmul.MIN_MULTIPLY_ADDS = 0  # the models' products are too small for oneDNN's default: every one on it here
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
@@ -83,7 +87,8 @@ def _eager_and_compiled(out: str) -> dict:
     finally:
         launch._train_step, experts._dispatch = step, dispatch
     return {"eager": eager, "compiled": compiled, "compile_s": compile_seconds(), "graphs": graphs,
-            "breaks": dict(counters["graph_break"]), "rows": rows, "saved": sum(saved)}
+            "breaks": dict(counters["graph_break"]), "rows": rows, "saved": sum(saved),
+            "onednn": onednn_products()}
 
 
 def _model_and_layout(case: str) -> tuple[Path, Layout]:
@@ -137,6 +142,7 @@ def test_compiled_losses_equal_eager_and_single_device(trained, reference, case)
         assert all(len({tuple(r[i:i + per_step]) for i in range(0, len(r), per_step)}) > 1 for r in rows), rows
     else:
         assert graphs[0] == 1 and not breaks, ranks[0]
+    assert ranks[0]["onednn"] > 0  # the fp32 matrix products on oneDNN
     assert _rel(compiled, eager) <= COMPILED_RTOL, (case, eager, compiled)
     single = reference[_model_and_layout(case)[0]]
     assert _rel(eager, single) <= REFERENCE_RTOL and _rel(compiled, single) <= REFERENCE_RTOL
