@@ -59,43 +59,66 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(size: str, rounds: int, log=print) -> dict:
-    """Both kernels on each product of one size's step; medians, their per-step sums and the largest difference."""
-    from benchmarks.models.gpt import SIZES
-    from fxshard.runtime.matmul import onednn_mm, takes_onednn
+CROSSOVER = [(32, 64, 32), (64, 64, 64), (128, 128, 64), (128, 128, 128), (128, 256, 128), (256, 256, 128),
+             (256, 256, 256)]  # forward products [M,K] @ [K,N] from 64K to 16M multiply-adds, around the threshold
+
+
+def run(sizes: list[str], rounds: int, log=print) -> dict:
+    """Both kernels on each product of each size's step and on the :data:`CROSSOVER` shapes, with one thread."""
+    from fxshard.runtime.matmul import MIN_MULTIPLY_ADDS
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = []
-        for (kind, m, k, n), count in sorted(products(SIZES[size]).items()):
-            a, b = _operands(kind, m, k, n)
-            calls = {"torch (MKL)": lambda: torch.mm(a, b), "oneDNN": lambda: onednn_mm(a, b)}
-            times = {name: [] for name in KERNELS}
-            for r in range(rounds + 2):  # alternating, after two untimed rounds
-                for name in KERNELS if r % 2 else KERNELS[::-1]:
-                    t = _seconds(calls[name])
-                    if r >= 2:
-                        times[name].append(t)
-            ref = torch.mm(a.double(), b.double())
-            diff = {name: ((calls[name]().double() - ref).abs().max() / ref.abs().max()).item() for name in KERNELS}
-            rows.append({"kind": kind, "shape": [m, k, n], "count": count, "diff_vs_fp64": diff,
-                         "compiled_on": "oneDNN" if takes_onednn(m, k, n) else "torch (MKL)",
-                         "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()}})
+        models = [_model(size, rounds, log) for size in sizes]
+        crossover = [dict(shape=[m, k, n], **_both(*_operands("forward", m, k, n), rounds)) for m, k, n in CROSSOVER]
     finally:
         torch.set_num_threads(threads)
+    return {"rounds": rounds, "min_multiply_adds": MIN_MULTIPLY_ADDS, "models": models, "crossover": crossover}
+
+
+def _both(a: torch.Tensor, b: torch.Tensor, rounds: int) -> dict:
+    """``a @ b`` on both kernels, alternately after two untimed rounds: medians (ms), difference from fp64."""
+    from fxshard.runtime.matmul import onednn_mm
+
+    calls = {"torch (MKL)": lambda: torch.mm(a, b), "oneDNN": lambda: onednn_mm(a, b)}
+    times = {name: [] for name in KERNELS}
+    for r in range(rounds + 2):
+        for name in KERNELS if r % 2 else KERNELS[::-1]:
+            t = _seconds(calls[name])
+            if r >= 2:
+                times[name].append(t)
+    ref = torch.mm(a.double(), b.double())
+    return {"median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+            "diff_vs_fp64": {name: ((calls[name]().double() - ref).abs().max() / ref.abs().max()).item()
+                             for name in KERNELS}}
+
+
+def _model(size: str, rounds: int, log) -> dict:
+    from benchmarks.models.gpt import SIZES
+    from fxshard.runtime.matmul import takes_onednn
+
+    rows = [dict(kind=kind, shape=[m, k, n], count=count,
+                 compiled_on="oneDNN" if takes_onednn(m, k, n) else "torch (MKL)",
+                 **_both(*_operands(kind, m, k, n), rounds))
+            for (kind, m, k, n), count in sorted(products(SIZES[size]).items())]
     total = {name: sum(r["median_ms"][name] * r["count"] for r in rows) for name in KERNELS}
     total["--compile"] = sum(r["median_ms"][r["compiled_on"]] * r["count"] for r in rows)
     log(f"cpu_matmul {size}: {sum(r['count'] for r in rows)} products per step, MKL {total['torch (MKL)']:.1f} ms, "
         f"oneDNN {total['oneDNN']:.1f} ms, as --compile takes them {total['--compile']:.1f} ms")
-    return {"size": size, "config": SIZES[size], "tp": TP, "rounds": rounds, "products": rows, "step_ms": total,
+    return {"size": size, "config": SIZES[size], "tp": TP, "products": rows, "step_ms": total,
             "onednn_products": sum(r["count"] for r in rows if r["compiled_on"] == "oneDNN"),
             "compiled/torch": total["--compile"] / total["torch (MKL)"]}
 
 
-def markdown(results: list[dict]) -> str:
+def _millions(n: int) -> str:
+    return f"{n / 2**20:g}M"
+
+
+def markdown(results: dict) -> str:
+    least = _millions(results["min_multiply_adds"])
     rows = []
-    for r in results:
+    for r in results["models"]:
         c, totals = r["config"], r["step_ms"]
         worst = {name: max(p["diff_vs_fp64"][name] for p in r["products"]) for name in KERNELS}
         rows.append([f"{r['size']}: {c['layers']}×{c['hidden']}, vocab {c['vocab']}, {c['batch']}×{c['seq']} tokens",
@@ -103,13 +126,18 @@ def markdown(results: list[dict]) -> str:
                      r["onednn_products"], f"{totals['--compile']:.1f}", f"**{r['compiled/torch']:.3f}**",
                      f"{worst['torch (MKL)']:.1e}", f"{worst['oneDNN']:.1e}"])
     header = ["model (one rank at tp=2)", "fp32 products per step", "all on torch's kernel (MKL): ms per step",
-              "all on oneDNN: ms per step", "on oneDNN under --compile (4M multiply-adds and more)",
-              "as --compile takes them: ms per step", "--compile's ÷ MKL", "MKL: largest difference from fp64, relative",
-              "oneDNN: largest difference from fp64, relative"]
-    first = results[0]
+              "all on oneDNN: ms per step", f"on oneDNN under --compile ({least} multiply-adds and more)",
+              "as --compile takes them: ms per step", "--compile's ÷ MKL",
+              "MKL: largest difference from fp64, relative", "oneDNN: largest difference from fp64, relative"]
+    cross = [[" × ".join(map(str, x["shape"])), _millions(x["shape"][0] * x["shape"][1] * x["shape"][2]),
+              f"{x['median_ms']['torch (MKL)'] * 1e3:.1f}", f"{x['median_ms']['oneDNN'] * 1e3:.1f}",
+              f"**{x['median_ms']['oneDNN'] / x['median_ms']['torch (MKL)']:.2f}**"] for x in results["crossover"]]
     return ("One rank's fp32 matrix products per training step at tp=2 (forward, input and weight gradients of every "
-            "linear layer and the LM head), each timed on both kernels alternately in one process with one thread, "
-            f"{first['rounds']} times; the medians summed over the step.  `fxshard --compile` runs the products of "
-            "4M multiply-adds and more on oneDNN (`--cpu-matmul onednn`, the default), the smaller ones on torch's "
-            "kernel; eager code and plain torch.compile run all of them on torch's MKL `sgemm`.  The difference from an fp64 product, relative to its largest element, is each kernel's own "
-            "rounding.\n\n" + markdown_table(header, rows))
+            "linear layer and the LM head; attention's batched products are not among them), each timed on both "
+            f"kernels alternately in one process with one thread, {results['rounds']} times; the medians summed over "
+            f"the step.  `fxshard --compile` runs the products of {least} multiply-adds and more on oneDNN "
+            "(`--cpu-matmul onednn`, the default), the smaller ones on torch's kernel; eager code and plain "
+            "torch.compile run all of them on torch's MKL `sgemm`.  The difference from an fp64 product, relative to "
+            "its largest element, is each kernel's own rounding.\n\n" + markdown_table(header, rows) +
+            f"\n\nWhere the threshold comes from: single forward products around {least} multiply-adds, same "
+            "timing.\n\n" + markdown_table(["M × K × N", "multiply-adds", "MKL µs", "oneDNN µs", "oneDNN ÷ MKL"], cross))

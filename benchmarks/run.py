@@ -79,7 +79,7 @@ def run_part(part: str, settings: dict, work: Path, quick: bool):
     if part == "tp":
         return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
     if part == "matmul":
-        return [cpu_matmul.run(size, settings["matmul_rounds"]) for size in settings["tp_sizes"]]
+        return cpu_matmul.run(settings["tp_sizes"], settings["matmul_rounds"])
     if part == "overlap":
         return [overlap.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
     if part == "pipeline":

@@ -66,7 +66,8 @@ def test_contenders_start_from_the_same_loss(quick):
     firsts = [tp["losses"][c]["first_loss"] for c in CONTENDERS]
     assert max(firsts) - min(firsts) <= 1e-5, firsts
     assert tp["losses_agree"]
-    # fxshard --compile trains as its eager run does (issue 19: within 1e-6 relative in fp32), either kernel
+    # fxshard --compile trains as its eager run does (issue 19: within 1e-6 relative in fp32); the tiny model's
+    # products all stay on MKL, so both rows run the same kernels here (oneDNN's: tests/runtime/test_matmul.py)
     assert tp["losses"]["fxshard --compile"]["max_rel_diff_vs_eager"] <= 1e-6
     assert tp["losses"]["fxshard --compile --cpu-matmul torch"]["max_rel_diff_vs_eager"] <= 1e-6
 
@@ -119,14 +120,17 @@ def test_per_layer_activation_bytes_agree_with_the_plan(tmp_path):
 
 
 def test_quick_matmul_benchmark_times_every_product_of_the_step_on_both_kernels(tmp_path):
+    from benchmarks.cpu_matmul import CROSSOVER
     from benchmarks.run import main
 
     main(["--quick", "--only", "matmul", "--out", str(tmp_path)])
-    (r,) = json.loads((tmp_path / "quick.json").read_text())["cpu_matmul"]
+    result = json.loads((tmp_path / "quick.json").read_text())["cpu_matmul"]
+    (r,) = result["models"]
     # tiny GPT at tp=2: per layer q, k, v, o_proj, fc_in, fc_out, and the LM head; each forward, input and weight grad
     assert r["size"] == "tiny" and sum(p["count"] for p in r["products"]) == (2 * 6 + 1) * 3
-    for p in r["products"]:
+    for p in r["products"] + result["crossover"]:
         assert all(ms > 0 for ms in p["median_ms"].values()) and max(p["diff_vs_fp64"].values()) < 1e-5, p
+    assert [x["shape"] for x in result["crossover"]] == [list(s) for s in CROSSOVER]
     assert r["step_ms"]["--compile"] > 0 and "## The step's matrix products" in (tmp_path / "quick.md").read_text()
 
 

@@ -125,9 +125,9 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return OptimConfig().make([{"params": g} for g in groups if g])
 
 
-def fxshard_contender(out: Path, inputs: dict, compile: bool | str = False) -> Contender:
+def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul: str = "onednn") -> Contender:
     """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does;
-    ``compile``: True, or the ``--cpu-matmul`` kernel (True's is ``onednn``)."""
+    ``compile`` and ``cpu_matmul`` as ``fxshard run --compile --cpu-matmul``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxshard.capture.inputs import flatten_batch
@@ -146,7 +146,7 @@ def fxshard_contender(out: Path, inputs: dict, compile: bool | str = False) -> C
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module, cpu_matmul="onednn" if compile is True else compile)
+        compile_module(module, cpu_matmul=cpu_matmul)
     leaves = flatten_batch(inputs, manifest.inputs)
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
 
@@ -204,10 +204,11 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
     makers = (fxshard_contender, hand_written_contender, dtensor_contender)
     contenders = {name: make(Path(out), inputs) if make is fxshard_contender else make(full, inputs)
                   for name, make in zip(EAGER, makers, strict=True)}
-    compiled_as = {"fxshard --compile --cpu-matmul torch": "torch"}
-    contenders |= {name: make(Path(out), inputs, compile=compiled_as.get(name, True)) if make is fxshard_contender
-                   else make(full, inputs, compile=True)
-                   for name, make in ((name, makers[EAGER.index(eager)]) for name, eager in COMPILED_FROM.items())}
+    for name, eager in COMPILED_FROM.items():
+        make = makers[EAGER.index(eager)]
+        matmul = {"cpu_matmul": "torch"} if name.endswith("--cpu-matmul torch") else {}
+        contenders[name] = make(Path(out), inputs, compile=True, **matmul) if make is fxshard_contender else \
+            make(full, inputs, compile=True)
     first_step_s = {}
     for name, c in contenders.items():  # untimed: compiles the compiled contenders
         dist.barrier()
@@ -295,6 +296,8 @@ def _over(q: dict, base: str, c: str, kind: str) -> str:
 
 def markdown(results: list[dict]) -> str:
     """The step-time table: per model size, one row per contender."""
+    from fxshard.runtime.matmul import MIN_MULTIPLY_ADDS
+
     rows = []
     for r in results:
         m, q = r["model"], r["ratios"]
@@ -319,8 +322,9 @@ def markdown(results: list[dict]) -> str:
     return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
             f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
             "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "
-            "each the whole model; `fxshard --compile` runs its fp32 products of 4M multiply-adds and more on "
-            "oneDNN, the others all theirs on torch's MKL: the next section times the two kernels); attention on "
+            f"each the whole model; `fxshard --compile` runs its fp32 products of {MIN_MULTIPLY_ADDS / 2**20:g}M "
+            "multiply-adds and more on oneDNN, the others all theirs on torch's MKL: the next section times the two "
+            "kernels); attention on "
             "the math SDPA "
             "backend for all (DTensor has no CPU flash-attention rule).  Targets: fxshard ÷ hand-written ≤ 1.05, "
             "fxshard ÷ DTensor ≤ 0.5; fxshard --compile ÷ hand-written ≤ 0.85 and ÷ hand-written + compile ≤ 1.0.  "

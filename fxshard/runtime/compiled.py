@@ -16,8 +16,8 @@ The collectives trace as functional collectives (:mod:`fxshard.runtime.collectiv
 The expert exchanges of ``--ep`` move as many rows as the routing sends: they run eagerly between compiled
 graphs, a graph break at each (:mod:`fxshard.runtime.experts`).  ``rt.recompute`` traces as torch's checkpoint
 operator, whose recompute the compiled backward does (:mod:`fxshard.runtime.recompute`).
-On CPU the graphs' fp32 matrix products run on oneDNN rather than torch's MKL (``--cpu-matmul``, default
-``onednn``: :mod:`fxshard.runtime.matmul` says why).  Inductor's CPU code may reorder a reduction, and the two
+On CPU the graphs' static fp32 matrix products of 4M multiply-adds and more run on oneDNN rather than torch's
+MKL (``--cpu-matmul``, default ``onednn``: :mod:`fxshard.runtime.matmul` says why and which).  Inductor's CPU code may reorder a reduction, and the two
 kernels sum a dot product in different orders; the losses of a compiled run are tested against the eager run's
 within 1e-6 relative (``tests/runtime/test_compiled.py``).
 """
@@ -25,6 +25,9 @@ within 1e-6 relative (``tests/runtime/test_compiled.py``).
 from __future__ import annotations
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from fxshard.runtime import matmul
 
 BACKEND = "inductor"
 
@@ -37,8 +40,6 @@ def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: 
 
     >>> compile_module(code.RankModule(groups, device))   # first call compiles, later calls reuse
     """
-    from fxshard.runtime.matmul import inductor_options
-
     options = inductor_options(cpu_matmul)
     for child in module.children() if regional else ():
         if type(child).__module__ == type(module).__module__:  # a repeated block of the same rank file
@@ -65,3 +66,31 @@ def compile_seconds() -> float:
 
     spent = calculate_time_spent()
     return float(spent.get("total_wall_time", sum(spent.values())))
+
+
+class OneDNNMatmuls(CustomGraphPass):
+    """Inductor's post-grad pass of ``--cpu-matmul onednn``: :func:`fxshard.runtime.matmul.rewrite_products`."""
+
+    def __init__(self, min_multiply_adds: int):
+        self.min_multiply_adds = min_multiply_adds
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        matmul.rewrite_products(graph, self.min_multiply_adds)
+
+    def uuid(self) -> bytes:
+        """Inductor's cache key for the graphs this pass rewrote: the rule's code and its threshold."""
+        return get_hash_for_files((__file__, matmul.__file__)) + str(self.min_multiply_adds).encode()
+
+
+def inductor_options(cpu_matmul: str) -> dict:
+    """``torch.compile``'s inductor options for ``--cpu-matmul``: the pass above for ``onednn`` (where oneDNN is
+    available; its threshold :data:`fxshard.runtime.matmul.MIN_MULTIPLY_ADDS` as it is now), none for ``torch``.
+
+    >>> inductor_options("torch")
+    {}
+    """
+    if cpu_matmul not in matmul.CPU_MATMULS:
+        raise ValueError(f"cpu_matmul {cpu_matmul!r}: expected one of {', '.join(matmul.CPU_MATMULS)}")
+    if cpu_matmul == "onednn" and matmul.onednn_available():
+        return {"post_grad_custom_post_pass": OneDNNMatmuls(matmul.MIN_MULTIPLY_ADDS)}
+    return {}

@@ -101,7 +101,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         state = {} if final_state is not None else None
         losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
                        final_state=state, checkpoint=options.checkpoint_config(),
-                       compile=options.compile and options.cpu_matmul)
+                       compile=options.compile, cpu_matmul=options.cpu_matmul)
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -157,7 +157,8 @@ class _Run:
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
-          memory: dict | None = None, checkpoint=None, compile: bool | str = False) -> list[float]:
+          memory: dict | None = None, checkpoint=None, compile: bool = False, cpu_matmul: str = "onednn"
+          ) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
@@ -165,9 +166,9 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     it is filled with the bytes of model state this rank held (see :mod:`fxshard.train.memory`) and ``psi``,
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
-    layout) at its step: only steps after it run, and their losses are returned.  With ``compile`` (True, or the
-    kernel of the compiled fp32 CPU matrix products: ``"onednn"``, True's, or ``"torch"``), each generated module's
-    forward runs through torch.compile (:mod:`fxshard.runtime.compiled`); rank 0 says how long the first step spent
+    layout) at its step: only steps after it run, and their losses are returned.  With ``compile``, each generated
+    module's forward runs through torch.compile (:mod:`fxshard.runtime.compiled`), its large fp32 CPU matrix products
+    on ``cpu_matmul``'s kernel (:mod:`fxshard.runtime.matmul`); rank 0 says how long the first step spent
     compiling."""
     locked = contextlib.nullcontext()
     if checkpoint is not None and dist.get_rank() == 0:
@@ -175,10 +176,12 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
 
         locked = checkpoint_lock(Path(checkpoint.folder))  # one run writes a checkpoint folder at a time
     with locked:
-        return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile)
+        return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint,
+                      cpu_matmul if compile else None)
 
 
 def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile) -> list[float]:
+    """``compile``: None (eager) or the compiled CPU matrix products' kernel."""
     run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint, compile)
     probe = MemoryProbe(list(run.held.values()), run.layout.pp > 1) if memory is not None else None
     rank = dist.get_rank()
@@ -242,7 +245,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
 
 
 def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint,
-            compile: bool | str = False) -> _Run:
+            compile: str | None = None) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
     layout = manifest.layout
@@ -408,13 +411,14 @@ def _resume_reader(checkpoint, manifest: Manifest, out: Path, steps: int):
 
 
 def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters: dict, reader=None,
-             entry: RankEntry | None = None, compile: bool | str = False) -> torch.nn.Module:
+             entry: RankEntry | None = None, compile: str | None = None) -> torch.nn.Module:
     """Load a generated module's weights and attach data parallelism; return what runs it.
 
     Under mixed precision the weights load into fp32 parameters first, so the fp32 master weights
     are exact: FSDP2 (ZeRO 2/3) keeps them as its shards; otherwise ``masters`` gets an fp32 copy of
-    each parameter (keyed by ``id``) and the module's parameters become the compute dtype.  With ``compile``
-    the module's forward is compiled in place, inside DDP's or FSDP2's hooks."""
+    each parameter (keyed by ``id``) and the module's parameters become the compute dtype.  With ``compile`` (the
+    CPU matrix products' kernel; None: eager) the module's forward is compiled in place, inside DDP's or FSDP2's
+    hooks."""
     if layout.mixed:
         promote(module)
     load_state(module, weights, prefix=prefix)
@@ -428,7 +432,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if compile:
         from fxshard.runtime.compiled import compile_module
 
-        compile_module(module, regional=compiled_regionally(layout), cpu_matmul="onednn" if compile is True else compile)
+        compile_module(module, regional=compiled_regionally(layout), cpu_matmul=compile)
     return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
 
 
@@ -578,7 +582,7 @@ def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
 
 
 def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
-              masters: dict, reader=None, compile: bool | str = False):
+              masters: dict, reader=None, compile: str | None = None):
     """Build this rank's stage modules, their PipelineStages and the schedule.
 
     Returns the parameters to optimize, the step (forward + backward of one batch), the generated

@@ -61,9 +61,9 @@ class RunOptions:
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
     compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "
                                   "(inductor), collectives as functional collectives; the first step compiles")
-    cpu_matmul: str = option("onednn", "with --compile on CPU: the kernel of the fp32 matrix products, onednn "
-                                       "(faster than torch's MKL on AMD CPUs, where MKL takes its AVX2 path) or "
-                                       "torch (torch's own, as eager runs)")
+    cpu_matmul: str = option("onednn", "with --compile on CPU: the kernel of the static fp32 matrix products of 4M "
+                                       "multiply-adds and more: onednn (twice MKL's speed on AMD CPUs, where MKL "
+                                       "takes its AVX2 path) or torch (torch's MKL, as eager runs)")
     trace: Path | None = option(None, "write per-rank Chrome trace JSON of every pipeline action and collective to "
                                       "DIR (rank<R>.json, joined in trace.json: open it in ui.perfetto.dev, or read it "
                                       "with `fxshard report`)")
