@@ -359,6 +359,8 @@ def verify(
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
     compile: bool = typer.Option(False, "--compile", help="train the distributed side as `fxshard run --compile` "
                                                           "(torch.compile, inductor)"),
+    cpu_matmul: str = typer.Option("onednn", "--cpu-matmul", help="with --compile on CPU: the large fp32 matrix "
+                                                                 "products' kernel, onednn or torch (as fxshard run)"),
 ):
     """Train MODEL distributed (local gloo processes) and on one device; print the largest differences of
     the losses and of the trained parameters; exit 1 above the tolerance."""
@@ -373,7 +375,7 @@ def verify(
         optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
         console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
         result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,
-                         param_rtol, out, compile=compile)
+                         param_rtol, out, compile=compile, cpu_matmul=cpu_matmul)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

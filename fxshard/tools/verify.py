@@ -83,22 +83,26 @@ class Verification:
 
 def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
            plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
-           out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False) -> Verification:
+           out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
+           cpu_matmul: str = "onednn") -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL).
-    ``compile``: the distributed run is ``fxshard run --compile`` (the single-device reference stays eager)."""
+    ``compile``: the distributed run is ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference
+    stays eager)."""
     from fxshard.train.launch import check_accumulated_loss
     from fxshard.train.local import launch_local
-    from fxshard.train.options import RunOptions
+    from fxshard.train.options import RunOptions, check_cpu_matmul
 
+    check_cpu_matmul(cpu_matmul)
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"
         result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        options = RunOptions(steps, optim, metrics, timeout_s, compile=compile, final_state=final)
+        options = RunOptions(steps, optim, metrics, timeout_s, compile=compile, cpu_matmul=cpu_matmul,
+                             final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
         if compile:
             from fxshard.train.options import check_compile

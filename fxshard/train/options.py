@@ -153,10 +153,7 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
     if metrics is not None:
         _check_metrics(out, metrics)
-    from fxshard.runtime.matmul import CPU_MATMULS
-
-    if options.cpu_matmul not in CPU_MATMULS:
-        raise OptionError(f"--cpu-matmul {options.cpu_matmul}: expected one of {', '.join(CPU_MATMULS)}")
+    check_cpu_matmul(options.cpu_matmul)
     if options.compile:
         check_compile(out)
         if options.memory_report:
@@ -184,6 +181,15 @@ def _check_compiled_memory_report(out: Path) -> None:
         raise OptionError(f"--memory-report with --compile: {out} was compiled with --recompute selective, whose kept "
                           "activations the compiled backward holds where the report cannot count them; drop "
                           "--compile to measure the eager run, which keeps the same activations")
+
+
+def check_cpu_matmul(cpu_matmul: str) -> None:
+    """Refuse a ``--cpu-matmul`` kernel that :mod:`fxshard.runtime.matmul` does not know."""
+    from fxshard.errors import OptionError
+    from fxshard.runtime.matmul import CPU_MATMULS
+
+    if cpu_matmul not in CPU_MATMULS:
+        raise OptionError(f"--cpu-matmul {cpu_matmul}: expected one of {', '.join(CPU_MATMULS)}")
 
 
 def check_compile(out: Path) -> None:
