@@ -17,9 +17,9 @@ The expert exchanges of ``--ep`` move as many rows as the routing sends: they ru
 graphs, a graph break at each (:mod:`fxshard.runtime.experts`).  ``rt.recompute`` traces as torch's checkpoint
 operator, whose recompute the compiled backward does (:mod:`fxshard.runtime.recompute`).
 On CPU the graphs' static fp32 matrix products of 4M multiply-adds and more run on oneDNN rather than torch's
-MKL (``--cpu-matmul``, default ``onednn``: :mod:`fxshard.runtime.matmul` says why and which).  Inductor's CPU code may reorder a reduction, and the two
-kernels sum a dot product in different orders; the losses of a compiled run are tested against the eager run's
-within 1e-6 relative (``tests/runtime/test_compiled.py``).
+MKL (``--cpu-matmul``, default ``onednn``: :mod:`fxshard.runtime.matmul` says why and which).  Inductor's CPU
+code may reorder a reduction, and the two kernels sum a dot product in different orders; the losses of a compiled
+run are tested against the eager run's within 1e-6 relative (``tests/runtime/test_compiled.py``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """``fxshard run --compile`` on CPU: the compiled graphs' large fp32 matrix products on oneDNN instead of MKL.
 
 torch's x86 wheels multiply fp32 matrices (``aten.mm``, ``aten.addmm``: every linear layer, forward and both
-backward products) with MKL's ``sgemm``.  MKL picks its code path by CPU vendor; on this project's AMD EPYC
-(AVX-512) its ``sgemm`` runs at about the AVX2 rate (115 to 120 GFLOP/s on one core at 512x512x1024), while oneDNN, which
-the same wheels carry and which JIT-compiles its kernels for the instruction set the core reports, runs the same
-products at 240 to 265.  Over the products of one tensor-parallel step of the benchmark GPT oneDNN takes 0.47 to
-0.51 of MKL's time (``benchmarks/cpu_matmul.py``, which measures both on whatever machine runs it; no Intel machine was
-measured, where MKL takes its AVX-512 path and the gain should be small).  Plain ``torch.compile`` keeps MKL:
-inductor calls oneDNN for linear layers only in frozen inference graphs, whose weights are constants.
+backward products) with MKL's ``sgemm``. MKL picks its code path by CPU vendor; on this project's AMD EPYC
+(AVX-512) its ``sgemm`` runs at about the AVX2 rate (115 to 120 GFLOP/s on one core at 512x512x1024), while oneDNN,
+which the same wheels carry and which JIT-compiles its kernels for the instruction set the core reports, runs the
+same products at 240 to 265. Over the products of one tensor-parallel step of the benchmark GPT oneDNN takes 0.47
+to 0.51 of MKL's time (``benchmarks/cpu_matmul.py``, which measures both on whatever machine runs it; no Intel
+machine was measured, where MKL takes its AVX-512 path and the gain should be small). Plain ``torch.compile`` keeps
+MKL: inductor calls oneDNN for linear layers only in frozen inference graphs, whose weights are constants.
 
 Exactness: both kernels compute each output element as an fp32 dot product and differ only in the order of its
 partial sums.  At the benchmark's shapes (K up to 1024) each lies within 1.1e-6 (oneDNN) and 5e-7 (MKL) of an
@@ -17,13 +17,14 @@ on shapes alone and never by timing, so the replicated parameters tensor paralle
 identical.  ``--cpu-matmul torch`` keeps torch's kernel.
 
 The rewrite (:func:`rewrite_products`) runs as inductor's post-grad pass over the forward and the backward graph
-(:func:`fxshard.runtime.compiled.inductor_options`): each fp32 CPU ``mm(a, b)`` and linear ``addmm(bias, a, b)``
-of at least :data:`MIN_MULTIPLY_ADDS` becomes ``fxshard::onednn_mm(a, b, bias)``, an operator whose kernel is
-oneDNN's linear.  Smaller products stay on MKL, faster there (the crossover table of ``benchmarks/cpu_matmul.py``:
-on this machine MKL 3 us against oneDNN's 21 us at 32x64x32, about even at 2M multiply-adds, oneDNN ahead from
-4M), as do products of symbolic shape (the rows an expert gets under ``--ep``), batched products (``bmm``:
-attention), other dtypes (torch runs bf16 on oneDNN already) and devices, and ``addmm`` with scaling or an addend
-that is not one bias row (inductor folds a residual add into an ``addmm`` of [M, N] addend: it stays on MKL).  Importing this module registers the operator and loads nothing of inductor.
+(:func:`fxshard.runtime.compiled.inductor_options`): each fp32 CPU ``mm(a, b)`` and linear ``addmm(bias, a, b)`` of
+at least :data:`MIN_MULTIPLY_ADDS` becomes ``fxshard::onednn_mm(a, b, bias)``, an operator whose kernel is oneDNN's
+linear. Smaller products stay on MKL, faster there (the crossover table of ``benchmarks/cpu_matmul.py``: on this
+machine MKL 3 us against oneDNN's 21 us at 32x64x32, about even at 2M multiply-adds, oneDNN ahead from 4M), as do
+products of symbolic shape (the rows an expert gets under ``--ep``), batched products (``bmm``: attention), other
+dtypes (torch runs bf16 on oneDNN already) and devices, and ``addmm`` with scaling or an addend that is not one
+bias row (inductor folds a residual add into an ``addmm`` of [M, N] addend: it stays on MKL). Importing this module
+registers the operator; the pass that calls it is ``fxshard.runtime.compiled``'s.
 """
 
 from __future__ import annotations

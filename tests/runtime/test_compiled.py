@@ -1,13 +1,14 @@
 """``fxshard run --compile``: the generated code through torch.compile (inductor) trains exactly as eager.
 
-Real gloo processes, ``tests/models/tiny_gpt.py`` (2 blocks of width 32: inductor compiles for tens of seconds
-on two shared cores, less once its cache holds the graphs) and, under ``--ep``, ``tests/models/hf_mixtral.py``
-(2 layers of 4 experts, top 2; at tp=2 its experts split inside by moe_tp_experts).  Each case trains 4 steps eagerly and 4 compiled from the same weights and batches
-in the same processes, the compiled one's static fp32 ``mm``/``addmm`` on oneDNN (``--cpu-matmul``'s default kernel,
-unlike the eager run's MKL; its size threshold lowered to 0 for these small models; under ``--ep`` the experts'
-products, of as many rows as the routing sends, stay on MKL); the losses must agree within 1e-6 relative (fp32), both must match single-device training
-within verify's 1e-5, and no step after the first may compile a graph (under ``--ep`` the rows each rank's
-experts get differ from step to step).
+Real gloo processes, ``tests/models/tiny_gpt.py`` (2 blocks of width 32: inductor compiles for tens of seconds on
+two shared cores, less once its cache holds the graphs) and, under ``--ep``, ``tests/models/hf_mixtral.py`` (2
+layers of 4 experts, top 2; at tp=2 its experts split inside by moe_tp_experts). Each case trains 4 steps eagerly
+and 4 compiled from the same weights and batches in the same processes, the compiled one's static fp32
+``mm``/``addmm`` on oneDNN (``--cpu-matmul``'s default kernel, unlike the eager run's MKL; its size threshold
+lowered to 0 for these small models; under ``--ep`` the experts' products, of as many rows as the routing sends,
+stay on MKL); the losses must agree within 1e-6 relative (fp32), both must match single-device training within
+verify's 1e-5, and no step after the first may compile a graph (under ``--ep`` the rows each rank's experts get
+differ from step to step).
 """
 
 from __future__ import annotations
