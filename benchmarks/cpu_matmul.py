@@ -49,10 +49,6 @@ def _operands(kind: str, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Te
     return torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)  # g.T @ x
 
 
-def _time(fn, rounds: int) -> list[float]:
-    return [_seconds(fn) for _ in range(rounds)]
-
-
 def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -111,12 +107,13 @@ def _model(size: str, rounds: int, log) -> dict:
             "compiled/torch": total["--compile"] / total["torch (MKL)"]}
 
 
-def _millions(n: int) -> str:
+def millions(n: int) -> str:
+    """``n`` multiply-adds as the tables write them: ``millions(1 << 22)`` is ``"4M"``."""
     return f"{n / 2**20:g}M"
 
 
 def markdown(results: dict) -> str:
-    least = _millions(results["min_multiply_adds"])
+    least = millions(results["min_multiply_adds"])
     rows = []
     for r in results["models"]:
         c, totals = r["config"], r["step_ms"]
@@ -129,7 +126,7 @@ def markdown(results: dict) -> str:
               "all on oneDNN: ms per step", f"on oneDNN under --compile ({least} multiply-adds and more)",
               "as --compile takes them: ms per step", "--compile's ÷ MKL",
               "MKL: largest difference from fp64, relative", "oneDNN: largest difference from fp64, relative"]
-    cross = [[" × ".join(map(str, x["shape"])), _millions(x["shape"][0] * x["shape"][1] * x["shape"][2]),
+    cross = [[" × ".join(map(str, x["shape"])), millions(x["shape"][0] * x["shape"][1] * x["shape"][2]),
               f"{x['median_ms']['torch (MKL)'] * 1e3:.1f}", f"{x['median_ms']['oneDNN'] * 1e3:.1f}",
               f"**{x['median_ms']['oneDNN'] / x['median_ms']['torch (MKL)']:.2f}**"] for x in results["crossover"]]
     return ("One rank's fp32 matrix products per training step at tp=2 (forward, input and weight gradients of every "

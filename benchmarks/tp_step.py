@@ -63,6 +63,7 @@ EAGER = ("fxshard", "hand-written", "DTensor")
 COMPILED_FROM = {"fxshard --compile": "fxshard", "fxshard --compile --cpu-matmul torch": "fxshard",
                  "hand-written + compile": "hand-written", "DTensor + compile": "DTensor"}
 COMPILED = tuple(COMPILED_FROM)
+CPU_MATMUL_OF = {"fxshard --compile": "onednn", "fxshard --compile --cpu-matmul torch": "torch"}  # --cpu-matmul
 CONTENDERS = EAGER + COMPILED
 BASES = ("fxshard", "fxshard --compile")  # the table divides these two by every other contender
 LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
@@ -206,9 +207,8 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
                   for name, make in zip(EAGER, makers, strict=True)}
     for name, eager in COMPILED_FROM.items():
         make = makers[EAGER.index(eager)]
-        matmul = {"cpu_matmul": "torch"} if name.endswith("--cpu-matmul torch") else {}
-        contenders[name] = make(Path(out), inputs, compile=True, **matmul) if make is fxshard_contender else \
-            make(full, inputs, compile=True)
+        contenders[name] = make(Path(out), inputs, compile=True, cpu_matmul=CPU_MATMUL_OF[name]) \
+            if make is fxshard_contender else make(full, inputs, compile=True)
     first_step_s = {}
     for name, c in contenders.items():  # untimed: compiles the compiled contenders
         dist.barrier()
@@ -296,6 +296,7 @@ def _over(q: dict, base: str, c: str, kind: str) -> str:
 
 def markdown(results: list[dict]) -> str:
     """The step-time table: per model size, one row per contender."""
+    from benchmarks.cpu_matmul import millions
     from fxshard.runtime.matmul import MIN_MULTIPLY_ADDS
 
     rows = []
@@ -322,7 +323,7 @@ def markdown(results: list[dict]) -> str:
     return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
             f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
             "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "
-            f"each the whole model; `fxshard --compile` runs its fp32 products of {MIN_MULTIPLY_ADDS / 2**20:g}M "
+            f"each the whole model; `fxshard --compile` runs its fp32 products of {millions(MIN_MULTIPLY_ADDS)} "
             "multiply-adds and more on oneDNN, the others all theirs on torch's MKL: the next section times the two "
             "kernels); attention on "
             "the math SDPA "

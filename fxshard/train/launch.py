@@ -211,7 +211,8 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                 from fxshard.runtime.compiled import compile_seconds
                 from fxshard.runtime.matmul import onednn_products
 
-                on_onednn = f"{onednn_products()} fp32 matrix products on oneDNN; " if onednn_products() else ""
+                products = onednn_products()
+                on_onednn = f"{products} fp32 matrix products on oneDNN; " if products else ""
                 progress.print(f"compiled in {compile_seconds():.1f} s (torch.compile, inductor; {on_onednn}rank 0, "
                                f"during step {step}, which took {seconds:.1f} s)")
             if rank == 0:
