@@ -32,18 +32,20 @@ THREADS_PER_PROCESS = 1
 # ---------------------------------------------------------------- processes
 
 
-def spawn(fn: Callable, world: int, *args, timeout: float = 600.0) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes on a gloo group; their results by rank.
+def spawn(fn: Callable, world: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes on a gloo group (or NCCL's, each rank on
+    a GPU: :mod:`fxshard.testing`); their results by rank.
 
     Each process uses :data:`THREADS_PER_PROCESS` intra-op threads, so every contender gets the same
     compute.  A failing rank raises here with its traceback; a run over ``timeout`` is killed."""
-    return _spawn(fn, world, *args, timeout=timeout, threads=THREADS_PER_PROCESS)
+    return _spawn(fn, world, *args, timeout=timeout, threads=THREADS_PER_PROCESS, backend=backend)
 
 
 # ---------------------------------------------------------------- timing
 
 
-def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[tuple]]:
+def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+               sync: Callable[[], object] = lambda: None) -> dict[str, list[tuple]]:
     """Run ``rounds`` rounds of one call of each step, after ``warmup`` untimed rounds; per call, the
     (wall, process CPU) seconds it took on this rank.
 
@@ -53,14 +55,17 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int 
     with the same steps; a barrier before each call lines the ranks up so the time measured is the
     step's own, not the wait for a slower peer's previous step.  Process CPU time (all threads,
     gloo's included) does not advance while other programs hold the cores, so it shows the work a
-    step does even on a crowded machine."""
+    step does even on a crowded machine.  ``sync`` waits for the device before each clock reading
+    (``torch.cuda.synchronize`` on a GPU, whose kernels run after the call that queues them returns)."""
     times: dict[str, list[tuple]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(warmup + rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
             dist.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
             steps[name]()
+            sync()
             if r >= warmup:
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
@@ -87,6 +92,13 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict]:
     return out
 
 
+def mps_running() -> bool:
+    """Whether a CUDA MPS control daemon listens where this process's CUDA clients would look for it: processes
+    sharing a GPU then run their kernels side by side instead of in turns."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"))
+    return (pipe / "control").exists()
+
+
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
@@ -104,14 +116,19 @@ def paired_ratio(times: dict[str, dict[str, list[float]]], a: str, b: str) -> di
 # ---------------------------------------------------------------- results
 
 
-def environment() -> dict:
-    """The machine and settings a result was measured under."""
-    return {
+def environment(backend: str = "gloo") -> dict:
+    """The machine and settings a result was measured under (on a GPU: its name, CUDA's and NCCL's versions)."""
+    gpu = {}
+    if backend == "nccl":
+        nccl = torch.cuda.nccl.version()
+        gpu = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda,
+               "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
+    return gpu | {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "backend": "gloo",
+        "backend": backend,
         "threads_per_process": THREADS_PER_PROCESS,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }

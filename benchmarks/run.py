@@ -11,6 +11,8 @@
                                           # collectives and step time before/after the distributed optimizer),
                                           # or compile
                                           # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
+    python -m benchmarks.run --device cuda  # the tp part on NCCL, on the GPUs this machine has
+                                            # (results/nccl.*: the CPU results stay as they are)
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/run.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
     activations,
@@ -45,8 +49,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
 
 
-def plan(quick: bool) -> dict:
+def plan(quick: bool, device: str = "cpu") -> dict:
     """What to run: model sizes and rounds for tp, (pp, microbatches) pairs and rounds for pipelines."""
+    if device == "cuda":  # steps of milliseconds: more rounds cost little; the compiles are the time
+        return {"tp_sizes": ["tiny"] if quick else ["small", "medium"], "tp_rounds": 2 if quick else 50,
+                "tp_warmup": 0 if quick else 3}
     if quick:
         return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
@@ -75,9 +82,10 @@ SECTIONS = {
 }
 
 
-def run_part(part: str, settings: dict, work: Path, quick: bool):
+def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "cpu"):
     if part == "tp":
-        return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"]) for size in settings["tp_sizes"]]
+        return [tp_step.run(size, work, settings["tp_rounds"], settings["tp_warmup"], device=device)
+                for size in settings["tp_sizes"]]
     if part == "matmul":
         return cpu_matmul.run(settings["tp_sizes"], settings["matmul_rounds"])
     if part == "overlap":
@@ -102,9 +110,13 @@ def run_part(part: str, settings: dict, work: Path, quick: bool):
 def render(results: dict) -> str:
     """The markdown of a results dict: the run's line, then each part it holds, in :data:`PARTS` order."""
     env = results["environment"]
-    head = (f"`{results['command']}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "
-            f"{env['threads_per_process']} thread per process, {env['date']} ({results['elapsed_s']:.0f} s). "
-            "Absolute times on a shared CPU mean little; compare the ratios, measured in the same run.")
+    if env["backend"] == "nccl":
+        head = (f"`{results['command']}` on {env['gpus']} × {env['gpu']} ({env['cpu_count']} CPU cores), torch "
+                f"{env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, {env['date']} ({results['elapsed_s']:.0f} s).")
+    else:
+        head = (f"`{results['command']}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "
+                f"{env['threads_per_process']} thread per process, {env['date']} ({results['elapsed_s']:.0f} s). "
+                "Absolute times on a shared CPU mean little; compare the ratios, measured in the same run.")
     runs: dict[tuple[str, str], list[str]] = {}
     for part, where in results.get("earlier", {}).items():
         runs.setdefault((where["command"], where["date"]), []).append(part)
@@ -144,19 +156,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable); the "
                         "other parts' results in latest.json are kept")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown results")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the tp part on NCCL (results/nccl.*; the other parts are CPU measurements)")
     args = parser.parse_args(argv)
-    parts = [p for p in PARTS if p in (args.only or PARTS)]
-    settings = plan(args.quick)
-    name = "quick" if args.quick else "latest"
+    if args.device == "cuda" and set(args.only or ["tp"]) != {"tp"}:
+        parser.error(f"--device cuda runs the tp part only; drop --only {' '.join(set(args.only) - {'tp'})}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    parts = ["tp"] if args.device == "cuda" else [p for p in PARTS if p in (args.only or PARTS)]
+    settings = plan(args.quick, args.device)
+    name = "quick" if args.quick else "nccl" if args.device == "cuda" else "latest"
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
-        "".join(f" --only {p}" for p in args.only or [])
-    results: dict = {"command": command, "environment": environment(), "settings": settings}
+        (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or [])
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    results: dict = {"command": command, "environment": environment(backend), "settings": settings}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fxshard-bench-") as work:
         for part in parts:
-            results[SECTIONS[part][0]] = run_part(part, settings, Path(work), args.quick)
+            results[SECTIONS[part][0]] = run_part(part, settings, Path(work), args.quick, args.device)
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
-    if args.only and not args.quick:
+    if args.only and not args.quick and args.device == "cpu":
         results = merged_with_earlier(results, args.out, parts)
     markdown = render(results)
     json_path, md_path = write_results(results, markdown, args.out, name)

@@ -70,6 +70,10 @@ def test_contenders_start_from_the_same_loss(quick):
     # products all stay on MKL, so both rows run the same kernels here (oneDNN's: tests/runtime/test_matmul.py)
     assert tp["losses"]["fxshard --compile"]["max_rel_diff_vs_eager"] <= 1e-6
     assert tp["losses"]["fxshard --compile --cpu-matmul torch"]["max_rel_diff_vs_eager"] <= 1e-6
+    # and every contender trains as the unsharded model does on one device, over the tiny run's steps
+    assert len(tp["single_device_losses"]) == 3 and not tp["failed"]  # the untimed step and 2 rounds
+    for name in CONTENDERS:
+        assert tp["losses"][name]["max_rel_diff_vs_single_device"] <= 1e-6, name
 
 
 @pytest.mark.distributed

@@ -33,10 +33,15 @@ Each contender also runs under ``torch.compile`` (inductor), each the way its st
   rewrites ``dist.all_reduce`` into functional collectives, and traces DTensor).
 
 Every contender takes one untimed step before the rounds (it compiles the compiled ones: compilation is never
-timed; its seconds are reported), so all of them take the same steps on the same batch.
+timed; its seconds are reported), so all of them take the same steps on the same batch.  The unsharded model
+takes those steps too, on one device with the same AdamW: each contender's losses are reported against it.
 After the timed rounds each eager contender runs one more step under
 :class:`benchmarks.comm.CollectiveCounter` (a dispatch mode does not see the collectives inside a compiled
 graph, which are the eager program's).
+
+On a GPU (``run(..., device="cuda")``, ``python -m benchmarks.run --device cuda``) the two ranks are NCCL
+processes, one per GPU, or both on one GPU when only one is visible (:mod:`fxshard.testing` says how NCCL is
+made to accept that); ``--cpu-matmul`` is a CPU matter, so that contender is left out there.
 """
 
 from __future__ import annotations
@@ -53,7 +58,16 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.comm import CollectiveCounter, fxshard_stated, megatron_expected
-from benchmarks.common import combine_ranks, interleave, markdown_table, paired_ratio, ratio, spawn, summarize
+from benchmarks.common import (
+    combine_ranks,
+    interleave,
+    markdown_table,
+    mps_running,
+    paired_ratio,
+    ratio,
+    spawn,
+    summarize,
+)
 
 MODEL_FILE = Path(__file__).resolve().parent / "models" / "gpt.py"
 SIZE_VARIABLE = "FXSHARD_BENCH_SIZE"
@@ -65,7 +79,10 @@ COMPILED_FROM = {"fxshard --compile": "fxshard", "fxshard --compile --cpu-matmul
 COMPILED = tuple(COMPILED_FROM)
 CPU_MATMUL_OF = {"fxshard --compile": "onednn", "fxshard --compile --cpu-matmul torch": "torch"}  # --cpu-matmul
 CONTENDERS = EAGER + COMPILED
+CPU_ONLY = ("fxshard --compile --cpu-matmul torch",)  # what differs from its neighbour only on a CPU
 BASES = ("fxshard", "fxshard --compile")  # the table divides these two by every other contender
+EARLY = 5  # steps: the losses' agreement over a training's first steps, before they fall to the noise floor of a
+# memorized batch, where relative differences of kernels that sum in other orders grow (every step trains one batch)
 LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
 
 
@@ -126,36 +143,49 @@ def _optimizer(params) -> torch.optim.Optimizer:
     return OptimConfig().make([{"params": g} for g in groups if g])
 
 
-def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul: str = "onednn") -> Contender:
+def contenders(device: str = "cpu") -> tuple[str, ...]:
+    """The contenders timed on ``device`` ("cpu" or "cuda")."""
+    return CONTENDERS if device == "cpu" else tuple(c for c in CONTENDERS if c not in CPU_ONLY)
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (:func:`fxshard.testing.spawn` set it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul: str = "onednn",
+                      groups: dict | None = None) -> Contender:
     """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does;
-    ``compile`` and ``cpu_matmul`` as ``fxshard run --compile --cpu-matmul``."""
+    ``compile`` and ``cpu_matmul`` as ``fxshard run --compile --cpu-matmul``; ``groups``: process groups by mesh
+    axis instead of the device mesh's."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxshard.capture.inputs import flatten_batch
     from fxshard.codegen.manifest import import_rank_file, read_manifest
     from fxshard.runtime import load_state
 
+    device = _device()
     manifest = read_manifest(out)
     layout = manifest.layout
-    mesh = init_device_mesh("cpu", layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-    groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+    mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    groups = groups or {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     entry = manifest.rank(layout.coords(dist.get_rank()))
     code = import_rank_file(out / entry.file)
-    module = code.RankModule(groups, torch.device("cpu"))
+    module = code.RankModule(groups, device)
     module.return_outputs = False  # as fxshard.train.launch.train does
     load_state(module, out / entry.weights)
     if compile:
         from fxshard.runtime.compiled import compile_module
 
         compile_module(module, cpu_matmul=cpu_matmul)
-    leaves = flatten_batch(inputs, manifest.inputs)
+    leaves = [v.to(device) if isinstance(v, torch.Tensor) else v for v in flatten_batch(inputs, manifest.inputs)]
     return Contender(lambda: module(*leaves)[0], _optimizer(module.parameters()))
 
 
 def hand_written_contender(full: torch.nn.Module, inputs: dict, compile: bool = False) -> Contender:
     from benchmarks.megatron_gpt import MegatronGPT
 
-    model = MegatronGPT(full)
+    model = MegatronGPT(full).to(next(full.parameters()).device)  # it builds some layers afresh, on the CPU
     run = torch.compile(model) if compile else model
     return Contender(lambda: run(**inputs), _optimizer(model.parameters()))
 
@@ -175,7 +205,7 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict, compile: bool = False
     )
 
     model = copy.deepcopy(full)
-    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh(_device().type, (TP,), mesh_dim_names=("tp",))
     plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
             # logits stay split over the vocabulary for loss_parallel's cross entropy (torchtitan's default)
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
@@ -197,36 +227,58 @@ def dtensor_contender(full: torch.nn.Module, inputs: dict, compile: bool = False
     return Contender(lambda: run(**inputs), _optimizer(model.parameters()), context=context)
 
 
+def single_device_losses(full: torch.nn.Module, inputs: dict, steps: int) -> list[float]:
+    """The unsharded model's losses over ``steps`` steps on the fixed batch, with the contenders' AdamW and
+    attention kernel, on this rank's device: what every contender's losses must match."""
+    import copy
+
+    model = copy.deepcopy(full)
+    reference = Contender(lambda: model(**inputs), _optimizer(model.parameters()))
+    for _ in range(steps):
+        reference.step()
+    return reference.losses
+
+
 def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
     from fxshard.capture.modelfile import load_model_file
 
+    device = _device()
     with model_size(size):
         full, inputs = load_model_file(MODEL_FILE).build(seed=0)  # the weights and batch fxshard compiled
-    makers = (fxshard_contender, hand_written_contender, dtensor_contender)
-    contenders = {name: make(Path(out), inputs) if make is fxshard_contender else make(full, inputs)
-                  for name, make in zip(EAGER, makers, strict=True)}
-    for name, eager in COMPILED_FROM.items():
-        make = makers[EAGER.index(eager)]
-        contenders[name] = make(Path(out), inputs, compile=True, cpu_matmul=CPU_MATMUL_OF[name]) \
-            if make is fxshard_contender else make(full, inputs, compile=True)
-    first_step_s = {}
-    for name, c in contenders.items():  # untimed: compiles the compiled contenders
+    full, inputs = full.to(device), {k: v.to(device) for k, v in inputs.items()}
+    makers = dict(zip(EAGER, (fxshard_contender, hand_written_contender, dtensor_contender), strict=True))
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    ready, first_step_s, failed = {}, {}, {}
+    for name in contenders(device.type):  # each built, then one untimed step: it compiles the compiled ones
+        make = makers[COMPILED_FROM.get(name, name)]
+        compile = name in COMPILED
         dist.barrier()
         start = time.perf_counter()
-        c.step()
-        first_step_s[name] = time.perf_counter() - start
-    times = interleave({name: c.step for name, c in contenders.items()}, rounds=rounds, warmup=warmup)
-    losses = {n: list(c.losses) for n, c in contenders.items()}  # the same steps for all (not the counted one)
+        try:
+            c = make(Path(out), inputs, compile, CPU_MATMUL_OF.get(name, "onednn")) if make is fxshard_contender \
+                else make(full, inputs, compile)
+            c.step()
+            sync()
+        except Exception as e:  # a contender this torch or device cannot run: reported, not timed
+            if name == "fxshard":
+                raise
+            failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            continue
+        first_step_s[name], ready[name] = time.perf_counter() - start, c
+    times = interleave({name: c.step for name, c in ready.items()}, rounds=rounds, warmup=warmup, sync=sync)
+    losses = {n: list(c.losses) for n, c in ready.items()}  # the same steps for all (not the counted one)
     counts = {}
-    for name in EAGER:
+    for name in (n for n in EAGER if n in ready):
         dist.barrier()
-        counts[name] = contenders[name].counted_step()
-    return {"times": times, "losses": losses, "collectives": counts,
-            "first_step_s": first_step_s}
+        counts[name] = ready[name].counted_step()
+    single = single_device_losses(full, inputs, len(losses["fxshard"]))
+    return {"times": times, "losses": losses, "collectives": counts, "first_step_s": first_step_s,
+            "single_device_losses": single, "failed": failed}
 
 
-def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
-    """Compile, time and count one model size at tp=2; the result as JSON-ready data."""
+def run(size: str, workdir: Path, rounds: int, warmup: int, log=print, device: str = "cpu") -> dict:
+    """Compile, time and count one model size at tp=2 on ``device`` ("cpu": gloo; "cuda": NCCL); the result as
+    JSON-ready data."""
     from benchmarks.models.gpt import SIZES
     from fxshard.capture.modelfile import load_model_file
     from fxshard.compiler import compile as compile_model
@@ -238,17 +290,24 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
         compiled = compile_model(MODEL_FILE, Layout(tp=TP), out=out)
         compile_s = time.perf_counter() - start
         params = sum(p.numel() for p in load_model_file(MODEL_FILE).build_model(0).parameters())
-    log(f"tp_step {size}: compiled in {compile_s:.1f} s; {rounds} interleaved rounds of {', '.join(CONTENDERS)}")
-    per_rank = spawn(_worker, TP, str(out), size, rounds, warmup)
+    log(f"tp_step {size}: compiled in {compile_s:.1f} s; {rounds} interleaved rounds of "
+        f"{', '.join(contenders(device))} on {device}")
+    per_rank = spawn(_worker, TP, str(out), size, rounds, warmup, backend="nccl" if device == "cuda" else "gloo")
     combined = combine_ranks([r["times"] for r in per_rank])
     step_ms = summarize(combined)
+    timed, failed = list(step_ms), per_rank[0]["failed"]
+    for name, why in failed.items():
+        log(f"  {name:22s} FAILED on its first step, not timed: {why}")
     losses = per_rank[0]["losses"]
+    single = per_rank[0]["single_device_losses"]
     agreement = {name: {"first_loss": ls[0],
-                        "max_abs_diff_vs_fxshard": max(abs(a - b) for a, b in zip(ls, losses["fxshard"], strict=True))}
+                        "max_abs_diff_vs_fxshard": max(abs(a - b) for a, b in zip(ls, losses["fxshard"], strict=True)),
+                        "max_rel_diff_vs_single_device": _rel(ls, single),
+                        f"max_rel_diff_vs_single_device_first{EARLY}": _rel(ls[:EARLY], single)}
                  for name, ls in losses.items()}
-    for name, eager in COMPILED_FROM.items():
-        agreement[name]["max_rel_diff_vs_eager"] = max(
-            abs(a - b) / abs(b) for a, b in zip(losses[name], losses[eager], strict=True))
+    for name, eager in ((n, e) for n, e in COMPILED_FROM.items() if n in timed):
+        agreement[name]["max_rel_diff_vs_eager"] = _rel(losses[name], losses[eager])
+        agreement[name][f"max_rel_diff_vs_eager_first{EARLY}"] = _rel(losses[name][:EARLY], losses[eager])
     firsts = [a["first_loss"] for a in agreement.values()]
     spread = max(firsts) - min(firsts)
     for name, a in agreement.items():
@@ -259,8 +318,8 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
         log(f"  WARNING: the first-step losses differ by {spread:.2e} (> {LOSS_TOLERANCE}): the contenders "
             "do not compute the same thing")
     ratios = {}
-    for base in BASES:
-        for other in CONTENDERS:
+    for base in (b for b in BASES if b in timed):
+        for other in timed:
             if other != base:
                 ratios[f"{base}/{other}"] = ratio(step_ms[base]["median_ms"], step_ms[other]["median_ms"])
                 ratios[f"cpu {base}/{other}"] = ratio(step_ms[base]["cpu_median_ms"], step_ms[other]["cpu_median_ms"])
@@ -268,12 +327,13 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     config = SIZES[size]
     return {
         "model": {"size": size, "file": "benchmarks/models/gpt.py", "parameters": params, **config},
-        "tp": TP, "rounds": rounds, "warmup_rounds": warmup, "compile_s": round(compile_s, 2),
+        "tp": TP, "device": device, "mps": device == "cuda" and mps_running(), "rounds": rounds, "warmup_rounds": warmup, "compile_s": round(compile_s, 2),
         # rank 0's untimed first step: torch.compile's compilation for the compiled contenders
         "first_step_s": {n: round(t, 2) for n, t in per_rank[0]["first_step_s"].items()},
         "step_ms": step_ms,
         "ratios": ratios,
         "losses": agreement, "first_loss_spread": spread, "losses_agree": spread <= LOSS_TOLERANCE,
+        "single_device_losses": single, "failed": failed,
         "collectives": {
             "measured": per_rank[0]["collectives"],
             "same_on_every_rank": all(r["collectives"] == per_rank[0]["collectives"] for r in per_rank),
@@ -284,12 +344,40 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     }
 
 
+def _rel(losses: list[float], reference: list[float]) -> float:
+    """The largest relative difference of ``losses`` from the first ``len(losses)`` of ``reference``."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference[:len(losses)], strict=True))
+
+
+def _diffs(loss: dict, key: str) -> str:
+    """``first EARLY / all steps`` of one relative loss difference ("—" where not measured: a measure of the
+    unsharded model from 2026-11-26, of the first steps from then too)."""
+    whole, early = loss.get(key), loss.get(f"{key}_first{EARLY}")
+    if whole is None:
+        return "—"
+    return f"{whole:.1e}" if early is None else f"{early:.1e} / {whole:.1e}"
+
+
+def _gpu_preamble(first: dict) -> str:
+    shared = ("under MPS (the CUDA Multi-Process Service) their kernels run side by side" if first.get("mps") else
+              "without MPS the GPU time-slices the two processes, and a rank's NCCL kernel that waits for its peer "
+              "holds the GPU until its slice ends")
+    return ("Step = forward + backward + AdamW (foreach) at tp=2 on NCCL: 2 processes, each rank's CUDA kernels "
+            f"queued by one host thread, {first['rounds']} interleaved rounds after {first['warmup_rounds']} warm-up "
+            "rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: Triton "
+            "kernels; each the whole model); the clock is read after `torch.cuda.synchronize()`.  Attention on the "
+            "math SDPA backend for all, as on the CPU.  With one GPU lent, both ranks share it (NCCL_HOSTID per "
+            "rank: NCCL's socket transport over loopback, `fxshard/testing.py`), so the collectives cross host "
+            f"memory, not NVLink, and {shared}.  Targets (issue 19): fxshard --compile ÷ hand-written ≤ 0.85 and "
+            "÷ hand-written + compile ≤ 1.0; fxshard ÷ DTensor ≤ 0.5 (issue 7).\n\n")
+
+
 def _paired(p: dict) -> str:
     return f"**{p['median']:.3f}** ({p['p25']:.2f}–{p['p75']:.2f})"
 
 
 def _over(q: dict, base: str, c: str, kind: str) -> str:
-    if c == base:
+    if c == base or "paired " + base + "/" + c not in q:  # the base itself, or a base that failed
         return "—"
     return _paired(q["paired " + base + "/" + c]) if kind == "paired" else f"{q['cpu ' + base + '/' + c]:.3f}"
 
@@ -303,23 +391,28 @@ def markdown(results: list[dict]) -> str:
     for r in results:
         m, q = r["model"], r["ratios"]
         model = f"{m['size']}: {m['layers']}×{m['hidden']}, vocab {m['vocab']}, {m['batch']}×{m['seq']} tokens"
-        for c in CONTENDERS:
+        timed = list(r["step_ms"])
+        for c in timed:
             t, loss = r["step_ms"][c], r["losses"][c]
-            eager = loss.get("max_rel_diff_vs_eager")
             rows.append([
-                model if c == CONTENDERS[0] else "", c,
+                model if c == timed[0] else "", c,
                 f"{t['median_ms']:.1f} ({t['p25_ms']:.0f}–{t['p75_ms']:.0f})", f"{t['cpu_median_ms']:.1f}",
                 f"{r['first_step_s'][c]:.1f}" if c in COMPILED else "—",
                 *(_over(q, base, c, kind) for base in BASES for kind in ("paired", "cpu")),
                 f"{loss['first_loss']:.7f}", f"{loss['max_abs_diff_vs_fxshard']:.1e}",
-                "—" if eager is None else f"{eager:.1e}",
+                _diffs(loss, "max_rel_diff_vs_eager"), _diffs(loss, "max_rel_diff_vs_single_device"),
             ])
+        rows += [["", c, f"failed on its first step, not timed: {why}"] for c, why in r.get("failed", {}).items()]
     header = ["model", "contender", "step ms, median (p25–p75)", "CPU ms per step, both ranks",
               "first step s (compiles)", "fxshard ÷ this, per round: median (p25–p75)", "fxshard ÷ this, CPU",
               "fxshard --compile ÷ this, per round: median (p25–p75)", "fxshard --compile ÷ this, CPU",
               "first-step loss", "largest loss difference from fxshard, all steps",
-              "compiled vs its eager run: largest relative loss difference"]
+              f"compiled vs its eager run: largest relative loss difference, first {EARLY} steps / all",
+              f"vs the unsharded model on one device: largest relative loss difference, first {EARLY} steps / all"]
+    rows = [row + ["—"] * (len(header) - len(row)) for row in rows]
     first = results[0]
+    if first.get("device", "cpu") == "cuda":
+        return _gpu_preamble(first) + markdown_table(header, rows)
     return ("Step = forward + backward + AdamW (foreach: bitwise the per-tensor loop) at tp=2: 2 gloo processes "
             f"with one intra-op thread each, {first['rounds']} interleaved rounds after {first['warmup_rounds']} "
             "warm-up rounds and one untimed step that compiles the compiled contenders (torch.compile, inductor: "

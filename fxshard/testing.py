@@ -5,6 +5,12 @@
 group and ``threads`` intra-op threads, calls ``fn(rank, world, *args)`` and returns the list of
 results (pickled through files).  A worker exception raises here with that rank's traceback; a run
 over ``timeout`` seconds is killed and fails, so a broken run never hangs its caller.
+
+``backend="nccl"`` (the benchmarks on a GPU) puts rank r on GPU r mod the GPUs visible.  With fewer GPUs
+than ranks, ranks share a GPU: NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"),
+so each rank then gets its own ``NCCL_HOSTID`` and NCCL takes them for separate hosts, joined by its socket
+transport over loopback.  The collectives are NCCL's, their transport is not NVLink's: a shared GPU
+measures computation and dispatch, not the interconnect.
 """
 
 from __future__ import annotations
@@ -30,12 +36,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, folder: str, threads: int, fn, args) -> None:
+def _use_gpu(rank: int, world: int) -> None:
+    """This rank's GPU for NCCL; ranks that must share one pose as separate hosts (the module's docstring)."""
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise RuntimeError(f"rank {rank}: backend nccl needs a GPU and torch sees none")
+    torch.cuda.set_device(rank % gpus)
+    if world > gpus:
+        os.environ["NCCL_HOSTID"] = f"fxshard-spawn-rank{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+
+
+def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, fn, args) -> None:
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     path = Path(folder) / f"rank{rank}.pkl"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        if backend == "nccl":
+            _use_gpu(rank, world)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
@@ -67,9 +87,11 @@ def _joined(ctx, folder: str, world: int) -> bool:
         return all(not p.is_alive() for p in ctx.processes)
 
 
-def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1) -> list:
+def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backend: str = "gloo") -> list:
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), folder, threads, fn, args), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), folder, threads, backend, fn, args), nprocs=world,
                                  join=False, start_method="spawn")
         import time
 

@@ -21,3 +21,22 @@ def test_one_bad_case_fails_alone_and_names_itself():
     assert isinstance(found["bad"], CaseFailure)
     assert "rank 1" in found["bad"].message and "ValueError: bad case -1" in found["bad"].message
     assert isinstance(found["after"], CaseFailure) and "'bad' failed before it" in found["after"].message
+
+
+def test_spawn_refuses_an_unknown_backend_before_starting_a_process():
+    from fxshard.testing import spawn
+
+    with pytest.raises(ValueError, match="backend 'mpi': expected 'gloo' or 'nccl'"):
+        spawn(_case, 2, 1, backend="mpi")
+
+
+@pytest.mark.distributed
+def test_nccl_without_a_gpu_fails_naming_the_rank():
+    import torch
+
+    from fxshard.testing import spawn
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the nccl backend would run")
+    with pytest.raises(AssertionError, match="(?s)rank 0 failed:.*rank 0: backend nccl needs a GPU and torch sees none"):
+        spawn(_case, 2, 1, backend="nccl", timeout=60)

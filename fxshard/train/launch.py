@@ -72,6 +72,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
 
     With ``memory_report`` (a callable, given when ``options.memory_report`` asks for the report), rank 0 calls
     it with :func:`fxshard.train.memory.report_rows` of every rank's measured model-state bytes after training."""
+    from fxshard.train.local import check_gpus
     from fxshard.train.supervise import become_worker
 
     become_worker()  # a killed launcher takes its workers with it
@@ -79,6 +80,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
     rank = int(os.environ["RANK"])
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", rank))
+        check_gpus(max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local + 1), rank)
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one run, each step with its own time limit and log (a failing step does not stop
+# the next): what the machine has, fxshard's refusal of more ranks than GPUs, the tp=2 step-time table on NCCL
+# (python -m benchmarks.run --device cuda: results in $OUT/nccl.json and nccl.md; on one GPU again under MPS, the
+# CUDA Multi-Process Service, in $OUT/mps/), and `fxshard verify` on the GPU, eager and --compile, against
+# one-device training.  STEPS names the steps to run (default: all of them, in this order).
+#
+#     OUT=out/gpu-check bash scripts/gpu_check.sh
+#     STEPS="env bench bench-mps" OUT=out/gpu-check bash scripts/gpu_check.sh
+#
+# It installs nothing: it runs the python3 that holds torch (PYTHON to choose another) on a copy of fxshard laid out
+# as installed (the package with its passes and cli), so it also runs where pip cannot fetch, as on the lent GPU
+# machines, whose torch may be older than the one the CPU suite pins.
+set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$REPO/out/gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+SITE=$(mktemp -d /tmp/fxshard-gpu-XXXX)
+cp -r "$REPO/fxshard" "$SITE/fxshard"
+cp -r "$REPO/passes" "$SITE/fxshard/passes"
+cp -r "$REPO/cli" "$SITE/fxshard/cli"
+export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+cd "$SITE"  # not the checkout: its fxshard/ has no passes/ or cli/
+FX=("$PY" -m fxshard.cli.app)
+
+STEPS=${STEPS:-env refuse bench bench-mps verify verify-compile profile}
+
+step() {  # step NAME LIMIT_S COMMAND...: its output in $OUT/NAME.log, its tail and exit status here
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  echo "=== $name (limit ${limit} s)"
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "--- $name: exit $rc after $((SECONDS - start)) s"
+  tail -n "${TAIL:-15}" "$OUT/$name.log"
+}
+
+step env 30 bash -c "nvidia-smi -L; $PY -c '
+import torch, torch.distributed as dist
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpus\", torch.cuda.device_count(),
+      \"nccl available\", dist.is_nccl_available())
+import fxshard.compiler, fxshard.train.launch, fxshard.runtime.compiled, benchmarks.run
+from fxshard.tools.environment import describe
+print(describe())
+'"
+
+# two ranks on one GPU: refused by the launcher before NCCL's "Duplicate GPU detected"
+step refuse 45 bash -c "${FX[*]} compile $REPO/samples/gpt.py --tp 2 --out $SITE/gpt-tp2 >/dev/null &&
+  ${FX[*]} run $SITE/gpt-tp2 --steps 1; echo \"run exited \$?\""
+
+TAIL=60 step bench 240 "$PY" -m benchmarks.run --device cuda --out "$OUT"
+
+# two ranks on one GPU run in turns unless MPS lets their kernels run side by side
+mps() {
+  local gpus
+  gpus=$(nvidia-smi -L | wc -l)
+  [ "$gpus" -lt 2 ] || { echo "$gpus GPUs: one rank per GPU, no MPS needed"; return 0; }
+  nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control could not start"; return 1; }
+  "$PY" -m benchmarks.run --device cuda --out "$OUT/mps"
+  local rc=$?
+  echo quit | nvidia-cuda-mps-control
+  return $rc
+}
+export -f mps
+export PY OUT
+TAIL=40 step bench-mps 240 bash -c mps
+
+step verify 80 "${FX[@]}" verify "$REPO/samples/gpt.py" --steps 3
+step verify-compile 100 "${FX[@]}" verify "$REPO/samples/gpt.py" --steps 3 --compile
+
+# where each eager step's host time goes (torch.profiler), under MPS as bench-mps ran
+profile() {
+  nvidia-cuda-mps-control -d || echo "nvidia-cuda-mps-control could not start: profiling without MPS"
+  "$PY" -m benchmarks.profile_tp --device cuda --size small --out "$OUT"
+  local rc=$?
+  echo quit | nvidia-cuda-mps-control 2>/dev/null
+  return $rc
+}
+export -f profile
+TAIL=80 step profile 150 bash -c profile
