@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import spawn
@@ -51,8 +52,11 @@ def _profiled(contender, steps: int, device: torch.device) -> dict:
             "kernel launches per step": sum(e.count for e in events if e.key in LAUNCHES) / steps,
             "host waits per step": sum(e.count for e in events if e.key in SYNCS) / steps,
             "host ms per step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
-            "NCCL kernel ms per step": sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()
-                                           ) / 1e3 / steps,
+            "host ms per step waiting for the GPU": sum(e.self_cpu_time_total for e in events if e.key in SYNCS)
+            / 1e3 / steps,
+            # the kernels alone: the profiler's nccl:* annotations carry the same GPU time again
+            "NCCL kernel ms per step": sum(e.self_device_time_total for e in events
+                                           if e.device_type == DeviceType.CUDA and e.key.startswith("nccl")) / 1e3 / steps,
             "step ms, median of 10 unprofiled": statistics.median(walls) * 1e3,
             "table": events.table(sort_by="self_cpu_time_total", row_limit=30)}
 

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
     parts = ["tp"] if args.device == "cuda" else [p for p in PARTS if p in (args.only or PARTS)]
     settings = plan(args.quick, args.device)
-    name = "quick" if args.quick else "nccl" if args.device == "cuda" else "latest"
+    name = ("quick" if args.quick else "latest") if args.device == "cpu" else ("quick-nccl" if args.quick else "nccl")
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
         (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or [])
     backend = "nccl" if args.device == "cuda" else "gloo"

@@ -20,6 +20,7 @@ SITE=$(mktemp -d /tmp/fxshard-gpu-XXXX)
 cp -r "$REPO/fxshard" "$SITE/fxshard"
 cp -r "$REPO/passes" "$SITE/fxshard/passes"
 cp -r "$REPO/cli" "$SITE/fxshard/cli"
+trap 'rm -rf "$SITE"' EXIT
 export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 cd "$SITE"  # not the checkout: its fxshard/ has no passes/ or cli/
 FX=("$PY" -m fxshard.cli.app)
@@ -48,7 +49,7 @@ print(describe())
 
 # two ranks on one GPU: refused by the launcher before NCCL's "Duplicate GPU detected"
 step refuse 45 bash -c "${FX[*]} compile $REPO/samples/gpt.py --tp 2 --out $SITE/gpt-tp2 >/dev/null &&
-  ${FX[*]} run $SITE/gpt-tp2 --steps 1; echo \"run exited \$?\""
+  ${FX[*]} run $SITE/gpt-tp2 --steps 1; echo \"run exited \$? (2, refused, where the machine has 1 GPU)\""
 
 TAIL=60 step bench 240 "$PY" -m benchmarks.run --device cuda --out "$OUT"
 
@@ -58,10 +59,8 @@ mps() {
   gpus=$(nvidia-smi -L | wc -l)
   [ "$gpus" -lt 2 ] || { echo "$gpus GPUs: one rank per GPU, no MPS needed"; return 0; }
   nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control could not start"; return 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT TERM  # stopped at its time limit too
   "$PY" -m benchmarks.run --device cuda --out "$OUT/mps"
-  local rc=$?
-  echo quit | nvidia-cuda-mps-control
-  return $rc
 }
 export -f mps
 export PY OUT
@@ -73,10 +72,8 @@ step verify-compile 100 "${FX[@]}" verify "$REPO/samples/gpt.py" --steps 3 --com
 # where each eager step's host time goes (torch.profiler), under MPS as bench-mps ran
 profile() {
   nvidia-cuda-mps-control -d || echo "nvidia-cuda-mps-control could not start: profiling without MPS"
+  trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT TERM
   "$PY" -m benchmarks.profile_tp --device cuda --size small --out "$OUT"
-  local rc=$?
-  echo quit | nvidia-cuda-mps-control 2>/dev/null
-  return $rc
 }
 export -f profile
 TAIL=80 step profile 150 bash -c profile

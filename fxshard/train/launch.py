@@ -72,15 +72,13 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
 
     With ``memory_report`` (a callable, given when ``options.memory_report`` asks for the report), rank 0 calls
     it with :func:`fxshard.train.memory.report_rows` of every rank's measured model-state bytes after training."""
-    from fxshard.train.local import check_gpus
     from fxshard.train.supervise import become_worker
 
     become_worker()  # a killed launcher takes its workers with it
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        check_gpus(max(int(os.environ.get("LOCAL_WORLD_SIZE", 0)), local + 1), rank)
+        local = _check_local_gpu(rank)
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
@@ -133,6 +131,25 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         trace.stop()
         liveness.stop()
         dist.destroy_process_group()
+
+
+def _check_local_gpu(rank: int) -> int:
+    """This rank's GPU index on its machine (LOCAL_RANK, else its rank), refused where the machine has fewer GPUs
+    than it runs ranks (:func:`fxshard.train.local.check_gpus`)."""
+    from fxshard.train.local import check_gpus
+
+    world, local_rank, local_world = (int(os.environ["WORLD_SIZE"]), os.environ.get("LOCAL_RANK"),
+                                      os.environ.get("LOCAL_WORLD_SIZE"))
+    local = int(local_rank) if local_rank is not None else rank
+    if local_world is not None:
+        check_gpus(max(int(local_world), local + 1), world,
+                   f"rank {rank}: {local_world} processes run on this machine (LOCAL_WORLD_SIZE)")
+    elif local_rank is not None:
+        check_gpus(local + 1, world, f"rank {rank}: its LOCAL_RANK {local} asks for GPU {local}")
+    else:
+        check_gpus(local + 1, world, f"rank {rank}: LOCAL_RANK is not set, so its rank {rank} is taken as its GPU "
+                   "index (launch with torchrun, which sets LOCAL_RANK)")
+    return local
 
 
 @dataclass

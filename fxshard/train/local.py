@@ -28,31 +28,31 @@ from fxshard.errors import FxshardError, LayoutError
 from fxshard.train.supervise import LAUNCHER_PID
 
 
-def check_gpus(processes: int, rank: int | None = None) -> None:
+def check_gpus(processes: int, world: int, who: str) -> None:
     """Refuse, before NCCL does with "Duplicate GPU detected" or CUDA with "invalid device ordinal", more ranks
-    on this machine than it shows GPUs: NCCL runs one rank per GPU.  ``rank``: the rank asking, one of torchrun's
-    ``processes`` on this machine; none: the local launcher, before it starts ``processes``.  No GPU: gloo on the
-    CPU, any number of ranks."""
+    on this machine than it shows GPUs: NCCL runs one rank per GPU.  ``processes``: the ranks on this machine,
+    of ``world`` in all; ``who`` opens the message (which rank asks, and how it knows).  No GPU: gloo on the
+    CPU, any number of ranks.
+
+    >>> check_gpus(2, 2, "the layout's 2 ranks would run as 2 processes on this machine")   # one GPU: refused
+    """
     import torch
 
     if not torch.cuda.is_available() or processes <= (gpus := torch.cuda.device_count()):
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     shown = f"{gpus} GPU{'s' if gpus > 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-    who = f"rank {rank}: {processes} processes run on this machine (LOCAL_WORLD_SIZE)" if rank is not None \
-        else f"the layout's {processes} ranks would run as {processes} processes on this machine"
     raise LayoutError(
         f"{who}, but this machine shows {shown}: NCCL runs one rank per GPU.  Start at most {gpus} "
         f"process{'es' if gpus > 1 else ''} per machine (torchrun --nproc-per-node {gpus} on "
-        f"{-(-processes // gpus)} machines or more), compile a layout of {gpus} rank{'s' if gpus > 1 else ''} per "
+        f"{-(-world // gpus)} machines or more), compile a layout of {gpus} rank{'s' if gpus > 1 else ''} per "
         "machine, or train on the CPU with gloo (CUDA_VISIBLE_DEVICES= fxshard run ...)")
 
 
 def launch_local(out: Path, argv: list[str], world: int) -> None:
     """Run ``fxshard <argv>`` as ``world`` local processes under torch's elastic launcher."""
+    check_gpus(world, world, f"the layout's {world} ranks would run as {world} processes on this machine")
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-
-    check_gpus(world)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
