@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fxshard.testing import spawn as _spawn
 
 THREADS_PER_PROCESS = 1
+BACKEND_OF = {"cpu": "gloo", "cuda": "nccl"}  # the process group backend of each device the benchmarks run on
 
 
 # ---------------------------------------------------------------- processes
@@ -55,13 +56,13 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int 
     with the same steps; a barrier before each call lines the ranks up so the time measured is the
     step's own, not the wait for a slower peer's previous step.  Process CPU time (all threads,
     gloo's included) does not advance while other programs hold the cores, so it shows the work a
-    step does even on a crowded machine.  ``sync`` waits for the device before each clock reading
-    (``torch.cuda.synchronize`` on a GPU, whose kernels run after the call that queues them returns)."""
+    step does even on a crowded machine.  ``sync`` waits for the device before the clock is read at a step's
+    end (:func:`device_sync`: a GPU runs its kernels after the call that queues them returns), so every step
+    also starts on an idle device."""
     times: dict[str, list[tuple]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(warmup + rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            sync()
             dist.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
             steps[name]()
@@ -69,6 +70,12 @@ def interleave(steps: dict[str, Callable[[], object]], rounds: int, warmup: int 
             if r >= warmup:
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return times
+
+
+def device_sync(device: torch.device) -> Callable[[], object]:
+    """What waits for ``device`` to finish the work queued on it: ``torch.cuda.synchronize`` on a GPU, nothing on
+    the CPU (its ops return done)."""
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
 
 def combine_ranks(per_rank: list[dict[str, list[tuple]]]) -> dict[str, dict[str, list[float]]]:

@@ -14,16 +14,13 @@ import time
 from pathlib import Path
 
 from benchmarks.common import combine_ranks, interleave, markdown_table, paired_ratio, ratio, spawn, summarize
-from benchmarks.tp_step import MODEL_FILE, TP, fxshard_contender, model_size
+from benchmarks.tp_step import MODEL_FILE, TP, fxshard_contender, model_and_batch, model_size
 
 CONTENDERS = ("overlapped", "eager")
 
 
 def _worker(rank: int, world: int, outs: dict, size: str, rounds: int, warmup: int) -> dict:
-    from fxshard.capture.modelfile import load_model_file
-
-    with model_size(size):
-        _, inputs = load_model_file(MODEL_FILE).build(seed=0)
+    _, inputs, _ = model_and_batch(size)
     contenders = {name: fxshard_contender(Path(outs[name]), inputs) for name in CONTENDERS}
     times = interleave({name: c.step for name, c in contenders.items()}, rounds=rounds, warmup=warmup)
     return {"times": times, "losses": {n: c.losses for n, c in contenders.items()}}

@@ -23,8 +23,15 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import spawn
-from benchmarks.tp_step import MODEL_FILE, TP, _device, fxshard_contender, hand_written_contender, model_size
+from benchmarks.common import BACKEND_OF, device_sync, spawn
+from benchmarks.tp_step import (
+    MODEL_FILE,
+    TP,
+    fxshard_contender,
+    hand_written_contender,
+    model_and_batch,
+    model_size,
+)
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")  # the host waits for the GPU
@@ -32,7 +39,7 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 def _profiled(contender, steps: int, device: torch.device) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync = device_sync(device)
     for _ in range(3):  # warm: the allocator's blocks, NCCL's communicators
         contender.step()
     sync()
@@ -62,12 +69,7 @@ def _profiled(contender, steps: int, device: torch.device) -> dict:
 
 
 def _worker(rank: int, world: int, outs: dict[str, str], size: str, steps: int) -> dict:
-    from fxshard.capture.modelfile import load_model_file
-
-    device = _device()
-    with model_size(size):
-        full, inputs = load_model_file(MODEL_FILE).build(seed=0)
-    full, inputs = full.to(device), {k: v.to(device) for k, v in inputs.items()}
+    full, inputs, device = model_and_batch(size)
     world_group = {"tp": dist.group.WORLD, "dp": None, "pp": None}  # what the hand-written code talks over
     makers = {"fxshard": lambda: fxshard_contender(Path(outs["overlap"]), inputs),
               "fxshard, no overlap": lambda: fxshard_contender(Path(outs["no overlap"]), inputs),
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> str:
         outs = {name: str(Path(work) / name.replace(" ", "-")) for name in ("overlap", "no overlap")}
         for name, out in outs.items():
             compile_model(MODEL_FILE, Layout(tp=TP, overlap=name == "overlap"), out=Path(out))
-        per_rank = spawn(_worker, TP, outs, args.size, args.steps, backend="nccl" if args.device == "cuda" else "gloo")
+        per_rank = spawn(_worker, TP, outs, args.size, args.steps, backend=BACKEND_OF[args.device])
     lines = []
     for name, found in per_rank[0].items():
         lines += [f"== {name} (rank 0, {args.size}, {args.device}): " + ", ".join(

@@ -43,7 +43,7 @@ from benchmarks import (  # noqa: E402
     tp_step,
     zero1,
 )
-from benchmarks.common import environment, write_results  # noqa: E402
+from benchmarks.common import BACKEND_OF, environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = ("quick" if args.quick else "latest") if args.device == "cpu" else ("quick-nccl" if args.quick else "nccl")
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
         (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or [])
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    results: dict = {"command": command, "environment": environment(backend), "settings": settings}
+    results: dict = {"command": command, "environment": environment(BACKEND_OF[args.device]), "settings": settings}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fxshard-bench-") as work:
         for part in parts:

@@ -59,7 +59,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.comm import CollectiveCounter, fxshard_stated, megatron_expected
 from benchmarks.common import (
+    BACKEND_OF,
     combine_ranks,
+    device_sync,
     interleave,
     markdown_table,
     mps_running,
@@ -83,8 +85,8 @@ CPU_ONLY = ("fxshard --compile --cpu-matmul torch",)  # what differs from its ne
 BASES = ("fxshard", "fxshard --compile")  # the table divides these two by every other contender
 EARLY = 5  # steps: the losses' agreement over a training's first steps, before they fall to the noise floor of a
 # memorized batch, where relative differences of kernels that sum in other orders grow (every step trains one batch)
-LOSS_TOLERANCE = 1e-5
-SINGLE_TOLERANCE = 1e-4  # relative, first EARLY steps: above it a contender trains something else than the model  # first-step losses of the three must agree this closely (same weights, same batch)
+LOSS_TOLERANCE = 1e-5  # first-step losses of the three must agree this closely (same weights, same batch)
+SINGLE_TOLERANCE = 1e-4  # relative, first EARLY steps: above it a contender trains something else than the model
 
 
 @contextlib.contextmanager
@@ -154,6 +156,17 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def model_and_batch(size: str) -> tuple[torch.nn.Module, dict, torch.device]:
+    """The unsharded model at ``size`` and its batch, the weights and batch fxshard compiled (seed 0), on this
+    rank's device, and the device."""
+    from fxshard.capture.modelfile import load_model_file
+
+    device = _device()
+    with model_size(size):
+        full, inputs = load_model_file(MODEL_FILE).build(seed=0)
+    return full.to(device), {k: v.to(device) for k, v in inputs.items()}, device
+
+
 def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul: str = "onednn",
                       groups: dict | None = None) -> Contender:
     """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does;
@@ -168,8 +181,9 @@ def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul
     device = _device()
     manifest = read_manifest(out)
     layout = manifest.layout
-    mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-    groups = groups or {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
+    if groups is None:
+        mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+        groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
     entry = manifest.rank(layout.coords(dist.get_rank()))
     code = import_rank_file(out / entry.file)
     module = code.RankModule(groups, device)
@@ -251,14 +265,9 @@ def _agree_on_failure(name: str, why: str | None) -> None:
 
 
 def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
-    from fxshard.capture.modelfile import load_model_file
-
-    device = _device()
-    with model_size(size):
-        full, inputs = load_model_file(MODEL_FILE).build(seed=0)  # the weights and batch fxshard compiled
-    full, inputs = full.to(device), {k: v.to(device) for k, v in inputs.items()}
+    full, inputs, device = model_and_batch(size)
     makers = dict(zip(EAGER, (fxshard_contender, hand_written_contender, dtensor_contender), strict=True))
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync = device_sync(device)
     ready, first_step_s, failed = {}, {}, {}
     for name in contenders(device.type):  # each built, then one untimed step: it compiles the compiled ones
         make = makers[COMPILED_FROM.get(name, name)]
@@ -307,7 +316,7 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print, device: s
         params = sum(p.numel() for p in load_model_file(MODEL_FILE).build_model(0).parameters())
     log(f"tp_step {size}: compiled in {compile_s:.1f} s; {rounds} interleaved rounds of "
         f"{', '.join(contenders(device))} on {device}")
-    per_rank = spawn(_worker, TP, str(out), size, rounds, warmup, backend="nccl" if device == "cuda" else "gloo")
+    per_rank = spawn(_worker, TP, str(out), size, rounds, warmup, backend=BACKEND_OF[device])
     combined = combine_ranks([r["times"] for r in per_rank])
     step_ms = summarize(combined)
     timed, failed = list(step_ms), per_rank[0]["failed"]
