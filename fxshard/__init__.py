@@ -25,7 +25,9 @@ def __getattr__(name: str):
 def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, meta: bool = False, **layout):
     """Compile a model file for a layout and write the per-rank program to ``out``.
 
-    >>> fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)   # doctest: +SKIP
+    >>> result = fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)
+    >>> result.files, result.ctx.layout.world_size
+    (['rank_pp0_tp0.py', 'rank_pp0_tp1.py'], 2)
 
     ``layout``: the fields of :class:`fxshard.ir.context.Layout` by name (``tp``, ``pp``, ``dp``, ``zero``,
     ``schedule``, ...).  ``weights``: a Hugging Face folder each rank reads its slices from at run time

@@ -1,9 +1,12 @@
 """The compiler driver: capture, plan, passes in a fixed order, code generation.
 
-::
+    >>> from fxshard.compiler import compile
+    >>> from fxshard.ir.context import Layout
+    >>> result = compile("samples/gpt.py", Layout(tp=2), out="out/gpt-tp2")
+    >>> result.files
+    ['rank_pp0_tp0.py', 'rank_pp0_tp1.py']
 
-    result = fxshard.compile("samples/gpt.py", Layout(tp=2), out="out/gpt-tp2")
-    print(result.files)
+(``tests/test_docs.py`` runs this example.)
 """
 
 from __future__ import annotations
