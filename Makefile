@@ -19,11 +19,11 @@ demo: setup
 	$(PY) scripts/demo.py
 
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).
 test-fast: setup
-	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q -m "not distributed and not e2e"
+	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q -m "not distributed and not e2e and not browser"
 
 # The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md
 zoo: setup
