@@ -25,7 +25,7 @@ from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import Manifest, RankEntry, import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import DP, EDP, EP, PP, TP, Layout
 from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.distributed_optimizer import finish_param_sync
@@ -246,7 +246,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
                 with named_phase(f"the checkpoint save of step {step}", dist.group.WORLD):
                     finish_param_sync(run.opt)  # the parameters of this step, not the gathers still in flight
                     saved = save_checkpoint(checkpoint.folder, step, Path(out), run.held, run.entry, run.opt,
-                                            run.manifest, run.coords, run.groups["dp"], optim, run.groups.get("edp"))
+                                            run.manifest, run.coords, run.groups[DP], optim, run.groups.get(EDP))
                 if saved is not None:
                     (progress.print if progress else log)(f"saved checkpoint {saved}")
         with named_phase("the last step's ZeRO 1 parameter all-gathers (over dp, and edp for experts)",
@@ -274,18 +274,13 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
                           f"{world} were started; launch with --nproc-per-node {layout.world_size}")
     check_accumulated_loss(out, manifest, optim.grad_accum)
-    from torch.distributed.device_mesh import init_device_mesh
-
     with named_phase("start-up: the process groups of the dp x pp x tp mesh"):
-        mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-    groups = {axis: mesh.get_group(axis) for axis in ("dp", "pp", "tp")}
-    if layout.ep > 1:
-        groups |= _expert_groups(layout, rank)
+        groups = layout.process_groups(device.type, {t.name: t.stages for t in manifest.tied_across_stages})
     coords = layout.coords(rank)
     entry = manifest.rank(coords)
     code = import_rank_file(out / entry.file)
     batches = load_model_file(out / manifest.model_file).batches(steps * optim.grad_accum, manifest.seed)
-    dp_mesh = mesh["dp"]
+    dp_mesh = groups.mesh_of(DP)
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
@@ -294,26 +289,25 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, reader, entry, compile)
         params, step_fn, held, finish = list(runner.parameters()), _plain_step(runner), {"": module}, None
     else:
-        groups |= _tied_groups(manifest, layout, rank)
         params, step_fn, held, finish = _pipeline(code, entry, manifest, layout, groups, out, device, rank,
                                                   dp_mesh, masters, reader, compile)
     names = {id(p): prefix + name for prefix, m in held.items() for name, p in m.named_parameters()}
     if layout.ep > 1:  # after the dp (and tied-weight) gradient sums: the experts' own, over edp
         _check_experts_left_alone(held, entry, layout)
         if layout.zero != 1:  # at ZeRO 1 the experts' distributed optimizer reduce-scatters them over edp
-            finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups["edp"], layout.dp)
+            finish = _with_expert_sync(finish, _expert_parameters(held, entry), groups[EDP], layout.dp)
     if layout.ep > 1:  # expert parameters differ between dp ranks: ZeRO 1 shards their state over edp only
         expert_ids = {id(p) for p in _expert_parameters(held, entry)}
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
         edp_zero = 1 if layout.zero == 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
         opt = ExpertSplitOptimizer(  # experts: summed over edp, divided by dp (as sync_expert_grads)
-            make_optimizer(dense, optim, layout.zero, groups["dp"], _masters_of(dense, masters),
+            make_optimizer(dense, optim, layout.zero, groups[DP], _masters_of(dense, masters),
                            names=[names[id(p)] for p in dense]),
-            make_optimizer(experts, optim, edp_zero, groups["edp"], _masters_of(experts, masters),
+            make_optimizer(experts, optim, edp_zero, groups[EDP], _masters_of(experts, masters),
                            names=[names[id(p)] for p in experts], average_over=layout.dp))
     else:
-        opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups["dp"],
+        opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups[DP],
                              masters=[masters[id(p)] for p in params] if masters else None,
                              names=[names[id(p)] for p in params])
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
@@ -324,7 +318,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
 
-        load_optimizer(reader, opt, held, entry, groups["dp"], groups.get("edp"))
+        load_optimizer(reader, opt, held, entry, groups[DP], groups.get(EDP))
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
                 _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
                 getattr(code, "count_tokens", None), bool(compile))
@@ -334,7 +328,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     """The batches of one optimizer step, their gradients averaged, clipped and applied; the step's loss."""
     set_context(step, f"training step {step}")
     manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
-    dp_rank, dp = run.coords["dp"], layout.dp
+    dp_rank, dp = run.coords[DP], layout.dp
     batches = run.batches[(step - 1) * accum:step * accum]
     microbatches = manifest.pipeline.microbatches if layout.pp > 1 else 1
     counting = contextlib.nullcontext()
@@ -343,7 +337,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         counting = step_tokens(counted, accum * microbatches * dp)
     value = 0.0
     # compiled: the rank files' collectives run in the graph, unguarded; the whole mesh's heartbeats say who stopped
-    phase_group = dist.group.WORLD if run.compiled else run.groups["dp"]
+    phase_group = dist.group.WORLD if run.compiled else run.groups[DP]
     with counting, named_phase(_torch_issued(layout, step, run.compiled), phase_group):
         for number, batch in enumerate(batches, (step - 1) * accum):
             leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest.inputs)]
@@ -358,7 +352,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         with trace.span("tied and split-backward gradient sums", "step"):
             run.finish()
     if dp > 1:
-        value = _dp_mean(value, run.groups["dp"], run.device)
+        value = _dp_mean(value, run.groups[DP], run.device)
     if probe is not None:
         probe.after_backward(run.params)
     sharded = layout.zero == 1 and layout.dp > 1  # fxshard's distributed optimizer
@@ -369,7 +363,7 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         pairs = run.opt.grad_pieces({id(p): w for p, w in run.weighted}) if sharded else \
             [(local(p.grad), w) for p, w in run.weighted if p.grad is not None]
         clip_grad_norm_(pairs, optim.clip_grad_norm)
-    with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups["dp"]):
+    with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups[DP]):
         with trace.span("optimizer step", "step"):
             run.opt.step()  # ZeRO 1 all-gathers the updated parameters
     if probe is not None:
@@ -470,7 +464,7 @@ def _needing_masters(module, layout, entry: RankEntry | None, prefix: str) -> li
     alone, still need theirs."""
     if not (layout.dp > 1 and layout.zero >= 2):
         return list(module.parameters())
-    return [p for name, p in module.named_parameters() if entry is not None and entry.tensors[prefix + name].axis == "ep"]
+    return [p for name, p in module.named_parameters() if entry is not None and entry.tensors[prefix + name].axis == EP]
 
 
 def _masters_of(params: list, masters: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
@@ -500,12 +494,12 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
         for name, p in module.named_parameters():
             t = entry.tensors[prefix + name]
             w = 1.0 / copies.get(t.source, 1)
-            if t.placement == "Replicate()" or t.axis == "ep":
+            if t.placement == "Replicate()" or t.axis == EP:
                 w /= layout.tp  # the same gradient on every tp rank (experts: whole on each tp rank)
             if layout.zero == 1 and layout.dp > 1:
                 pass  # the distributed optimizer's pieces: each element on one rank of its dp (edp) group
-            elif t.axis == "ep":
-                w /= layout.size("edp")  # the same gradient on the ranks holding the same experts
+            elif t.axis == EP:
+                w /= layout.size(EDP)  # the same gradient on the ranks holding the same experts
             elif layout.dp > 1 and layout.zero == 0:
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
             out.append((p, w))
@@ -542,22 +536,10 @@ def check_accumulated_loss(out: Path, manifest: Manifest, grad_accum: int) -> No
                           "on its own and the step average", "or use --grad-accum 1 (a larger batch per step instead)")
 
 
-def _expert_groups(layout: Layout, rank: int) -> dict:
-    """This rank's ep group (the dp ranks exchanging tokens) and edp group (the dp ranks holding the same experts).
-    Every rank creates every group in the same order (``new_group`` is collective over the world)."""
-    groups = {}
-    for axis, members in layout.expert_groups().items():
-        for ranks in members:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                groups[axis] = group
-    return groups
-
-
 def _expert_parameters(held: dict[str, torch.nn.Module], entry: RankEntry) -> list[torch.nn.Parameter]:
     """The parameters the manifest records split over ep (this rank's experts), in module order."""
     return [p for prefix, module in held.items() for name, p in module.named_parameters()
-            if entry.tensors[prefix + name].axis == "ep"]
+            if entry.tensors[prefix + name].axis == EP]
 
 
 def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry, layout: Layout) -> None:
@@ -566,7 +548,7 @@ def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry
     for prefix, module in held.items():
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         for name, p in module.named_parameters():
-            if entry.tensors[prefix + name].axis != "ep":
+            if entry.tensors[prefix + name].axis != EP:
                 continue
             if hasattr(p, "to_local") or (layout.dp > 1 and layout.zero == 0 and name not in ignored):
                 raise FxshardError(f"{prefix}{name}: an expert parameter of this ep rank was handed to data "
@@ -581,24 +563,6 @@ def _with_expert_sync(finish: Callable | None, experts: list, edp_group, dp: int
         sync_expert_grads(experts, edp_group, dp)
 
     return both
-
-
-def _tied_groups(manifest: Manifest, layout, rank: int) -> dict:
-    """One process group per weight shared by stages on different pp ranks, per (dp, tp) coordinate.
-
-    Every rank creates every group in the same order (``new_group`` is collective over the world)."""
-    groups = {}
-    for tie in manifest.tied_across_stages:
-        pp_ranks = sorted({layout.stage_rank(s) for s in tie.stages})
-        if len(pp_ranks) < 2:
-            continue
-        for d in range(layout.dp):
-            for t in range(layout.tp):
-                ranks = [layout.rank_of(d, p, t) for p in pp_ranks]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    groups[tie.name] = group
-    return groups
 
 
 def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, out: Path, device, rank: int, dp_mesh,
@@ -626,18 +590,18 @@ def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, 
         runners[st.index] = _prepare(code, module, out / entry.weights, st.class_name + ".", layout, dp_mesh,
                                      masters, reader, entry, compile)
         modules[st.index] = module
-    stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups["pp"], generated=m)
+    stages = [pipeline_stage(runners[s], s, layout.num_stages, device, groups[PP], generated=m)
               for s, m in sorted(modules.items())]
     microbatches = manifest.pipeline.microbatches
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
-    last = layout.rank_of(coords["dp"], layout.stage_rank(layout.num_stages - 1), coords["tp"])
+    last = layout.rank_of(coords[DP], layout.stage_rank(layout.num_stages - 1), coords[TP])
     params = [p for m in runners.values() for p in m.parameters()]  # stages never share a Parameter object
 
     def step(leaves) -> float:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-        losses = run_schedule(schedule, stages, microbatches, tensors, groups["pp"])
-        return step_loss(losses, last, groups["pp"], device)
+        losses = run_schedule(schedule, stages, microbatches, tensors, groups[PP])
+        return step_loss(losses, last, groups[PP], device)
 
     # DDP cannot see the weight gradients of a split (zero-bubble) backward: average them here, once
     unsynced = [runners[s.stage_index] for s in split_backward_stages(schedule, stages)

@@ -1,0 +1,255 @@
+"""The layout of a compiled program: the mesh its ranks form, and the flags that choose how it trains.
+
+The mesh's axes have one home, here: ``MESH_AXES`` are its dimensions, outermost first (a tp group is
+consecutive ranks); expert parallelism's ``ep`` and ``edp`` are carved out of ``dp``.  Code that names an axis uses
+these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process group a rank's program
+uses, once, the way torchtitan's ``ParallelDims.build_mesh`` does::
+
+    >>> Layout(tp=2, pp=2, dp=2).mesh_shape, Layout(dp=4, ep=2).size(EDP)
+    ((2, 2, 2), 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxshard.errors import LayoutError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
+DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
+MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
+# expert parallelism is carved out of dp (Megatron-Core, torchtitan): dp coordinate d is ep rank d % ep of the ep
+# group of d // ep; the ranks holding the same experts (d % ep equal) form its expert-data-parallel ("edp") group
+EP, EDP = "ep", "edp"
+SIZED_AXES = (*MESH_AXES, EP)  # the axes a --flag sizes
+TIED = "tied:"  # a tied-weight group's name: "tied:<fqn>" (the weight held by stages on several pp ranks)
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
+RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
+# the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
+# before code generation
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap")  # Layout fields newer than manifest format 1: absent
+# from older manifests
+_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True}  # written only when set: manifests before them stay byte
+# for byte
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
+    dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
+    recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
+    sp: bool = False  # sequence parallelism: what runs between tp regions runs on S/tp tokens (passes/collectives.py)
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of dp (passes/expert_parallel.py)
+    # copy_to + the column-parallel linears reading it written as rt.copy_to_linears: backward overlaps the input
+    # gradient's all-reduce with the weight gradients (fxshard/codegen/emit.py); False: plain copy_to and linears
+    overlap: bool = True
+
+    def __post_init__(self):
+        for axis in (TP, PP, DP, EP):
+            if getattr(self, axis) < 1:
+                raise LayoutError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"--zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.schedule not in SCHEDULES:
+            raise LayoutError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages is not None:
+            if self.virtual_stages < 1:
+                raise LayoutError(f"--virtual-stages must be at least 1, got {self.virtual_stages}")
+            if self.virtual_stages > 1 and self.schedule not in INTERLEAVED:
+                raise LayoutError(
+                    f"--virtual-stages {self.virtual_stages}: schedule {self.schedule} runs one stage per pp rank; "
+                    f"use --schedule {' or '.join(INTERLEAVED)} for several stages per rank, or drop the flag"
+                )
+        if self.zero == 3 and self.dp > 1 and self.pp > 1 and self.schedule == "zero-bubble":
+            # torch's split backward collects the parameters when its input-gradient pass starts; after a
+            # forward, FSDP2 has resharded them, so that pass finds none in the graph (torch 2.13 stage.py)
+            raise LayoutError(
+                "--zero 3 with --schedule zero-bubble: torch's zero-bubble schedule collects each stage's "
+                "parameters for the weight-gradient pass after FSDP2 has resharded them, so most microbatches' "
+                "weight gradients would never be computed (the run would train wrongly, not fail); use --zero 2 "
+                "(parameters stay gathered between forward and backward) or another --schedule (gpipe, 1f1b, "
+                "interleaved-1f1b) with --zero 3"
+            )
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.sp and self.tp == 1:
+            raise LayoutError("--sp splits the sequence over the tensor-parallel ranks, and tp=1 has one: nothing "
+                              "would be split; use --tp 2 or more with --sp, or drop --sp")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
+        if self.ep > 1:
+            self._check_ep()
+
+    def _check_ep(self) -> None:
+        """ep is carved out of dp (every other flag composes with it: the README's table)."""
+        if self.dp % self.ep:
+            ok = [e for e in range(1, self.dp + 1) if self.dp % e == 0]
+            raise LayoutError(f"--ep {self.ep}: expert parallelism is carved out of the {self.dp} data-parallel ranks, "
+                              f"so ep must divide dp; use --ep in {ok} or --dp a multiple of {self.ep}")
+
+    @property
+    def mixed(self) -> bool:
+        """Mixed precision: bf16 parameters, activations and gradients; fp32 master weights and Adam state."""
+        return self.dtype != "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return getattr(torch, DTYPES[self.dtype])
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.size(axis) for axis in MESH_AXES)
+
+    def size(self, axis: str) -> int:
+        """The number of ranks along mesh ``axis`` (``edp``: the dp ranks holding the same experts)."""
+        return self.dp // self.ep if axis == EDP else getattr(self, axis)
+
+    def ep_rank(self, dp_rank: int) -> int:
+        """The ep coordinate of dp coordinate ``dp_rank``: which 1/ep of each MoE layer's experts it holds."""
+        return dp_rank % self.ep
+
+    def expert_groups(self) -> dict[str, list[list[int]]]:
+        """The global ranks of every ep group (consecutive dp coordinates) and every edp group (the same
+        experts), per (pp, tp) coordinate: ``Layout(dp=4, ep=2).expert_groups()["ep"] == [[0, 1], [2, 3]]``."""
+        groups: dict[str, list[list[int]]] = {EP: [], EDP: []}
+        for p in range(self.pp):
+            for t in range(self.tp):
+                for g in range(self.dp // self.ep):
+                    groups[EP].append([self.rank_of(g * self.ep + e, p, t) for e in range(self.ep)])
+                for e in range(self.ep):
+                    groups[EDP].append([self.rank_of(g * self.ep + e, p, t) for g in range(self.dp // self.ep)])
+        return groups
+
+    def process_groups(self, device_type: str, tied: Mapping[str, Sequence[int]] | None = None) -> ProcessGroups:
+        """Every process group this rank's program uses, built here alone (a rank of the initialized default group).
+
+        The dp x pp x tp mesh is torch's ``DeviceMesh``; under ``--ep`` its dp dimension is unflattened into
+        edp x ep (dp coordinate ``d`` is ep rank ``d % ep``); ``tied`` (group name -> stages holding the weight,
+        the manifest's ``tied_across_stages``) adds one group per weight held on several pp ranks, per (dp, tp)
+        coordinate.  Building a group is collective over the world, so every rank builds all of them, in this order::
+
+            groups = layout.process_groups("cpu", {"tied:lm_head.weight": (0, 3)})
+            groups[TP], groups[EP], groups["tied:lm_head.weight"], groups.mesh_of(DP)
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+        meshes = {axis: mesh[axis] for axis in MESH_AXES}
+        if self.ep > 1:  # torchtitan's ParallelDims carves ep out of its dp dimensions the same way
+            experts = mesh[DP]._unflatten(0, (self.size(EDP), self.ep), (EDP, EP))
+            meshes |= {axis: experts[axis] for axis in (EDP, EP)}
+        groups = {axis: m.get_group() for axis, m in meshes.items()}
+        rank = dist.get_rank()
+        for name, stages in (tied or {}).items():
+            pp_ranks = sorted({self.stage_rank(s) for s in stages})
+            if len(pp_ranks) < 2:
+                continue
+            for d in range(self.dp):
+                for t in range(self.tp):
+                    ranks = [self.rank_of(d, p, t) for p in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        groups[name] = group
+        return ProcessGroups(meshes, groups)
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp coordinate holding ``stage``: stages loop over the pp ranks (0, 1, .., pp-1, 0, 1, ..)."""
+        return stage % self.pp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return list(range(pp_rank, self.num_stages, self.pp))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank; the innermost axis (tp) varies fastest."""
+        coords = {}
+        for axis in reversed(MESH_AXES):
+            rank, coords[axis] = divmod(rank, self.size(axis))
+        return {axis: coords[axis] for axis in MESH_AXES}
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        rank = 0
+        for axis, index in zip(MESH_AXES, (dp, pp, tp), strict=True):
+            rank = rank * self.size(axis) + index
+        return rank
+
+    def to_json(self) -> dict:
+        """Every field by name, in order: the manifest's ``layout`` (:meth:`from_json` reads it back); a field
+        newer than the manifest format is written only when it differs from its default, so a manifest
+        without it reads and writes back the same bytes."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if k not in _SINCE_DEFAULT or v != _SINCE_DEFAULT[k]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layout:
+        """The layout :meth:`to_json` wrote; fields that manifests of older fxshards lack take their default."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data or f.name not in _ADDED})
+
+    def describe(self) -> str:
+        text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"
+        if self.ep > 1:
+            text += f" ep={self.ep}"
+        if self.pp > 1:
+            text += f" schedule={self.schedule} microbatches={self.microbatches}"
+            if self.stages_per_rank > 1:
+                text += f" virtual-stages={self.stages_per_rank}"
+        if self.mixed:
+            text += f" dtype={self.dtype}"
+        if self.recompute != "none":
+            text += f" recompute={self.recompute}"
+        if self.sp:
+            text += " sp"
+        if not self.overlap:
+            text += " no-overlap"
+        return text
+
+
+class ProcessGroups(Mapping):
+    """The process groups of one rank's program by name (:meth:`Layout.process_groups`): each mesh axis, ``ep`` and
+    ``edp`` under ``--ep``, ``tied:<fqn>`` under pipeline parallelism.  A rank file's ``RankModule(groups, device)``
+    reads it as a mapping; :meth:`mesh_of` gives the 1-D ``DeviceMesh`` of an axis (FSDP2 shards over dp's)."""
+
+    def __init__(self, meshes: dict, groups: dict):
+        self._meshes, self._groups = meshes, groups
+
+    def __getitem__(self, name: str):
+        return self._groups[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def mesh_of(self, axis: str):
+        """The ``DeviceMesh`` of mesh axis ``axis`` alone (one dimension)."""
+        return self._meshes[axis]
