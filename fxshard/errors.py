@@ -48,6 +48,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class DataError(FxshardError):
+    """Training data that does not fit the compiled program (shapes, token ids, too short, empty), refused before
+    any rank starts where it can be seen then."""
+
+
 class OptionError(FxshardError):
     """A run option out of its range (steps, learning rate, paths), refused before anything launches."""
 

@@ -24,6 +24,7 @@ from fxshard.errors import LayoutError
 from fxshard.ir.context import Layout
 from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.train.data import global_batches
 from fxshard.train.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +185,7 @@ def test_global_gradient_norm_counts_each_expert_gradient_once(tmp_path):
         items.append((name, (str(tmp_path / name),)))
     found = spawn_cases(_norms_after_backward, 4, items)
     model = load_model_file(QWEN).build_model(0)
-    model(**load_model_file(QWEN).batches(1, 0)[0]).loss.backward()
+    model(**next(global_batches(load_model_file(QWEN)))).loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     want = (torch.stack([g.norm() for g in grads.values()]).norm().item(),
             torch.stack([g.norm() for n, g in grads.items() if ".experts." in n]).norm().item())

@@ -28,6 +28,7 @@ from fxshard.errors import PlanError, ShardingError
 from fxshard.ir.context import Layout, spec
 from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+from fxshard.train.data import global_batches
 from fxshard.train.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +105,7 @@ def test_each_tp_rank_holds_one_tp_th_of_the_experts(trained, case):
 def _routed_pairs(path: Path, dp: int) -> list[torch.Tensor]:
     """The expert ids each experts module gets in step 1 on each dp rank, from the one-device model."""
     model_file = load_model_file(path)
-    model, (batch,) = model_file.build_model(0), model_file.batches(1, 0)
+    model, batch = model_file.build_model(0), next(global_batches(model_file))
     found = []
     hooks = [m.register_forward_pre_hook(lambda _, args: found.append(args[1].detach().flatten()))
              for name, m in model.named_modules() if name.endswith("mlp.experts")]
@@ -149,7 +150,7 @@ def _combine_sizes(path: Path) -> tuple[int, int, int, int]:
     """Tokens T (of one example batch), hidden size H, top-k and MoE layers of a model file, from the model and
     its inputs."""
     model_file = load_model_file(path)
-    model, (batch,) = model_file.build_model(0), model_file.batches(1, 0)
+    model, batch = model_file.build_model(0), next(global_batches(model_file))
     layers = sum(name.endswith("mlp.experts") for name, _ in model.named_modules())
     return batch["input_ids"].numel(), model.config.hidden_size, model.config.num_experts_per_tok, layers
 
@@ -329,7 +330,7 @@ def test_global_gradient_norm_counts_each_split_expert_once(tmp_path):
     found = spawn_cases(_norm_after_backward, 2, [("tp2", (str(tmp_path / "tp2"),))])
     model_file = load_model_file(QWEN)
     model = model_file.build_model(0)
-    model(**model_file.batches(1, 0)[0]).loss.backward()
+    model(**next(global_batches(model_file))).loss.backward()
     want = torch.stack([p.grad.norm() for p in model.parameters()]).norm().item()
     for rank, got in enumerate(case_result(found, "tp2")):
         assert abs(got - want) <= 1e-5 * want, f"rank {rank}: the norm is {got}, single device {want}"
@@ -358,7 +359,7 @@ def test_the_routing_weights_gradient_is_summed_over_tp(tmp_path):
     found = spawn_cases(_router_grads_after_backward, 2, [("tp2", (str(tmp_path / "tp2"),))])
     model_file = load_model_file(QWEN)
     model = model_file.build_model(0)
-    model(**model_file.batches(1, 0)[0]).loss.backward()
+    model(**next(global_batches(model_file))).loss.backward()
     for rank, grads in enumerate(case_result(found, "tp2")):
         assert len(grads) == 2, grads.keys()  # both layers' routers
         for name, got in grads.items():

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
     from fxshard.codegen.manifest import InputEntry
 
 
-def flatten_batch(batch: Any, specs: Sequence[InputEntry]) -> list[Any]:
+def flatten_batch(batch: Any, specs: Sequence[InputEntry], rows: int | None = None) -> list[Any]:
     """The values of ``batch`` in the order of the compiled forward's inputs (the manifest's ``inputs``),
-    checking shapes."""
+    checking shapes.  ``rows``: the batch is one dp rank's share, ``rows`` rows of each tensor input (an input the
+    rank does not read may be None: :func:`fxshard.train.data.inputs_read`)."""
     args, kwargs = ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
     leaves = {pytree.keystr(p): v for p, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
     out = []
@@ -27,11 +28,12 @@ def flatten_batch(batch: Any, specs: Sequence[InputEntry]) -> list[Any]:
                 f"{[x.path for x in specs]} — batches must have the same structure as make_inputs()"
             )
         v = leaves[s.path]
-        if s.is_tensor:
-            if not isinstance(v, torch.Tensor) or list(v.shape) != list(s.shape):
+        if s.is_tensor and not (rows is not None and v is None):
+            shape = list(s.shape) if rows is None else [rows, *s.shape[1:]]
+            if not isinstance(v, torch.Tensor) or list(v.shape) != shape:
                 found = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ModelFileError(
-                    f"batch input {s.name} has shape {found}; the program was compiled for {list(s.shape)}. "
+                    f"batch input {s.name} has shape {found}; the program was compiled for {shape}. "
                     "Shapes are fixed at compile time: recompile with make_inputs() returning this shape"
                 )
         out.append(v)

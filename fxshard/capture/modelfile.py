@@ -1,8 +1,9 @@
-"""Load a user's model file: ``make_model()``, ``make_inputs()``, optional ``loss_fn`` and ``make_batches``.
+"""Load a user's model file: ``make_model()``, ``make_inputs()``, optional ``loss_fn``.
 
-The file is imported as it is; nothing in it is rewritten.  Randomness is seeded before
-``make_model`` and before ``make_inputs`` so compile, run and the single-device reference all
-see the same initial weights and the same batch::
+The file is imported as it is; nothing in it is rewritten.  Randomness is seeded before ``make_model`` and
+before ``make_inputs`` so compile, run and the single-device reference all see the same initial weights and the
+same batch.  Its training data (``make_dataset``, ``collate``, ``make_batches``) is :mod:`fxshard.train.data`'s
+to read, from ``ModelFile.module``::
 
     mf = load_model_file("samples/gpt.py")
     model, inputs = mf.build(seed=0)
@@ -30,7 +31,6 @@ class ModelFile:
     make_model: Callable[[], torch.nn.Module]
     make_inputs: Callable[[], Any]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    make_batches: Callable[[], Any] | None
     module: Any
 
     def build_model(self, seed: int = 0, meta: bool = False) -> torch.nn.Module:
@@ -57,19 +57,6 @@ class ModelFile:
 
     def build(self, seed: int = 0) -> tuple[torch.nn.Module, Any]:
         return self.build_model(seed), self.build_inputs(seed)
-
-    def batches(self, steps: int, seed: int = 0) -> list[Any]:
-        """The batches of ``steps`` training steps: ``make_batches()`` cycled, else the example batch."""
-        if self.make_batches is None:
-            batch = self.build_inputs(seed)
-            return [batch] * steps
-        torch.manual_seed(seed + 2)
-        batches = list(self.make_batches())
-        if not batches:
-            raise ModelFileError(f"{self.path}: make_batches() returned no batch; return a list of batches.")
-        for i, b in enumerate(batches):
-            check_inputs(b, f"{self.path}: make_batches()[{i}]")
-        return [batches[i % len(batches)] for i in range(steps)]
 
     def digest(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
@@ -191,13 +178,12 @@ def load_model_file(path: str | Path) -> ModelFile:
             f"{path}: the model file defines no {' and no '.join(m + '()' for m in missing)}. "
             "A model file defines make_model() returning the unmodified nn.Module and make_inputs() "
             "returning one example batch (a dict of keyword arguments or a tuple); optionally "
-            "loss_fn(output, inputs) and make_batches()."
+            "loss_fn(output, inputs) and make_dataset(split) (see docs/data.md)."
         )
     return ModelFile(
         path=path,
         make_model=module.make_model,
         make_inputs=module.make_inputs,
         loss_fn=getattr(module, "loss_fn", None),
-        make_batches=getattr(module, "make_batches", None),
         module=module,
     )

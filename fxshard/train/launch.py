@@ -1,7 +1,7 @@
 """``fxshard run`` as one rank (of torchrun, or of the local launcher in :mod:`fxshard.train.local`).
 
-Each rank imports its generated file, loads its weight shard, and trains with AdamW on the model
-file's batches.  Rank 0 prints a line per step and, with ``metrics``, appends ``{"step", "loss"}``
+Each rank imports its generated file, loads its weight shard, and trains with AdamW on its dp rank's rows of
+each global batch (:func:`fxshard.train.data.open_batches`).  Rank 0 prints a line per step and, with ``metrics``, appends ``{"step", "loss"}``
 JSON lines to a file.
 """
 
@@ -34,7 +34,8 @@ from fxshard.runtime.experts import sync_expert_grads
 from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
 from fxshard.runtime.mixed_precision import promote, split_masters
-from fxshard.runtime.random import begin_batch, local_rows
+from fxshard.runtime.random import begin_batch
+from fxshard.train.data import Batches, DataOptions, inputs_read, open_batches
 from fxshard.train.memory import MemoryProbe
 from fxshard.train.optim import ExpertSplitOptimizer, OptimConfig, clip_grad_norm_
 from fxshard.train.options import RunOptions
@@ -101,7 +102,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         state = {} if final_state is not None else None
         losses = train(out, options.steps, options.optim, options.metrics, device, log, memory=memory,
                        final_state=state, checkpoint=options.checkpoint_config(),
-                       compile=options.compile, cpu_matmul=options.cpu_matmul)
+                       compile=options.compile, cpu_matmul=options.cpu_matmul, data=options.data)
         if final_state is not None:  # every rank's trained tensors, for fxshard verify
             from safetensors.torch import save_file
 
@@ -162,7 +163,7 @@ class _Run:
     coords: dict[str, int]
     groups: dict
     device: torch.device
-    batches: list
+    batches: Batches  # this dp rank's rows of each global batch
     params: list[torch.nn.Parameter]
     step_fn: Callable  # one batch's forward and backward; returns its loss
     held: dict[str, torch.nn.Module]  # prefix ("" or "StageN.") -> generated module
@@ -176,8 +177,8 @@ class _Run:
 
 def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Path | None = None,
           device: torch.device | None = None, log=print, final_state: dict | None = None,
-          memory: dict | None = None, checkpoint=None, compile: bool = False, cpu_matmul: str = "onednn"
-          ) -> list[float]:
+          memory: dict | None = None, checkpoint=None, compile: bool = False, cpu_matmul: str = "onednn",
+          data: DataOptions = DataOptions()) -> list[float]:
     """Train the compiled program in ``out`` as this rank of the initialized default process group.
 
     With ``final_state`` (a dict), it is filled with this rank's trained tensors, keyed as in its
@@ -185,7 +186,8 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
     it is filled with the bytes of model state this rank held (see :mod:`fxshard.train.memory`) and ``psi``,
     its parameter count before dp sharding.  With ``checkpoint`` (a :class:`fxshard.train.checkpoint.CheckpointConfig`)
     it saves every ``save_every`` steps and, with ``resume``, continues from the latest checkpoint (of any
-    layout) at its step: only steps after it run, and their losses are returned.  With ``compile``, each generated
+    layout) at its step: only steps after it run, and their losses are returned.  ``data``: where the batches come
+from (:class:`fxshard.train.data.DataOptions`).  With ``compile``, each generated
     module's forward runs through torch.compile (:mod:`fxshard.runtime.compiled`), its large fp32 CPU matrix products
     on ``cpu_matmul``'s kernel (:mod:`fxshard.runtime.matmul`); rank 0 says how long the first step spent
     compiling."""
@@ -196,12 +198,19 @@ def train(out: Path, steps: int, optim: OptimConfig = OptimConfig(), metrics: Pa
         locked = checkpoint_lock(Path(checkpoint.folder))  # one run writes a checkpoint folder at a time
     with locked:
         return _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint,
-                      cpu_matmul if compile else None)
+                      cpu_matmul if compile else None, data)
 
 
-def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile) -> list[float]:
+def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpoint, compile, data) -> list[float]:
     """``compile``: None (eager) or the compiled CPU matrix products' kernel."""
-    run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint, compile)
+    run = _set_up(Path(out), steps, optim, device or torch.device("cpu"), checkpoint, compile, data)
+    try:
+        return _loop(run, out, steps, optim, metrics, log, final_state, memory, checkpoint, compile)
+    finally:
+        run.batches.close()
+
+
+def _loop(run, out, steps, optim, metrics, log, final_state, memory, checkpoint, compile) -> list[float]:
     probe = MemoryProbe(list(run.held.values()), run.layout.pp > 1) if memory is not None else None
     rank = dist.get_rank()
     losses = []
@@ -265,7 +274,7 @@ def _train(out, steps, optim, metrics, device, log, final_state, memory, checkpo
 
 
 def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, checkpoint,
-            compile: str | None = None) -> _Run:
+            compile: str | None = None, data: DataOptions = DataOptions()) -> _Run:
     """Mesh, this rank's generated modules with their weights, data parallelism, optimizer, batches."""
     manifest = read_manifest(out)
     layout = manifest.layout
@@ -279,7 +288,8 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     coords = layout.coords(rank)
     entry = manifest.rank(coords)
     code = import_rank_file(out / entry.file)
-    batches = load_model_file(out / manifest.model_file).batches(steps * optim.grad_accum, manifest.seed)
+    batches = open_batches(load_model_file(out / manifest.model_file), manifest, "train", coords[DP], layout.dp,
+                           data, reads=inputs_read(out, manifest, coords[PP]))
     dp_mesh = groups.mesh_of(DP)
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
@@ -319,6 +329,8 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         from fxshard.train.checkpoint import load_optimizer
 
         load_optimizer(reader, opt, held, entry, groups[DP], groups.get(EDP))
+    if reader is not None:  # replayed by step until checkpoints keep the data position
+        batches.load_state_dict({"format": 1, "position": reader.step * optim.grad_accum * batches.spec.rows})
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
                 _norm_weights(held, entry, manifest, layout), 1 + (reader.step if reader else 0),
                 getattr(code, "count_tokens", None), bool(compile))
@@ -329,19 +341,21 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     set_context(step, f"training step {step}")
     manifest, layout, accum = run.manifest, run.layout, optim.grad_accum
     dp_rank, dp = run.coords[DP], layout.dp
-    batches = run.batches[(step - 1) * accum:step * accum]
+    batches = [next(run.batches) for _ in range(accum)]
+    rows = run.batches.local_rows
     microbatches = manifest.pipeline.microbatches if layout.pp > 1 else 1
     counting = contextlib.nullcontext()
     if run.count_tokens is not None:  # a token-mean loss: the step's count, from the whole step's batches
-        counted = sum(_count_tokens(run.count_tokens, b, manifest) for b in batches)
+        counted = _dp_sum(sum(_count_tokens(run.count_tokens, b, manifest, rows) for b in batches),
+                          run.groups[DP], run.device)
         counting = step_tokens(counted, accum * microbatches * dp)
     value = 0.0
     # compiled: the rank files' collectives run in the graph, unguarded; the whole mesh's heartbeats say who stopped
     phase_group = dist.group.WORLD if run.compiled else run.groups[DP]
     with counting, named_phase(_torch_issued(layout, step, run.compiled), phase_group):
         for number, batch in enumerate(batches, (step - 1) * accum):
-            leaves = [_to_rank(v, dp, dp_rank, run.device, layout) for v in flatten_batch(batch, manifest.inputs)]
-            begin_batch(manifest.seed, number, dp_rank * local_rows(leaves))  # dropout masks of this batch
+            leaves = [_to_rank(v, run.device, layout) for v in flatten_batch(batch, manifest.inputs, rows)]
+            begin_batch(manifest.seed, number, dp_rank * rows)  # dropout masks of this batch
             value += run.step_fn(leaves) / accum
     divisor = accum * microbatches
     if divisor > 1:  # gradients summed over batches and microbatches: average them
@@ -387,10 +401,10 @@ def _torch_issued(layout: Layout, step: int, compiled: bool = False) -> str:
     return (what or "the step's communication") + f" in training step {step}"
 
 
-def _count_tokens(count: Callable, batch, manifest: Manifest) -> int:
-    """The targets a token-mean loss counts in one whole batch: ``count`` runs on each microbatch-sized run of
-    rows (the shapes it was compiled for), whichever rank and microbatch those rows go to."""
-    leaves = flatten_batch(batch, manifest.inputs)
+def _count_tokens(count: Callable, batch, manifest: Manifest, rows: int) -> int:
+    """The targets a token-mean loss counts in this dp rank's ``rows`` of a batch: ``count`` runs on each
+    microbatch-sized run of rows (the shapes it was compiled for)."""
+    leaves = flatten_batch(batch, manifest.inputs, rows)
     rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
     total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
     if rows is None or total is None or rows == total:
@@ -472,11 +486,11 @@ def _masters_of(params: list, masters: dict[int, torch.Tensor]) -> list[torch.Te
     return [masters[id(p)] for p in params] if params and all(id(p) in masters for p in params) else None
 
 
-def _to_rank(v, dp: int, dp_rank: int, device, layout):
-    """This dp rank's part of a batch input, on ``device``, floating inputs in the compute dtype."""
+def _to_rank(v, device, layout):
+    """A batch input of this dp rank on ``device``, floating inputs in the compute dtype."""
     if not isinstance(v, torch.Tensor):
         return v
-    v = v.tensor_split(dp)[dp_rank].to(device)
+    v = v.to(device, non_blocking=True)
     return v.to(layout.compute_dtype) if layout.mixed and v.is_floating_point() else v
 
 
@@ -504,6 +518,18 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
                 w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
             out.append((p, w))
     return out
+
+
+def _dp_sum(count: int, group, device) -> int:
+    """A count summed over the dp ranks (each counted its own rows)."""
+    from fxshard.runtime.guard import guarded
+
+    if dist.get_world_size(group) == 1:
+        return count
+    t = torch.tensor(count, dtype=torch.int64, device=device)
+    with guarded("all_reduce of the step's counted tokens over dp", group):
+        dist.all_reduce(t, group=group)
+    return int(t)
 
 
 def _dp_mean(value: float, group, device) -> float:

@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxshard.train.data.options import DataOptions
 from fxshard.train.optim import OptimConfig
 
 
@@ -57,6 +58,7 @@ class Flag:
 class RunOptions:
     steps: int = option(3, "training steps")
     optim: OptimConfig = OptimConfig()  # --lr, --beta1, --beta2, --eps, --weight-decay, --clip-grad-norm, ...
+    data: DataOptions = DataOptions()  # --data, --eval-data, --pack, --data-workers, --shuffle, --data-seed
     metrics: Path | None = option(None, "write one JSON line per step")
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
     compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "

@@ -10,18 +10,22 @@ from fxshard.compiler import cast_inputs
 from fxshard.ir.context import DTYPES
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch
+from fxshard.train.data import DataOptions, global_batches
 from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
 
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
-                     dtype: str = "fp32", final_state: dict | None = None) -> list[float]:
-    """Losses of ``steps`` AdamW steps on one device, from the same initial weights and batches.
+                     dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions()
+                     ) -> list[float]:
+    """Losses of ``steps`` AdamW steps on one device, from the same initial weights and the same global batches
+    (:func:`fxshard.train.data.global_batches` of ``data``).
 
     ``dtype="bf16"``: the same mixed-precision recipe as ``--dtype bf16`` (bf16 parameters and
     gradients, AdamW on fp32 master weights)."""
     model = mf.build_model(seed)
     model.train()
-    batches = mf.batches(1, seed)
+    stream = global_batches(mf, "train", data, seed)
+    batches = [next(stream) for _ in range(steps * optim.grad_accum)]
     positional = not isinstance(batches[0], dict)
     step_fn = _WithLoss(model, mf.loss_fn, positional)
     params = list(model.parameters())
@@ -30,7 +34,6 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     else:
         masters = split_masters(params, getattr(torch, DTYPES[dtype]))
         opt = MasterWeightAdamW(params, masters, optim)
-    batches = mf.batches(steps * optim.grad_accum, seed)
     if dtype != "fp32":
         batches = [cast_inputs(b, getattr(torch, DTYPES[dtype])) for b in batches]
     counter = _token_counter(mf, seed) if optim.grad_accum > 1 else None

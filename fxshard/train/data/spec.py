@@ -1,0 +1,140 @@
+"""What a batch of the compiled program looks like, row by row: the contract between a data source and the step.
+
+The example batch (``make_inputs()``) fixes it: a dict of keyword arguments or a tuple of positional ones, whose
+tensors share a first dimension, the global batch of one step (``rows``).  A dataset example is one row of it:
+the same keys (or positions) holding tensors of the row's shape and dtype.  The batch's other values (``use_cache:
+False``) are constants, taken from the example batch::
+
+    spec = BatchSpec.of(model_file.build_inputs(seed))
+    spec.rows                       # 4: examples per global batch
+    spec.check_example(ex, "model.py: make_dataset('train')[0]")
+    batch = spec.stack([ex0, ex1])  # a batch of 2 rows, constants filled in
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxshard.errors import DataError
+
+
+@dataclass(frozen=True)
+class Column:
+    """One tensor input: its key in the batch (a keyword or a position), and one row's shape and dtype."""
+
+    key: str | int
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"{list(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    positional: bool
+    rows: int  # examples in one global batch
+    columns: tuple[Column, ...]  # the tensor inputs, in the batch's order
+    constants: dict  # key -> the example batch's value, for the inputs that are not tensors
+    nested: bool = False  # the example batch holds containers: only whole batches (make_batches) can feed it
+
+    @classmethod
+    def of(cls, example: Any, where: str = "make_inputs()") -> BatchSpec:
+        """The spec of the example batch ``example`` (the model file's ``make_inputs()``)."""
+        positional = not isinstance(example, dict)
+        items = list(enumerate(example)) if positional else list(example.items())
+        columns, constants, nested, rows = [], {}, False, set()
+        for key, v in items:
+            if isinstance(v, torch.Tensor):
+                if v.dim() == 0:
+                    raise DataError(f"{where}: input {key!r} is a 0-d tensor; every tensor of a batch has the batch "
+                                    "as its first dimension")
+                columns.append(Column(key, tuple(v.shape[1:]), v.dtype))
+                rows.add(v.shape[0])
+            elif isinstance(v, (dict, list, tuple)):
+                nested = True
+                constants[key] = v
+            else:
+                constants[key] = v
+        if len(rows) > 1:
+            raise DataError(f"{where}: the tensors' first dimensions differ ({sorted(rows)}); every tensor input "
+                            "holds the batch along its first dimension")
+        return cls(positional, rows.pop() if rows else 1, tuple(columns), constants, nested)
+
+    @property
+    def keys(self) -> list[str | int]:
+        return [c.key for c in self.columns]
+
+    def column(self, key) -> Column:
+        return next(c for c in self.columns if c.key == key)
+
+    def check_example(self, example: Any, where: str) -> None:
+        """Refuse an example that is not one row of the compiled batch, naming what differs and the fix."""
+        kind = "a tuple of tensors, one per positional input" if self.positional else "a dict of tensors by input name"
+        if self.positional != (not isinstance(example, dict)) or not isinstance(example, (dict, tuple, list)):
+            raise DataError(f"{where}: an example is {type(example).__name__}; expected {kind} (one row of "
+                            "make_inputs())")
+        got = dict(enumerate(example)) if self.positional else example
+        missing = [k for k in self.keys if k not in got]
+        extra = [k for k in got if k not in self.keys and k not in self.constants]
+        if missing or extra:
+            raise DataError(f"{where}: the example's inputs {sorted(map(str, got))} differ from the compiled tensor "
+                            f"inputs {list(map(str, self.keys))}"
+                            + (f" (missing {missing})" if missing else "") + (f" (unknown {extra})" if extra else "")
+                            + "; return one row of make_inputs() per example")
+        for c in self.columns:
+            v = got[c.key]
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != c.row_shape or v.dtype != c.dtype:
+                found = f"{list(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) \
+                    else type(v).__name__
+                raise DataError(f"{where}: input {c.key!r} of an example is {found}; the program was compiled for "
+                                f"rows of {c.describe()} (make_inputs() without its batch dimension). Make the "
+                                "dataset return that shape and dtype (cut or pad to the compiled length), or "
+                                "recompile with make_inputs() of the dataset's shape")
+
+    def stack(self, examples: list, unread: frozenset = frozenset()) -> Any:
+        """The batch of ``examples`` (rows in order): each tensor input stacked, constants added, the inputs in
+        ``unread`` None (a pipeline rank that does not read them)."""
+        values = {c.key: None if c.key in unread else torch.stack([_get(e, c.key) for e in examples])
+                  for c in self.columns}
+        return self.assemble(values)
+
+    def assemble(self, values: dict) -> Any:
+        """A batch in the example batch's structure from ``values`` by key, constants added."""
+        values = {**self.constants, **values}
+        if self.positional:
+            return tuple(values[i] for i in range(len(values)))
+        return dict(values)
+
+    def check_batch(self, batch: Any, rows: int, where: str, unread: frozenset = frozenset()) -> None:
+        """Refuse a collated batch that is not ``rows`` rows of the compiled inputs."""
+        got = dict(enumerate(batch)) if self.positional and isinstance(batch, (tuple, list)) else batch
+        if not isinstance(got, dict):
+            raise DataError(f"{where}: returned {type(batch).__name__}; expected a batch like make_inputs()")
+        for c in self.columns:
+            if c.key in unread:
+                continue
+            v = got.get(c.key)
+            want = (rows, *c.row_shape)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != c.dtype:
+                found = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+                raise DataError(f"{where}: input {c.key!r} is {found}; expected {list(want)} "
+                                f"{str(c.dtype).removeprefix('torch.')} (this rank's {rows} rows of the compiled batch)")
+
+
+def _get(example, key):
+    return example[key]
+
+
+def local_slice(batch: Any, dp_rank: int, dp_size: int) -> Any:
+    """This dp rank's rows of a whole global batch: each tensor split along its first dimension (as the batch
+    divides over dp), other values as they are."""
+    from torch.utils import _pytree as pytree
+
+    if dp_size == 1:
+        return batch
+    return pytree.tree_map(lambda v: v.tensor_split(dp_size)[dp_rank] if isinstance(v, torch.Tensor) and v.dim()
+                           else v, batch)
