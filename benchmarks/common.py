@@ -123,6 +123,35 @@ def paired_ratio(times: dict[str, dict[str, list[float]]], a: str, b: str) -> di
 # ---------------------------------------------------------------- results
 
 
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+                "amx_tile", "asimd", "sve", "sve2")  # the vector extensions torch's CPU kernels choose paths by
+
+
+def cpu_model(cpuinfo: str | None = None) -> dict:
+    """The CPU's model name and the vector extensions it has (of :data:`VECTOR_FLAGS`), from /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(),
+            "cpu_vector": [f for f in VECTOR_FLAGS if f in flags]}
+
+
+def cpu_line(env: dict) -> str:
+    """"AMD EPYC (avx, avx2, fma; no AVX-512)": how a table names the CPU it ran on."""
+    if "cpu" not in env:
+        return "a CPU whose model this run did not record (results from before the benchmarks recorded it)"
+    vector = env.get("cpu_vector", [])
+    no512 = "" if any(f.startswith("avx512") for f in vector) or not vector else "; no AVX-512"
+    return f"{env.get('cpu', 'CPU')} ({', '.join(vector) or 'vector extensions unknown'}{no512})"
+
+
 def environment(backend: str = "gloo") -> dict:
     """The machine and settings a result was measured under (on a GPU: its name, CUDA's and NCCL's versions)."""
     gpu = {}
@@ -135,6 +164,7 @@ def environment(backend: str = "gloo") -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        **cpu_model(),
         "backend": backend,
         "threads_per_process": THREADS_PER_PROCESS,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

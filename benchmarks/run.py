@@ -13,6 +13,9 @@
                                           # (compile time and peak RSS of a 70B-shaped Llama, 2 to 80 layers)
     python -m benchmarks.run --device cuda  # the tp part on NCCL, on the GPUs this machine has
                                             # (results/nccl.*: the CPU results stay as they are)
+    python -m benchmarks.run --only single --device cuda   # world size 1: fxshard's code against the same
+                                            # transformers model in a plain loop, eager and compiled, a ~1B Llama
+                                            # in bf16 at seq 2048 (results/single-cuda.*; on the CPU a tiny one)
 """
 
 from __future__ import annotations
@@ -40,25 +43,30 @@ from benchmarks import (  # noqa: E402
     overlap,
     pipeline_idle,
     recompute_time,
+    single,
     tp_step,
     zero1,
 )
-from benchmarks.common import BACKEND_OF, environment, write_results  # noqa: E402
+from benchmarks.common import BACKEND_OF, cpu_line, environment, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
+ALONE = ("single",)  # parts run only when --only names them, into results files of their own
+GPU_PARTS = ("tp", "single")  # what --device cuda runs
 
 
 def plan(quick: bool, device: str = "cpu") -> dict:
     """What to run: model sizes and rounds for tp, (pp, microbatches) pairs and rounds for pipelines."""
     if device == "cuda":  # steps of milliseconds: more rounds cost little; the compiles are the time
         return {"tp_sizes": ["tiny"] if quick else ["small", "medium"], "tp_rounds": 2 if quick else 50,
-                "tp_warmup": 0 if quick else 3}
+                "tp_warmup": 0 if quick else 3, "single_size": "tiny" if quick else "1b",
+                "single_rounds": 2 if quick else 10, "single_warmup": 0 if quick else 2}
+    single = {"single_size": "tiny", "single_rounds": 2 if quick else 6, "single_warmup": 0 if quick else 1}
     if quick:
-        return {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
+        return single | {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
                 "recompute_rounds": 2, "recompute_warmup": 0, "zero1_rounds": 2, "zero1_warmup": 0, "matmul_rounds": 2}
-    return {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 24, "tp_warmup": 2,
+    return single | {"tp_sizes": ["tiny", "small", "medium"], "tp_rounds": 24, "tp_warmup": 2,
             "pipelines": [(2, 4), (4, 8)], "pipeline_rounds": 10, "pipeline_warmup": 2,
             "recompute_rounds": 12, "recompute_warmup": 2, "zero1_rounds": 20, "zero1_warmup": 2, "matmul_rounds": 20}
 
@@ -79,6 +87,8 @@ SECTIONS = {
     "recompute": ("recompute", [("Step time under each recompute mode", recompute_time.markdown)]),
     "compile": ("compile", [("Compile time and memory (70B-shaped Llama on meta, tp=8 pp=4)",
                              compile_scaling.markdown)]),
+    "single": ("single", [("World size 1: fxshard's code against the same transformers model, eager and compiled",
+                           single.markdown)]),
 }
 
 
@@ -103,6 +113,8 @@ def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "
         return activations.run(work, quick)
     if part == "recompute":
         return recompute_time.run(work, settings["recompute_rounds"], settings["recompute_warmup"], quick)
+    if part == "single":
+        return single.run(settings["single_size"], work, settings["single_rounds"], settings["single_warmup"], device)
     assert part == "compile"
     return compile_scaling.run(work, quick)  # a fresh process per layer count: its peak RSS is its own
 
@@ -111,10 +123,12 @@ def render(results: dict) -> str:
     """The markdown of a results dict: the run's line, then each part it holds, in :data:`PARTS` order."""
     env = results["environment"]
     if env["backend"] == "nccl":
-        head = (f"`{results['command']}` on {env['gpus']} × {env['gpu']} ({env['cpu_count']} CPU cores), torch "
+        head = (f"`{results['command']}` on {env['gpus']} × {env['gpu']} ({env['cpu_count']} CPU cores: "
+                f"{cpu_line(env)}), torch "
                 f"{env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, {env['date']} ({results['elapsed_s']:.0f} s).")
     else:
-        head = (f"`{results['command']}` on {env['cpu_count']} CPU cores, torch {env['torch']}, gloo, "
+        head = (f"`{results['command']}` on {env['cpu_count']} CPU cores of {cpu_line(env)}, torch {env['torch']}, "
+                "gloo, "
                 f"{env['threads_per_process']} thread per process, {env['date']} ({results['elapsed_s']:.0f} s). "
                 "Absolute times on a shared CPU mean little; compare the ratios, measured in the same run.")
     runs: dict[tuple[str, str], list[str]] = {}
@@ -123,7 +137,7 @@ def render(results: dict) -> str:
     for (command, date), parts in runs.items():
         head += f" Not rerun here: {', '.join(parts)}, from `{command}`, {date}."
     sections = [head]
-    for part in PARTS:
+    for part in PARTS + ALONE:
         key, parts = SECTIONS[part]
         if key in results:
             for heading, markdown in parts:
@@ -153,19 +167,28 @@ def merged_with_earlier(results: dict, folder: Path, ran: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and two steps: a smoke run")
-    parser.add_argument("--only", choices=PARTS, action="append", help="run only this part (repeatable); the "
-                        "other parts' results in latest.json are kept")
+    parser.add_argument("--only", choices=PARTS + ALONE, action="append", help="run only this part (repeatable); "
+                        "the other parts' results in latest.json are kept; single runs only when named, into "
+                        "results/single-DEVICE.*")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown results")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: the tp part on NCCL (results/nccl.*; the other parts are CPU measurements)")
+                        help="cuda: the tp part on NCCL (results/nccl.*; the other parts are CPU measurements), or "
+                             "--only single")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and set(args.only or ["tp"]) != {"tp"}:
-        parser.error(f"--device cuda runs the tp part only; drop --only {' '.join(set(args.only) - {'tp'})}")
+    alone = [p for p in args.only or [] if p in ALONE]
+    if alone and set(args.only) != set(alone):
+        parser.error(f"--only {' '.join(alone)} runs alone, into results files of its own; run the other parts "
+                     "in another command")
+    if args.device == "cuda" and not set(args.only or ["tp"]) <= set(GPU_PARTS):
+        parser.error(f"--device cuda runs the tp part or single; drop --only "
+                     f"{' '.join(set(args.only) - set(GPU_PARTS))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
-    parts = ["tp"] if args.device == "cuda" else [p for p in PARTS if p in (args.only or PARTS)]
+    parts = alone or (["tp"] if args.device == "cuda" else [p for p in PARTS if p in (args.only or PARTS)])
     settings = plan(args.quick, args.device)
     name = ("quick" if args.quick else "latest") if args.device == "cpu" else ("quick-nccl" if args.quick else "nccl")
+    if alone:
+        name = ("quick-" if args.quick else "") + f"{alone[0]}-{args.device}"
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
         (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or [])
     results: dict = {"command": command, "environment": environment(BACKEND_OF[args.device]), "settings": settings}
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         for part in parts:
             results[SECTIONS[part][0]] = run_part(part, settings, Path(work), args.quick, args.device)
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
-    if args.only and not args.quick and args.device == "cpu":
+    if args.only and not args.quick and args.device == "cpu" and not alone:
         results = merged_with_earlier(results, args.out, parts)
     markdown = render(results)
     json_path, md_path = write_results(results, markdown, args.out, name)

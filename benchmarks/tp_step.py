@@ -152,8 +152,11 @@ def contenders(device: str = "cpu") -> tuple[str, ...]:
 
 
 def _device() -> torch.device:
-    """This rank's device: its GPU under NCCL (:func:`fxshard.testing.spawn` set it), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    """This rank's device: its GPU under NCCL (:func:`fxshard.testing.spawn` set it) or under the fake process
+    group on a GPU machine (:mod:`benchmarks.profile_tp`'s rank alone), else the CPU."""
+    backend = dist.get_backend()
+    on_gpu = backend == "nccl" or (backend == "fake" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
 def model_and_batch(size: str) -> tuple[torch.nn.Module, dict, torch.device]:

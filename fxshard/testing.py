@@ -43,9 +43,9 @@ def _use_gpu(rank: int, world: int) -> None:
         raise RuntimeError(f"rank {rank}: backend nccl needs a GPU and torch sees none")
     torch.cuda.set_device(rank % gpus)
     if world > gpus:
-        os.environ["NCCL_HOSTID"] = f"fxshard-spawn-rank{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        from fxshard.train.device import pose_as_own_host
+
+        pose_as_own_host(rank)
 
 
 def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, fn, args) -> None:

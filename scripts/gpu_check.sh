@@ -2,8 +2,10 @@
 # The checks that need a GPU, in one run, each step with its own time limit and log (a failing step does not stop
 # the next): what the machine has, fxshard's refusal of more ranks than GPUs, the tp=2 step-time table on NCCL
 # (python -m benchmarks.run --device cuda: results in $OUT/nccl.json and nccl.md; on one GPU again under MPS, the
-# CUDA Multi-Process Service, in $OUT/mps/), and `fxshard verify` on the GPU, eager and --compile, against
-# one-device training.  STEPS names the steps to run (default: all of them, in this order).
+# CUDA Multi-Process Service, in $OUT/mps/), `fxshard verify` on the GPU, eager and --compile, against
+# one-device training, and the matrix: every layout verified on NCCL with all its ranks on one GPU
+# (scripts/nccl_matrix.py; FXSHARD_SHARE_GPU=1 and MPS; $OUT/nccl-matrix.log and .md).  STEPS names the steps to
+# run (default: all of them, in this order).
 #
 #     OUT=out/gpu-check bash scripts/gpu_check.sh
 #     STEPS="env bench bench-mps" OUT=out/gpu-check bash scripts/gpu_check.sh
@@ -25,7 +27,7 @@ export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN
 cd "$SITE"  # not the checkout: its fxshard/ has no passes/ or cli/
 FX=("$PY" -m fxshard.cli.app)
 
-STEPS=${STEPS:-env refuse bench bench-mps verify verify-compile profile}
+STEPS=${STEPS:-env refuse matrix bench bench-mps verify verify-compile profile}
 
 step() {  # step NAME LIMIT_S COMMAND...: its output in $OUT/NAME.log, its tail and exit status here
   local name=$1 limit=$2 start=$SECONDS
@@ -47,9 +49,31 @@ from fxshard.tools.environment import describe
 print(describe())
 '"
 
-# two ranks on one GPU: refused by the launcher before NCCL's "Duplicate GPU detected"
-step refuse 45 bash -c "${FX[*]} compile $REPO/samples/gpt.py --tp 2 --out $SITE/gpt-tp2 >/dev/null &&
-  ${FX[*]} run $SITE/gpt-tp2 --steps 1; echo \"run exited \$? (2, refused, where the machine has 1 GPU)\""
+# two ranks on one GPU: refused by the local launcher before NCCL's "Duplicate GPU detected" (it counts the processes
+# it starts against the GPUs); under torchrun each rank takes the one GPU it sees, and the ranks find by the GPUs'
+# UUIDs that they share it (fxshard.train.device)
+refuse() {
+  "$PY" -m fxshard.cli.app compile "$REPO/samples/gpt.py" --tp 2 --out "$SITE/gpt-tp2" >/dev/null || return 1
+  "$PY" -m fxshard.cli.app run "$SITE/gpt-tp2" --steps 1
+  echo "run exited $? (2, refused, where the machine has 1 GPU)"
+  timeout 60 "$PY" -m torch.distributed.run --nproc-per-node 2 -m fxshard.cli.app run "$SITE/gpt-tp2" --steps 1 \
+    >"$SITE/torchrun.log" 2>&1
+  local code=$?
+  grep -E '^error|would all train' "$SITE/torchrun.log" | head -4
+  echo "torchrun exited $code (1, both ranks refused, where the machine has 1 GPU)"
+}
+export -f refuse
+export PY OUT REPO SITE
+step refuse 90 bash -c refuse
+
+# every layout against one device, all ranks on the one GPU (FXSHARD_SHARE_GPU=1), under MPS
+matrix() {
+  nvidia-cuda-mps-control -d || echo "nvidia-cuda-mps-control could not start: the ranks' kernels take turns"
+  trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT TERM
+  "$PY" "$REPO/scripts/nccl_matrix.py" --device cuda --jobs "${MATRIX_JOBS:-3}" --out "$OUT"
+}
+export -f matrix
+TAIL=30 step matrix 330 bash -c matrix
 
 TAIL=60 step bench 240 "$PY" -m benchmarks.run --device cuda --out "$OUT"
 
@@ -63,7 +87,6 @@ mps() {
   "$PY" -m benchmarks.run --device cuda --out "$OUT/mps"
 }
 export -f mps
-export PY OUT
 TAIL=40 step bench-mps 240 bash -c mps
 
 step verify 80 "${FX[@]}" verify "$REPO/samples/gpt.py" --steps 3

@@ -84,13 +84,14 @@ class Verification:
 def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
            plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
            out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
-           cpu_matmul: str = "onednn") -> Verification:
+           cpu_matmul: str = "onednn", weights: str | Path | None = None) -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
     Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
     their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL).
     ``compile``: the distributed run is ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference
-    stays eager)."""
+    stays eager).  ``weights``: a Hugging Face folder, compiled as ``fxshard compile --weights`` (each rank reads its
+    slices from it at run time); the single-device model is ``make_model()`` with the folder's tensors loaded."""
     from fxshard.train.launch import check_accumulated_loss
     from fxshard.train.local import launch_local
     from fxshard.train.options import RunOptions, check_cpu_matmul
@@ -98,7 +99,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     check_cpu_matmul(cpu_matmul)
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"
-        result = compile_model(model_file, layout, out=out, plan=plan, seed=seed)
+        result = compile_model(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
         options = RunOptions(steps, optim, metrics, timeout_s, compile=compile, cpu_matmul=cpu_matmul,
@@ -113,6 +114,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}
     mf = load_model_file(model_file)
+    if weights is not None:
+        mf = _with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
     reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
     rows = compare_parameters(trained, ref_state, initial)
@@ -121,6 +124,28 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     return Verification(result.ctx.layout, reference, distributed, rows,
                         rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
                         param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])
+
+
+def _with_weights(mf, folder: Path):
+    """``mf`` whose ``make_model()`` loads ``folder``'s tensors (by the model's own parameter names)."""
+    import dataclasses
+
+    from fxshard.codegen.weights import tensor_files
+
+    def make_model() -> torch.nn.Module:
+        model = mf.make_model()
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(set(tensor_files(folder).values())):
+            state |= load_file(str(file))
+        missing = [n for n in model.load_state_dict(state, strict=False).missing_keys
+                   if n in dict(model.named_parameters())]
+        if missing:
+            raise FxshardError(f"{folder}: holds no tensor named {missing[0]} (of {len(missing)} parameters "
+                               "missing), so verify cannot build the single-device model from it; it loads the "
+                               "folder's tensors by the model's own parameter names")
+        return model
+
+    return dataclasses.replace(mf, make_model=make_model)
 
 
 def _share(diff: float, update: float) -> float:

@@ -79,9 +79,9 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
     cuda = torch.cuda.is_available()
     rank = int(os.environ["RANK"])
     if cuda:
-        local = _check_local_gpu(rank)
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
+        from fxshard.train.device import check_own_gpu, rank_device
+
+        device = rank_device(rank)  # the one GPU it sees, else LOCAL_RANK's (fxshard.train.device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -90,6 +90,8 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.timeout))
         except Exception as e:
             raise _start_up_error(e, rank, int(os.environ["WORLD_SIZE"]), options.timeout) from e
+    if cuda:
+        check_own_gpu(rank, device, timeout_s=options.timeout)  # two ranks on one GPU, by UUID, before NCCL's first
     from fxshard.runtime import liveness
     from fxshard.runtime.guard import doing
 
@@ -132,25 +134,6 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         trace.stop()
         liveness.stop()
         dist.destroy_process_group()
-
-
-def _check_local_gpu(rank: int) -> int:
-    """This rank's GPU index on its machine (LOCAL_RANK, else its rank), refused where the machine has fewer GPUs
-    than it runs ranks (:func:`fxshard.train.local.check_gpus`)."""
-    from fxshard.train.local import check_gpus
-
-    world, local_rank, local_world = (int(os.environ["WORLD_SIZE"]), os.environ.get("LOCAL_RANK"),
-                                      os.environ.get("LOCAL_WORLD_SIZE"))
-    local = int(local_rank) if local_rank is not None else rank
-    if local_world is not None:
-        check_gpus(max(int(local_world), local + 1), world,
-                   f"rank {rank}: {local_world} processes run on this machine (LOCAL_WORLD_SIZE)")
-    elif local_rank is not None:
-        check_gpus(local + 1, world, f"rank {rank}: its LOCAL_RANK {local} asks for GPU {local}")
-    else:
-        check_gpus(local + 1, world, f"rank {rank}: LOCAL_RANK is not set, so its rank {rank} is taken as its GPU "
-                   "index (launch with torchrun, which sets LOCAL_RANK)")
-    return local
 
 
 @dataclass

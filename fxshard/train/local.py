@@ -32,13 +32,15 @@ def check_gpus(processes: int, world: int, who: str) -> None:
     """Refuse, before NCCL does with "Duplicate GPU detected" or CUDA with "invalid device ordinal", more ranks
     on this machine than it shows GPUs: NCCL runs one rank per GPU.  ``processes``: the ranks on this machine,
     of ``world`` in all; ``who`` opens the message (which rank asks, and how it knows).  No GPU: gloo on the
-    CPU, any number of ranks.
+    CPU, any number of ranks; ``FXSHARD_SHARE_GPU=1``: any number, sharing (:mod:`fxshard.train.device`).
 
     >>> check_gpus(2, 2, "the layout's 2 ranks would run as 2 processes on this machine")   # one GPU: refused
     """
     import torch
 
-    if not torch.cuda.is_available() or processes <= (gpus := torch.cuda.device_count()):
+    from fxshard.train.device import SHARE_GPU, sharing_allowed
+
+    if not torch.cuda.is_available() or processes <= (gpus := torch.cuda.device_count()) or sharing_allowed():
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     shown = f"{gpus} GPU{'s' if gpus > 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
@@ -46,7 +48,8 @@ def check_gpus(processes: int, world: int, who: str) -> None:
         f"{who}, but this machine shows {shown}: NCCL runs one rank per GPU.  Start at most {gpus} "
         f"process{'es' if gpus > 1 else ''} per machine (torchrun --nproc-per-node {gpus} on "
         f"{-(-world // gpus)} machines or more), compile a layout of {gpus} rank{'s' if gpus > 1 else ''} per "
-        "machine, or train on the CPU with gloo (CUDA_VISIBLE_DEVICES= fxshard run ...)")
+        f"machine, or train on the CPU with gloo (CUDA_VISIBLE_DEVICES= fxshard run ...).  {SHARE_GPU}=1 lets "
+        "ranks share a GPU for a test of correctness")
 
 
 def launch_local(out: Path, argv: list[str], world: int) -> None:

@@ -2,7 +2,8 @@
 rank per GPU, and otherwise answered with "Duplicate GPU detected" (or CUDA with "invalid device ordinal") from
 inside the ranks.  No GPU lies under these tests: torch.cuda's count is set to what the machine would show, and
 the check itself is the code under test (``scripts/gpu_check.sh`` runs the refusal on a real GPU:
-benchmarks/results/nccl-refuse.log)."""
+benchmarks/results/nccl-refuse.log).  Each rank's own choice of GPU, and the refusal of two ranks on one GPU by
+UUID, are tests/train/test_device.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from fxshard.errors import LayoutError
-from fxshard.train.launch import _check_local_gpu
+from fxshard.train.device import SHARE_GPU
 from fxshard.train.local import check_gpus, launch_local
 
 
@@ -18,6 +19,7 @@ def _gpus(monkeypatch, n: int):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(n))))
+    monkeypatch.delenv(SHARE_GPU, raising=False)
 
 
 def test_the_local_launcher_refuses_two_ranks_on_one_gpu_before_starting_them(monkeypatch, tmp_path):
@@ -31,32 +33,14 @@ def test_the_local_launcher_refuses_two_ranks_on_one_gpu_before_starting_them(mo
     assert "CUDA_VISIBLE_DEVICES= fxshard run" in message  # how to train on the CPU instead
 
 
-def test_a_torchrun_rank_names_itself_and_the_machines_the_whole_world_needs(monkeypatch):
-    _gpus(monkeypatch, 2)
-    monkeypatch.setenv("WORLD_SIZE", "16")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with pytest.raises(LayoutError, match=r"^rank 11: 4 processes run on this machine \(LOCAL_WORLD_SIZE\), but "
-                                          r"this machine shows 2 GPUs .*--nproc-per-node 2 on 8 machines or more"):
-        _check_local_gpu(11)
-
-
-def test_a_rank_without_local_rank_says_its_rank_was_taken_for_the_gpu(monkeypatch):
+def test_the_local_launcher_lets_ranks_share_a_gpu_when_asked(monkeypatch):
     _gpus(monkeypatch, 1)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(LayoutError, match=r"^rank 1: LOCAL_RANK is not set, so its rank 1 is taken as its GPU index"):
-        _check_local_gpu(1)
+    monkeypatch.setenv(SHARE_GPU, "1")
+    check_gpus(4, 4, "the layout's 4 ranks would run as 4 processes on this machine")  # no refusal
 
 
-def test_as_many_ranks_as_gpus_pass_on_every_machine_and_cpu_runs_pass(monkeypatch):
+def test_as_many_ranks_as_gpus_pass_and_cpu_runs_pass(monkeypatch):
     _gpus(monkeypatch, 2)
-    monkeypatch.setenv("WORLD_SIZE", "4")  # two machines of two GPUs each, under torchrun
-    for local in (0, 1):
-        monkeypatch.setenv("LOCAL_RANK", str(local))
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert _check_local_gpu(2 + local) == local
     check_gpus(2, 2, "the layout's 2 ranks")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check_gpus(8, 8, "the layout's 8 ranks")  # gloo on the CPU: any number of ranks
