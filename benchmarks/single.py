@@ -129,7 +129,8 @@ def matmul_tflops(device: torch.device) -> float | None:
     return 2 * 8192 ** 3 / statistics.median(times) / 1e12
 
 
-def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int) -> dict:
+def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int,
+            contenders: tuple[str, ...] = CONTENDERS) -> dict:
     import torch.distributed as dist
 
     from fxshard.capture.inputs import flatten_batch
@@ -146,10 +147,9 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
     module, fx_opt, manifest = _fxshard(Path(out), full, device)
     plain_opt = _plain(full)  # full's own parameters become bf16 now, after fxshard's copied the fp32 weights
     leaves = [v.to(device) if isinstance(v, torch.Tensor) else v for v in flatten_batch(inputs, manifest.inputs)]
-    eager_forward = module.forward
     from fxshard.runtime.compiled import compile_module
 
-    compiled_module = compile_module(_Forward(module, eager_forward))
+    compiled_module = compile_module(_Forward(module, module.forward))  # compiled at its first call
     compiled_full = torch.compile(full)
     losses: dict[str, list] = {"fxshard": [], "transformers": []}
     loss_of = {"fxshard": lambda: module(*leaves)[0],
@@ -157,10 +157,10 @@ def _worker(rank: int, world: int, out: str, size: str, rounds: int, warmup: int
                "transformers": lambda: full(**inputs).loss,
                "transformers + torch.compile": lambda: compiled_full(**inputs).loss}
     opt_of = {"fxshard": fx_opt, "transformers": plain_opt}
-    steps = {n: _stepper(loss_of[n], opt_of[WEIGHTS_OF[n]], losses[WEIGHTS_OF[n]]) for n in CONTENDERS}
+    steps = {n: _stepper(loss_of[n], opt_of[WEIGHTS_OF[n]], losses[WEIGHTS_OF[n]]) for n in contenders}
     sync = device_sync(device)
     first_step_s = {}
-    for name in CONTENDERS:  # one untimed step each: the compiled ones compile
+    for name in contenders:  # one untimed step each: the compiled ones compile
         start = time.perf_counter()
         steps[name]()
         sync()
@@ -187,8 +187,10 @@ class _Forward(torch.nn.Module):
         return self._forward(*args)
 
 
-def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu") -> dict:
-    """Compile the model file at world size 1 (bf16, on meta: no weights written), then time the four contenders."""
+def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu",
+        contenders: tuple[str, ...] = CONTENDERS) -> dict:
+    """Compile the model file at world size 1 (bf16, on meta: no weights written), then time ``contenders`` (the
+    four, or some of them: a test leaves the compiled ones out)."""
     from benchmarks.common import BACKEND_OF
     from fxshard.compiler import compile as compile_model
     from fxshard.ir.context import Layout
@@ -196,14 +198,16 @@ def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu") ->
     out = Path(tempfile.mkdtemp(dir=work, prefix="single-"))
     with model_size(size):
         compile_model(MODEL_FILE, Layout(dtype="bf16"), out=out, meta=True)
-        found = spawn(_worker, 1, str(out), size, rounds, warmup, backend=BACKEND_OF[device], timeout=900)[0]
+        found = spawn(_worker, 1, str(out), size, rounds, warmup, contenders, backend=BACKEND_OF[device],
+                      timeout=900)[0]
     times = combine_ranks([found.pop("times")])
     summary = summarize(times)
     s = _size_of(size)
     tokens = found["tokens_per_step"]
     peak = next((v for k, v in DATASHEET_TFLOPS.items() if k in found["device_name"]), None)
     rows = {}
-    for name in CONTENDERS:
+    base = "transformers + torch.compile" if "transformers + torch.compile" in contenders else "transformers"
+    for name in contenders:
         step_s = summary[name]["median_ms"] / 1e3
         achieved = found["flops_per_token"] * tokens / step_s / 1e12
         rows[name] = summary[name] | {
@@ -211,7 +215,7 @@ def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu") ->
             "mfu_datasheet": peak and round(achieved / peak, 3),
             "mfu_measured": found["matmul_tflops"] and round(achieved / found["matmul_tflops"], 3),
             "first_step_s": found["first_step_s"][name],
-            "vs_plain_compiled": paired_ratio(times, "transformers + torch.compile", name),
+            "vs_plain_compiled": paired_ratio(times, base, name),
             "vs_plain_eager": paired_ratio(times, "transformers", name)}
     fx, hf = found["losses"]["fxshard"], found["losses"]["transformers"]
     return {"size": size, "model": f"Llama {found['parameters'] / 1e9:.2f}B" if found["parameters"] > 5e8 else

@@ -182,3 +182,30 @@ def test_expert_all_to_all_bytes_equal_the_exact_figure_of_the_routing(tmp_path)
     rows = 2 * 8 * 2
     assert row["balanced_expr"] == "512*B*S + 16" and row["balanced_bytes"] == 2 * (4 * rows * 32 * 4 + 4 * 4) / 2
     assert "**1.000**" in markdown(result)
+
+
+@pytest.mark.distributed
+def test_single_device_fxshard_trains_as_the_transformers_model(tmp_path):
+    """World size 1 (``--only single``) at the tiny size, eager: fxshard's rank file and the unmodified transformers
+    model take the same bf16 steps from the same weights (the compiled twins are the GPU run's: their compiles take
+    minutes on this CPU)."""
+    from benchmarks.single import markdown, run
+
+    result = run("tiny", tmp_path, rounds=2, warmup=0, contenders=("fxshard", "transformers"))
+    assert result["first_loss"]["fxshard"] == result["first_loss"]["transformers"]  # the same kernels on step 1
+    assert result["largest_loss_difference"] < 1e-2 and result["steps_compared"] == 3  # bf16 steps after that
+    assert set(result["contenders"]) == {"fxshard", "transformers"}
+    row = result["contenders"]["fxshard"]
+    assert row["tokens_per_s"] > 0 and row["mfu_datasheet"] is None  # no datasheet peak for a CPU
+    assert result["flops_per_token"] > 6 * 100_000  # 6 per parameter (~107k without the embedding) + attention
+    assert "| fxshard |" in markdown(result)
+
+
+def test_cpu_model_names_the_vector_extensions():
+    from benchmarks.common import cpu_line, cpu_model
+
+    info = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f\n\n" \
+           "processor\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+    assert cpu_model(info) == {"cpu": "AMD EPYC 7B13", "cpu_vector": ["sse4_2", "avx", "avx2", "fma", "avx512f"]}
+    assert cpu_line({"cpu": "AMD EPYC", "cpu_vector": ["avx", "avx2"]}) == "AMD EPYC (avx, avx2; no AVX-512)"
+    assert "did not record" in cpu_line({})  # results measured before the benchmarks recorded it

@@ -4,8 +4,9 @@
 # (python -m benchmarks.run --device cuda: results in $OUT/nccl.json and nccl.md; on one GPU again under MPS, the
 # CUDA Multi-Process Service, in $OUT/mps/), `fxshard verify` on the GPU, eager and --compile, against
 # one-device training, and the matrix: every layout verified on NCCL with all its ranks on one GPU
-# (scripts/nccl_matrix.py; FXSHARD_SHARE_GPU=1 and MPS; $OUT/nccl-matrix.log and .md).  STEPS names the steps to
-# run (default: all of them, in this order).
+# (scripts/nccl_matrix.py; FXSHARD_SHARE_GPU=1 and MPS; $OUT/nccl-matrix.log and .md), where the eager tp step's
+# time goes (profile), and world size 1 against transformers in a plain loop, a ~1B Llama in bf16 (single:
+# $OUT/single-cuda.*).  STEPS names the steps to run (default: all of them, in this order).
 #
 #     OUT=out/gpu-check bash scripts/gpu_check.sh
 #     STEPS="env bench bench-mps" OUT=out/gpu-check bash scripts/gpu_check.sh
@@ -27,7 +28,7 @@ export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN
 cd "$SITE"  # not the checkout: its fxshard/ has no passes/ or cli/
 FX=("$PY" -m fxshard.cli.app)
 
-STEPS=${STEPS:-env refuse matrix bench bench-mps verify verify-compile profile}
+STEPS=${STEPS:-env refuse matrix bench bench-mps verify verify-compile profile single}
 
 step() {  # step NAME LIMIT_S COMMAND...: its output in $OUT/NAME.log, its tail and exit status here
   local name=$1 limit=$2 start=$SECONDS
@@ -100,3 +101,6 @@ profile() {
 }
 export -f profile
 TAIL=80 step profile 150 bash -c profile
+
+# world size 1: fxshard's generated code against the same transformers model in a plain loop, eager and compiled
+TAIL=20 step single 300 "$PY" -m benchmarks.run --only single --device cuda --out "$OUT"

@@ -53,8 +53,9 @@ CASES: dict[str, tuple[Path | None, list[str]]] = {
     "llama-tp2-weights": (None, ["--tp", "2"]),  # a Hugging Face folder, --weights: see _weights_case
 }
 NEEDS_FIELD = {"llama-cp2": "cp"}  # a case that waits for a Layout field
-LIMIT_S = {"llama-tp2-compile": 240, "llama-tp2-pp2-dp2-zero1": 200}
+LIMIT_S = {"llama-tp2-compile": 240, "llama-tp2-pp2-dp2-zero1": 200}  # on a GPU machine's 16 cores
 DEFAULT_LIMIT_S = 150
+CPU_SLOWER = 4  # the limits' factor on --device cpu: a rehearsal on 2 shared cores runs 8 ranks and inductor there
 SUMMARY = re.compile(r"losses max abs (\S+) rel (\S+); parameters max abs (\S+), \|\|diff\|\| / \|\|update\|\|\s+(\S+) "
                      r"\(most: (\S+)\); tolerance: losses (\S+) relative, parameters (\S+) of\s+the update:\s+(OK|FAILED)")
 
@@ -74,10 +75,10 @@ def command(case: str, work: Path) -> list[str]:
             "--out", str(work / case)]
 
 
-def run_case(case: str, work: Path, env: dict) -> dict:
+def run_case(case: str, work: Path, env: dict, slower: int = 1) -> dict:
     """One case in its own process: its output, exit status, seconds and the agreement figures it printed."""
     start = time.monotonic()
-    limit = LIMIT_S.get(case, DEFAULT_LIMIT_S)
+    limit = LIMIT_S.get(case, DEFAULT_LIMIT_S) * slower
     try:
         done = subprocess.run(command(case, work), env=env, capture_output=True, text=True, timeout=limit)
         output, code = done.stdout + done.stderr, done.returncode
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fxshard-matrix-") as work:
         todo = [c for c in cases if built(c)]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            done = dict(zip(todo, pool.map(lambda c: run_case(c, Path(work), env), todo), strict=True))
+            slower = CPU_SLOWER if args.device == "cpu" else 1
+            done = dict(zip(todo, pool.map(lambda c: run_case(c, Path(work), env, slower), todo), strict=True))
     rows = [done.get(c) or {"case": c, "skipped": f"no Layout.{NEEDS_FIELD[c]} yet"} for c in cases]
     seconds = time.monotonic() - start
     name = {"cuda": "nccl", "cpu": "gloo"}[args.device] + "-matrix"
