@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup browser demo test test-fast lint bench zoo clean
+.PHONY: setup browser demo test test-fast test-compat lint bench zoo clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,29 @@ test: setup browser
 	$(PY) -m pytest -q --durations=15
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).
+FAST := -m "not distributed and not e2e and not browser"
 test-fast: setup
-	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q -m "not distributed and not e2e and not browser"
+	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) --durations=10
+
+# Another torch in a second environment, .venv-compat (`make setup`'s .venv is not touched): the fast tier, then
+# a distributed subset (tp2 through the command line, pp2, dp2 ZeRO 1 and 3, a transformers Llama at tp2 and
+# pp2).  Its own target: not part of `make test` or CI.
+COMPAT_VENV ?= .venv-compat
+COMPAT_TORCH ?= 2.14.1
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.fxshard-installed
+LAYOUTS := tests/test_training_layouts.py::test_pipeline_training_matches_single_device
+COMPAT_DISTRIBUTED := "tests/cli/test_e2e.py::test_compile_and_run_matches_single_device_training[gpt.py]" \
+	"tests/test_numerics.py::test_rank_code_matches_unsharded_model[llama.py-2]" \
+	"$(LAYOUTS)[gpt-pp2-1f1b]" "$(LAYOUTS)[llama-pp2-1f1b]" "$(LAYOUTS)[gpt-dp2-zero1]" "$(LAYOUTS)[gpt-dp2-zero3]"
+
+$(COMPAT_STAMP): pyproject.toml scripts/setup_compat.sh
+	TORCH=$(COMPAT_TORCH) bash scripts/setup_compat.sh $(COMPAT_VENV)
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -p no:cacheprovider
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_DISTRIBUTED)
 
 # The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md
 zoo: setup
@@ -37,4 +58,4 @@ lint: setup
 	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts benchmarks zoo
 
 clean:
-	rm -rf out $(VENV) .pytest_cache
+	rm -rf out $(VENV) $(COMPAT_VENV) .pytest_cache

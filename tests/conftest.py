@@ -22,18 +22,44 @@ def models():
 
 # `make test-fast` (FXSHARD_TEST_FAST=1) runs the tests that start no process group; a test that does start
 # one without its `distributed` / `e2e` marker fails there, naming itself, instead of slowing the edit loop.
+# The guard sits where processes and groups start (torch's process starters, its elastic launcher, a default
+# process group), not on fxshard's own launchers, so their checks before launch still run and are testable:
+# `fxshard run`'s refusals run in-process up to the point where it would start its workers.
 if os.environ.get("FXSHARD_TEST_FAST") == "1":
     import torch.distributed as dist
+    import torch.distributed.launcher.api as launcher
+    import torch.multiprocessing as mp
+    import torch.multiprocessing.spawn as mp_spawn
 
     def _refuse(*args, **kwargs):
         raise RuntimeError("this test starts a process group: mark it @pytest.mark.distributed (or e2e)")
 
     dist.init_process_group = _refuse
-    import fxshard.testing
+    mp.start_processes = mp_spawn.start_processes = mp.spawn = mp_spawn.spawn = _refuse
+    launcher.elastic_launch = _refuse
 
-    fxshard.testing.spawn = _refuse
-    import harness
 
-    import fxshard.train.local
+# `FXSHARD_TEST_CPU=1`: after the run, the 15 tests that took the most CPU time (this process's and its waited-for
+# children's, setup included). On a machine other work shares, wall times (`--durations`) measure the load as much
+# as the test; CPU time measures the test.
+if os.environ.get("FXSHARD_TEST_CPU") == "1":
+    import resource
+    import time
 
-    harness.spawn = fxshard.train.local.launch_local = _refuse
+    _cpu: dict[str, float] = {}
+
+    def _now() -> float:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + children.ru_utime + children.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start = _now()
+        yield
+        _cpu[item.nodeid] = _now() - start
+
+    def pytest_terminal_summary(terminalreporter):
+        total = sum(_cpu.values())
+        terminalreporter.write_sep("=", f"CPU time: {total:.1f} s in {len(_cpu)} tests; the 15 costliest")
+        for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:
+            terminalreporter.write_line(f"{seconds:8.2f}s  {nodeid}")

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sympy
+from cli_in_process import fxshard
 
 from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
@@ -130,19 +129,16 @@ def test_device_memory_verdict_and_bad_sizes():
 
 
 def test_plan_command_prints_tables_and_json():
-    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2", "--pp", "2",
-                          "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = fxshard("plan", GPT, "--tp", 2, "--pp", 2, "--json", cwd=ROOT)
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
     assert {"saved", "alive", "activations", "transient", "model_state", "peak"} <= set(data["ranks"][0])
     assert [r["pp_rank"] for r in data["ranks"]] == [0, 1]
     assert data["ranks"][0]["tp_allreduce"]["expr"] and data["bubble"]["expr"] == "1/3"
-    table = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--tp", "2",
-                            "--device-memory", "4MiB"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    table = fxshard("plan", GPT, "--tp", 2, "--device-memory", "4MiB", cwd=ROOT)
     assert "tp all-reduce elements per step" in table.stdout and "B*S" in table.stdout
     assert "predicted peak bytes" in table.stdout and "does not fit a 4.00 MiB device" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "plan", str(GPT), "--device-memory", "80 GiBs"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    bad = fxshard("plan", GPT, "--device-memory", "80 GiBs", cwd=ROOT)
     assert bad.returncode == 2 and "--device-memory '80 GiBs': expected a positive size" in bad.stderr
 
 

@@ -54,7 +54,9 @@ def test_killed_mid_save_then_resume_then_export(tmp_path):
 
 
 def test_checkpoint_flag_errors(tmp_path):
-    bad = fxshard("run", tmp_path, "--resume", check=False)
+    from cli_in_process import fxshard  # refused before anything starts: in this process
+
+    bad = fxshard("run", tmp_path, "--resume")
     assert bad.returncode == 2 and "--resume need --checkpoint DIR" in bad.stderr
-    missing = fxshard("export", tmp_path, "--hf", tmp_path / "hf", check=False)
+    missing = fxshard("export", tmp_path, "--hf", tmp_path / "hf")
     assert missing.returncode == 2 and "no checkpoint here" in missing.stderr

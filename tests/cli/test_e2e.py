@@ -1,4 +1,5 @@
-"""Tier 3: the command line end to end, on real local processes, and its errors on bad input."""
+"""Tier 3: the command line end to end, on real local processes (marked e2e), and its errors on bad input (run in
+this process: ``cli_in_process``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import fxshard as fxshard_in_process
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.train.reference import reference_losses
@@ -15,9 +17,13 @@ from fxshard.train.reference import reference_losses
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fxshard(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+def fxshard(*args, check=True, here=False):
+    """``fxshard ARGS`` in a subprocess, or in this process (``here``) for a command that starts no worker."""
+    if here:
+        proc = fxshard_in_process(*args, cwd=ROOT)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"fxshard {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -59,20 +65,20 @@ def test_pipeline_compile_and_run_matches_single_device_training(tmp_path, sampl
 
 def test_pipeline_layout_errors_before_launch(tmp_path, samples):
     proc = fxshard("compile", samples / "gpt.py", "--pp", 4, "--microbatches", 2, "--out", tmp_path / "o",
-                   check=False)
+                   check=False, here=True)
     assert proc.returncode == 2 and "needs at least 4 microbatches" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
 def test_model_file_without_make_model(tmp_path, models):
-    proc = fxshard("compile", models / "no_make_model.py", "--tp", 2, "--out", tmp_path / "o", check=False)
+    proc = fxshard("compile", models / "no_make_model.py", "--tp", 2, "--out", tmp_path / "o", check=False, here=True)
     assert proc.returncode == 2
     assert "no_make_model.py" in proc.stderr and "defines no make_model()" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_model_export_cannot_capture_names_the_source_line(tmp_path, models):
-    proc = fxshard("compile", models / "control_flow.py", "--tp", 2, "--out", tmp_path / "o", check=False)
+    proc = fxshard("compile", models / "control_flow.py", "--tp", 2, "--out", tmp_path / "o", check=False, here=True)
     assert proc.returncode == 2
     assert "data-dependent control flow" in proc.stderr
     assert "control_flow.py:" in proc.stderr and "if y.sum() > 0" in proc.stderr
@@ -83,19 +89,19 @@ def test_output_folder_that_is_not_fxshards(tmp_path, samples):
     folder = tmp_path / "photos"
     folder.mkdir()
     (folder / "cat.jpg").write_bytes(b"\xff\xd8")
-    run = fxshard("run", folder, "--steps", 1, check=False)
+    run = fxshard("run", folder, "--steps", 1, check=False, here=True)
     assert run.returncode == 2 and "not an fxshard output folder" in run.stderr
-    show = fxshard("show", folder, check=False)
+    show = fxshard("show", folder, check=False, here=True)
     assert show.returncode == 2 and "not an fxshard output folder" in show.stderr
-    comp = fxshard("compile", samples / "gpt.py", "--tp", 2, "--out", folder, check=False)
+    comp = fxshard("compile", samples / "gpt.py", "--tp", 2, "--out", folder, check=False, here=True)
     assert comp.returncode == 2 and "is not an fxshard output folder" in comp.stderr
     assert (folder / "cat.jpg").exists()
 
 
 def test_data_parallel_layout_errors_before_launch(tmp_path, samples):
-    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--dp", 3, "--out", tmp_path / "o", check=False)
+    proc = fxshard("compile", samples / "gpt.py", "--tp", 2, "--dp", 3, "--out", tmp_path / "o", check=False, here=True)
     assert proc.returncode == 2 and "--dp 3: the batch of 8" in proc.stderr and "use --dp in [1, 2, 4, 8]" in proc.stderr
-    proc = fxshard("compile", samples / "gpt.py", "--zero", 4, "--out", tmp_path / "o", check=False)
+    proc = fxshard("compile", samples / "gpt.py", "--zero", 4, "--out", tmp_path / "o", check=False, here=True)
     assert proc.returncode == 2 and "--zero must be 0, 1, 2 or 3" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -123,7 +129,7 @@ def test_plan_file_with_unmatched_key_warns(tmp_path, models):
     plan = tmp_path / "plan.py"
     plan.write_text("import fxshard\nPLAN = {'mlp.fc_in': fxshard.colwise(), 'mlp.fc_out': fxshard.rowwise(),\n"
                     "        'mlp.nope': fxshard.colwise()}\n")
-    proc = fxshard("compile", models / "mlp.py", "--tp", 2, "--plan", plan, "--out", tmp_path / "o")
+    proc = fxshard("compile", models / "mlp.py", "--tp", 2, "--plan", plan, "--out", tmp_path / "o", here=True)
     assert "warning: user plan key 'mlp.nope' matches no module" in proc.stderr
     # one line, like an error: no source line of the caller (once `result = compile_program(...)`) after it
     assert "compile_program(" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr

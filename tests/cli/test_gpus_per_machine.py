@@ -22,7 +22,7 @@ def _gpus(monkeypatch, n: int):
     monkeypatch.delenv(SHARE_GPU, raising=False)
 
 
-@pytest.mark.distributed  # it would start the ranks if the refusal failed (and the fast tier stubs launch_local)
+# in the fast tier, were the refusal to fail, torch's elastic launcher refuses to start the ranks (conftest.py)
 def test_the_local_launcher_refuses_two_ranks_on_one_gpu_before_starting_them(monkeypatch, tmp_path):
     _gpus(monkeypatch, 1)
     with pytest.raises(LayoutError) as e:

@@ -2,8 +2,9 @@
 their folder, digests of generated files, and clear errors for bad input.
 
 Every test builds the real bad input (foreign manifests, symlinks, edited files, deleted folders) and goes
-through the real command line (a subprocess, as tests/cli/test_e2e.py), except the interrupted-compile
-tests, which raise KeyboardInterrupt inside the library's own write to prove the rollback.
+through the real command line, run in this process (``cli_in_process``), except the interrupted-compile tests:
+one raises KeyboardInterrupt inside the library's own write to prove the rollback, the other sends a real signal
+to a real ``fxshard compile`` process (marked e2e).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import fxshard as fxshard_in_process
 
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
@@ -30,8 +32,7 @@ GPT = ROOT / "samples" / "gpt.py"
 
 
 def fxshard(*args):
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return fxshard_in_process(*args, cwd=ROOT)
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
@@ -124,6 +125,7 @@ def _ctrl_c_as_on_a_terminal():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_compile_writes_leaves_the_old_folder_untouched(tmp_path, sig):
     """The real signal, sent by pid while the new program is being written into its staging sibling (the

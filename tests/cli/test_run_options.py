@@ -1,13 +1,13 @@
 """Every `fxshard run` option is checked before a process starts: a bad one is a one-line error naming the
-option, and nothing is launched (before, most were found 12-15 s later inside the started ranks)."""
+option, and nothing is launched (before, most were found 12-15 s later inside the started ranks).  The command
+runs in this process (``cli_in_process``): a refusal comes before any process would start."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_in_process import fxshard
 
 from fxshard.compiler import compile as compile_model
 from fxshard.ir.context import Layout
@@ -23,8 +23,7 @@ def out(tmp_path_factory):
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    return fxshard("run", *args)
 
 
 @pytest.mark.parametrize("args, says", [

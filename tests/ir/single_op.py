@@ -150,10 +150,18 @@ def run_rank(sources: list[str], states: list[dict], batch: tuple, cotangents: l
     """On each rank of the spawned group: its generated ``RankModule``, forward and backward."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    return _run(dist.get_rank(), dist.group.WORLD, sources, states, batch, cotangents)
+
+
+def run_thread(group, sources: list[str], states: list[dict], batch: tuple, cotangents: list):
+    """On each thread of a ``threaded_group.ThreadedGroup``: the same as :func:`run_rank`."""
+    return _run(group.rank(), group, sources, states, batch, cotangents)
+
+
+def _run(rank: int, group, sources: list[str], states: list[dict], batch: tuple, cotangents: list):
     scope: dict = {}
     exec(compile(sources[rank], f"rank_tp{rank}.py", "exec"), scope)
-    module = scope["RankModule"]({"tp": dist.group.WORLD})
+    module = scope["RankModule"]({"tp": group})
     own = dict(module.named_parameters()) | dict(module.named_buffers())
     with torch.no_grad():
         for name, value in states[rank].items():

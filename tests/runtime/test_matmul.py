@@ -9,12 +9,11 @@ operands and biases of every stride a graph can hand it.  The distributed runs a
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_in_process import fxshard
 
 from fxshard.errors import OptionError
 from fxshard.runtime.compiled import compile_module
@@ -97,6 +96,5 @@ def test_cpu_matmul_option_reaches_every_rank_and_refuses_unknown_kernels(tmp_pa
     with pytest.raises(OptionError, match=r"--cpu-matmul mkl: expected one of onednn, torch"):
         check_run_options(tmp_path, RunOptions(cpu_matmul="mkl"), say=lambda *_: None)
     model = Path(__file__).resolve().parents[1] / "models" / "tiny_gpt.py"
-    verify = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "verify", str(model), "--tp", "2", "--compile",
-                             "--cpu-matmul", "mkl"], capture_output=True, text=True, timeout=120)
+    verify = fxshard("verify", model, "--tp", "2", "--compile", "--cpu-matmul", "mkl")  # refused before it compiles
     assert verify.returncode != 0 and "--cpu-matmul mkl: expected one of onednn, torch" in verify.stdout + verify.stderr
