@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA, MIXTRAL = ROOT / "samples" / "llama.py", ROOT / "tests" / "models" / "hf_mixtral.py"
+QWEN3_MOE = ROOT / "tests" / "models" / "hf_qwen3_moe.py"
 STEPS = 3
 
 # name -> (model file, flags of fxshard verify); the order is the log's.  Issue 34's list, and one --weights load.
@@ -49,6 +50,7 @@ CASES: dict[str, tuple[Path | None, list[str]]] = {
     "llama-tp2-recompute-selective": (LLAMA, ["--tp", "2", "--recompute", "selective"]),
     "llama-tp2-dp2-bf16": (LLAMA, ["--tp", "2", "--dp", "2", "--dtype", "bf16"]),
     "mixtral-dp2-ep2": (MIXTRAL, ["--dp", "2", "--ep", "2"]),
+    "qwen3moe-dp2-ep2": (QWEN3_MOE, ["--dp", "2", "--ep", "2"]),  # another expert layout, as transformers writes it
     "llama-cp2": (LLAMA, ["--cp", "2"]),  # SLOT: context parallelism; runs once Layout has a cp field
     "llama-tp2-weights": (None, ["--tp", "2"]),  # a Hugging Face folder, --weights: see _weights_case
 }

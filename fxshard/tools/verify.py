@@ -104,7 +104,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         result = compile_model(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        options = RunOptions(steps, optim, metrics, timeout_s, compile=compile, cpu_matmul=cpu_matmul,
+        options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
+                             cpu_matmul=cpu_matmul,
                              final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
         if compile:
