@@ -13,7 +13,8 @@
 #
 # It installs nothing: it runs the python3 that holds torch (PYTHON to choose another) on a copy of fxshard laid out
 # as installed (the package with its passes and cli), so it also runs where pip cannot fetch, as on the lent GPU
-# machines, whose torch may be older than the one the CPU suite pins.
+# machines, whose torch may be older than the one the CPU suite pins.  Packages a caller installed into a folder on
+# PYTHONPATH (wheels carried there: transformers 5.24) come before the machine's own.
 set -u
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/out/gpu-check}
@@ -24,7 +25,7 @@ cp -r "$REPO/fxshard" "$SITE/fxshard"
 cp -r "$REPO/passes" "$SITE/fxshard/passes"
 cp -r "$REPO/cli" "$SITE/fxshard/cli"
 trap 'rm -rf "$SITE"' EXIT
-export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 cd "$SITE"  # not the checkout: its fxshard/ has no passes/ or cli/
 FX=("$PY" -m fxshard.cli.app)
 
@@ -71,7 +72,8 @@ step refuse 90 bash -c refuse
 matrix() {
   nvidia-cuda-mps-control -d || echo "nvidia-cuda-mps-control could not start: the ranks' kernels take turns"
   trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null' EXIT TERM
-  "$PY" "$REPO/scripts/nccl_matrix.py" --device cuda --jobs "${MATRIX_JOBS:-3}" --out "$OUT"
+  # shellcheck disable=SC2086  # MATRIX_ARGS: more options, e.g. --only CASE (repeatable)
+  "$PY" "$REPO/scripts/nccl_matrix.py" --device cuda --jobs "${MATRIX_JOBS:-3}" --out "$OUT" ${MATRIX_ARGS:-}
 }
 export -f matrix
 TAIL=30 step matrix 330 bash -c matrix

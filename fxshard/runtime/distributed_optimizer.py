@@ -42,6 +42,9 @@ from fxshard.errors import FxshardError
 from fxshard.runtime import trace
 from fxshard.runtime.guard import guarded
 
+# torch 2.13's name, which gloo runs too; older torch has only reduce_scatter_tensor (NCCL's; gloo refuses it)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def bucket_layout(numels: list[int], itemsize: int, bucket_bytes: int) -> list[list[int]]:
     """Which parameters (by index) share a bucket: in order, a new bucket when the next would overflow it.
@@ -168,7 +171,7 @@ class DistributedOptimizer:
             b.grads.div_(self.average_over)
             if self.world > 1:
                 with guarded("reduce_scatter of a ZeRO-1 gradient bucket over dp", self.group, b.grads):
-                    dist.reduce_scatter_single(b.grads[b.lo:b.hi], b.grads, group=self.group)
+                    _reduce_scatter(b.grads[b.lo:b.hi], b.grads, group=self.group)
         self._reduced = True
 
     def _collect(self, b: _Bucket) -> None:
