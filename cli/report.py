@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fxshard.codegen.emit import collective_counts
 from fxshard.codegen.manifest import Manifest, RankEntry, read_manifest
+from fxshard.ir.layout import DP
 from fxshard.units import human_bytes
 
 
@@ -27,7 +28,7 @@ def _rank_table(manifest: Manifest, title: str) -> Table:
     table.add_column("collectives per microbatch" if manifest.pipeline else "collectives per step")
     for entry in manifest.ranks:
         n = sum(_numel(t.shape) for t in entry.tensors.values() if t.kind == "parameter")
-        coords = " ".join(f"{k}={v}" for k, v in entry.coords.items() if k != "dp")
+        coords = " ".join(f"{k}={v}" for k, v in entry.coords.to_json().items() if k != DP)
         table.add_row(", ".join(map(str, entry.global_ranks)), coords, entry.file, f"{n:,}",
                       _collective_counts(entry))
     return table

@@ -50,7 +50,7 @@ from fxshard.codegen.manifest import (
 )
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
-from fxshard.ir.context import MESH_AXES, CompileContext, Layout, spec
+from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     COMMUNICATED,
     MASKS_INVARIANT,
@@ -62,6 +62,7 @@ from fxshard.ir.contracts import (
     contract_of,
 )
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
+from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.checks import checks_pass
@@ -359,23 +360,23 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
         name_stage_values(result.gm, pipeline_stages(result.gm, ctx))
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            coords = {"dp": 0, "pp": pp_rank, "tp": tp_rank}
+            coords = Coords(pp=pp_rank, tp=tp_rank)
             global_ranks = [r for r in range(layout.world_size)
-                            if layout.coords(r)["tp"] == tp_rank and layout.coords(r)["pp"] == pp_rank]
+                            if (layout.coords(r).pp, layout.coords(r).tp) == (pp_rank, tp_rank)]
             code = emit_rank(result.gm, ctx, coords, __version__, global_ranks)
             fname = rank_file_name(coords)
             sources[fname] = code.source
             for e in range(layout.ep):  # every ep rank runs the same file on its own experts' weights
-                here = coords | ({"ep": e} if layout.ep > 1 else {})
-                holders = [r for r in global_ranks if layout.ep_rank(layout.coords(r)["dp"]) == e]
+                here = coords.replace(ep=e) if layout.ep > 1 else coords
+                holders = [r for r in global_ranks if layout.ep_rank(layout.coords(r).dp) == e]
                 ranks.append(_rank_entry(result.gm, ctx, here, holders, fname, code))
     manifest = _manifest(result.gm, ctx, mf, seed, ranks)
     return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
 
-def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], global_ranks: list[int],
+def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, global_ranks: list[int],
                 fname: str, code: RankCode) -> RankEntry:
-    """What the manifest records of one rank file: every tensor it holds, with the slice of its source."""
+    """What the manifest records of one rank file: every tensor it holds, its placements and the slice of its source."""
     layout, program = ctx.layout, ctx.program
     state = program.state_by_name()
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -385,22 +386,21 @@ def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int],
     tensors = {}
     for key, pname in code.attrs.items():
         s = state[pname]
-        placement = spec(placeholders[pname]).placement
+        placements = {TP: spec(placeholders[pname]).placement}
+        if s.fqn in ctx.expert_params:  # passes/expert_parallel.py: this ep rank's experts (dim 0), whole over tp
+            assert placements[TP] == Replicate(), (s.fqn, placements)
+            placements[EP] = Shard(0)
         full = program.tensors[s.fqn]
-        shape, part, axis = local_shape(tuple(full.shape), placement, layout.tp), slice_spec(placement, coords["tp"],
-                                                                                              layout.tp), "tp"
-        if s.fqn in ctx.expert_params:  # passes/expert_parallel.py: this ep rank's experts (dim 0)
-            assert placement == Replicate(), (s.fqn, placement)
-            placement, axis = Shard(0), "ep"
-            shape, part = local_shape(tuple(full.shape), placement, layout.ep), slice_spec(placement, coords["ep"],
-                                                                                         layout.ep)
+        axis = next((a for a, p in placements.items() if isinstance(p, Shard)), TP)  # the one it is split over
+        shape = local_shape(tuple(full.shape), placements[axis], layout.size(axis))
         tensors[key] = TensorEntry(
-            source=s.fqn, kind=s.kind, persistent=s.persistent, placement=repr(placement),
-            global_shape=tuple(full.shape), shape=shape, dtype=str(full.dtype).removeprefix("torch."), slice=part,
-            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))), axis=axis)
+            source=s.fqn, kind=s.kind, persistent=s.persistent, placements=placements, global_shape=tuple(full.shape),
+            shape=shape, dtype=str(full.dtype).removeprefix("torch."),
+            slice=slice_spec(placements[axis], coords[axis], layout.size(axis)),
+            aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))))
     # emit describes collectives and stages as dicts: they become typed here, at the manifest's boundary
     stages = tuple(map(StageEntry.from_json, code.stages)) if ctx.pipeline is not None else None
-    ep = f"_ep{coords['ep']}" if "ep" in coords else ""
+    ep = f"_ep{coords.ep}" if coords.ep is not None else ""
     return RankEntry(coords=coords, global_ranks=tuple(global_ranks), file=fname,
                      weights=f"weights/{fname.removesuffix('.py')}{ep}.safetensors", tensors=tensors,
                      collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)

@@ -18,16 +18,17 @@ from fxshard.errors import ShardingError
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.contracts import COMMUNICATED, PLACED, contract
+from fxshard.ir.layout import Coords
 from fxshard.ir.placement import local_shape
 
 
-def local_value_shapes(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int]) -> dict[fx.Node, tuple]:
+def local_value_shapes(gm: fx.GraphModule, ctx: CompileContext, coords: Coords) -> dict[fx.Node, tuple]:
     """Run the rank graph on fake tensors; return each tensor node's local shape."""
     env = _run_fake(gm, ctx, coords, FakeTensorMode(allow_non_fake_inputs=True))
     return {node: tuple(v.shape) for node, v in env.items() if isinstance(v, torch.Tensor)}
 
 
-def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], mode: FakeTensorMode,
+def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, mode: FakeTensorMode,
               base: dict[fx.Node, object] | None = None) -> dict[fx.Node, object]:
     """Each node's fake value at ``coords``.  With ``base`` (the values at another tp coordinate, same
     ``mode``), a node is re-run only when an argument depends on the rank (a ``RankValue``) or an input
@@ -71,7 +72,7 @@ def _same_fake(a, b) -> bool:
     return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
 
 
-def fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext):
+def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
     """``node``'s value at ``coords`` from its arguments' (``value`` maps an argument): a placeholder's local
     shape, a collective's local output (:mod:`fxshard.ir.comm`), else the op itself on the fake arguments;
     also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.tools.saved`)."""
@@ -105,11 +106,10 @@ def fake_value(node: fx.Node, value, coords: dict[str, int], ctx: CompileContext
 
 @contract(requires=(PLACED, COMMUNICATED))
 def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    coords = {"dp": 0, "pp": 0, "tp": 0}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     first = None
     for tp_rank in range(ctx.layout.tp):
-        coords = coords | {"tp": tp_rank}
+        coords = Coords(tp=tp_rank)
         env = _run_fake(gm, ctx, coords, mode, first)
         first = first or env
         shapes = {node: tuple(v.shape) for node, v in env.items() if isinstance(v, torch.Tensor)}

@@ -21,7 +21,8 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import LayoutError
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import EP, TP, Coords, Layout
+from fxshard.ir.placement import Replicate, Shard
 from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.data import global_batches
@@ -114,12 +115,12 @@ def test_expert_parallel_training_matches_single_device(trained, case):
     # ranks holding the same experts (one edp group) end with the same experts, bit for bit
     for rank, (_, state, _) in enumerate(per_rank):
         c = layout.coords(rank)
-        twin = layout.rank_of(c["dp"] % layout.ep, c["pp"], c["tp"])  # the first rank of this rank's edp group
+        twin = layout.rank_of(c.replace(dp=c.ep))  # the first rank of this rank's edp group
         for key in state:
             assert torch.equal(state[key], per_rank[twin][1][key]), f"{case}: {key} of rank {rank} vs rank {twin}"
         # and the tp ranks of one ep rank, which hold the same experts whole, end with the same experts
-        entry, tp0 = manifest.rank(c), layout.rank_of(c["dp"], c["pp"], 0)
-        for key in (k for k in state if entry.tensors[k].axis == "ep"):
+        entry, tp0 = manifest.rank(c), layout.rank_of(c.replace(tp=0))
+        for key in (k for k in state if entry.tensors[k].axis == EP):
             assert torch.equal(state[key], per_rank[tp0][1][key]), f"{case}: {key} of rank {rank} vs rank {tp0}"
 
 
@@ -204,12 +205,12 @@ def test_generated_code_has_the_exchange_as_lines(tmp_path):
         assert line in source, line
     assert source.count("rt.all_to_all_dispatch(") == 1  # in the block class, run by both layers
     manifest = result.manifest
-    assert [e.coords for e in manifest.ranks] == [{"dp": 0, "pp": 0, "tp": 0, "ep": e} for e in range(2)]
+    assert [e.coords for e in manifest.ranks] == [Coords(ep=e) for e in range(2)]
     assert [e.global_ranks for e in manifest.ranks] == [(0, 2), (1, 3)]
     shards = sorted(p.name for p in (tmp_path / "out" / "weights").iterdir())
     assert shards == ["rank_pp0_tp0_ep0.safetensors", "rank_pp0_tp0_ep1.safetensors"]
     t = manifest.ranks[1].tensors["model_layers_0.mlp_experts_down_proj"]
-    assert (t.axis, t.placement, t.shape, t.global_shape) == ("ep", "Shard(0)", (2, 32, 16), (4, 32, 16))
+    assert (t.placements, t.shape, t.global_shape) == ({TP: Replicate(), EP: Shard(0)}, (2, 32, 16), (4, 32, 16))
     assert "axis" not in manifest.ranks[1].tensors["lm_head_weight"].to_json()
 
 

@@ -150,7 +150,7 @@ def test_measured_saved_bytes_match_the_plan(saved_measured, model, layout):
     lay = SAVED_LAYOUTS[layout]
     report = plan_costs({"gpt": GPT, "llama": LLAMA}[model], lay)
     for rank, sample in saved_measured[f"{model}-{layout}"].items():
-        row = report.ranks[lay.coords(rank)["pp"]]
+        row = report.ranks[lay.coords(rank).pp]
         ratio = sample["saved"] / row["saved"].value
         print(f"{model} {layout} rank {rank}: saved measured/plan {ratio:.3f}, peak {sample['peak'] / row['peak'].value:.3f}")
         assert 0.9 <= ratio <= 1.1, f"{model} {layout} rank {rank}: measured {sample['saved']} saved bytes, plan " \

@@ -25,7 +25,9 @@ from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
 from fxshard.errors import PlanError, ShardingError
-from fxshard.ir.context import Layout, spec
+from fxshard.ir.context import spec
+from fxshard.ir.layout import TP, Coords, Layout
+from fxshard.ir.placement import Shard
 from fxshard.testing import case_result, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.data import global_batches
@@ -94,10 +96,10 @@ def test_each_tp_rank_holds_one_tp_th_of_the_experts(trained, case):
         experts = _expert_entries(entry)
         assert experts, (case, rank)
         for key, t in experts.items():
-            want = "Shard(1, blocks=2)" if t.source.endswith("gate_up_proj") else "Shard(2)"
-            assert t.placement == want and t.axis == "tp", (case, key, t.placement)
+            want = Shard(1, blocks=2) if t.source.endswith("gate_up_proj") else Shard(2)
+            assert t.placements == {TP: want}, (case, key, t.placements)
             assert math.prod(t.shape) * layout.tp == math.prod(t.global_shape), (case, key, t.shape)
-            assert t.slice.index == layout.coords(rank)["tp"] and t.slice.parts == layout.tp
+            assert t.slice.index == layout.coords(rank).tp and t.slice.parts == layout.tp
         held = sum(math.prod(t.shape) for t in entry.tensors.values() if t.kind == "parameter")
         assert memory["psi"] == held, (case, rank, memory["psi"], held)
 
@@ -177,7 +179,7 @@ def test_the_experts_reduce_once_on_the_tokens_after_the_combine(tmp_path, path)
             "aten.mul.Tensor", "aten.index.Tensor", "aten.view.default", "aten.sum.dim_IntList", "aten.to.dtype"]
         weights = next(line for line in combine if "rt.copy_to(" in line)
         assert f"[{tokens * k}, 1] f32 R -> R" in weights, weights
-    collectives = read_manifest(tmp_path / "out").rank({"pp": 0, "tp": 0}).collectives
+    collectives = read_manifest(tmp_path / "out").rank(Coords()).collectives
     reductions = [c.shape for c in collectives if c.op == "all_reduce"]
     assert (tokens * k, hidden) not in reductions and reductions.count((tokens, hidden)) == layers, reductions
     copies = [c.shape for c in collectives if c.op == "copy_to"]
@@ -191,7 +193,7 @@ def test_under_sp_the_experts_input_enters_through_gather_to(tmp_path):
     of a plain all-gather and a ``copy_to`` on the ``[T*k, H]`` rows."""
     tokens, hidden, k, layers = _combine_sizes(MIXTRAL)
     compile_model(MIXTRAL, Layout(tp=2, sp=True), out=tmp_path / "out")
-    collectives = read_manifest(tmp_path / "out").rank({"pp": 0, "tp": 0}).collectives
+    collectives = read_manifest(tmp_path / "out").rank(Coords()).collectives
     gathered = [c.shape for c in collectives if c.op == "gather_to"]  # each rank's tokens: [T/tp, H]
     assert gathered.count((tokens // 2, hidden)) == layers, gathered
     copies = [c.shape for c in collectives if c.op == "copy_to"]

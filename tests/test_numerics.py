@@ -18,7 +18,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import _WithLoss
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile as compile_model
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import Coords, Layout
 from fxshard.ir.placement import assemble
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def _rank_module(rank: int, world: int, out: str):
     out = Path(out)
     manifest = read_manifest(out)
     mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("dp", "pp", "tp"))
-    entry = manifest.rank({"pp": 0, "tp": rank})
+    entry = manifest.rank(Coords(tp=rank))
     module = import_rank_file(out / entry.file).RankModule({a: mesh.get_group(a) for a in ("dp", "pp", "tp")})
     load_state(module, out / entry.weights)
     batch = load_model_file(out / "model.py").build_inputs(manifest.seed)

@@ -191,7 +191,7 @@ def test_pipeline_training_matches_single_device(trained, case):
         for entry, (_, state) in zip(manifest.ranks, per_rank[: len(manifest.ranks)], strict=True):
             for key, t in entry.tensors.items():
                 if t.source == tie.fqn:
-                    copies.append((entry.coords["tp"], key, state[key]))
+                    copies.append((entry.coords.tp, key, state[key]))
         assert len({k for _, k, _ in copies}) >= 2, tie
         for tp in {c[0] for c in copies}:
             mine = [c for c in copies if c[0] == tp]

@@ -179,7 +179,7 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
         names = {n for n, _ in reads}
         experts = {n.split(".experts.")[1].split(".")[0] for n in names}
         if layout.ep > 1:  # its two experts' tensors, whole, and no other expert's
-            assert experts == {"0", "1"} if entry.coords["ep"] == 0 else {"2", "3"}, (entry.coords, experts)
+            assert experts == {"0", "1"} if entry.coords.ep == 0 else {"2", "3"}, (entry.coords, experts)
             assert all(b == on_disk[n].numel() * 4 for n, b in reads)
         else:  # every expert, half of each tensor: its rows of gate and up, its columns of down
             assert experts == {"0", "1", "2", "3"} and len(reads) == len(names) == moe_layers * 4 * 3

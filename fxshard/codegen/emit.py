@@ -25,6 +25,7 @@ from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.cut import find_blocks, under
+from fxshard.ir.layout import DP, EP, PP, TP, Coords
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.stages import StageSpec, pipeline_stages, tied_weights
 from fxshard.runtime import collectives as rt_collectives
@@ -50,8 +51,8 @@ SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 # frames of these packages are not the model's: a group header names the innermost frame outside them
 _NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")
 
-def rank_file_name(coords: dict[str, int]) -> str:
-    return f"rank_pp{coords['pp']}_tp{coords['tp']}.py"
+def rank_file_name(coords: Coords) -> str:
+    return f"rank_pp{coords[PP]}_tp{coords[TP]}.py"
 
 
 def attr_name(fqn: str, taken: set[str]) -> str:
@@ -87,10 +88,10 @@ class _Class:
 
 
 _RESERVED_CLASSES = {"RankModule", "torch", "rt", "aten"}
-_RESERVED = {"device", "tp", "pp", "dp", "forward", "training", "return_outputs", "INPUTS", "OUTPUTS"}
+_RESERVED = {"device", TP, PP, DP, "forward", "training", "return_outputs", "INPUTS", "OUTPUTS"}
 
 
-def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], version: str,
+def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, version: str,
               global_ranks: list[int]) -> RankCode:
     """The Python module of one rank: one class (``RankModule``), or one per pipeline stage it holds."""
     program = ctx.program
@@ -124,15 +125,15 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         attrs.update(a)
         axes = _axes(ctx)
     else:
-        axes = [*_axes(ctx), "pp"]
+        axes = [*_axes(ctx), PP]
         S = layout.num_stages
         all_stages = pipeline_stages(gm, ctx)
         grad = requires_grad(gm, ctx.params)
-        for s in layout.stages_of(coords["pp"]):
+        for s in layout.stages_of(coords[PP]):
             st = all_stages[s]
             name = f"Stage{s}"
             comments, in_meta, out_meta = _io_comments(st, grad, ctx, coords)
-            doc = (f"Pipeline stage {s} of {S} ({st.label}) on pp rank {coords['pp']}, tp rank {coords['tp']}: "
+            doc = (f"Pipeline stage {s} of {S} ({st.label}) on pp rank {coords[PP]}, tp rank {coords[TP]}: "
                    f"one microbatch per call.")
             start = len(collectives)
             cls, names, a = _class_code(name, doc, comments, st.nodes, st.state, st.inputs, st.recomputed, ctx,
@@ -162,7 +163,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     if pipe is None:
         held, skipped, unit, per_step = compute, set(outputs_only), "step", 1
     else:
-        held = [n for s in layout.stages_of(coords["pp"]) for n in all_stages[s].nodes]
+        held = [n for s in layout.stages_of(coords[PP]) for n in all_stages[s].nodes]
         skipped, unit, per_step = set(), "microbatch", ctx.microbatches
     dp_doc, dp_lines = _data_parallel_lines(ctx, global_ranks, attrs)
     text = _ENV.get_template("rank.py.j2").render(
@@ -185,7 +186,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
         collective_unit=unit,
         collective_lines=collective_header(held, ctx, skipped, unit, per_step),
         recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users],
-                                       "tp and ep" if layout.ep > 1 else "tp"),
+                                       f"{TP} and {EP}" if layout.ep > 1 else TP),
         legend_lines=legend_lines(held, {c["op"] for c in collectives}),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
@@ -198,7 +199,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: dict[str, int], v
     return RankCode(text, attrs, collectives, stages)
 
 
-def _recompute_line(mode: str, blocks: list[str], axes: str = "tp") -> str:
+def _recompute_line(mode: str, blocks: list[str], axes: str = TP) -> str:
     """What ``--recompute`` does in this file, for its header (``axes``: whose collectives run again)."""
     if mode == "none":
         return ""
@@ -300,10 +301,10 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
     return doc, body
 
 
-def _coords_text(coords: dict[str, int], layout) -> str:
-    text = f"tp rank {coords['tp']} of {layout.tp}"
+def _coords_text(coords: Coords, layout) -> str:
+    text = f"tp rank {coords[TP]} of {layout.tp}"
     if layout.pp > 1:
-        text = f"pp rank {coords['pp']} of {layout.pp}, " + text
+        text = f"pp rank {coords[PP]} of {layout.pp}, " + text
     return text
 
 
@@ -651,7 +652,7 @@ def _io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords)
 
     def peers(stage: int) -> str:
         p = layout.stage_rank(stage)
-        ranks = [layout.rank_of(d, p, coords["tp"]) for d in range(layout.dp)]
+        ranks = [layout.rank_of(dp=d, pp=p, tp=coords[TP]) for d in range(layout.dp)]
         return f"stage {stage} on pp rank {p} (global rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
     if s == 0:
@@ -690,7 +691,7 @@ def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
     lines = [f"schedule {layout.schedule}, {layout.num_stages} stages ({layout.stages_per_rank} per pp rank), "
              f"{m} microbatches of {ctx.batch // layout.dp // m} per dp rank; cut: {ctx.pipeline.source}"]
     for row in ctx.pipeline.table:
-        mine = "  <- this rank" if row["pp_rank"] == coords["pp"] else ""
+        mine = "  <- this rank" if row["pp_rank"] == coords[PP] else ""
         lines.append(f"  stage {row['stage']} (pp rank {row['pp_rank']}): {row['holds']}{mine}")
     return lines
 
@@ -698,7 +699,7 @@ def _pipeline_header(ctx: CompileContext, coords) -> list[str]:
 def _tied_lines(tied: list[tuple[fx.Node, list[int]]], ctx: CompileContext, coords, state, stage_attrs) -> list[str]:
     """Body of ``sync_tied_grads``: one call per weight held by several stages that this rank holds."""
     layout = ctx.layout
-    mine = set(layout.stages_of(coords["pp"]))
+    mine = set(layout.stages_of(coords[PP]))
     lines = []
     for p, holders in tied:
         local = [s for s in holders if s in mine]
@@ -766,8 +767,8 @@ class _Issue:
 
 def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
-    axis = next((a.axis for a in node.args if isinstance(a, Group)), "tp")
-    ranks = {"ep": ep, "dp": dp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
+    axis = next((a.axis for a in node.args if isinstance(a, Group)), TP)
+    ranks = {EP: ep, DP: dp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
@@ -862,8 +863,8 @@ def _axes(ctx: CompileContext) -> list[str]:
     whole-batch means of a load-balancing loss (passes/router_loss.py)."""
     from fxshard.passes.router_loss import router_loss_pass
 
-    dp = ["dp"] if "router_loss" in ctx.passes_run or router_loss_pass.applies_to(ctx) else []
-    return (["tp", "ep"] if ctx.layout.ep > 1 else ["tp"]) + dp
+    dp = [DP] if "router_loss" in ctx.passes_run or router_loss_pass.applies_to(ctx) else []
+    return ([TP, EP] if ctx.layout.ep > 1 else [TP]) + dp
 
 
 def _ep_of(fqn: str, ctx: CompileContext) -> int:

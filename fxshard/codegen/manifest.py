@@ -8,9 +8,11 @@ the JSON.  All validation of a folder lives here too: the format, paths that mus
     manifest = read_manifest("out/gpt-tp2")
     manifest.layout.tp, manifest.ranks[1].file        # 2, 'rank_pp0_tp1.py'
     manifest.ranks[1].tensors["lm_head_weight"].slice  # SliceSpec(dim=0, index=1, parts=2, blocks=1)
+    manifest.ranks[1].tensors["lm_head_weight"].placements  # {'tp': Shard(0)}
+    manifest.ranks[1].coords                          # Coords(dp=0, pp=0, tp=1)
 
-The JSON is format 1 (the same keys as before this module existed): folders compiled earlier still read,
-and reading then writing a manifest gives back the same bytes.
+The JSON is format 2 (:data:`FORMAT`): reading then writing a manifest gives back the same bytes.  A folder of
+format 1 (placements as ``repr`` text) is refused with "recompile", and is still fxshard's to compile over.
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.errors import OutputFolderError
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import TP, Coords, Layout
+from fxshard.ir.placement import Placement, Replicate, Shard, placement_from_json
 from fxshard.runtime.slices import SliceSpec
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+# 2: each tensor's placements typed, per mesh axis ({"tp": {"kind": "shard", "dim": 0}}); format 1 wrote one repr
+# string and the axis beside it.  Folders of format 1 are refused with "recompile" (a compile is deterministic and
+# takes seconds; checkpoints hold slices, not placements, and resume into the recompiled folder)
+FORMAT = 2
+READ_BEFORE = (1,)  # formats fxshard wrote before: their folders are still fxshard's to overwrite
 
 
 class _Record:
@@ -112,27 +119,37 @@ class CheckpointRef(_Record):
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """A parameter, buffer or constant one rank holds: its source tensor and the slice of it."""
+    """A parameter, buffer or constant one rank holds: its source tensor, its placement per mesh axis, and its slice."""
 
     source: str  # FQN in the model
     kind: str  # parameter, buffer or constant
     persistent: bool
-    placement: str  # repr of its placement over tp, e.g. "Shard(0, blocks=3)"
+    # per mesh axis the compiler splits over: tp always; ep too for the experts of a MoE layer under --ep, cp next
+    placements: dict[str, Placement]
     global_shape: tuple[int, ...]
     shape: tuple[int, ...]  # as this rank holds it
     dtype: str
-    slice: SliceSpec
+    slice: SliceSpec  # of the axis it is split over (``axis``)
     aliases: tuple[str, ...] = ()  # the other names of a tied weight
     in_shard: bool = True  # False: read at run time from ``checkpoint`` (--weights), or nowhere (--meta)
     checkpoint: CheckpointRef | None = None
-    axis: str = "tp"  # the mesh axis ``placement`` is over: "ep" for the experts of a MoE layer under --ep
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis the tensor is split over (its ``slice`` is of it): the one its placements shard it over, else
+        tp (``ep`` for a MoE layer's experts under ``--ep``)."""
+        return next((a for a, p in self.placements.items() if isinstance(p, Shard)), TP)
+
+    @property
+    def placement(self) -> Placement:
+        """Its placement over :attr:`axis`."""
+        return self.placements.get(self.axis, Replicate())
 
     def to_json(self) -> dict:
-        data = {"source": self.source, "kind": self.kind, "persistent": self.persistent, "placement": self.placement,
+        data = {"source": self.source, "kind": self.kind, "persistent": self.persistent,
+                "placements": {axis: p.to_json() for axis, p in self.placements.items()},
                 "global_shape": list(self.global_shape), "shape": list(self.shape), "dtype": self.dtype,
                 "slice": self.slice.to_json(), "aliases": list(self.aliases)}
-        if self.axis != "tp":  # written only when set: manifests without --ep stay byte for byte
-            data["axis"] = self.axis
         if not self.in_shard:
             data["checkpoint"] = self.checkpoint.to_json() if self.checkpoint is not None else None
         return data
@@ -141,10 +158,11 @@ class TensorEntry:
     def from_json(cls, data: dict) -> TensorEntry:
         ref = data.get("checkpoint")
         return cls(source=data["source"], kind=data["kind"], persistent=data["persistent"],
-                   placement=data["placement"], global_shape=tuple(data["global_shape"]), shape=tuple(data["shape"]),
+                   placements={axis: placement_from_json(p) for axis, p in data["placements"].items()},
+                   global_shape=tuple(data["global_shape"]), shape=tuple(data["shape"]),
                    dtype=data["dtype"], slice=SliceSpec.from_json(data["slice"]),
                    aliases=tuple(data.get("aliases", ())), in_shard="checkpoint" not in data,
-                   checkpoint=CheckpointRef.from_json(ref) if ref is not None else None, axis=data.get("axis", "tp"))
+                   checkpoint=CheckpointRef.from_json(ref) if ref is not None else None)
 
 
 @dataclass(frozen=True)
@@ -208,7 +226,7 @@ class StageEntry:
 class RankEntry:
     """One rank file: the (pp, tp) coordinate it runs at, on which global ranks, and what it holds and issues."""
 
-    coords: dict[str, int]  # {"dp": 0, "pp": p, "tp": t}: every dp replica runs the same file
+    coords: Coords  # dp=0: every dp replica runs the same file (under --ep, with its ep rank's experts)
     global_ranks: tuple[int, ...]
     file: str
     weights: str  # its safetensors shard
@@ -222,7 +240,7 @@ class RankEntry:
         return {k: t.shape for k, t in self.tensors.items() if not t.in_shard}
 
     def to_json(self) -> dict:
-        data = {"coords": self.coords, "global_ranks": list(self.global_ranks), "file": self.file,
+        data = {"coords": self.coords.to_json(), "global_ranks": list(self.global_ranks), "file": self.file,
                 "weights": self.weights, "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                 "collectives": [c.to_json() for c in self.collectives]}
         if self.stages is not None:
@@ -232,7 +250,7 @@ class RankEntry:
     @classmethod
     def from_json(cls, data: dict) -> RankEntry:
         stages = data.get("stages")
-        return cls(data["coords"], tuple(data["global_ranks"]), data["file"], data["weights"],
+        return cls(Coords.from_json(data["coords"]), tuple(data["global_ranks"]), data["file"], data["weights"],
                    {k: TensorEntry.from_json(t) for k, t in data.get("tensors", {}).items()},
                    tuple(map(CollectiveEntry.from_json, data.get("collectives", ()))),
                    tuple(map(StageEntry.from_json, stages)) if stages is not None else None)
@@ -311,11 +329,11 @@ class Manifest:
         """The weights several pipeline stages hold (none without pipeline parallelism)."""
         return self.pipeline.tied if self.pipeline is not None else ()
 
-    def rank(self, coords: dict[str, int]) -> RankEntry:
-        """The rank file of mesh coordinates ``coords`` (its dp coordinate aside)."""
+    def rank(self, coords: Coords) -> RankEntry:
+        """The rank file of mesh coordinates ``coords`` (its dp coordinate aside, but for the experts it picks)."""
         for entry in self.ranks:
-            if all(entry.coords[k] == coords[k] for k in ("pp", "tp")) and (
-                    "ep" not in entry.coords or entry.coords["ep"] == self.layout.ep_rank(coords["dp"])):
+            if (entry.coords.pp, entry.coords.tp) == (coords.pp, coords.tp) and (
+                    entry.coords.ep is None or entry.coords.ep == self.layout.ep_rank(coords.dp)):
                 return entry
         raise OutputFolderError(f"no rank file for coordinates {coords} in the manifest; recompile")
 
@@ -373,6 +391,11 @@ def read_manifest(out: str | Path) -> Manifest:
     except json.JSONDecodeError as e:
         raise OutputFolderError(f"{path}: not valid JSON ({e}); recompile") from e
     not_ours = f"{path}: not an fxshard manifest of format {FORMAT}; recompile with this fxshard"
+    if isinstance(data, dict) and data.get("format") in READ_BEFORE:
+        raise OutputFolderError(f"{path}: compiled by an older fxshard (manifest format {data['format']}; this fxshard "
+                                f"reads format {FORMAT}, which records each tensor's placement per mesh axis); "
+                                f"recompile with `fxshard compile MODEL.py --out {out}` (checkpoints of the old "
+                                "folder resume in the new one)")
     if not isinstance(data, dict) or data.get("format") != FORMAT or "ranks" not in data:
         raise OutputFolderError(not_ours)
     try:
@@ -414,7 +437,7 @@ def listed_files(path: Path) -> set[str] | None:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if not (isinstance(data, dict) and data.get("format") == FORMAT and "fxshard_version" in data
+    if not (isinstance(data, dict) and data.get("format") in (FORMAT, *READ_BEFORE) and "fxshard_version" in data
             and isinstance(data.get("ranks"), list) and isinstance(data.get("model_file"), str)):
         return None
     names = {MANIFEST, data["model_file"]}

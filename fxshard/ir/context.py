@@ -24,6 +24,7 @@ from fxshard.ir.layout import (  # noqa: F401  (the layout's names, for the pass
     RECOMPUTE,
     SCHEDULES,
     TP,
+    Coords,
     Layout,
 )
 from fxshard.ir.placement import Placement, Replicate
@@ -40,7 +41,7 @@ class RankValue:
     axis: str
     values: tuple
 
-    def at(self, coords: dict[str, int]):
+    def at(self, coords: Coords):
         return self.values[coords[self.axis]]
 
 

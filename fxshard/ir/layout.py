@@ -39,6 +39,50 @@ _SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True}  #
 
 
 @dataclass(frozen=True)
+class Coords:
+    """A rank's place on the mesh: its index on each axis of ``MESH_AXES``, and under ``--ep`` which experts it holds
+    (its dp index modulo ep; None without expert parallelism).  A manifest's rank file sits at ``dp=0``::
+
+        >>> Layout(tp=2, dp=4, ep=2).coords(7)
+        Coords(dp=3, pp=0, tp=1, ep=1)
+        >>> Coords(pp=1, tp=0)[TP], Coords(pp=1).to_json()
+        (0, {'dp': 0, 'pp': 1, 'tp': 0})
+    """
+
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+    ep: int | None = None
+
+    def __getitem__(self, axis: str) -> int:
+        """The index on ``axis`` by name, for code over any axis (a ``RankValue``'s, a ``Group``'s)."""
+        if axis not in _COORD_AXES or getattr(self, axis) is None:
+            raise KeyError(f"{self} has no index on axis {axis!r}")
+        return getattr(self, axis)
+
+    def __repr__(self) -> str:
+        ep = f", ep={self.ep}" if self.ep is not None else ""
+        return f"Coords(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep})"
+
+    def replace(self, **index: int | None) -> Coords:
+        return dataclasses.replace(self, **index)
+
+    def to_json(self) -> dict[str, int]:
+        """``{"dp": d, "pp": p, "tp": t}`` (and ``"ep"`` under ``--ep``): the manifest's ``coords``."""
+        return {axis: getattr(self, axis) for axis in _COORD_AXES if getattr(self, axis) is not None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Coords:
+        if not isinstance(data, dict) or not set(data) <= set(_COORD_AXES) or not all(
+                isinstance(v, int) for v in data.values()):
+            raise ValueError(f"{data!r} are not mesh coordinates (a dict of {', '.join(_COORD_AXES)} to indices)")
+        return cls(**data)
+
+
+_COORD_AXES = tuple(f.name for f in dataclasses.fields(Coords))
+
+
+@dataclass(frozen=True)
 class Layout:
     tp: int = 1
     pp: int = 1
@@ -132,9 +176,9 @@ class Layout:
         for p in range(self.pp):
             for t in range(self.tp):
                 for g in range(self.dp // self.ep):
-                    groups[EP].append([self.rank_of(g * self.ep + e, p, t) for e in range(self.ep)])
+                    groups[EP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t) for e in range(self.ep)])
                 for e in range(self.ep):
-                    groups[EDP].append([self.rank_of(g * self.ep + e, p, t) for g in range(self.dp // self.ep)])
+                    groups[EDP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t) for g in range(self.dp // self.ep)])
         return groups
 
     def process_groups(self, device_type: str, tied: Mapping[str, Sequence[int]] | None = None) -> ProcessGroups:
@@ -164,7 +208,7 @@ class Layout:
                 continue
             for d in range(self.dp):
                 for t in range(self.tp):
-                    ranks = [self.rank_of(d, p, t) for p in pp_ranks]
+                    ranks = [self.rank_of(dp=d, pp=p, tp=t) for p in pp_ranks]
                     group = dist.new_group(ranks)
                     if rank in ranks:
                         groups[name] = group
@@ -189,17 +233,19 @@ class Layout:
     def stages_of(self, pp_rank: int) -> list[int]:
         return list(range(pp_rank, self.num_stages, self.pp))
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of a global rank; the innermost axis (tp) varies fastest."""
-        coords = {}
+    def coords(self, rank: int) -> Coords:
+        """Mesh coordinates of a global rank; the innermost axis (tp) varies fastest; under ``--ep``, its ep index."""
+        index = {}
         for axis in reversed(MESH_AXES):
-            rank, coords[axis] = divmod(rank, self.size(axis))
-        return {axis: coords[axis] for axis in MESH_AXES}
+            rank, index[axis] = divmod(rank, self.size(axis))
+        return Coords(**index, ep=self.ep_rank(index[DP]) if self.ep > 1 else None)
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+    def rank_of(self, coords: Coords | None = None, **index: int) -> int:
+        """The global rank at ``coords``, or at the mesh indices named (the others 0): ``rank_of(dp=1, tp=1)``."""
+        coords = coords if coords is not None else Coords(**index)
         rank = 0
-        for axis, index in zip(MESH_AXES, (dp, pp, tp), strict=True):
-            rank = rank * self.size(axis) + index
+        for axis in MESH_AXES:
+            rank = rank * self.size(axis) + coords[axis]
         return rank
 
     def to_json(self) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.codegen.manifest import Manifest, read_manifest
+from fxshard.ir.layout import Coords
 from fxshard.report.code import ModuleLines, highlight, rank_modules
 from fxshard.tools.timeline import Slot, bubble, timeline
 
@@ -29,7 +30,7 @@ class Cell:
     """One rank of the mesh grid."""
 
     rank: int
-    coords: dict[str, int]
+    coords: Coords
     file: str
     holds: str
     params: int  # local parameter elements
@@ -155,7 +156,7 @@ def _cells(manifest: Manifest, plan_rows: list[dict], device_memory: int | None)
         stages = [s.index for s in entry.stages] if entry.stages else []
         what = "; ".join(f"stage {s}: {holds.get(s, '')}" for s in stages) or "the whole model"
         params = sum(math.prod(t.shape) for t in entry.tensors.values() if t.kind == "parameter")
-        plan = next((r for r in plan_rows if r["pp_rank"] == coords["pp"]), None)
+        plan = next((r for r in plan_rows if r["pp_rank"] == coords.pp), None)
         memory = {key: plan[key] for key, _ in MEMORY_PARTS} if plan else {}
         peak = plan["peak"] if plan else None
         fits = None if device_memory is None or peak is None else peak <= device_memory

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from fxshard import units
+from fxshard.ir.layout import Coords
 from fxshard.report.data import MEMORY_PARTS, ReportData, report_data
 
 REPORT = "report.html"
@@ -59,13 +60,13 @@ def _bar_scale(data: ReportData) -> float:
 def _grid(data: ReportData) -> list[list[list]]:
     """Cells as dp blocks of pp rows of tp columns."""
     layout = data.layout
-    return [[[data.cells[layout.rank_of(d, p, t)] for t in range(layout.tp)] for p in range(layout.pp)]
+    return [[[data.cells[layout.rank_of(dp=d, pp=p, tp=t)] for t in range(layout.tp)] for p in range(layout.pp)]
             for d in range(layout.dp)]
 
 
 def _pp_files(data: ReportData) -> list[str]:
     """The tp-rank-0 file of each pp rank: the module list shows one per pp rank (tp ranks hold equal shares)."""
-    return [data.manifest.rank({"dp": 0, "pp": p, "tp": 0}).file for p in range(data.layout.pp)]
+    return [data.manifest.rank(Coords(pp=p)).file for p in range(data.layout.pp)]
 
 
 def _per_step(data: ReportData) -> int:
@@ -93,6 +94,6 @@ def _measured_rows(data: ReportData) -> list[tuple[int, dict, list[dict]]]:
     if data.measured is None:
         return []
     layout = data.layout
-    order = sorted(data.measured.rows, key=lambda r: (layout.coords(r)["pp"], layout.coords(r)["dp"],
-                                                      layout.coords(r)["tp"]))
+    order = sorted(data.measured.rows, key=lambda r: (layout.coords(r).pp, layout.coords(r).dp,
+                                                      layout.coords(r).tp))
     return [(r, layout.coords(r), data.measured.rows[r]) for r in order]

@@ -26,7 +26,8 @@ from fxshard.codegen import rank_file_name
 from fxshard.codegen.manifest import Manifest, RankEntry, edited_files, read_manifest, refuse_edited
 from fxshard.errors import CheckError
 from fxshard.ir.comm import SUM_TIED_GRADS, communicating
-from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
+from fxshard.ir.layout import EP, MESH_AXES, PP, TP, Coords
+from fxshard.ir.placement import Shard, local_shape
 from fxshard.tools.collective_diff import first_difference
 from fxshard.tools.rank_trace import Collective, RankTrace, trace_rank
 
@@ -177,15 +178,15 @@ def _check_layout(manifest: Manifest, layout, sources: dict[str, str]) -> list[s
     by_coords = {}
     for entry in manifest.ranks:
         c = entry.coords
-        key = (c["pp"], c["tp"], c.get("ep", 0))  # under --ep one entry per ep rank, all running one file
-        if key in by_coords or not (0 <= c["pp"] < layout.pp and 0 <= c["tp"] < layout.tp) or c.get("dp", 0) or not (
+        key = (c.pp, c.tp, c.ep or 0)  # under --ep one entry per ep rank, all running one file
+        if key in by_coords or not (0 <= c.pp < layout.pp and 0 <= c.tp < layout.tp) or c.dp or not (
                 0 <= key[2] < layout.ep):
             problems.append(f"manifest.json: rank file {entry.file} has coordinates {c}, outside the "
                             f"{layout.pp} x {layout.tp} (pp x tp) grid of {layout.describe()} or listed twice")
             continue
         by_coords[key] = entry
-        want_ranks = [r for r in range(layout.world_size) if (layout.coords(r)["pp"], layout.coords(r)["tp"],
-                                                               layout.ep_rank(layout.coords(r)["dp"])) == key]
+        want_ranks = [r for r in range(layout.world_size) if (layout.coords(r).pp, layout.coords(r).tp,
+                                                               layout.ep_rank(layout.coords(r).dp)) == key]
         if list(entry.global_ranks) != want_ranks:
             problems.append(f"manifest.json: {entry.file} runs on {_ranks_text(entry.global_ranks)}, but "
                             f"pp={key[0]} tp={key[1]} of a world of {layout.world_size} is {_ranks_text(want_ranks)}")
@@ -198,7 +199,7 @@ def _check_layout(manifest: Manifest, layout, sources: dict[str, str]) -> list[s
         if layout.pp > 1 and held != layout.stages_of(key[0]):
             problems.append(f"manifest.json: {entry.file} holds stages {held}"
                             f", but pp rank {key[0]} of {layout.describe()} holds {layout.stages_of(key[0])}")
-    missing = [rank_file_name({"pp": p, "tp": t}) for p in range(layout.pp) for t in range(layout.tp)
+    missing = [rank_file_name(Coords(pp=p, tp=t)) for p in range(layout.pp) for t in range(layout.tp)
                for e in range(layout.ep) if (p, t, e) not in by_coords]
     if missing:
         problems.append(f"manifest.json: no rank file for {', '.join(missing)}; {layout.describe()} needs "
@@ -216,11 +217,13 @@ def _check_sizes(manifest: Manifest, layout) -> list[str]:
                             f"{parts} (dp x microbatches) x its microbatch of {i.microbatch_shape[0]}")
     for entry in manifest.ranks:
         for key, t in entry.tensors.items():
-            placement, n = _placement(t.placement), layout.size(t.axis)
-            if placement is None:
-                problems.append(f"manifest.json: {entry.file} {key} has placement {t.placement!r}, "
-                                "not one fxshard writes (Shard(d), Shard(d, blocks=k), Replicate(), Partial(...))")
-            elif isinstance(placement, Shard) and t.global_shape[placement.dim] % (n * placement.blocks):
+            unknown = sorted(set(t.placements) - {*MESH_AXES, EP})
+            if unknown or len([p for p in t.placements.values() if isinstance(p, Shard)]) > 1:
+                problems.append(f"manifest.json: {entry.file} {key} has placements {t.placements}, expected one "
+                                f"per mesh axis ({', '.join((*MESH_AXES, EP))}), split over one of them at most")
+                continue
+            placement, n = t.placement, layout.size(t.axis)
+            if isinstance(placement, Shard) and t.global_shape[placement.dim] % (n * placement.blocks):
                 problems.append(f"{entry.file}: {t.source} has size {t.global_shape[placement.dim]} in dim "
                                 f"{placement.dim}, which does not split over {t.axis}={n}"
                                 + (f" in {placement.blocks} blocks" if placement.blocks > 1 else ""))
@@ -228,14 +231,6 @@ def _check_sizes(manifest: Manifest, layout) -> list[str]:
                 problems.append(f"manifest.json: {entry.file} {key} ({t.source}, {placement}) has shape "
                                 f"{list(t.shape)}, expected {list(local_shape(t.global_shape, placement, n))}")
     return problems
-
-
-def _placement(text: str):
-    """The placement a manifest's ``repr`` names, e.g. ``Shard(0, blocks=3)``; None if it names none."""
-    m = re.fullmatch(r"Shard\((\d+)(?:, blocks=(\d+))?\)", text)
-    if m:
-        return Shard(int(m.group(1)), int(m.group(2) or 1))
-    return Replicate() if text == "Replicate()" else Partial() if text.startswith("Partial(") else None
 
 
 _HEADER = {
@@ -267,9 +262,9 @@ def _check_header(source: str, entry: RankEntry, manifest: Manifest) -> list[str
     coords = (int(pp_rank or 0), int(tp_rank))
     listed = [int(r) for r in ranks.replace(",", " ").split()]
     running = sorted(r for e in manifest.ranks if e.file == file for r in e.global_ranks)  # every ep rank's
-    if coords != (entry.coords["pp"], entry.coords["tp"]) or listed != running:
+    if coords != (entry.coords.pp, entry.coords.tp) or listed != running:
         problems.append(f"{file}:{n}: the header says pp rank {coords[0]}, tp rank {coords[1]}, {_ranks_text(listed)}; "
-                        f"manifest.json has it at pp={entry.coords['pp']} tp={entry.coords['tp']}, "
+                        f"manifest.json has it at pp={entry.coords.pp} tp={entry.coords.tp}, "
                         f"{_ranks_text(running)}")
     (n, (digest,)) = found["model"]
     if manifest.model_digest is not None and digest != manifest.model_digest:
@@ -307,33 +302,33 @@ def _check_tensors(trace: RankTrace, entry: RankEntry, weights: dict[str, tuple]
 def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sources: dict[str, str],
                   report: CheckReport) -> list[str]:
     """Per process group, every member issues the same sequence of collectives."""
-    entries = {(e.coords["pp"], e.coords["tp"]): e for e in manifest.ranks}
+    entries = {(e.coords.pp, e.coords.tp): e for e in manifest.ranks}
     problems = [f"{c.where()}: rt.{c.call} over {c.group}: each collective needs this rank's process group "
                 f"(self.tp, self.pp or groups[...])"
                 for t in traces.values() for c in _all_events(t) if c.group.startswith("<")]
     for p in range(layout.pp):  # the tp group of each pp coordinate, per class (stage)
         members = [entries[(p, t)] for t in range(layout.tp)]
-        label = _group_label(layout, "tp", lambda d, t, p=p: layout.rank_of(d, p, t), layout.tp)
+        label = _group_label(layout, TP, lambda d, t, p=p: layout.rank_of(dp=d, pp=p, tp=t), layout.tp)
         for cls in traces[members[0].file].classes:
-            problems += _compare(label, cls, "tp", members, _class_phases(cls), traces, sources, report)
+            problems += _compare(label, cls, TP, members, _class_phases(cls), traces, sources, report)
     for p in range(layout.pp if layout.ep > 1 else 0):  # the ep groups: their ranks' token exchanges, in order
         for t in range(layout.tp):
-            members = [e for e in manifest.ranks if (e.coords["pp"], e.coords["tp"]) == (p, t)]  # one per ep rank
-            groups = [g for g in layout.expert_groups()["ep"] if (layout.coords(g[0])["pp"], layout.coords(g[0])["tp"])
+            members = [e for e in manifest.ranks if (e.coords.pp, e.coords.tp) == (p, t)]  # one per ep rank
+            groups = [g for g in layout.expert_groups()[EP] if (layout.coords(g[0]).pp, layout.coords(g[0]).tp)
                       == (p, t)]
             label = f"ep group{'s' * (len(groups) > 1)} {', '.join(map(str, groups))}"
             for cls in traces[members[0].file].classes:
-                problems += _compare(label, cls, "ep", members, _class_phases(cls), traces, sources, report)
+                problems += _compare(label, cls, EP, members, _class_phases(cls), traces, sources, report)
     if layout.pp > 1:  # the pp group of each tp coordinate: generated code issues no collective over it
         for t in range(layout.tp):
             members = [entries[(p, t)] for p in range(layout.pp)]
-            label = _group_label(layout, "pp", lambda d, p, t=t: layout.rank_of(d, p, t), layout.pp)
-            problems += _compare(label, "all stages", "pp", members, _ALL_STAGES, traces, sources, report)
+            label = _group_label(layout, PP, lambda d, p, t=t: layout.rank_of(dp=d, pp=p, tp=t), layout.pp)
+            problems += _compare(label, "all stages", PP, members, _ALL_STAGES, traces, sources, report)
         for tie in manifest.pipeline.tied:
             holders = sorted({layout.stage_rank(s) for s in tie.stages})
             for t in range(layout.tp if len(holders) > 1 else 0):
                 members = [entries[(p, t)] for p in holders]
-                label = _group_label(layout, "tied-weight", lambda d, i, t=t, h=holders: layout.rank_of(d, h[i], t),
+                label = _group_label(layout, "tied-weight", lambda d, i, t=t, h=holders: layout.rank_of(dp=d, pp=h[i], tp=t),
                                      len(holders))
                 problems += _compare(label, "sync_tied_grads", tie.name, members, _TIED, traces, sources, report)
     return problems
@@ -410,7 +405,7 @@ def _check_links(manifest: Manifest, layout, traces: dict[str, RankTrace], sourc
     """Every pipeline send has its receive: OUTPUTS of stage s = INPUTS of stage s + 1 (count, shape, dtype)."""
     if layout.pp == 1:
         return []
-    entries = {(e.coords["pp"], e.coords["tp"]): e for e in manifest.ranks}
+    entries = {(e.coords.pp, e.coords.tp): e for e in manifest.ranks}
     problems = []
     for t in range(layout.tp):
         first = traces[entries[(0, t)].file].module.Stage0

@@ -34,8 +34,9 @@ from fxshard.codegen.blocks import block_units
 from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
-from fxshard.ir.context import EP, Group, Layout, spec
+from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks, under
+from fxshard.ir.layout import EDP, EP, TP, Coords, Layout
 from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
@@ -305,7 +306,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     from fxshard.passes.checks import local_value_shapes
 
     layout = ctx.layout
-    coords = {"dp": 0, "pp": pp_rank, "tp": 0}
+    coords = Coords(pp=pp_rank)
     local = local_value_shapes(gm, ctx, coords)
     if ctx.pipeline is not None:
         all_stages = pipeline_stages(gm, ctx)
@@ -337,7 +338,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     m = ctx.microbatches
     moved = _tp_elements(tensors, numel)
     row = {"pp_rank": pp_rank,
-           "global_ranks": [r for r in range(layout.world_size) if layout.coords(r)["pp"] == pp_rank],
+           "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
     experts = _expert_psi(state, ctx, layout)  # this rank's E/ep experts: state of their own (none without --ep)
     mem = formula(layout.zero, layout.dp, layout.mixed, psi - experts)
@@ -455,15 +456,15 @@ def expert_state(layout: Layout, experts: int) -> dict[str, float]:
     """Bytes of the experts' model state on one rank (``experts``: their parameters on it, E/ep of each layer's).
     They are data-parallel over edp (dp/ep ranks holding the same experts), not dp: ZeRO 1 shards their Adam state
     over edp; under ZeRO 2/3 FSDP2 leaves them whole, so every category is whole (``fxshard.train.launch``)."""
-    return formula(1 if layout.zero == 1 else 0, layout.size("edp"), layout.mixed, experts)
+    return formula(1 if layout.zero == 1 else 0, layout.size(EDP), layout.mixed, experts)
 
 
 def _expert_dp_bytes(layout: Layout, experts: int) -> float:
     """Bytes a rank sends per step for the experts' gradients: an all-reduce over edp (``sync_expert_grads``),
     and at ZeRO 1 the broadcast of the updated parameters over edp."""
-    if not experts or layout.size("edp") == 1:
+    if not experts or layout.size(EDP) == 1:
         return 0
-    edp = dataclasses.replace(layout, dp=layout.size("edp"), ep=1, zero=1 if layout.zero == 1 else 0)
+    edp = dataclasses.replace(layout, dp=layout.size(EDP), ep=1, zero=1 if layout.zero == 1 else 0)
     return _dp_bytes(edp, experts)
 
 
@@ -488,7 +489,7 @@ def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
     moved: dict[str, sympy.Expr] = {}
     for n in tensors:
         kind = KINDS.get(spec(n).collective)
-        if kind is None or any(isinstance(a, Group) and a.axis != "tp" for a in n.args):  # ep: its own row
+        if kind is None or any(isinstance(a, Group) and a.axis != TP for a in n.args):  # ep: its own row
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)

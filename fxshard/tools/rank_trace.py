@@ -30,6 +30,7 @@ from fxshard import runtime
 from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import CheckError
 from fxshard.ir.comm import KINDS, SUM_TIED_GRADS
+from fxshard.ir.layout import DP, EP, PP, TP
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
 
@@ -281,8 +282,8 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
     module.rt = recorder  # this module object only: other importers of the rank file are untouched
     scan = None if run else _Scan(source, file, entry)
     lay, coords = manifest.layout, entry.coords
-    groups = {"tp": FakeGroup("tp", lay.tp, coords["tp"]), "pp": FakeGroup("pp", lay.pp, coords["pp"]),
-              "dp": FakeGroup("dp", lay.dp, coords["dp"]), "ep": FakeGroup("ep", lay.ep, coords.get("ep", 0))}
+    groups = {axis: FakeGroup(axis, lay.size(axis), coords[axis]) for axis in (TP, PP, DP)}
+    groups[EP] = FakeGroup(EP, lay.ep, coords.ep or 0)
     pipe = manifest.pipeline
     if pipe is None:
         inputs = [_meta(i.microbatch_shape, i.dtype, False) if i.is_tensor else None for i in manifest.inputs]

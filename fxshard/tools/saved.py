@@ -48,6 +48,7 @@ from torch.utils.flop_counter import flop_registry
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import RankValue
+from fxshard.ir.layout import Coords
 from fxshard.passes.checks import fake_value
 from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
@@ -65,7 +66,7 @@ class StageMemory:
     flops: dict = field(default_factory=dict)  # "forward", "blocks", "selective": forward FLOPs (captured size)
 
 
-def trace_saved(nodes: list[fx.Node], ctx, coords: dict[str, int], local: dict, dims, at: dict,
+def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at: dict,
                 held: list[fx.Node] = (), recompute_mode: str = "none", units: dict | None = None) -> StageMemory:
     """Run ``nodes`` forward on fake tensors and cost what autograd saves (plus the values in ``held``).
 

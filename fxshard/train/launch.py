@@ -25,7 +25,8 @@ from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import Manifest, RankEntry, import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
-from fxshard.ir.layout import DP, EDP, EP, PP, TP, Layout
+from fxshard.ir.layout import DP, EDP, EP, PP, TP, Coords, Layout
+from fxshard.ir.placement import Replicate
 from fxshard.runtime import load_state, trace
 from fxshard.runtime.data_parallel import local, make_optimizer
 from fxshard.runtime.distributed_optimizer import finish_param_sync
@@ -143,7 +144,7 @@ class _Run:
     manifest: Manifest
     layout: Layout
     entry: RankEntry
-    coords: dict[str, int]
+    coords: Coords
     groups: dict
     device: torch.device
     batches: Batches  # this dp rank's rows of each global batch
@@ -491,8 +492,8 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
         for name, p in module.named_parameters():
             t = entry.tensors[prefix + name]
             w = 1.0 / copies.get(t.source, 1)
-            if t.placement == "Replicate()" or t.axis == EP:
-                w /= layout.tp  # the same gradient on every tp rank (experts: whole on each tp rank)
+            if t.placements[TP] == Replicate():
+                w /= layout.tp  # the same gradient on every tp rank (experts under --ep too: whole on each tp rank)
             if layout.zero == 1 and layout.dp > 1:
                 pass  # the distributed optimizer's pieces: each element on one rank of its dp (edp) group
             elif t.axis == EP:
@@ -604,7 +605,7 @@ def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, 
     microbatches = manifest.pipeline.microbatches
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(rank)
-    last = layout.rank_of(coords[DP], layout.stage_rank(layout.num_stages - 1), coords[TP])
+    last = layout.rank_of(coords.replace(pp=layout.stage_rank(layout.num_stages - 1)))
     params = [p for m in runners.values() for p in m.parameters()]  # stages never share a Parameter object
 
     def step(leaves) -> float:

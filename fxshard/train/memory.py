@@ -263,11 +263,11 @@ def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> 
         if zero == 2:
             extra = FSDP2_ZERO2_EXTRA[layout.mixed] * m["psi"] / layout.dp
             note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.train.memory"
-        rows.append({"rank": rank, "coords": layout.coords(rank), "psi": m["psi"], "params": m["params"],
+        rows.append({"rank": rank, "coords": layout.coords(rank).to_json(), "psi": m["psi"], "params": m["params"],
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
                      "live": m["live"],
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),
                      "ratio": total / want["total"], "note": note, "saved": m.get("saved", 0),
-                     "peak": m.get("peak", 0), "plan": plan.get(layout.coords(rank)["pp"]) if isinstance(plan, dict)
+                     "peak": m.get("peak", 0), "plan": plan.get(layout.coords(rank).pp) if isinstance(plan, dict)
                      else None, "plan_note": plan if isinstance(plan, str) else ""})
     return rows

@@ -1,10 +1,12 @@
-"""The typed manifest (``fxshard/codegen/manifest.py``): folders compiled before it existed still read, the JSON
-it writes is what fxshard wrote before, and a manifest that is not fxshard's is refused at the read.
+"""The typed manifest (``fxshard/codegen/manifest.py``): the JSON reads back as typed records and writes back the same
+bytes; a folder of an older format is refused with "recompile" (and may be compiled over), and a manifest that is not
+fxshard's is refused at the read.
 
-``tests/fixtures/manifests`` holds manifest.json files written by fxshard before the manifest was typed
-(commit c150d36): ``falcon-tp2`` (collectives only returning the logits need, tied weights), ``falcon-tp2-pp2-meta``
-(pipeline stages and tables, a weight tied across stages, ``--meta``: tensors read from no shard) and
-``straight-through-op-tp2`` (a custom op the rank files import).
+``tests/fixtures/manifests`` holds manifest.json files fxshard wrote (commit c150d36, as format 1), turned into
+format 2 (typed placements per mesh axis) by replacing each tensor's ``placement`` text and ``axis``:
+``falcon-tp2`` (collectives only returning the logits need, tied weights), ``falcon-tp2-pp2-meta`` (pipeline stages
+and tables, a weight tied across stages, ``--meta``: tensors read from no shard) and ``straight-through-op-tp2`` (a
+custom op the rank files import).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.codegen.manifest import Manifest, TiedWeight, WeightsSource, read_manifest
+from fxshard.codegen.manifest import Manifest, TensorEntry, TiedWeight, WeightsSource, read_manifest
 from fxshard.compiler import compile as compile_model
 from fxshard.errors import OutputFolderError
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import TP, Coords, Layout
+from fxshard.ir.placement import Replicate, Shard
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "manifests"
@@ -29,7 +32,7 @@ def _fixture(name: str) -> Manifest:
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
-def test_a_manifest_written_before_reads_and_writes_back_the_same_bytes(name):
+def test_a_manifest_reads_and_writes_back_the_same_bytes(name):
     text = (FIXTURES / f"{name}.json").read_text()
     assert Manifest.from_json(json.loads(text)).dumps() == text
 
@@ -42,7 +45,7 @@ def test_the_fixtures_read_as_typed_records():
     assert set(tp.digests) == {"rank_pp0_tp0.py", "rank_pp0_tp1.py", "model.py"}
 
     meta = _fixture("falcon-tp2-pp2-meta")
-    entry = meta.rank({"pp": 1, "tp": 0})
+    entry = meta.rank(Coords(pp=1))
     assert entry.global_ranks == (2,) and [s.class_name for s in entry.stages] == ["Stage1"]
     assert {c.stage for c in entry.collectives} == {1}
     assert meta.tied_across_stages == (TiedWeight("tied:lm_head.weight", "lm_head.weight", (0, 1)),)
@@ -85,6 +88,38 @@ def test_a_manifest_missing_a_key_is_refused_when_read(tmp_path):
     data = json.loads((tmp_path / "manifest.json").read_text())
     del data["ranks"][0]["global_ranks"]
     (tmp_path / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(OutputFolderError, match=r"not an fxshard manifest of format 1; recompile with this fxshard "
+    with pytest.raises(OutputFolderError, match=r"not an fxshard manifest of format 2; recompile with this fxshard "
                                                 r"\(KeyError: 'global_ranks'\)"):
         read_manifest(tmp_path)
+
+
+def test_placements_are_typed_per_mesh_axis():
+    tp = _fixture("falcon-tp2")
+    lm_head = next(t for e in tp.ranks for t in e.tensors.values() if t.source == "lm_head.weight")
+    assert lm_head.placements == {TP: Shard(0)} and lm_head.axis == TP and lm_head.placement == Shard(0)
+    qkv = next(t for t in tp.ranks[1].tensors.values() if t.source.endswith("query_key_value.weight"))
+    assert isinstance(qkv.placements[TP], (Shard, Replicate))
+    assert TensorEntry.from_json(qkv.to_json()) == qkv
+
+
+def test_a_placement_fxshard_does_not_write_is_refused_when_read(tmp_path):
+    compile_model(MLP, Layout(tp=2), out=tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    next(iter(data["ranks"][0]["tensors"].values()))["placements"]["tp"] = "Shard(0)"  # format 1's text
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(OutputFolderError, match=r"format 2; recompile .*ValueError: 'Shard\(0\)' is not a placement"):
+        read_manifest(tmp_path)
+
+
+def test_a_folder_of_format_1_is_refused_with_recompile_and_can_be_compiled_over(tmp_path):
+    """Format 1 stored each placement as ``repr`` text; this fxshard does not parse it back: it asks for a recompile,
+    and a compile into that folder replaces it (the folder is still fxshard's)."""
+    compile_model(MLP, Layout(tp=2), out=tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["format"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(OutputFolderError, match=r"compiled by an older fxshard \(manifest format 1; .*recompile with "
+                                                r"`fxshard compile MODEL.py --out "):
+        read_manifest(tmp_path)
+    compile_model(MLP, Layout(tp=2), out=tmp_path)
+    assert read_manifest(tmp_path).ranks[0].tensors

@@ -10,8 +10,8 @@ from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
 from fxshard.errors import LayoutError, PlanError
 from fxshard.ir.autograd import requires_grad
-from fxshard.ir.context import Layout
 from fxshard.ir.cut import balance
+from fxshard.ir.layout import Coords, Layout
 from fxshard.ir.stages import pipeline_stages
 
 
@@ -95,7 +95,7 @@ def test_stage_code_says_what_it_receives_and_sends(samples):
     assert "# sends to stage 2 on pp rank 2 (global rank 5), per microbatch:" in code
     assert "INPUTS = (('blocks_1_out', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
     assert "return (blocks_3_out, targets)  # to stage 2" in code
-    entry = result.manifest.rank({"pp": 1, "tp": 1})
+    entry = result.manifest.rank(Coords(pp=1, tp=1))
     assert [s.index for s in entry.stages] == [1]
     assert result.manifest.inputs[0].shape == (8, 16)  # a step's batch; 4 microbatches of 2
     assert result.manifest.inputs[0].microbatch_shape == (2, 16)

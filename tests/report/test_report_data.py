@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fxshard.compiler import compile as compile_model
-from fxshard.ir.context import Layout
+from fxshard.ir.layout import Coords, Layout
 from fxshard.report.data import report_data
 from fxshard.report.render import render
 from fxshard.runtime import trace
@@ -32,11 +32,11 @@ def data(out):
 def test_one_cell_per_rank_with_its_file_and_the_plans_memory(data):
     assert [c.rank for c in data.cells] == list(range(8))
     cell = data.cells[5]  # dp=1 pp=0 tp=1
-    assert cell.coords == {"dp": 1, "pp": 0, "tp": 1} and cell.file == "rank_pp0_tp1.py"
+    assert cell.coords == Coords(dp=1, pp=0, tp=1) and cell.file == "rank_pp0_tp1.py"
     assert cell.holds.startswith("stage 0: model.layers.0-1")
     plan = {r["pp_rank"]: r for r in data.plan_rows}
     for c in data.cells:
-        assert sum(c.memory.values()) == pytest.approx(c.peak) == pytest.approx(plan[c.coords["pp"]]["peak"])
+        assert sum(c.memory.values()) == pytest.approx(c.peak) == pytest.approx(plan[c.coords.pp]["peak"])
         assert c.fits == (c.peak <= 900 * 2**10)
     assert {c.fits for c in data.cells} == {True, False}  # pp rank 0 holds two microbatches' activations
 
