@@ -95,7 +95,7 @@ def _layouts(dp: int, pp: int):
 
 
 def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.tools.costs import plan_costs
 
     rows = []

@@ -101,7 +101,7 @@ def exact_bytes(routing: list[list[list[int]]], me: int, hidden_bytes: int, coun
 
 def run(workdir: Path, layouts=LAYOUTS, log=print) -> dict:
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
     from fxshard.tools.costs import plan_costs
 

@@ -50,7 +50,7 @@ def model_file(folder: Path, layers: int) -> Path:
 
 def measure(layers: int, tp: int, pp: int, folder: Path) -> dict:
     """Compile in this process (meant to be a fresh one); wall seconds and peak RSS."""
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     path = model_file(folder, layers)

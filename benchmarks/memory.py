@@ -17,7 +17,7 @@ MIB = 2**20
 
 
 def run(dp: int, workdir: Path, log=print) -> dict:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
     from fxshard.testing import measure_on_rank
     from fxshard.train.memory import report_rows

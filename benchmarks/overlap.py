@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, outs: dict, size: str, rounds: int, warmup: i
 def run(size: str, workdir: Path, rounds: int, warmup: int, log=print) -> dict:
     """Compile both ways, time them interleaved at tp=2; the result as JSON-ready data."""
     from benchmarks.models.gpt import SIZES
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     outs = {}

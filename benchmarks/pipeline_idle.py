@@ -117,7 +117,7 @@ def theory(pp: int, microbatches: int, stages_per_rank: int) -> dict:
 
 def run(pp: int, microbatches: int, workdir: Path, rounds: int, warmup: int, schedules=None, log=print) -> dict:
     """Compile every schedule at ``pp`` and ``microbatches``, step them interleaved; idle fractions."""
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import SCHEDULES, Layout
 
     schedules = schedules or SCHEDULES

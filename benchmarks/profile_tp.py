@@ -142,7 +142,7 @@ def verdict(shared: dict, alone: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_tp", description=__doc__.split("\n")[0])

@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: in
 
 
 def run(workdir: Path, rounds: int, warmup: int, quick: bool = False, log=print) -> dict:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     shapes = {"quick": QUICK_SHAPE} if quick else SHAPES

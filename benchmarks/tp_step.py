@@ -4,7 +4,7 @@ One step is forward, backward and an AdamW step on a fixed batch of ``benchmarks
 The three contenders live in the same two gloo processes (one intra-op thread each) and take turns
 step by step (:func:`benchmarks.common.interleave`):
 
-- ``fxshard``: the model file compiled with ``fxshard.compiler.compile(path, Layout(tp=2))``; each rank
+- ``fxshard``: the model file compiled with ``fxshard.driver.compile(path, Layout(tp=2))``; each rank
   imports its generated file, builds ``RankModule(groups, device)`` and loads its weight shard, as
   ``fxshard run`` does;
 - ``hand-written``: :class:`benchmarks.megatron_gpt.MegatronGPT`, the same split written by hand;
@@ -308,7 +308,7 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print, device: s
     JSON-ready data."""
     from benchmarks.models.gpt import SIZES
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     out = workdir / f"gpt-{size}-tp{TP}"

@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: in
 
 
 def run(workdir: Path, rounds: int = 20, warmup: int = 2, log=print) -> dict:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     dp = 2

@@ -118,8 +118,8 @@ def compile(
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
 
-    from fxshard.compiler import compile as compile_
     from fxshard.compiler import load_plan_file
+    from fxshard.driver import compile as compile_
     from fxshard.tools.costs import parse_size
 
     try:
@@ -367,7 +367,7 @@ def verify(
     from fxshard.cli.report import verify_report
 
     from fxshard.compiler import load_plan_file
-    from fxshard.tools.verify import verify as verify_
+    from fxshard.driver import verify as verify_
     from fxshard.train.optim import OptimConfig
 
     try:

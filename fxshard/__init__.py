@@ -1,8 +1,7 @@
 """fxshard: compile an unmodified PyTorch model into readable per-rank distributed training code."""
 
-__version__ = "0.1.0"
-
-from fxshard.errors import FxshardError  # noqa: E402
+from fxshard.errors import FxshardError
+from fxshard.version import __version__
 
 # The public names below load the compiler when first used, not when a rank file imports
 # ``fxshard.runtime`` (which must run with torch and the runtime alone).
@@ -33,7 +32,7 @@ def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, met
     ``schedule``, ...).  ``weights``: a Hugging Face folder each rank reads its slices from at run time
     (captured on meta tensors); ``meta=True``: capture on meta tensors and write code and manifest only.
     """
-    from fxshard.compiler import compile as _compile
+    from fxshard.driver import compile as _compile
     from fxshard.ir.context import Layout
 
     return _compile(model_file, Layout(**layout), out=out, plan=plan, seed=seed, weights=weights, meta=meta)

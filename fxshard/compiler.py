@@ -1,10 +1,13 @@
-"""The compiler driver: capture, plan, passes in a fixed order, code generation.
+"""The compiler: capture, plan, passes in a fixed order, code generation, the output folder.
 
-    >>> from fxshard.compiler import compile
-    >>> from fxshard.ir.context import Layout
-    >>> result = compile("samples/gpt.py", Layout(tp=2), out="out/gpt-tp2")
-    >>> result.files
-    ['rank_pp0_tp0.py', 'rank_pp0_tp1.py']
+The static checks of what it generated, the layout's ``auto`` policies and verify run around it, one layer up, in
+the driver (:func:`fxshard.driver.compile` is ``fxshard compile``)::
+
+    >>> from fxshard.compiler import compile_program
+    >>> from fxshard.ir.layout import Layout
+    >>> result = compile_program("samples/gpt.py", Layout(tp=2))   # the per-rank graph, in memory
+    >>> result.ctx.passes_run
+    ['capture', 'token_mean', 'tensor_parallel', 'collectives', 'dropout', 'pipeline', 'checks']
 
 (``tests/test_docs.py`` runs this example.)
 """
@@ -20,21 +23,17 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from safetensors.torch import save_file
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from fxshard import __version__
 from fxshard.capture.modelfile import (
     ModelFile,
-    buffers_to_meta,
     load_model_file,
-    meta_as_cpu,
-    to_meta,
 )
-from fxshard.capture.program import Program, capture
+from fxshard.capture.precision import capture_at
+from fxshard.capture.program import Program
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.codegen.emit import RankCode, name_stage_values
-from fxshard.codegen.folder import check_target, staged_output
+from fxshard.codegen.folder import staged_output
 from fxshard.codegen.manifest import (
     MANIFEST,
     CollectiveEntry,
@@ -74,7 +73,7 @@ from fxshard.passes.router_loss import has_router_loss, router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
-from fxshard.tools.check import COMPILER_BUG, CheckReport, check_program
+from fxshard.version import __version__
 
 PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
           dropout_pass, pipeline_pass, checks_pass]
@@ -89,7 +88,7 @@ class CompiledProgram:
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: Manifest | None = None
-    checks: CheckReport | None = None  # the static checks of the generated files (fxshard.tools.check)
+    checks: object | None = None  # the static checks of the generated files (fxshard.tools.check's CheckReport)
     memory_plan: object | None = None  # with device_memory: fxshard plan's CostReport, which --recompute auto chose by
 
     @property
@@ -171,7 +170,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     check_layout(layout)
     if layout.recompute == "auto":
         raise LayoutError("--recompute auto: expected it resolved to none, selective or full before the compile; "
-                          "found auto; compile through fxshard.compiler.compile or `fxshard compile` with "
+                          "found auto; compile through fxshard.driver.compile or `fxshard compile` with "
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
@@ -191,7 +190,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
-        program = _capture(mf, layout, seed, inputs, meta)
+        program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
     _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
@@ -269,87 +268,25 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _capture(mf: ModelFile, layout: Layout, seed: int, inputs, meta: bool = False) -> Program:
-    """Capture at the compute dtype.  Under ``--dtype bf16`` the parameters (not the buffers: rotary
-    tables, masks keep their dtype) and floating inputs are cast before capture, so every dtype
-    conversion in the graph is the one the model makes in bf16; the weights written are the fp32
-    initial values, the master weights the optimizer starts from."""
-    if not layout.mixed and not meta:
-        return capture(mf, seed, inputs=inputs)
-    model = mf.build_model(seed, meta=meta)
-    # on meta, buffers and inputs join the parameters there (a plain model mixes them: logits and targets);
-    # the buffers' real values are what the program keeps
-    real = buffers_to_meta(model) if meta else {}
-    inputs = to_meta(inputs) if meta else inputs
-    masters = {}
-    if layout.mixed:
-        masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-        cast_parameters(model, layout.compute_dtype)
-        inputs = cast_inputs(inputs, layout.compute_dtype)
-    if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
-        with meta_as_cpu(model, inputs) as fake_inputs:
-            program = capture(mf, seed, model=model, inputs=fake_inputs)
-        held = dict(model.state_dict(keep_vars=True)) | dict(model.named_buffers())  # the meta tensors, put back
-        program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                           if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}
-    else:
-        program = capture(mf, seed, model=model, inputs=inputs)
-    for fqn in program.tensors:
-        if fqn in masters or fqn in real:
-            program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]
-    return program
+def generate(result: CompiledProgram, mf: ModelFile, seed: int, weights: str | Path | None = None,
+             meta: bool = False) -> dict[str, dict]:
+    """Fill ``result.sources`` and ``result.manifest``; return each weights file's tensors.
 
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters (not buffers) in place, keeping the Parameter objects and ties."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
-
-
-def cast_inputs(inputs, dtype: torch.dtype):
-    return pytree.tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
-                           inputs)
-
-
-def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
-            seed: int = 0, weights: str | Path | None = None, meta: bool = False,
-            device_memory: int | None = None) -> CompiledProgram:
-    """Compile ``model_file`` for ``layout``; write rank files, manifest and weights to ``out`` if given.
-
-    ``weights``: a Hugging Face folder; the model is captured on meta tensors, the folder validated,
-    and each rank reads its slices from it at run time (no parameter shards are written).
-    ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
-    ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
-    ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first::
-
-        compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
-    """
-    if out is not None:
-        check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
-    memory_plan = None
-    if device_memory is not None or layout.recompute == "auto":
-        from fxshard.tools.costs import plan_costs
-
-        memory_plan = plan_costs(model_file, layout, plan, seed, device_memory=device_memory)
-        if layout.recompute == "auto":
-            layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
-    mf = load_model_file(model_file)
-    meta = meta or weights is not None
-    result = compile_program(mf, layout, plan, seed, meta=meta)
-    result.memory_plan = memory_plan
+    ``weights``: a Hugging Face folder (validated here) each rank reads its slices from at run time; with it or with
+    ``meta``, the manifest records where each tensor the shards do not hold comes from."""
     source = checkpoint_source(weights, result.ctx.program) if weights is not None else None
     result.sources, result.manifest, shards = _generate(result, mf, seed)
-    if meta:
+    if meta or weights is not None:
         result.manifest = external_weights(result.manifest, shards, source)
-    weights = {name: {k: tuple(t.shape) for k, t in tensors.items()} for name, tensors in shards.items()}
-    for entry in result.manifest.ranks:
-        weights[entry.weights] |= entry.read_at_run_time
-    result.checks = check_program(result.sources, result.manifest, weights, run=False, fix=COMPILER_BUG)
-    if out is not None:
-        write_output(Path(out), result, mf, shards)
-    return result
+    return shards
+
+
+def shard_shapes(manifest: Manifest, shards: dict[str, dict]) -> dict[str, dict[str, tuple]]:
+    """Weights file -> tensor key -> shape: what the shards hold and what the ranks read at run time."""
+    shapes = {name: {k: tuple(t.shape) for k, t in tensors.items()} for name, tensors in shards.items()}
+    for entry in manifest.ranks:
+        shapes[entry.weights] |= entry.read_at_run_time
+    return shapes
 
 
 def _generate(result: CompiledProgram, mf: ModelFile, seed: int):

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
 from fxshard.errors import RandomnessError
+from fxshard.graph import node_fqn
 from fxshard.ir.context import CompileContext, RankValue, spec
 from fxshard.ir.contracts import COMMUNICATED, MASKS_INVARIANT, contract
 from fxshard.ir.placement import Replicate, Shard

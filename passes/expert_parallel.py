@@ -33,7 +33,7 @@ from fxshard.ir.context import EP, CompileContext, Group, NodeSpec, spec
 from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.experts import grouped_mms, not_row_wise, offsets, weight_param
 from fxshard.ir.placement import Replicate
-from fxshard.runtime import collectives as rtc
+from fxshard.runtime import experts as rte
 from fxshard.runtime.experts import expert_offsets
 
 aten = torch.ops.aten
@@ -96,9 +96,9 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Nod
             val = n.meta["val"]
             n.meta["val"] = val.new_empty((experts // ep, *val.shape[1:]))
     with gm.graph.inserting_before(first):
-        counts = _node(gm, rtc.exchange_counts, (offs, GROUP), first, "exchange_counts")
+        counts = _node(gm, rte.exchange_counts, (offs, GROUP), first, "exchange_counts")
         counts.meta["val"] = offs.meta["val"].new_empty((ep, experts // ep), dtype=torch.int64)
-        rows = _node(gm, rtc.all_to_all_dispatch, (first.args[0], GROUP, offs, counts), first, "all_to_all_dispatch")
+        rows = _node(gm, rte.all_to_all_dispatch, (first.args[0], GROUP, offs, counts), first, "all_to_all_dispatch")
         rows.meta["val"] = first.args[0].meta["val"]
         local = _node(gm, expert_offsets, (counts,), first, "")
         local.meta["val"] = offs.meta["val"].new_empty((experts // ep,), dtype=torch.int32)
@@ -107,7 +107,7 @@ def _rewrite(gm: fx.GraphModule, ctx: CompileContext, fqn: str, mms: list[fx.Nod
         mm.kwargs = fx.node.map_arg(mm.kwargs, lambda a: local if a is offs else a)
     first.args = (rows, *first.args[1:])
     with gm.graph.inserting_after(second):
-        back = _node(gm, rtc.all_to_all_combine, (second, GROUP, offs, counts), second, "all_to_all_combine")
+        back = _node(gm, rte.all_to_all_combine, (second, GROUP, offs, counts), second, "all_to_all_combine")
         back.meta["val"] = second.meta["val"]
     second.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
 

@@ -17,8 +17,8 @@ import math
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import loss_cone, node_fqn
 from fxshard.errors import LayoutError, PlanError
+from fxshard.graph import loss_cone, node_fqn
 from fxshard.ir.context import CompileContext, spec, update_spec
 from fxshard.ir.contracts import COMMUNICATED, PLACED, STAGED, contract
 from fxshard.ir.cut import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under

@@ -23,8 +23,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
+from fxshard.graph import node_fqn
 from fxshard.ir.context import CompileContext, NodeSpec, RankValue, spec, update_spec
 from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape

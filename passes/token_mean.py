@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
+from fxshard.graph import node_fqn
 from fxshard.ir.context import CompileContext, NodeSpec
 from fxshard.ir.contracts import contract
 from fxshard.runtime import loss as rt_loss

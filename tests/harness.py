@@ -45,7 +45,7 @@ def compile_and_train(cases: dict, tmp_path_factory, steps: int) -> dict:
     spawn.  ``{case: (per-rank results of train_and_record, manifest)}``, or a CaseFailure naming the case's own
     compile error or traceback (so one bad case fails one test)."""
     from fxshard.codegen.manifest import read_manifest
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.testing import CaseFailure, spawn_cases
 
     folders: dict = {}

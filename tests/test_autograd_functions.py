@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import capture
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import CaptureError
 from fxshard.ir.context import Layout
 from fxshard.runtime.functions import TENSOR, autograd_function, op_name

@@ -13,7 +13,7 @@ from fxshard.cli.app import app
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from fxshard.compiler import compile
+from fxshard.driver import compile
 from fxshard.errors import CheckError, OutputFolderError
 from fxshard.ir.context import Layout
 from fxshard.tools.check import check_output

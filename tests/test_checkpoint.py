@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from harness import spawn
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 from fxshard.train.checkpoint import CRASH_ENV, CheckpointConfig, CheckpointError, CheckpointReader
 from fxshard.train.optim import OptimConfig

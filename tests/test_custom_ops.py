@@ -42,7 +42,7 @@ def test_op_registered_in_the_model_file_is_refused_naming_it():
 
 
 def test_check_blames_an_edit_only_when_a_rank_file_was_edited(tmp_path):
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     compile_model(MODELS / "mlp.py", Layout(tp=2), out=tmp_path)

@@ -6,7 +6,7 @@ real command line: the command exists, each flag exists on that command and gets
 positional arguments fit, and a file or folder it names exists in the repository (outputs excepted: a path under
 ``out/``, or the value of an option that writes). A line with placeholders (``MODEL``, ``OUT``, ``$z``) is checked
 flag by flag; one without is parsed whole by click, values converted. The Python examples of the README and of
-``fxshard.compile``'s and the compiler driver's docstrings run as written.
+``fxshard.compile``'s, the compiler's and the driver's docstrings run as written.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def test_the_readme_python_example_runs(in_scratch, capsys):
     assert (in_scratch / "out" / "gpt-tp2" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler"])
+@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler", "fxshard.driver"])
 def test_docstring_examples_run(in_scratch, target):
     import importlib
 

@@ -19,7 +19,7 @@ from harness import assert_matches_single_device, compile_and_train, single_devi
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import LayoutError
 from fxshard.ir.layout import EP, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard

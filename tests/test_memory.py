@@ -14,7 +14,7 @@ import pytest
 from harness import spawn
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 from fxshard.testing import measure_on_rank
 from fxshard.train.memory import (

@@ -22,8 +22,8 @@ from harness import assert_matches_single_device, compile_and_train, single_devi
 import fxshard
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
+from fxshard.driver import compile as compile_model
 from fxshard.errors import PlanError, ShardingError
 from fxshard.ir.context import spec
 from fxshard.ir.layout import TP, Coords, Layout

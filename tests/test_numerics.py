@@ -17,7 +17,7 @@ from fxshard.capture.inputs import flatten_batch
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import _WithLoss
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.layout import Coords, Layout
 from fxshard.ir.placement import assemble
 

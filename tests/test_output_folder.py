@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import OutputFolderError, ShardingError
 from fxshard.ir.context import Layout
 

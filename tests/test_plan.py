@@ -14,10 +14,10 @@ import transformers
 from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
 from fxshard.compiler import compile_program
+from fxshard.driver import verify
 from fxshard.errors import FxshardWarning
 from fxshard.ir.context import Layout, spec
 from fxshard.plan.styles import Style, colwise, hf_style, replicate, rowwise, vocab_parallel
-from fxshard.tools.verify import verify
 
 MODELS = Path(__file__).resolve().parent / "models"
 _PLAN = re.compile(r"^\s*(base_model_tp_plan|_tp_plan|base_model_ep_plan|_ep_plan)\s*(?::[^=\n]*)?=\s*\{", re.M)

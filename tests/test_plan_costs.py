@@ -194,7 +194,7 @@ def test_auto_refuses_a_device_nothing_fits_and_a_missing_size():
 
 
 def test_compile_auto_writes_the_chosen_mode():
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
 
     full = plan_costs(GPT, Layout(tp=2, recompute="full")).ranks[0]["peak"].value
     result = compile_model(GPT, Layout(tp=2, recompute="auto"), device_memory=int(full) + 1)
@@ -212,7 +212,7 @@ def test_a_meta_compile_of_a_moe_model_writes_what_a_real_compile_writes():
     # kernels refuse int32); captured on meta, fxshard plan (which compiles on meta) took the int32 branch and
     # failed on every MoE model: "histogram_cpu" not implemented for 'torch.int32'.  Now meta tensors are traced
     # as fake CPU tensors, and the rank files are the same, byte for byte.
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
 
     for layout in (Layout(tp=2), Layout(dp=2, ep=2)):
         real = compile_model(QWEN_MOE, layout).sources

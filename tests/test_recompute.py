@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import LayoutError
 from fxshard.ir.context import Layout
 from fxshard.runtime import random as rt_random

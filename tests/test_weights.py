@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import RankEntry, WeightsSource, import_rank_file, read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import OutputFolderError, WeightsError
 from fxshard.ir.context import Layout
 from fxshard.ir.placement import take

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import import_rank_file, read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import WeightsError
 from fxshard.ir.context import Layout
 from fxshard.ir.placement import take

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fxshard.driver import verify
 from fxshard.ir.context import Layout
-from fxshard.tools.verify import verify
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo" / "models"
 CASES = {  # what each one covers that the others do not

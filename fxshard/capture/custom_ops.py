@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import CaptureError
+from fxshard.graph import node_fqn
 
 # fxshard_fn: custom autograd.Functions, which each rank file defines itself (functions.py)
 BUILTIN = {"aten", "prims", "fxshard", "fxshard_fn", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor"}
@@ -25,8 +26,6 @@ MODEL_FILE_MODULE = "fxshard_model_"  # modelfile.load_model_file's module names
 
 def custom_op_modules(gm: fx.GraphModule) -> dict[str, str]:
     """``namespace::name`` -> importable module registering it, for every non-builtin op ``gm`` calls."""
-    from fxshard.capture.program import node_fqn
-
     found: dict[str, str] = {}
     for node in gm.graph.nodes:
         op = node.target

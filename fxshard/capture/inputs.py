@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
 
 from fxshard.errors import ModelFileError
 
-if TYPE_CHECKING:
-    from fxshard.codegen.manifest import InputEntry
+
+class InputSpec(Protocol):
+    """One input of the compiled forward, as a batch is matched to it (the manifest's ``InputEntry`` is one)."""
+
+    name: str
+    path: str  # pytree key path into (args, kwargs)
+    is_tensor: bool
+    shape: Sequence[int]
 
 
-def flatten_batch(batch: Any, specs: Sequence[InputEntry], rows: int | None = None) -> list[Any]:
+def flatten_batch(batch: Any, specs: Sequence[InputSpec], rows: int | None = None) -> list[Any]:
     """The values of ``batch`` in the order of the compiled forward's inputs (the manifest's ``inputs``),
     checking shapes.  ``rows``: the batch is one dp rank's share, ``rows`` rows of each tensor input (an input the
     rank does not read may be None: :func:`fxshard.train.data.inputs_read`)."""

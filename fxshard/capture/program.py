@@ -28,6 +28,7 @@ from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.modelfile import ModelFile
 from fxshard.errors import CaptureError, ModelFileError
+from fxshard.graph import node_fqn
 from fxshard.runtime.functions import NAMESPACE as FUNCTION_NAMESPACE
 
 WRAPPED = "model"  # attribute of the capture wrapper holding the user's model; stripped from FQNs
@@ -203,28 +204,6 @@ def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Modu
             keep.append(s)
     gm.recompile()
     return keep, dict(sorted(tied.items()))
-
-
-def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
-    """What training runs: the loss (output 0 of a captured graph), every op with a side effect (an
-    in-place update, e.g. of a buffer or through a view), and every node these are computed from.  The
-    rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    seen: set[fx.Node] = set()
-    stack = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
-    stack += [n for n in gm.graph.nodes if n.op == "call_function" and n.is_impure()]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def node_fqn(node: fx.Node) -> str:
-    """FQN of the innermost module a node came from ('' for the model itself)."""
-    stack = node.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else ""
 
 
 def _strip_prefix(gm: fx.GraphModule, wrapped: str) -> None:

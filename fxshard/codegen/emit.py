@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
-from fxshard.capture.program import loss_cone
 from fxshard.codegen.blocks import BlockUnit, block_units
+from fxshard.graph import loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
@@ -254,8 +254,8 @@ def _expert_attrs(ctx: CompileContext, attrs: dict[str, str]) -> list[str]:
 
 def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]) -> tuple[list[str], list[str]]:
     """Docstring and body of the generated ``attach_data_parallel`` (only when dp > 1)."""
+    from fxshard.defaults import ZERO_BUCKET_MB
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB
-    from fxshard.train.optim import OptimConfig
 
     layout = ctx.layout
     if layout.dp == 1:
@@ -263,7 +263,7 @@ def _data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str
     zero = layout.zero
     doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
            f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
-    zmb = OptimConfig().zero_bucket_mb
+    zmb = ZERO_BUCKET_MB
     doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp, zmb=zmb) for line in _ZERO_TEXT[zero]]
     if zero == 1:
         if ctx.expert_params:

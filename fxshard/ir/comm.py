@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import experts as rte
 
 # the bytes a rank sends, as a multiple of the collective's whole buffer, for ring algorithms over n ranks
 WIRE: dict[str, Callable[[int], float]] = {
@@ -34,14 +35,14 @@ WIRE: dict[str, Callable[[int], float]] = {
 
 @dataclass(frozen=True)
 class CollectiveKind:
-    """One ``rt.<name>`` call of a rank file.
+    """One ``rt.<name>`` call of a rank file: ``function``, the runtime function itself (its name is the kind's).
 
     ``forward`` / ``backward``: the backend operation it issues when the forward runs / when autograd
     reaches it (``None``: nothing).  ``legend``: what it does, once in the rank-file header.  ``fake``:
     its local output from its local input (shapes only), given the group size.  The whole buffer that goes
     over the wire is the unsplit one: the input of a reduction, the output of a gather."""
 
-    name: str
+    function: Callable
     forward: str | None
     backward: str | None
     legend: str
@@ -49,8 +50,8 @@ class CollectiveKind:
     grouped: bool = True  # takes a process group (``shard`` does not: it keeps a part, no communication)
 
     @property
-    def function(self):
-        return getattr(rtc, self.name)
+    def name(self) -> str:
+        return self.function.__name__
 
     @property
     def communicates(self) -> bool:
@@ -90,41 +91,41 @@ def _batch_mean(x: torch.Tensor, size: int, rows=1, **_) -> torch.Tensor:
 
 
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
-    CollectiveKind("copy_to", None, "all_reduce",
+    CollectiveKind(rtc.copy_to, None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
     # passes/overlap.py: copy_to fused with the column-parallel linears reading it, for overlap in backward
-    CollectiveKind("copy_to_linears", None, "all_reduce",
+    CollectiveKind(rtc.copy_to_linears, None, "all_reduce",
                    "R: copy_to and the column-parallel linears that read it, fused: backward starts the input "
                    "gradient's all-reduce, computes the weight gradients while it runs, then waits for it",
                    _linears),
-    CollectiveKind("all_reduce", "all_reduce", None,
+    CollectiveKind(rtc.all_reduce, "all_reduce", None,
                    "P(sum) -> R: all-reduce forward; the gradient passes unchanged backward", _same),
-    CollectiveKind("all_gather", "all_gather", None,
+    CollectiveKind(rtc.all_gather, "all_gather", None,
                    "S(d) -> R: all-gather along d forward; backward keeps this rank's part of the gradient",
                    _gathered),
-    CollectiveKind("scatter", None, "all_gather",
+    CollectiveKind(rtc.scatter, None, "all_gather",
                    "R -> S(d): keeps this rank's part forward; all-gather of the gradient backward", _part),
     # sequence parallelism (Megatron-LM's reduce-scatter <-> all-gather pair): the same bytes as an all-reduce
-    CollectiveKind("reduce_scatter", "reduce_scatter", "all_gather",
+    CollectiveKind(rtc.reduce_scatter, "reduce_scatter", "all_gather",
                    "P(sum) -> S(d): reduce-scatter along d forward; all-gather of the gradient backward", _reduced_part),
-    CollectiveKind("gather_to", "all_gather", "reduce_scatter",
+    CollectiveKind(rtc.gather_to, "all_gather", "reduce_scatter",
                    "S(d) -> R: all-gather along d forward; reduce-scatter of the gradient backward (enters split "
                    "compute)", _gathered),
-    CollectiveKind("shard", None, None,
+    CollectiveKind(rtc.shard, None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
     # a load-balancing loss's whole-batch means under a split batch (passes/router_loss.py), over dp
-    CollectiveKind("batch_mean", "all_reduce", None,
+    CollectiveKind(rtc.batch_mean, "all_reduce", None,
                    "sums over this rank's rows -> the whole batch's mean: all-reduce over dp forward, / all rows; "
                    "backward x dp / all rows (DDP then averages over dp)", _batch_mean),
     # expert parallelism (passes/expert_parallel.py): a mixture-of-experts layer's token exchange over ep
-    CollectiveKind("exchange_counts", "all_to_all", None,
+    CollectiveKind(rte.exchange_counts, "all_to_all", None,
                    "rows per expert -> rows each ep rank sends to each of this rank's experts (all-to-all)",
                    _counts),
-    CollectiveKind("all_to_all_dispatch", "all_to_all", "all_to_all",
+    CollectiveKind(rte.all_to_all_dispatch, "all_to_all", "all_to_all",
                    "rows sorted by expert -> the rows of this rank's experts (all-to-all, variable sizes); "
                    "backward sends their gradients back", _rows),
-    CollectiveKind("all_to_all_combine", "all_to_all", "all_to_all",
+    CollectiveKind(rte.all_to_all_combine, "all_to_all", "all_to_all",
                    "expert outputs -> back to the ranks their rows came from, in their order (all-to-all); "
                    "backward dispatches the gradient", _rows),
 )}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import loss_cone
+from fxshard.graph import loss_cone
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.sharding import tensor_args
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
 from fxshard.errors import LayoutError, PlanError
-from fxshard.ir.context import Layout, update_spec
+from fxshard.graph import node_fqn
+from fxshard.ir.layout import Layout
+from fxshard.ir.spec import update_spec
 
 # ---------------------------------------------------------------- the marker
 

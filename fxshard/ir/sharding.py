@@ -224,7 +224,7 @@ def _token_split(node: fx.Node, p: Partial, tp: int, consumer: fx.Node) -> Place
         return p
     size = shape(node)[dim] // blocks
     if size % tp:
-        from fxshard.capture.program import node_fqn
+        from fxshard.graph import node_fqn
 
         raise ShardingError(
             f"{node_fqn(node) or 'model'}: --sp splits its output {list(shape(node))} over tp={tp} along dimension "
@@ -247,7 +247,7 @@ def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], d
         if any(isinstance(p, Shard) for p in placements) and node not in prop.fallbacks:
             prop.fallbacks.append(node)
         return Decision(_replicated_out(node), tuple(R for _ in args))
-    from fxshard.capture.program import node_fqn
+    from fxshard.graph import node_fqn
 
     a = moved[0]
     hint = (" (nn.Embedding's max_norm renormalizes the looked-up rows of the weight in place: give this "

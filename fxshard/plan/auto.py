@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
+from fxshard.graph import node_fqn
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.sharding import propagate
 from fxshard.plan.layers import WeightOp, infer_packing, style_placements

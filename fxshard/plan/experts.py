@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError, ShardingError, divisors
+from fxshard.graph import node_fqn
 from fxshard.ir.context import CompileContext
 from fxshard.ir.experts import (
     combine_chain,

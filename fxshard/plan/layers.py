@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.capture.program import node_fqn
 from fxshard.errors import PlanError
+from fxshard.graph import node_fqn
 from fxshard.ir.placement import Placement, Replicate, Shard
 from fxshard.plan.styles import Style
 

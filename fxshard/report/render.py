@@ -34,7 +34,7 @@ def write_report(out: str | Path, device_memory: int | None = None, metrics: Pat
 def render(data: ReportData) -> str:
     import torch
 
-    import fxshard
+    from fxshard.version import __version__
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("fxshard.report", "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]), trim_blocks=True, lstrip_blocks=True,
@@ -44,7 +44,7 @@ def render(data: ReportData) -> str:
     return template.render(d=data, m=data.manifest, layout=data.layout, parts=MEMORY_PARTS, bar_scale=_bar_scale(data),
                            grid=_grid(data), pp_files=_pp_files(data), per_step=_per_step(data),
                            loss=_loss_curve(data), measured_rows=_measured_rows(data), actions=ACTION_NAMES,
-                           versions={"fxshard": fxshard.__version__, "torch": torch.__version__})
+                           versions={"fxshard": __version__, "torch": torch.__version__})
 
 
 def human_bytes(n: float | None) -> str:

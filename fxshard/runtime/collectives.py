@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
-from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts
 from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
 from fxshard.runtime.slices import SliceSpec, place, take
@@ -289,4 +288,4 @@ def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) ->
 
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
                "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears}
-__all__ = [*COLLECTIVES, "shard", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine"]
+__all__ = [*COLLECTIVES, "batch_mean", "shard"]

@@ -29,9 +29,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from fxshard.capture.program import loss_cone
+from fxshard.capture.precision import capture_at
 from fxshard.codegen.blocks import block_units
 from fxshard.errors import LayoutError, OptionError
+from fxshard.graph import loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import Group, spec
@@ -41,7 +42,7 @@ from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.saved import trace_saved
-from fxshard.train.memory import formula, peak_params
+from fxshard.tools.zero_memory import formula, peak_params
 from fxshard.units import human_bytes
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -211,8 +212,6 @@ def planned_memory(out: str | Path) -> dict[int, dict] | str:
 def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.Node]):
     """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture (``state``: the
     parameter and buffer placeholders, whose sizes stay numbers)."""
-    from fxshard.compiler import _capture
-
     inputs = mf.build_inputs(seed)
     s2 = (s * 3 // 4 if s % 4 == 0 else s - 1) if s and s > 2 else s
 
@@ -226,7 +225,8 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.
 
     notes = []
     try:
-        second = _capture(mf, layout, seed, pytree.tree_map(resize, inputs), meta=True).gm
+        second = capture_at(mf, seed, pytree.tree_map(resize, inputs), layout.compute_dtype if layout.mixed else None,
+                            meta=True).gm
     except Exception as e:  # a model that only runs at its example size: costs stay numbers
         notes.append(f"shapes stay numeric: the model does not capture at another size ({type(e).__name__})")
         second = None

@@ -26,7 +26,7 @@ def describe() -> str:
     import torch
     import torch.distributed as dist
 
-    import fxshard
+    from fxshard.version import __version__
 
     if torch.version.cuda:
         build = f"CUDA {torch.version.cuda} build"
@@ -38,7 +38,7 @@ def describe() -> str:
     backends = [f"{name} {'available' if ok else 'not available'}"
                 for name, ok in (("NCCL", dist.is_available() and dist.is_nccl_available()),
                                  ("gloo", dist.is_available() and dist.is_gloo_available()))]
-    text = f"fxshard {fxshard.__version__}\ntorch {torch.__version__} ({build}; {'; '.join(backends)})"
+    text = f"fxshard {__version__}\ntorch {torch.__version__} ({build}; {'; '.join(backends)})"
     note = untested_torch()
     return text + (f"\nnote: {note}" if note else "")
 

@@ -1,32 +1,25 @@
-"""``fxshard verify``: train distributed and on one device from the same weights and batches, and compare.
+"""``fxshard verify``'s comparison: distributed training against one device, from the same weights and batches.
 
-The distributed run is the real thing — the compiled rank files launched as local gloo processes,
-exactly as ``fxshard run`` does — and every rank writes its trained tensors; their slices are
-reassembled by the manifest's slice records into full tensors and compared with the single-device
-model trained by :func:`fxshard.train.reference.reference_losses`::
+:func:`fxshard.driver.verify` runs both; here every rank's trained slices are reassembled by the manifest's slice
+records into full tensors (:func:`gather_parameters`) and compared with the single-device model trained by
+:func:`fxshard.train.reference.reference_losses` (:func:`compare_parameters`, :class:`Verification`)::
 
-    result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
-    assert result.ok, result.summary()
+    rows = compare_parameters(gather_parameters(manifest, folder), single, initial)
+    update_share(rows)          # ||distributed - single|| / ||single - initial||
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import Manifest
-from fxshard.compiler import compile as compile_model
 from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
 from fxshard.runtime.slices import assemble
-from fxshard.train.optim import OptimConfig
-from fxshard.train.reference import reference_losses
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
 # Parameters: ||distributed - single|| / ||single - initial|| over all trained parameters, the difference as
@@ -83,53 +76,7 @@ class Verification:
                 f"{'OK' if self.ok else 'FAILED'}")
 
 
-def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
-           plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
-           out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
-           cpu_matmul: str = "onednn", weights: str | Path | None = None) -> Verification:
-    """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
-
-    Losses must agree within ``rtol`` (relative); the trained parameters within ``param_rtol``: the norm of
-    their difference over the norm of the single-device update, all parameters together (DEFAULT_PARAM_RTOL).
-    ``compile``: the distributed run is ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference
-    stays eager).  ``weights``: a Hugging Face folder, compiled as ``fxshard compile --weights`` (each rank reads its
-    slices from it at run time); the single-device model is ``make_model()`` with the folder's tensors loaded."""
-    from fxshard.train.launch import check_accumulated_loss
-    from fxshard.train.local import launch_local
-    from fxshard.train.options import RunOptions, check_cpu_matmul
-
-    check_cpu_matmul(cpu_matmul)
-    with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
-        out = Path(out) if out is not None else Path(tmp) / "out"
-        result = compile_model(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
-        metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
-        metrics.parent.mkdir(parents=True, exist_ok=True)
-        options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
-                             cpu_matmul=cpu_matmul,
-                             final_state=final)
-        check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
-        if compile:
-            from fxshard.train.options import check_compile
-
-            check_compile(out)
-        launch_local(out, options.argv(out), layout.world_size)
-        distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-        trained = gather_parameters(result.manifest, final)
-    ref_state: dict = {}
-    mf = load_model_file(model_file)
-    if weights is not None:
-        mf = _with_weights(mf, Path(weights))
-    initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
-    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
-    rows = compare_parameters(trained, ref_state, initial)
-    if len(distributed) != steps:
-        raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
-    return Verification(result.ctx.layout, reference, distributed, rows,
-                        rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
-                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])
-
-
-def _with_weights(mf, folder: Path):
+def with_weights(mf, folder: Path):
     """``mf`` whose ``make_model()`` loads ``folder``'s tensors (by the model's own parameter names)."""
     import dataclasses
 

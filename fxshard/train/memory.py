@@ -33,47 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard.runtime.recompute import watching_kept
-
-FORMULAS = {  # (zero, mixed) -> bytes per parameter as (replicated, divided by N) per category
-    (0, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (8, 0)},
-    (1, False): {"params": (4, 0), "grads": (4, 0), "optimizer": (0, 8)},
-    (2, False): {"params": (4, 0), "grads": (0, 4), "optimizer": (0, 8)},
-    (3, False): {"params": (0, 4), "grads": (0, 4), "optimizer": (0, 8)},
-    (0, True): {"params": (2, 0), "grads": (2, 0), "optimizer": (12, 0)},
-    (1, True): {"params": (2, 0), "grads": (2, 0), "optimizer": (0, 12)},
-    (2, True): {"params": (2, 0), "grads": (0, 2), "optimizer": (0, 12)},
-    (3, True): {"params": (0, 2), "grads": (0, 2), "optimizer": (0, 12)},
-}
-FSDP2_ZERO2_EXTRA = {False: 4, True: 2}  # bytes per Ψ/N FSDP2 holds beyond the ZeRO-2 formula (see above)
-
-
-def formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
-    """Bytes per category (and ``total``) the ZeRO paper's formula gives for ``psi`` parameters."""
-    zero = zero if dp > 1 else 0
-    out = {k: psi * (rep + per / dp) for k, (rep, per) in FORMULAS[(zero, mixed)].items()}
-    out["total"] = sum(out.values())
-    return out
-
-
-def peak_params(zero: int, dp: int, mixed: bool, psi: int, blocks=()) -> float:
-    """Parameter bytes a rank holds at once during forward, the transient the ZeRO formulas leave out.
-
-    ZeRO 0/1 hold the parameters in the compute dtype; under ZeRO 2 FSDP2 gathers a stage module's parameters
-    whole next to the fp32 shard; under ZeRO 3 each repeated block is a unit of its own (``blocks``: the
-    parameters of each block unit this rank holds), so the rest of the module is gathered with the running
-    block and the next one, prefetched."""
-    low = 2 if mixed else 4
-    gathered = psi
-    if zero == 3 and dp > 1 and blocks:
-        gathered = psi - sum(blocks) + sum(sorted(blocks)[-2:])
-    return low * gathered + (4 * psi / dp if zero >= 2 and dp > 1 else 0)
-
-
-def formula_text(zero: int, dp: int, mixed: bool) -> str:
-    zero = zero if dp > 1 else 0
-    rep = sum(r for r, _ in FORMULAS[(zero, mixed)].values())
-    per = sum(p for _, p in FORMULAS[(zero, mixed)].values())
-    return " + ".join(t for t in (f"{rep}Ψ" if rep else "", f"{per}Ψ/N" if per else "") if t)
+from fxshard.tools.zero_memory import FSDP2_ZERO2_EXTRA, formula, formula_text, peak_params  # noqa: F401
 
 
 def storage_bytes(tensors) -> int:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fxshard.defaults import ZERO_BUCKET_MB
+
 if TYPE_CHECKING:  # imported where used: the command line reads these options without loading torch
     import torch
 
@@ -22,7 +24,7 @@ class OptimConfig:
         "help": "clip the global gradient norm (over all tp, pp and dp shards)"})
     grad_accum: int = field(default=1, metadata={  # one step over them all (see passes/token_mean.py)
         "help": "batches per optimizer step (gradients averaged)"})
-    zero_bucket_mb: float = field(default=160.0, metadata={  # fxshard.runtime.distributed_optimizer's buckets
+    zero_bucket_mb: float = field(default=ZERO_BUCKET_MB, metadata={  # fxshard.runtime.distributed_optimizer's buckets
         "help": "ZeRO 1: MB of parameters per flat bucket (one gradient reduce-scatter and one parameter "
                 "all-gather per bucket and step; Megatron-Core's default, 40M fp32 elements)"})
     overlap_param_gather: bool = field(default=True, metadata={  # DistributedOptimizer.gather_before_use

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from fxshard.capture.modelfile import ModelFile
+from fxshard.capture.precision import cast_inputs
 from fxshard.capture.program import _WithLoss
-from fxshard.compiler import cast_inputs
 from fxshard.ir.context import DTYPES
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile
+from fxshard.driver import compile
 from fxshard.ir.context import Layout
 
 ROOT = Path(__file__).resolve().parents[2]

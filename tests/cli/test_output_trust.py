@@ -21,7 +21,7 @@ import torch
 from cli_in_process import fxshard as fxshard_in_process
 
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import ModelFileError, OutputFolderError
 from fxshard.ir.context import Layout
 from fxshard.train.checkpoint import CheckpointError, CheckpointReader

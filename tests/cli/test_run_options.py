@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cli_in_process import fxshard
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"

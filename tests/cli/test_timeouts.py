@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -7,8 +7,8 @@ import re
 import pytest
 from test_e2e import ROOT, fxshard
 
+from fxshard.driver import verify
 from fxshard.ir.context import Layout
-from fxshard.tools.verify import verify
 
 
 @pytest.mark.e2e

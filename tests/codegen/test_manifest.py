@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fxshard.codegen.manifest import Manifest, TensorEntry, TiedWeight, WeightsSource, read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import OutputFolderError
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard

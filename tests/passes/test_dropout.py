@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
+from fxshard.driver import compile as compile_model
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import Layout
 from fxshard.runtime import random as rt_random

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.compiler import compile as compile_model
 from fxshard.compiler import compile_program
+from fxshard.driver import compile as compile_model
 from fxshard.errors import LayoutError, PlanError
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.cut import balance

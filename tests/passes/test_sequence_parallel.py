@@ -81,7 +81,7 @@ def test_the_embedding_is_reduce_scattered_and_only_the_loss_parts_and_returned_
 
 
 def test_rank_file_lines(tmp_path):
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
 
     result = compile_model(SAMPLES / "gpt.py", Layout(tp=2, sp=True), out=tmp_path)
     code = result.sources["rank_pp0_tp0.py"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 MODELS = Path(__file__).resolve().parents[1] / "models"

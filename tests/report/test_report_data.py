@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.layout import Coords, Layout
 from fxshard.report.data import report_data
 from fxshard.report.render import render

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
 from fxshard.testing import case_result, spawn_cases

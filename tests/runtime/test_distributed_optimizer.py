@@ -198,7 +198,7 @@ def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case,
     it waited for in the step (--no-overlap-param-gather): the same losses and trained parameters, bit for bit.
     In flight, every bucket is still pending when a step returns, and the next forward waits for all of them,
     in bucket order (the generated module's own parameters first, then its blocks in call order)."""
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
     from fxshard.train.optim import OptimConfig
 

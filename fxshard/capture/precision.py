@@ -1,0 +1,59 @@
+"""Capture at a compute dtype, on real or meta tensors: what ``fxshard compile`` and ``fxshard plan`` capture.
+
+::
+
+    program = capture_at(load_model_file("samples/gpt.py"), 0, inputs, torch.bfloat16, meta=True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+from fxshard.capture.modelfile import ModelFile, buffers_to_meta, meta_as_cpu, to_meta
+from fxshard.capture.program import Program, capture
+
+
+def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = None, meta: bool = False) -> Program:
+    """Capture at the compute ``dtype`` (None: as the model is), on meta tensors with ``meta``.  Under a lower dtype
+    (``--dtype bf16``) the parameters (not the buffers: rotary tables, masks keep their dtype) and floating inputs are
+    cast before capture, so every dtype conversion in the graph is the one the model makes in bf16; the program's
+    tensors are the fp32 initial values, the master weights the optimizer starts from."""
+    if dtype is None and not meta:
+        return capture(mf, seed, inputs=inputs)
+    model = mf.build_model(seed, meta=meta)
+    # on meta, buffers and inputs join the parameters there (a plain model mixes them: logits and targets);
+    # the buffers' real values are what the program keeps
+    real = buffers_to_meta(model) if meta else {}
+    inputs = to_meta(inputs) if meta else inputs
+    masters = {}
+    if dtype is not None:
+        masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+        cast_parameters(model, dtype)
+        inputs = cast_inputs(inputs, dtype)
+    if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
+        with meta_as_cpu(model, inputs) as fake_inputs:
+            program = capture(mf, seed, model=model, inputs=fake_inputs)
+        held = dict(model.state_dict(keep_vars=True)) | dict(model.named_buffers())  # the meta tensors, put back
+        program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                           if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}
+    else:
+        program = capture(mf, seed, model=model, inputs=inputs)
+    for fqn in program.tensors:
+        if fqn in masters or fqn in real:
+            program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]
+    return program
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters (not buffers) in place, keeping the Parameter objects and ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+
+
+def cast_inputs(inputs, dtype: torch.dtype):
+    return pytree.tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v,
+                           inputs)

@@ -1,0 +1,124 @@
+"""The driver: what runs around the compiler, above it, the tools and the trainer.
+
+``compile`` is the whole of ``fxshard compile``: the layout's ``auto`` policies decided by the plan (``--recompute
+auto`` by ``--device-memory``), the compiler, the static checks of the files it generated (refused before anything is
+written), and the output folder; ``verify`` compiles, trains on local processes and on one device, and compares
+(``verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3).ok``).  ``fxshard plan`` is
+:func:`fxshard.tools.costs.plan_costs`: a compile in memory, then the cost model.
+
+    >>> from fxshard.driver import compile
+    >>> from fxshard.ir.layout import Layout
+    >>> result = compile("samples/gpt.py", Layout(tp=2), out="out/gpt-tp2")
+    >>> result.files, result.checks.ranks
+    (['rank_pp0_tp0.py', 'rank_pp0_tp1.py'], 2)
+
+(``tests/test_docs.py`` runs this example.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.folder import check_target
+from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
+from fxshard.errors import FxshardError
+from fxshard.ir.layout import Layout
+from fxshard.tools.check import COMPILER_BUG, check_program
+from fxshard.tools.costs import plan_costs
+from fxshard.tools.verify import (
+    DEFAULT_PARAM_RTOL,
+    DEFAULT_RTOL,
+    Verification,
+    compare_parameters,
+    gather_parameters,
+    with_weights,
+)
+from fxshard.train.optim import OptimConfig
+
+
+def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
+            seed: int = 0, weights: str | Path | None = None, meta: bool = False,
+            device_memory: int | None = None) -> CompiledProgram:
+    """Compile ``model_file`` for ``layout``, check the generated files, and write them to ``out`` if given.
+
+    ``weights``: a Hugging Face folder; the model is captured on meta tensors, the folder validated,
+    and each rank reads its slices from it at run time (no parameter shards are written).
+    ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
+    ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
+    ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first::
+
+        compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
+    """
+    if out is not None:
+        check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
+    memory_plan = None
+    if device_memory is not None or layout.recompute == "auto":
+        memory_plan = plan_costs(model_file, layout, plan, seed, device_memory=device_memory)
+        if layout.recompute == "auto":
+            layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
+    mf = load_model_file(model_file)
+    result = compile_program(mf, layout, plan, seed, meta=meta or weights is not None)
+    result.memory_plan = memory_plan
+    shards = generate(result, mf, seed, weights, meta)
+    result.checks = check_program(result.sources, result.manifest, shard_shapes(result.manifest, shards), run=False,
+                                  fix=COMPILER_BUG)
+    if out is not None:
+        write_output(Path(out), result, mf, shards)
+    return result
+
+
+_compile = compile  # for verify, whose ``compile`` is the run's --compile
+
+
+def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
+           plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
+           out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
+           cpu_matmul: str = "onednn", weights: str | Path | None = None) -> Verification:
+    """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
+
+    The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as
+    ``fxshard run`` does, every rank writing its trained tensors.  Losses must agree within ``rtol`` (relative); the
+    trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
+    all parameters together (:data:`fxshard.tools.verify.DEFAULT_PARAM_RTOL`).  ``compile``: the distributed run is
+    ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
+    Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
+    single-device model is ``make_model()`` with the folder's tensors loaded::
+
+        result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
+        assert result.ok, result.summary()
+    """
+    from fxshard.train.launch import check_accumulated_loss
+    from fxshard.train.local import launch_local
+    from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul
+    from fxshard.train.reference import reference_losses
+
+    check_cpu_matmul(cpu_matmul)
+    with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
+        out = Path(out) if out is not None else Path(tmp) / "out"
+        result = _compile(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
+        metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
+                             cpu_matmul=cpu_matmul, final_state=final)
+        check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
+        if compile:
+            check_compile(out)
+        launch_local(out, options.argv(out), layout.world_size)
+        distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        trained = gather_parameters(result.manifest, final)
+    ref_state: dict = {}
+    mf = load_model_file(model_file)
+    if weights is not None:
+        mf = with_weights(mf, Path(weights))
+    initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
+    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
+    rows = compare_parameters(trained, ref_state, initial)
+    if len(distributed) != steps:
+        raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
+    return Verification(result.ctx.layout, reference, distributed, rows,
+                        rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
+                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])

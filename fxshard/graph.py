@@ -1,0 +1,33 @@
+"""What fxshard reads of a captured graph's provenance: the module each node came from, and what the loss needs.
+
+A leaf (torch.fx alone), so that capture, ir, plan, the passes and the tools read one definition::
+
+    node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
+    loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
+    """What training runs: the loss (output 0 of a captured graph), every op with a side effect (an
+    in-place update, e.g. of a buffer or through a view), and every node these are computed from.  The
+    rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    seen: set[fx.Node] = set()
+    stack = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
+    stack += [n for n in gm.graph.nodes if n.op == "call_function" and n.is_impure()]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def node_fqn(node: fx.Node) -> str:
+    """FQN of the innermost module a node came from ('' for the model itself)."""
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""
