@@ -12,6 +12,9 @@ import typer
 from rich.console import Console
 
 from fxshard.errors import FxshardError, FxshardWarning
+from fxshard.flags import build, flags
+from fxshard.ir.layout import Layout
+from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -42,69 +45,61 @@ def _fail(e: Exception) -> None:
 
 
 # ---------------------------------------------------------------- options shared by compile, plan and verify
+# The layout's flags are Layout's fields (fxshard/ir/layout.py), run's RunOptions' (fxshard/train/options.py): each
+# command's options are generated from those declarations (_with_flags), never restated here.
 
 ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs()")]
-TP = Annotated[int, typer.Option("--tp", help="tensor-parallel degree")]
-PP = Annotated[int, typer.Option("--pp", help="pipeline-parallel degree")]
-DP = Annotated[int, typer.Option("--dp", help="data-parallel degree")]
-Zero = Annotated[int, typer.Option("--zero", help="ZeRO stage (0-3)")]
-EP = Annotated[int, typer.Option("--ep", help="expert-parallel degree: each MoE layer's experts split over ep of the "
-                                              "dp ranks (ep divides dp)")]
-DType = Annotated[str, typer.Option("--dtype", help="fp32, or bf16: mixed precision (bf16 compute, fp32 master "
-                                                      "weights and Adam state)")]
-Schedule = Annotated[str, typer.Option("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved-1f1b, "
-                                                            "zero-bubble")]
-Microbatches = Annotated[int | None, typer.Option("--microbatches",
-                                                  help="pipeline microbatches per step (default: the fewest the "
-                                                       "schedule runs well with that divide the batch)")]
-VirtualStages = Annotated[int | None, typer.Option("--virtual-stages",
-                                                   help="stages per pp rank for interleaved-1f1b (default 2) and "
-                                                        "zero-bubble (default 1)")]
-Recompute = Annotated[str, typer.Option("--recompute", help="activation recompute of each repeated block: none; "
-                                                             "selective (keep matmul outputs, recompute the rest in "
-                                                             "backward); full (keep only the block's inputs); auto (the "
-                                                             "least of these that fits --device-memory by the plan)")]
 DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
                                                   help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
                                                        "whether its predicted peak fits; --recompute auto chooses "
                                                        "by it")]
-SequenceParallel = Annotated[bool, typer.Option("--sp", help="sequence parallelism (with --tp 2 or more): norms, "
-                                                        "dropout and residual adds run on S/tp tokens; the "
-                                                        "all-reduces become reduce-scatters and all-gathers")]
-Overlap = Annotated[bool, typer.Option("--overlap/--no-overlap",
-                                       help="write copy_to and the column-parallel linears reading it as one "
-                                            "rt.copy_to_linears, whose backward overlaps the input gradient's "
-                                            "all-reduce with the weight gradients (same values, same bytes)")]
 PlanFile = Annotated[Path | None, typer.Option("--plan", help="plan file defining PLAN = {fqn_glob: style}")]
+SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="cut the pipeline before this module "
+                                                                              "(repeat, or comma-separate)")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
+LAYOUT_FLAGS = flags(Layout)
+# what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
+VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
+                    if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
 
 
-def _layout(tp: int, pp: int, dp: int, zero: int, schedule: str, microbatches: int | None,
-            virtual_stages: int | None, dtype: str, recompute: str = "none", sp: bool = False,
-            ep: int = 1, overlap: bool = True):
-    from fxshard.ir.context import Layout
+def _option(flag) -> typer.models.OptionInfo:
+    """The typer option of a declared flag (:class:`fxshard.flags.Flag`)."""
+    return typer.Option(flag.default, flag.declaration, help=flag.help or None, hidden=flag.hidden)
 
-    return Layout(tp=tp, pp=pp, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                  virtual_stages=virtual_stages, dtype=dtype, recompute=recompute, sp=sp, ep=ep, overlap=overlap)
+
+def _with_flags(*declared: list):
+    """Give ``command`` an option per flag of each list in ``declared``, after its first parameter (the model or the
+    folder) and before its own options: typer reads the signature; the command receives them in ``**flags``."""
+
+    def wrap(command):
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        made = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_option(f), annotation=f.type)
+                for group in declared for f in group]
+        params = [own[0], *made, *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own[1:])]
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return wrap
+
+
+def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None:
+    """The plan file's PLAN, with ``--split-before``'s cuts (repeated or comma-separated) as its split_before."""
+    from fxshard.compiler import load_plan_file
+
+    user_plan = load_plan_file(plan) if plan else None
+    if split_before:
+        cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
+        user_plan = dict(user_plan or {}, split_before=cuts)
+    return user_plan
 
 
 @app.command()
+@_with_flags(LAYOUT_FLAGS)
 def compile(
     model: ModelArg,
-    tp: TP = 1,
-    pp: PP = 1,
-    dp: DP = 1,
-    ep: EP = 1,
-    zero: Zero = 0,
-    dtype: DType = "fp32",
-    recompute: Recompute = "none",
-    sp: SequenceParallel = False,
-    overlap: Overlap = True,
-    schedule: Schedule = "1f1b",
-    microbatches: Microbatches = None,
-    virtual_stages: VirtualStages = None,
-    split_before: list[str] = typer.Option(None, "--split-before",
-                                           help="cut the pipeline before this module (repeat, or comma-separate)"),
+    split_before: SplitBefore = None,
     plan: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
     seed: Seed = 0,
@@ -114,21 +109,18 @@ def compile(
     meta: bool = typer.Option(False, "--meta", help="capture on meta tensors and write no weights (code and "
                                                     "manifest only; implied by --weights)"),
     device_memory: DeviceMemory = None,
+    **flags,
 ):
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
 
-    from fxshard.compiler import load_plan_file
     from fxshard.driver import compile as compile_
     from fxshard.tools.costs import parse_size
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep, overlap)
-        user_plan = load_plan_file(plan) if plan else None
-        if split_before:
-            cuts = [c.strip() for arg in split_before for c in arg.split(",") if c.strip()]
-            user_plan = dict(user_plan or {}, split_before=cuts)
+        layout = build(Layout, flags)
+        user_plan = _user_plan(plan, split_before)
         with console.status(f"compiling {model} ({layout.describe()})"):
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
                               device_memory=device)
@@ -140,25 +132,17 @@ def compile(
 
 
 @app.command()
+@_with_flags(LAYOUT_FLAGS)
 def plan(
     model: ModelArg,
-    tp: TP = 1,
-    pp: PP = 1,
-    dp: DP = 1,
-    ep: EP = 1,
-    zero: Zero = 0,
-    schedule: Schedule = "1f1b",
-    microbatches: Microbatches = None,
-    virtual_stages: VirtualStages = None,
-    dtype: DType = "fp32",
-    recompute: Recompute = "none",
-    sp: SequenceParallel = False,
+    split_before: SplitBefore = None,
     plan_file: PlanFile = None,
     batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
     seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
+    **flags,
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
     alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble."""
@@ -166,14 +150,12 @@ def plan(
 
     from fxshard.cli.report import plan_report
 
-    from fxshard.compiler import load_plan_file
     from fxshard.tools.costs import parse_size, plan_costs
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep)
-        report = plan_costs(model, layout, load_plan_file(plan_file) if plan_file else None, seed, batch, seq,
-                            device)
+        layout = build(Layout, flags)
+        report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
     except FxshardError as e:
         _fail(e)
     if as_json:
@@ -199,21 +181,6 @@ def show(
         _fail(e)
 
 
-def _option(flag) -> typer.models.OptionInfo:
-    """The typer option of one of ``fxshard run``'s flags (:class:`fxshard.train.options.Flag`)."""
-    return typer.Option(flag.default, flag.declaration, help=flag.help or None, hidden=flag.hidden)
-
-
-def _run_options(command):
-    """Give ``command`` (``out`` alone) an option per flag of RunOptions, in order: typer reads the signature."""
-    out = next(iter(inspect.signature(command).parameters.values())).replace(annotation=Path)
-    flags = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_option(f), annotation=f.type)
-             for f in RunOptions.flags()]
-    command.__signature__ = inspect.Signature([out, *flags])
-    command.__annotations__ = {p.name: p.annotation for p in [out, *flags]}
-    return command
-
-
 ALLOW_EDITED = next(f for f in RunOptions.flags() if f.name == "allow_edited")
 
 
@@ -236,7 +203,7 @@ def check(out: Path = typer.Argument(..., help="compiled output folder"),
 
 
 @app.command()
-@_run_options
+@_with_flags(RunOptions.flags())
 def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags):
     """Train: launch every rank locally, or run as one rank when started by torchrun.
 
@@ -332,50 +299,31 @@ def export(
 
 
 @app.command()
+@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS)
 def verify(
     model: ModelArg,
-    tp: TP = 1,
-    pp: PP = 1,
-    dp: DP = 1,
-    ep: EP = 1,
-    zero: Zero = 0,
-    schedule: Schedule = "1f1b",
-    microbatches: Microbatches = None,
-    virtual_stages: VirtualStages = None,
-    dtype: DType = "fp32",
-    recompute: Recompute = "none",
-    sp: SequenceParallel = False,
-    overlap: Overlap = True,
+    split_before: SplitBefore = None,
     plan: PlanFile = None,
-    steps: int = typer.Option(3, "--steps", help="training steps"),
-    lr: float = typer.Option(1e-3, "--lr"),
-    clip_grad_norm: float = typer.Option(None, "--clip-grad-norm"),
-    grad_accum: int = typer.Option(1, "--grad-accum"),
     rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
     param_rtol: float = typer.Option(None, "--param-rtol",
                                      help="parameters: tolerance of ‖distributed − single device‖ / ‖single device "
                                           "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
     seed: Seed = 0,
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
-    compile: bool = typer.Option(False, "--compile", help="train the distributed side as `fxshard run --compile` "
-                                                          "(torch.compile, inductor)"),
-    cpu_matmul: str = typer.Option("onednn", "--cpu-matmul", help="with --compile on CPU: the large fp32 matrix "
-                                                                 "products' kernel, onednn or torch (as fxshard run)"),
+    **flags,
 ):
-    """Train MODEL distributed (local gloo processes) and on one device; print the largest differences of
-    the losses and of the trained parameters; exit 1 above the tolerance."""
+    """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
+    differences of the losses and of the trained parameters; exit 1 above the tolerance."""
     from fxshard.cli.report import verify_report
 
-    from fxshard.compiler import load_plan_file
     from fxshard.driver import verify as verify_
-    from fxshard.train.optim import OptimConfig
 
     try:
-        layout = _layout(tp, pp, dp, zero, schedule, microbatches, virtual_stages, dtype, recompute, sp, ep, overlap)
-        optim = OptimConfig(lr=lr, clip_grad_norm=clip_grad_norm, grad_accum=grad_accum)
-        console.print(f"verifying {model} at {layout.describe()}: {steps} steps distributed and on one device")
-        result = verify_(model, layout, steps, optim, load_plan_file(plan) if plan else None, seed, rtol,
-                         param_rtol, out, compile=compile, cpu_matmul=cpu_matmul)
+        layout = build(Layout, flags)
+        run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
+        console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
+        result = verify_(model, layout, run.steps, run.optim, _user_plan(plan, split_before), seed, rtol, param_rtol,
+                         out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

@@ -2,7 +2,7 @@
 
 From the bottom (DESIGN.md's data flow, with the driver and the command line on top)::
 
-    leaves     errors, units, version, defaults, graph      import no other fxshard module
+    leaves     errors, units, version, defaults, flags, graph      import no other fxshard module
     runtime    what rank files import (torch alone)
     capture    torch.export of the model file
     ir         layout and mesh, placements, sharding rules, the collective table, node facts, the passes' context
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"fxshard": ROOT / "fxshard", "fxshard.passes": ROOT / "passes", "fxshard.cli": ROOT / "cli"}
-LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.defaults", "fxshard.graph")
+LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.defaults", "fxshard.flags", "fxshard.graph")
 LAYERS = (
     LEAVES,
     ("fxshard.runtime",),

@@ -1,5 +1,6 @@
 """The layout of a compiled program: the mesh its ranks form, and the flags that choose how it trains.
 
+Its fields are the layout flags of ``fxshard compile``, ``plan`` and ``verify``, declared once (:mod:`fxshard.flags`).
 The mesh's axes have one home, here: ``MESH_AXES`` are its dimensions, outermost first (a tp group is
 consecutive ranks); expert parallelism's ``ep`` and ``edp`` are carved out of ``dp``.  Code that names an axis uses
 these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process group a rank's program
@@ -14,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from fxshard.errors import LayoutError
+from fxshard.flags import option
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
@@ -84,20 +88,32 @@ _COORD_AXES = tuple(f.name for f in dataclasses.fields(Coords))
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    zero: int = 0
-    schedule: str = "1f1b"
-    microbatches: int | None = None
-    virtual_stages: int | None = None  # stages per pp rank; interleaved schedules default to 2
-    dtype: str = "fp32"  # compute dtype of the generated code; "bf16": mixed precision, fp32 master weights
-    recompute: str = "none"  # activation recompute of the repeated blocks: none, selective, full (or auto, resolved)
-    sp: bool = False  # sequence parallelism: what runs between tp regions runs on S/tp tokens (passes/collectives.py)
-    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of dp (passes/expert_parallel.py)
+    # each field is an option of `fxshard compile`, `plan` and `verify` (fxshard.flags), with this help
+    tp: int = option(1, "tensor-parallel degree")
+    pp: int = option(1, "pipeline-parallel degree")
+    dp: int = option(1, "data-parallel degree")
+    zero: int = option(0, "ZeRO stage (0-3)")
+    schedule: str = option("1f1b", f"pipeline schedule: {', '.join(SCHEDULES)}")
+    microbatches: int | None = option(None, "pipeline microbatches per step (default: the fewest the schedule runs "
+                                            "well with that divide the batch)")
+    virtual_stages: int | None = option(None, "stages per pp rank for interleaved-1f1b (default 2) and zero-bubble "
+                                              "(default 1)")
+    # the compute dtype of the generated code; bf16: mixed precision, fp32 master weights
+    dtype: str = option("fp32", "fp32, or bf16: mixed precision (bf16 compute, fp32 master weights and Adam state)")
+    # activation recompute of the repeated blocks (auto is resolved by the driver before the compile)
+    recompute: str = option("none", "activation recompute of each repeated block: none; selective (keep matmul outputs, "
+                                    "recompute the rest in backward); full (keep only the block's inputs); auto (the "
+                                    "least of these that fits --device-memory by the plan)")
+    # sequence parallelism (passes/collectives.py)
+    sp: bool = option(False, "sequence parallelism (with --tp 2 or more): norms, dropout and residual adds run on S/tp "
+                             "tokens; the all-reduces become reduce-scatters and all-gathers")
+    # expert parallelism (passes/expert_parallel.py)
+    ep: int = option(1, "expert-parallel degree: each MoE layer's experts split over ep of the dp ranks (ep divides dp)")
     # copy_to + the column-parallel linears reading it written as rt.copy_to_linears: backward overlaps the input
     # gradient's all-reduce with the weight gradients (fxshard/codegen/emit.py); False: plain copy_to and linears
-    overlap: bool = True
+    overlap: bool = option(True, "write copy_to and the column-parallel linears reading it as one rt.copy_to_linears, "
+                                 "whose backward overlaps the input gradient's all-reduce with the weight gradients "
+                                 "(same values, same bytes)")
 
     def __post_init__(self):
         for axis in (TP, PP, DP, EP):
@@ -151,6 +167,8 @@ class Layout:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        import torch
+
         return getattr(torch, DTYPES[self.dtype])
 
     @property

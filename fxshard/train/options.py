@@ -1,4 +1,5 @@
-"""``fxshard run``'s options, each declared once: a field here (the optimizer's in :class:`OptimConfig`).
+"""``fxshard run``'s options, each declared once: a field here (the optimizer's in :class:`OptimConfig`), made a
+command-line option by :mod:`fxshard.flags`.
 
 The command line is made from these fields (option ``--field-name``, the field's default and help), and
 the launcher hands the same options to every rank it starts as that command line again::
@@ -11,47 +12,14 @@ Options that could only fail later are refused before any process starts (:func:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from fxshard.flags import Flag, build, flags, option, values
 from fxshard.train.data.options import DataOptions
 from fxshard.train.optim import OptimConfig
-
-
-def option(default, help: str = "", *, hidden: bool = False, launcher: bool = False):
-    """A field of :class:`RunOptions`; ``launcher``: read by the launching process only, not passed on."""
-    return field(default=default, metadata={"help": help, "hidden": hidden, "launcher": launcher})
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line option of ``fxshard run``: field ``name`` is ``--name-with-dashes``."""
-
-    name: str
-    type: object
-    default: object
-    help: str = ""
-    hidden: bool = False
-    launcher: bool = False
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def declaration(self) -> str:
-        """What the command line declares: ``--x``, or ``--x/--no-x`` for a switch that is on by default."""
-        return f"{self.flag}/--no-{self.flag[2:]}" if self.default is True else self.flag
-
-    def argv(self, value) -> list[str]:
-        """This option set to ``value``, as arguments (none for an unset path or a switch at its default)."""
-        if isinstance(value, bool):
-            return [] if value == self.default else [self.flag if value else f"--no-{self.flag[2:]}"]
-        return [] if value is None else [self.flag, str(value)]
 
 
 @dataclass(frozen=True)
@@ -86,17 +54,17 @@ class RunOptions:
     @classmethod
     def flags(cls) -> list[Flag]:
         """Every option, in order, the optimizer's fields where ``optim`` is."""
-        return _flags(cls)
+        return flags(cls)
 
     @classmethod
     def from_flags(cls, values: dict) -> RunOptions:
         """The options of parsed flags, by field name as :meth:`flags` lists them."""
-        return _build(cls, values)
+        return build(cls, values)
 
     def argv(self, out: str | Path) -> list[str]:
         """The ``fxshard run`` arguments of every rank the launcher starts: these options, but the launcher's own."""
-        values = _values(self)
-        return ["run", str(out)] + [a for f in self.flags() if not f.launcher for a in f.argv(values[f.name])]
+        given = values(self)
+        return ["run", str(out)] + [a for f in self.flags() if not f.launcher for a in f.argv(given[f.name])]
 
     def checkpoint_config(self):
         """``--checkpoint DIR [--save-every K] [--resume]`` as a CheckpointConfig, or None without a folder."""
@@ -109,29 +77,6 @@ class RunOptions:
         if self.save_every < 0:
             raise CheckpointError(f"--save-every {self.save_every}: expected a positive number of steps")
         return CheckpointConfig(self.checkpoint, self.save_every, self.resume)
-
-
-def _flags(cls) -> list[Flag]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        out += _flags(kind) if dataclasses.is_dataclass(kind) else [Flag(f.name, kind, f.default, **f.metadata)]
-    return out
-
-
-def _build(cls, values: dict):
-    hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _build(hints[f.name], values) if dataclasses.is_dataclass(hints[f.name]) else values[f.name]
-                  for f in dataclasses.fields(cls)})
-
-
-def _values(obj) -> dict:
-    out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        out |= _values(value) if dataclasses.is_dataclass(value) else {f.name: value}
-    return out
 
 
 def check_run_options(out: Path, options: RunOptions, say=print):

@@ -1,0 +1,49 @@
+"""Every command's layout flags come from one declaration, Layout's fields, and verify's training flags from
+RunOptions' (fxshard/flags.py): the typer commands' options are compared with the declarations, in one process."""
+
+from __future__ import annotations
+
+import typer
+from fxshard.cli.app import app
+
+from fxshard.flags import Flag, flags
+from fxshard.ir.layout import Layout
+from fxshard.train.optim import OptimConfig
+from fxshard.train.options import RunOptions
+
+COMMANDS = typer.main.get_command(app).commands
+
+
+def _options(command: str) -> dict[str, object]:
+    """Parameter name -> click option of ``fxshard COMMAND``."""
+    return {p.name: p for p in COMMANDS[command].params}
+
+
+def _declared_as(option, flag: Flag) -> bool:
+    names = option.opts + option.secondary_opts
+    return (names == flag.declaration.split("/") and option.default == flag.default
+            and (option.help or "") == flag.help and option.hidden == flag.hidden)
+
+
+def test_compile_plan_and_verify_take_every_layout_flag_as_layout_declares_it():
+    for command in ("compile", "plan", "verify"):
+        options = _options(command)
+        for flag in flags(Layout):
+            assert flag.name in options, f"fxshard {command} has no {flag.flag}"
+            assert _declared_as(options[flag.name], flag), (command, flag, options[flag.name].opts)
+
+
+def test_the_layout_flags_include_the_ones_that_had_drifted():
+    assert "overlap" in _options("plan") and all("split_before" in _options(c) for c in ("compile", "plan", "verify"))
+
+
+def test_verify_trains_with_run_s_own_flags_for_steps_the_optimizer_timeout_and_compile():
+    verify, run = _options("verify"), {f.name: f for f in RunOptions.flags()}
+    for name in ("steps", "timeout", "compile", "cpu_matmul", *(f.name for f in flags(OptimConfig))):
+        assert name in verify and _declared_as(verify[name], run[name]), name
+
+
+def test_run_takes_every_run_option_as_declared():
+    run = _options("run")
+    for flag in RunOptions.flags():
+        assert _declared_as(run[flag.name], flag), flag
