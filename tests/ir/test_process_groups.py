@@ -23,7 +23,7 @@ def _expected(layout: Layout, rank: int, tied: dict) -> dict[str, list[int]]:
     for name, stages in tied.items():
         holders = sorted({layout.stage_rank(s) for s in stages})
         if len(holders) > 1:  # a weight whose stages all sit on one pp rank needs no group
-            along[name] = [layout.rank_of(c[DP], p, c[TP]) for p in holders]
+            along[name] = [layout.rank_of(c.replace(pp=p)) for p in holders]
     return along
 
 
