@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fxshard.codegen.emit import collective_counts
 from fxshard.codegen.manifest import Manifest, RankEntry, read_manifest
-from fxshard.ir.layout import DP
+from fxshard.ir.layout import DP, EP, PP, TP
 from fxshard.units import human_bytes
 
 
@@ -59,7 +59,7 @@ def _stage_table(manifest: Manifest) -> Table | None:
                         f"{pipe.microbatches} microbatches of {pipe.batch // pipe.microbatches} "
                         f"(cut: {pipe.cut})")
     table.add_column("stage", justify="right")
-    table.add_column("pp", justify="right")
+    table.add_column(PP, justify="right")
     table.add_column("holds", no_wrap=True)
     table.add_column("blocks", justify="right")
     table.add_column("GFLOP/mb", justify="right")
@@ -160,7 +160,7 @@ def _activation_table(console: Console, rows: list[dict]) -> None:
 
 
 def check_summary(report) -> str:
-    kinds = [k for k in ("tp", "pp", "ep", "tied-weight") if any(g.label.startswith(k + " group") for g in report.groups)]
+    kinds = [k for k in (TP, PP, EP, "tied-weight") if any(g.label.startswith(k + " group") for g in report.groups)]
     text = (f"{report.ranks} rank file(s) agree on the collectives of every {', '.join(kinds)} group"
             if kinds else f"{report.ranks} rank file(s), no process group to compare")
     return text + (f"; {len(report.links)} pipeline send/recv pair(s) match" if report.links else "")

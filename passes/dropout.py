@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxshard.errors import RandomnessError
 from fxshard.graph import node_fqn
-from fxshard.ir.context import CompileContext, RankValue, spec
+from fxshard.ir.context import TP, CompileContext, RankValue, spec
 from fxshard.ir.contracts import COMMUNICATED, MASKS_INVARIANT, contract
 from fxshard.ir.placement import Replicate, Shard
 from fxshard.ir.sharding import argument
@@ -73,7 +73,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         placement = spec(node).placement
         if isinstance(placement, Shard) and layout.tp > 1:
             blocks = (placement.blocks,) if placement.blocks > 1 else ()
-            kwargs["shard"] = RankValue("tp", tuple((placement.dim, r, layout.tp, *blocks)
+            kwargs["shard"] = RankValue(TP, tuple((placement.dim, r, layout.tp, *blocks)
                                                     for r in range(layout.tp)))
         if _DROPOUT[node.target]:
             kwargs["inplace"] = True

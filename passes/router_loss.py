@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
-from fxshard.ir.context import CompileContext, Group, NodeSpec, spec
+from fxshard.ir.context import DP, CompileContext, Group, NodeSpec, spec
 from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import collectives as rtc
@@ -62,7 +62,7 @@ def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                           "output_router_logits=False in the model file, or train at --dp 1")
     for node in means:
         with gm.graph.inserting_before(node):
-            mean = gm.graph.call_function(rtc.batch_mean, (node.args[0], Group("dp")), {"rows": rows})
+            mean = gm.graph.call_function(rtc.batch_mean, (node.args[0], Group(DP)), {"rows": rows})
         mean.meta = {"val": node.meta["val"], "nn_module_stack": node.meta.get("nn_module_stack", {}),
                      "stack_trace": node.meta.get("stack_trace", ""),
                      "fxshard": NodeSpec(Replicate(), spec(node).fqn, "whole-batch mean", "batch_mean", None,

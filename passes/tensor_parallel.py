@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.graph import node_fqn
-from fxshard.ir.context import CompileContext, NodeSpec, RankValue, spec, update_spec
+from fxshard.ir.context import TP, CompileContext, NodeSpec, RankValue, spec, update_spec
 from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import (
@@ -333,15 +333,15 @@ def _vocab_embedding(node: fx.Node, tp: int) -> None:
     node.kwargs = rows
     if padding_idx >= 0:  # the padding row, indexed among the rows of the rank that holds it
         starts, ends = rows["start"].values, rows["end"].values
-        node.kwargs = rows | {"padding_idx": RankValue("tp", tuple(
+        node.kwargs = rows | {"padding_idx": RankValue(TP, tuple(
             padding_idx - s if s <= padding_idx < e else -1 for s, e in zip(starts, ends, strict=True)))}
 
 
 def _rank_range(size: int, tp: int) -> dict[str, RankValue]:
     """``start``/``end`` of each tp rank's equal part of a dimension of ``size`` (rows, classes)."""
     part = size // tp
-    return {"start": RankValue("tp", tuple(r * part for r in range(tp))),
-            "end": RankValue("tp", tuple((r + 1) * part for r in range(tp)))}
+    return {"start": RankValue(TP, tuple(r * part for r in range(tp))),
+            "end": RankValue(TP, tuple((r + 1) * part for r in range(tp)))}
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's Reduction enum
