@@ -192,7 +192,7 @@ def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu",
     """Compile the model file at world size 1 (bf16, on meta: no weights written), then time ``contenders`` (the
     four, or some of them: a test leaves the compiled ones out)."""
     from benchmarks.common import BACKEND_OF
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     out = Path(tempfile.mkdtemp(dir=work, prefix="single-"))

@@ -168,8 +168,8 @@ def _weights_case(work: Path, flags: list[str]) -> int:
     from transformers import LlamaForCausalLM
 
     from fxshard.capture.modelfile import load_model_file
+    from fxshard.driver import verify
     from fxshard.ir.context import Layout
-    from fxshard.tools.verify import verify
 
     work.mkdir(parents=True, exist_ok=True)
     folder = work / "llama-hub"

@@ -76,7 +76,9 @@ def inputs_read(out: Path, manifest, pp_rank: int) -> set | None:
     targets a token-mean loss counts for the step's divisor, which the rank file's ``count_tokens`` reads."""
     if manifest.layout.pp == 1:
         return None
-    entry = manifest.rank({"dp": 0, "pp": pp_rank, "tp": 0})
+    from fxshard.ir.layout import Coords
+
+    entry = manifest.rank(Coords(pp=pp_rank))
     keys = {_key(i.path): i.name for i in manifest.inputs if i.is_tensor}
     if any(st.index == 0 for st in entry.stages or ()):
         return set(keys)
