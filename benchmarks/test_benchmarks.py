@@ -209,3 +209,21 @@ def test_cpu_model_names_the_vector_extensions():
     assert cpu_model(info) == {"cpu": "AMD EPYC 7B13", "cpu_vector": ["sse4_2", "avx", "avx2", "fma", "avx512f"]}
     assert cpu_line({"cpu": "AMD EPYC", "cpu_vector": ["avx", "avx2"]}) == "AMD EPYC (avx, avx2; no AVX-512)"
     assert "did not record" in cpu_line({})  # results measured before the benchmarks recorded it
+
+
+def test_the_1b_llama_has_tinyllamas_shape(monkeypatch):
+    """benchmarks/models/llama.py at 1b: TinyLlama 1.1B's shape, heads of 64 (not samples/llama.py's 8, which its
+    config fixed before the sizes changed: the first GPU run measured that narrow-attention model)."""
+    import torch
+
+    from benchmarks.models import llama
+    from benchmarks.single import flops_per_token
+
+    monkeypatch.setenv("FXSHARD_BENCH_SIZE", "1b")
+    with torch.device("meta"):
+        model = llama.make_model()
+    config = model.config
+    assert config.head_dim == 64 and model.model.layers[0].self_attn.q_proj.weight.shape == (2048, 2048)
+    assert sum(p.numel() for p in model.parameters()) == 1_100_048_384
+    # 6 N without the input embedding (1,034,512,384) + 12 L (heads head_dim) seq = 12 * 22 * 2048 * 2048
+    assert flops_per_token(model, config) == 6 * 1_034_512_384 + 12 * 22 * 2048 * 2048

@@ -38,6 +38,8 @@ def _sample():
 def config():
     config = _sample().config()
     config.update(size()["config"])
+    # LlamaConfig fixed head_dim (hidden / heads) when samples/llama.py built it: the new sizes' own, not 64 / 8
+    config.head_dim = config.hidden_size // config.num_attention_heads
     return config
 
 
