@@ -51,6 +51,7 @@ from fxshard.codegen.weights import checkpoint_source, external_weights, shard_m
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
+    BLOCKED,
     COMMUNICATED,
     MASKS_INVARIANT,
     PLACED,
@@ -64,6 +65,7 @@ from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.stages import pipeline_stages, tied_weights
+from fxshard.passes.blocks import blocks_pass
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
@@ -76,9 +78,9 @@ from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
 PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
-          dropout_pass, pipeline_pass, checks_pass]
-# what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages
-CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED)
+          dropout_pass, pipeline_pass, blocks_pass, checks_pass]
+# what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
+CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
 
 
 @dataclass

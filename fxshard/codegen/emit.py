@@ -19,9 +19,9 @@ import torch
 import torch.fx as fx
 
 from fxshard.capture.custom_ops import import_lines
-from fxshard.codegen.blocks import BlockUnit, block_units
 from fxshard.graph import loss_cone
 from fxshard.ir.autograd import requires_grad
+from fxshard.ir.blocks import BlockUnit, block_units
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.cut import find_blocks, under
@@ -348,12 +348,12 @@ def _class_code(name, doc, comments, nodes, state_nodes, inputs, recomputed, ctx
                 block_classes: dict | None = None):
     """One generated class; ``guard`` = (nodes, lines): the lines go before the first of those nodes, whose
     collectives the manifest marks ``outputs_only``.  Each repeated block it runs becomes a submodule
-    (:mod:`fxshard.codegen.blocks`), of a class kept in ``block_classes`` (body -> class) for the whole file."""
+    (recorded by passes/blocks.py, :mod:`fxshard.ir.blocks`), of a class kept in ``block_classes`` (body -> class) for the whole file."""
     program = ctx.program
     state = program.state_by_name()
     tp = ctx.layout.tp
     guarded_nodes, guard_lines = guard or (set(), [])
-    units = block_units(nodes, state_nodes, find_blocks(program.module_types), keep, set(recomputed) | guarded_nodes)
+    units = block_units(nodes, state_nodes, keep, set(recomputed) | guarded_nodes)
     in_units = {n for u in units.values() for n in u.state}
     taken = set(_RESERVED)
     attrs: dict[str, str] = {}

@@ -28,7 +28,9 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import loss_cone
+from fxshard.ir.blocks import bodies
 from fxshard.ir.context import CompileContext, spec
+from fxshard.ir.cut import under
 from fxshard.ir.sharding import tensor_args
 
 aten = torch.ops.aten
@@ -163,3 +165,22 @@ COMMUNICATED = Fact("collectives inserted: every op's inputs have the placements
 MASKS_INVARIANT = Fact("dropout rewritten: no torch dropout left, every mask layout-invariant", _torch_dropout)
 STAGED = Fact("pipeline stages assigned: at pp > 1 every node computing the loss has its stage, in graph order",
               _unstaged)
+
+
+def _unblocked(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    for body in bodies(gm, ctx):
+        seen: set[str] = set()
+        current = ""
+        for node in body.nodes:
+            block = "" if node in body.apart else spec(node).block
+            if block and not under(spec(node).fqn, block):
+                return f"{node.name} ({spec(node).fqn or 'the model'}) runs in block {block}, outside its module"
+            if block and block != current and block in seen:
+                return f"{node.name} runs in block {block}, apart from the block's other nodes"
+            seen.add(block)
+            current = block
+    return None
+
+
+BLOCKED = Fact("repeated blocks recorded: the nodes of each block a class calls as a submodule are one contiguous run "
+               "of its nodes, all inside the block", _unblocked)

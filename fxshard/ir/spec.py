@@ -63,6 +63,9 @@ class NodeSpec:
     # pipeline: the stage computing the node (pp > 1).  None where no stage computes it: pp = 1, placeholders,
     # what only the model's other outputs need.  What crosses stages is derived from these (fxshard.ir.stages)
     stage: int | None = None
+    # blocks: the repeated block (its FQN) whose generated submodule runs the node; "" for the nodes its class
+    # runs itself.  What a block holds, reads and returns is derived from these (fxshard.ir.blocks)
+    block: str = ""
 
 
 def spec(node: fx.Node) -> NodeSpec:

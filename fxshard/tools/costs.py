@@ -30,10 +30,10 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.precision import capture_at
-from fxshard.codegen.blocks import block_units
 from fxshard.errors import LayoutError, OptionError
 from fxshard.graph import loss_cone
 from fxshard.ir.autograd import requires_grad
+from fxshard.ir.blocks import block_units
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks, under
@@ -374,15 +374,14 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
 
 def _traces(gm, ctx, stages, nodes, state, coords, local, dims, at) -> dict[str, dict]:
     """Recompute mode -> {stage index: StageMemory}: each stage traced as the generated code runs it under that
-    mode (its repeated blocks found as code generation finds them); only ``none`` for a model without blocks."""
-    blocks = find_blocks(ctx.program.module_types)
+    mode (its repeated blocks as passes/blocks.py recorded them); only ``none`` for a model without blocks."""
     if stages:
         spans = [(st.index, st.nodes, st.state, [*st.inputs, *st.outputs], set(st.outputs), set(st.recomputed))
                  for st in stages]
     else:
         out = next(n for n in gm.graph.nodes if n.op == "output")
         spans = [(0, nodes, state, [], set(out.all_input_nodes), set())]
-    units = {i: block_units(ns, sn, blocks, keep, exclude) for i, ns, sn, _, keep, exclude in spans}
+    units = {i: block_units(ns, sn, keep, exclude) for i, ns, sn, _, keep, exclude in spans}
     modes = RECOMPUTE_ORDER if any(units.values()) else ("none",)
     return {mode: {i: trace_saved(ns, ctx, coords, local, dims, at, held=held, recompute_mode=mode, units=units[i])
                    for i, ns, _, held, _, _ in spans} for mode in modes}

@@ -19,7 +19,7 @@ Fake tensors report the CPU device, so ``scaled_dot_product_attention`` takes th
 saves q, k, v, the output and the logsumexp, not the S x S weights of the math path: the same tensors as
 the CUDA flash kernel, and the measured CPU run (``fxshard run --memory-report``) picks it too.
 
-Under ``--recompute`` each repeated block (``units``, :func:`fxshard.codegen.blocks.block_units`, the spans the
+Under ``--recompute`` each repeated block (``units``, :func:`fxshard.ir.blocks.block_units`, the spans the
 generated code calls as submodules) runs through the runtime's own :func:`fxshard.runtime.recompute.recompute`,
 that is ``torch.utils.checkpoint`` with the same policy: checkpoint saves the block's inputs through the hooks,
 and the outputs selective recompute keeps (cached by torch where the hooks do not see them) are noted through
@@ -72,7 +72,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
 
     ``local``: each node's local shape; ``dims(node)``: its local dimensions as expressions in B and S;
     ``at``: where to evaluate to pick the largest value; ``units``: the repeated blocks among ``nodes`` (first
-    node -> :class:`~fxshard.codegen.blocks.BlockUnit`), run as ``recompute_mode`` has the generated code run them."""
+    node -> :class:`~fxshard.ir.blocks.BlockUnit`), run as ``recompute_mode`` has the generated code run them."""
     state = set(ctx.program.state_by_name())
     grad_inputs = requires_grad(nodes[0].graph.owning_module, ctx.params) if nodes else set()
     env, producer, saved, running = {}, {}, [], [None, None]  # running: the node and the block being run
