@@ -70,6 +70,7 @@ from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
+from fxshard.passes.overlap import overlap_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.router_loss import has_router_loss, router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
@@ -78,7 +79,7 @@ from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
 PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
-          dropout_pass, pipeline_pass, blocks_pass, checks_pass]
+          dropout_pass, pipeline_pass, blocks_pass, overlap_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
 

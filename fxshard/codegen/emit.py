@@ -187,7 +187,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, version: 
         collective_lines=collective_header(held, ctx, skipped, unit, per_step),
         recompute_line=_recompute_line(layout.recompute, [u for b in block_classes.values() for u in b.users],
                                        f"{TP} and {EP}" if layout.ep > 1 else TP),
-        legend_lines=legend_lines(held, {c["op"] for c in collectives}),
+        legend_lines=legend_lines(held),
         pipeline_lines=_pipeline_header(ctx, coords) if pipe is not None else [],
         axes=axes,
         classes=classes,
@@ -398,7 +398,6 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
     where = _group_lines(nodes, recomputed, guarded_nodes)
     dead = _dead_after([(st.all_input_nodes, [st]) if isinstance(st, fx.Node) else (st.inputs, st.outputs)
                         for st in steps], inputs, keep)
-    fused, part_of = _overlapped(nodes, names, ctx)
     lines: list[str] = []
     group_key = None
     for i, st in enumerate(steps):
@@ -441,24 +440,13 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             lines.append(_group_comment(node, ctx, where.get(node, ""), relative_to=relative_to)
                          + ("  (recomputed here, not received)" if again else ""))
         target = getattr(node.target, "__name__", "")
-        if node in fused:  # copy_to and the column-parallel linears reading it, as one overlapped call
-            linears = fused[node]
-            names[node] = names[node].replace("copy_to", "copy_to_linears", 1)
-            weights = tuple(n.args[1] for n in linears)
-            biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
-            call = (f"rt.copy_to_linears({_arg(node.args[0], names, coords)}, {_arg(node.args[1], names, coords)}, "
-                    f"weights={_arg(weights, names, coords)}, biases={_arg(biases, names, coords)})")
-            after = ", ".join(str(spec(n).placement) for n in linears)
-            note = f"{_value_text(node, tp)} {spec(node.args[0]).placement} -> ({after})"
-            target = "copy_to_linears"
-        elif node in part_of:
-            call, note = f"{names[part_of[node][0]]}[{part_of[node][1]}]", _note(node, tp)
-        else:
-            call, note = _call(node, names, coords), _note(node, tp)
-        line = f"{names[node]} = {call}{drop}"
+        line = f"{names[node]} = {_call(node, names, coords)}{drop}"
+        note = _note(node, tp)
         lines.append(f"{line}  # {note}" if note else line)
         if spec(node).collective and KINDS[target].communicates:
             val = node.meta.get("val")
+            if isinstance(val, tuple):  # rt.copy_to_linears: its input, as its copy_to's
+                val = node.args[0].meta["val"]
             collectives.append({
                 "op": target,
                 "group": next(a.axis for a in node.args if isinstance(a, Group)),
@@ -470,33 +458,6 @@ def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, collective
             if node in guarded_nodes:
                 collectives[-1]["outputs_only"] = True
     return lines
-
-
-def _overlapped(nodes: list[fx.Node], names: dict, ctx: CompileContext) -> tuple[dict, dict]:
-    """The ``copy_to`` calls written as ``rt.copy_to_linears`` (``fxshard/runtime/collectives.py``): those whose
-    every user is a linear of this body taking it as its input, with weights and biases the module's own
-    parameters.  Their backward starts the input gradient's all-reduce, computes the weight gradients while it
-    runs and waits for it (Megatron-LM's overlap); the graph, which the plan and the checks read, keeps the
-    ``copy_to`` and the linears.  Not under zero-bubble, whose split backward would run the fused backward in both
-    of its passes.  Returns ``{copy_to: [linears]}`` and ``{linear: (copy_to, index)}``."""
-    if ctx.layout.schedule == "zero-bubble" or not ctx.layout.overlap:
-        return {}, {}
-    here = set(nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    fused, part_of = {}, {}
-    for node in nodes:
-        if node.op != "call_function" or node.target is not rt_collectives.copy_to or not node.users:
-            continue
-        users = list(node.users)
-        if not all(u in here and u.op == "call_function" and u.target is aten.linear.default and not u.kwargs
-                   and u.args[0] is node and all(isinstance(a, fx.Node) and a.op == "placeholder"
-                                                 and names.get(a, "").startswith("self.") for a in u.args[1:]
-                                                 if a is not None)
-                   for u in users):
-            continue
-        fused[node] = sorted(users, key=order.__getitem__)
-        part_of |= {u: (node, i) for i, u in enumerate(fused[node])}
-    return fused, part_of
 
 
 @dataclass
@@ -534,7 +495,7 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
     args = [f"__arg{i}__" for i in range(len(unit.inputs))]
     names.update(zip(unit.inputs, args, strict=True))
     for node in unit.nodes:
-        names[node] = attr_name(_base_name(node), taken)
+        names[node] = local_name(node, taken)
     collectives: list[dict] = []
     local = dict(names)
     lines = _body(unit.nodes, local, unit.inputs, set(unit.outputs), set(), None, ctx, coords, collectives,
@@ -593,9 +554,22 @@ def _value_name(node: fx.Node) -> str:
     return var if var and var != "out" else _base_name(node)
 
 
+def local_name(node: fx.Node, taken: set[str]) -> str:
+    """The name of ``node`` in a block's class: its op, numbered (``linear``, ``linear_1``, ...); a fused
+    ``copy_to_linears`` is numbered among the ``copy_to`` (passes/overlap.py), so its class reads as without
+    the fusion but for the fused lines."""
+    name = attr_name(_base_name(node), taken)
+    return name.replace("copy_to", "copy_to_linears", 1) if node.target is rt_collectives.copy_to_linears else name
+
+
 def _base_name(node: fx.Node) -> str:
-    """The name torch.fx gives a node before numbering it: its op (``linear``, ``all_reduce``, ``getitem``)."""
+    """The name torch.fx gives a node before numbering it: its op (``linear``, ``all_reduce``, ``getitem``); the
+    fused ``copy_to_linears`` and its outputs the ``copy_to`` and ``linear`` they replace (passes/overlap.py)."""
     target = node.target
+    if target is rt_collectives.copy_to_linears:
+        return "copy_to"
+    if target is operator.getitem and getattr(node.args[0], "target", None) is rt_collectives.copy_to_linears:
+        return "linear"
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__.split(".")[-1]
     return getattr(target, "__name__", "value").strip("_") or "value"
@@ -842,20 +816,20 @@ def _bytes_text(n: float) -> str:
     return human_bytes(n, digits=1)
 
 
-def legend_lines(nodes: list[fx.Node], emitted: set[str] = frozenset()) -> list[str]:
-    """What each collective this file calls does, once (from :mod:`fxshard.ir.comm`), in the order of first use;
-    ``emitted``: the collectives the file's lines call (a ``copy_to`` may be written as ``copy_to_linears``)."""
+def legend_lines(nodes: list[fx.Node]) -> list[str]:
+    """What each collective the file's ``nodes`` call does, once (from :mod:`fxshard.ir.comm`), in the order of
+    first use; ``copy_to_linears`` (the fused ``copy_to``, passes/overlap.py) and ``copy_to`` are said together
+    where the first of them is used, the fused one first."""
+    called = [n.target.__name__ for n in nodes if spec(n).collective]
     used = []
-    for n in nodes:
-        name = spec(n).collective and n.target.__name__
-        written = [name]
-        if name == "copy_to" and "copy_to_linears" in emitted:
-            written = ["copy_to_linears"] + (["copy_to"] if "copy_to" in emitted else [])
-        for w in written:
-            if w and w not in used:
-                used.append(w)
+    for name in called:
+        family = _COPY_TO if name in _COPY_TO else (name,)
+        used += [w for w in family if w in called and w not in used]
     width = max((len(u) for u in used), default=0)
     return [f"  rt.{name:<{width}}  {KINDS[name].legend}" for name in used]
+
+
+_COPY_TO = ("copy_to_linears", "copy_to")
 
 
 def _axes(ctx: CompileContext) -> list[str]:
@@ -960,6 +934,8 @@ def _note(node: fx.Node, tp: int) -> str:
     s = spec(node)
     value = _value_text(node, tp)
     p = s.placement
+    if s.collective == "copy_to_linears":  # its input's value; the linears' outputs after the arrow
+        return f"{_value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
     if s.collective:
         src = spec(node.args[0]).placement
         return f"{value} {src} -> {p}".strip()

@@ -18,6 +18,7 @@ graph after the blocks pass only has to give the nodes it inserts their block.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -25,6 +26,7 @@ import torch.fx as fx
 from fxshard.graph import loss_cone
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.stages import StageSpec, pipeline_stages
+from fxshard.runtime import collectives as rtc
 
 
 @dataclass
@@ -93,7 +95,7 @@ def block_units(nodes: list[fx.Node], state_nodes: list[fx.Node], keep: set[fx.N
         inputs: dict[fx.Node, None] = {}
         state: dict[fx.Node, None] = {}
         for n in span:
-            for a in n.all_input_nodes:
+            for a in _reads(n):
                 if a in inside:
                     continue
                 if a in own_state and all(u in inside for u in a.users):
@@ -105,7 +107,28 @@ def block_units(nodes: list[fx.Node], state_nodes: list[fx.Node], keep: set[fx.N
     return units
 
 
+def _reads(node: fx.Node) -> list[fx.Node]:
+    """The values ``node`` reads, in order, a fused ``copy_to_linears`` (passes/overlap.py) and its outputs read
+    as the ``copy_to`` and linears they replace: the fused op its input, output i the fused op and linear i's
+    weight and bias.  So a block holds its parameters in the same order with and without ``--overlap``, in its
+    class and in the manifest."""
+    if node.target is rtc.copy_to_linears:
+        return [node.args[0]]
+    fused = node.args[0] if node.target is operator.getitem else None
+    if isinstance(fused, fx.Node) and fused.target is rtc.copy_to_linears:
+        i = node.args[1]
+        return [a for a in (fused, fused.kwargs["weights"][i], fused.kwargs["biases"][i]) if a is not None]
+    return node.all_input_nodes
+
+
 def unit_of(units: dict[fx.Node, BlockUnit]) -> dict[fx.Node, BlockUnit]:
     """Node -> the unit it runs in, for the nodes of ``units``."""
     return {n: u for u in units.values() for n in u.nodes}
 
+
+def held_state(body: Body, units: dict[fx.Node, BlockUnit]) -> dict[BlockUnit | None, set[fx.Node]]:
+    """The parameters and buffers each class of ``body`` holds: each block submodule its own (key: its unit),
+    the class of the body the rest (key: None)."""
+    held: dict[BlockUnit | None, set[fx.Node]] = {u: set(u.state) for u in units.values()}
+    held[None] = set(body.state).difference(*held.values())
+    return held

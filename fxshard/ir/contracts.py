@@ -21,6 +21,7 @@ A broken contract is fxshard's own bug, never the user's: :class:`ContractError`
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import loss_cone
-from fxshard.ir.blocks import bodies
+from fxshard.ir.blocks import block_units, bodies, held_state, unit_of
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.cut import under
 from fxshard.ir.sharding import tensor_args
@@ -184,3 +185,27 @@ def _unblocked(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
 
 BLOCKED = Fact("repeated blocks recorded: the nodes of each block a class calls as a submodule are one contiguous run "
                "of its nodes, all inside the block", _unblocked)
+
+
+def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    for body in bodies(gm, ctx):
+        units = block_units(body.nodes, body.state, body.keep, body.apart)
+        where, held = unit_of(units), held_state(body, units)
+        members = set(body.nodes) - body.apart
+        for node in body.nodes:
+            if spec(node).collective != "copy_to_linears":
+                continue
+            cls = where.get(node)
+            odd = next((u for u in node.users if u.target is not operator.getitem or u not in members
+                        or where.get(u) is not cls), None)
+            if odd is not None:
+                return f"{odd.name} reads {node.name} other than as one of its outputs in its class"
+            read = node.kwargs["weights"] + node.kwargs["biases"]
+            foreign = [a.name for a in read if a is not None and a not in held[cls]]
+            if foreign:
+                return f"{node.name} reads {', '.join(foreign)}, which its class does not hold"
+    return None
+
+
+OVERLAPPED = Fact("copy_to fused with its column-parallel linears: each rt.copy_to_linears read by index in its own "
+                  "class, which holds its weights and biases", _unfused)

@@ -109,8 +109,8 @@ class Layout:
                              "tokens; the all-reduces become reduce-scatters and all-gathers")
     # expert parallelism (passes/expert_parallel.py)
     ep: int = option(1, "expert-parallel degree: each MoE layer's experts split over ep of the dp ranks (ep divides dp)")
-    # copy_to + the column-parallel linears reading it written as rt.copy_to_linears: backward overlaps the input
-    # gradient's all-reduce with the weight gradients (fxshard/codegen/emit.py); False: plain copy_to and linears
+    # copy_to + the column-parallel linears reading it fused as rt.copy_to_linears: backward overlaps the input
+    # gradient's all-reduce with the weight gradients (passes/overlap.py); False: plain copy_to and linears
     overlap: bool = option(True, "write copy_to and the column-parallel linears reading it as one rt.copy_to_linears, "
                                  "whose backward overlaps the input gradient's all-reduce with the weight gradients "
                                  "(same values, same bytes)")

@@ -336,7 +336,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     psi = sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
               for n in state if n in ctx.params)
     m = ctx.microbatches
-    moved = _tp_elements(tensors, numel)
+    moved = _tp_elements([n for n in nodes if spec(n).collective], numel)  # rt.copy_to_linears: a tuple
     row = {"pp_rank": pp_rank,
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
@@ -482,11 +482,11 @@ def _all_to_all_bytes(tensors, numel, layout: Layout) -> sympy.Expr:
     return sympy.nsimplify(WIRE["all_to_all"](layout.ep)) * total
 
 
-def _tp_elements(tensors, numel) -> dict[str, sympy.Expr]:
+def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
     moved: dict[str, sympy.Expr] = {}
-    for n in tensors:
+    for n in collectives:
         kind = KINDS.get(spec(n).collective)
         if kind is None or any(isinstance(a, Group) and a.axis != TP for a in n.args):  # ep: its own row
             continue

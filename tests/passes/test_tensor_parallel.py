@@ -25,17 +25,19 @@ def _collectives(gm):
 
 
 def _counts(gm):
-    """(forward all-reduces, backward all-reduces) issued by one rank per step."""
+    """(forward all-reduces, backward all-reduces) issued by one rank per step (a copy_to fused with its linears,
+    passes/overlap.py, all-reduces backward as the copy_to did)."""
     nodes = _collectives(gm)
     fwd = sum(n.target is rtc.all_reduce for n in nodes)
-    bwd = sum(n.target is rtc.copy_to for n in nodes)
+    bwd = sum(n.target in (rtc.copy_to, rtc.copy_to_linears) for n in nodes)
     return fwd, bwd
 
 
 def test_mlp_issues_one_all_reduce_each_way(models):
     gm = compile_program(models / "mlp.py", Layout(tp=2)).gm
     assert _counts(gm) == (1, 1)
-    linears = [n for n in gm.graph.nodes if n.target in (aten.linear.default,)]
+    fused = next(n for n in gm.graph.nodes if n.target is rtc.copy_to_linears)  # fc_in's input, overlapped
+    linears = [n for n in gm.graph.nodes if n.target is aten.linear.default or n.args[:1] == (fused,)]
     assert [spec(n).placement for n in linears] == [Shard(1), Partial()]
     assert [spec(n).role for n in linears] == ["column-parallel", "row-parallel"]
     weights = {n.name: spec(n).placement for n in gm.graph.nodes if n.op == "placeholder"}

@@ -1,0 +1,91 @@
+"""Overlap in backward: a ``copy_to`` and the column-parallel linears that read it, fused into one op.
+
+A column-parallel linear's input enters split compute through ``copy_to``: identity forward, all-reduce of
+the gradient backward.  As separate ops, autograd computes the linears' input and weight gradients, and only
+then does the ``copy_to`` all-reduce the input gradient.  Fused (``rt.copy_to_linears``, Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication``, :mod:`fxshard.runtime.collectives`), backward computes
+the input gradient first, starts its all-reduce, computes the weight gradients while it runs and waits for it
+last: the same bytes and values, the all-reduce hidden behind the weight gradients.
+
+Each ``copy_to`` whose every user is such a linear becomes one node, and each linear the fused op's output at
+its position, so the plan and the checks read the op the rank file runs::
+
+    copy_to_linears_3 = rt.copy_to_linears(x, self.tp, weights=(wq, wk, wv), biases=(bq, bk, bv))
+    linear_3 = copy_to_linears_3[0]
+
+A linear qualifies when it takes the ``copy_to`` as its input and runs in the same generated class (the same
+pipeline stage, and the same block submodule or outside every block: :mod:`fxshard.ir.blocks`), with weights
+and biases that class's own parameters.  The pass runs unless ``--no-overlap``, and not under the zero-bubble
+schedule, whose split backward would run the fused backward in both of its passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxshard.ir.blocks import Body, block_units, bodies, held_state, unit_of
+from fxshard.ir.context import CompileContext, spec, update_spec
+from fxshard.ir.contracts import BLOCKED, COMMUNICATED, OVERLAPPED, STAGED, contract
+from fxshard.runtime import collectives as rtc
+
+aten = torch.ops.aten
+
+
+@contract(requires=(COMMUNICATED, STAGED, BLOCKED), ensures=(OVERLAPPED,))
+def overlap_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    for body in bodies(gm, ctx):
+        for node, linears in _fusible(body).items():
+            _fuse(gm, node, linears)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --no-overlap keeps copy_to and the linears; zero-bubble's split backward would run the fused backward twice
+overlap_pass.applies = lambda layout: layout.overlap and layout.schedule != "zero-bubble"
+
+
+def _fusible(body: Body) -> dict[fx.Node, list[fx.Node]]:
+    """Each ``copy_to`` of ``body`` that fuses with its users, with those linears in the class's order."""
+    units = block_units(body.nodes, body.state, body.keep, body.apart)
+    where, held = unit_of(units), held_state(body, units)
+    position = {n: i for i, n in enumerate(body.nodes)}
+    found = {}
+    for node in body.nodes:
+        if node.target is not rtc.copy_to or not node.users or node in body.apart:
+            continue
+        cls = where.get(node)
+        if all(u in position and u not in body.apart and where.get(u) is cls and _linear_of(u, node, held[cls])
+               for u in node.users):
+            found[node] = sorted(node.users, key=position.__getitem__)
+    return found
+
+
+def _linear_of(user: fx.Node, x: fx.Node, state: set[fx.Node]) -> bool:
+    """Whether ``user`` is ``linear(x, weight[, bias])`` with weight and bias among ``state``."""
+    return (user.op == "call_function" and user.target is aten.linear.default and not user.kwargs
+            and user.args[0] is x and all(a in state for a in user.args[1:] if a is not None))
+
+
+def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
+    """Replace ``node`` (a copy_to) by one ``rt.copy_to_linears`` node, and each linear by its output."""
+    x, group = node.args
+    weights = tuple(n.args[1] for n in linears)
+    biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
+    with gm.graph.inserting_before(node):
+        fused = gm.graph.create_node("call_function", rtc.copy_to_linears, (x, group),
+                                     {"weights": weights, "biases": biases},
+                                     name=node.name.replace("copy_to", "copy_to_linears", 1))
+    fused.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    fused.meta["val"] = tuple(n.meta["val"] for n in linears)
+    fused.meta["fxshard"] = dataclasses.replace(spec(node), collective="copy_to_linears",
+                                                placement=tuple(spec(n).placement for n in linears))
+    for i, linear in enumerate(linears):  # in place: each keeps its name, position and facts
+        linear.target = operator.getitem
+        linear.args, linear.kwargs = (fused, i), {}
+        update_spec(linear, inputs=())  # as for any getitem: it reads no tensor (a tuple)
+    gm.graph.erase_node(node)
