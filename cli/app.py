@@ -169,7 +169,7 @@ def show(
     out: Path = typer.Argument(..., help="compiled output folder"),
     rank: int = typer.Option(None, "--rank", help="global rank whose code to print"),
 ):
-    """Print the layout summary, or one rank's generated code (highlighted)."""
+    """Print the layout summary, or one rank's generated code (highlighted). Runs no code of OUT."""
     from fxshard.cli.report import show_layout, show_rank
 
     try:
@@ -255,10 +255,15 @@ def report(
                                                           "`fxshard run` of OUT wrote, from OUT/run.json)"),
     trace: Path = typer.Option(None, "--trace", help="the run's --trace folder (default: from OUT/run.json)"),
     to: Path = typer.Option(None, "--to", help="write the page here (default OUT/report.html)"),
+    model: Path = typer.Option(None, "--model", help="your copy of the model file OUT was compiled from (same "
+                                                      "sha256): draw each rank's memory by the plan, which imports it"),
 ):
-    """Write OUT/report.html: one self-contained page of the mesh (what each rank holds, its memory by the plan),
-    the model as compiled (placements, collectives, the rank files), the pipeline schedule (planned, and measured
-    when the run was traced) and the last run (loss, step time, tokens/s, memory)."""
+    """Write OUT/report.html: one self-contained page of the mesh (what each rank holds; with --model, its memory
+    by the plan), the model as compiled (placements, collectives, the rank files), the pipeline schedule (planned,
+    and measured when the run was traced) and the last run (loss, step time, tokens/s, memory).
+
+    The report runs no code of OUT (its model.py and rank files are read as text): a folder from someone else can
+    be looked at safely. It imports only the --model file you name."""
     from fxshard.report.render import write_report
     from fxshard.tools.costs import parse_size
 
@@ -273,7 +278,7 @@ def report(
             raise OptionError(f"--to {to}: expected a file path in an existing folder; found "
                               + ("a folder" if to.is_dir() else f"no folder {to.parent}") + "; give e.g. --to report.html")
         with console.status(f"reporting {out}"):
-            path, warnings = write_report(out, device, metrics, trace, to)
+            path, warnings = write_report(out, device, metrics, trace, to, model)
     except FxshardError as e:
         _fail(e)
     for w in warnings:
@@ -317,10 +322,12 @@ def verify(
     from fxshard.cli.report import verify_report
 
     from fxshard.driver import verify as verify_
+    from fxshard.tools.verify import check_verify_options
 
     try:
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
+        check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
         console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
         result = verify_(model, layout, run.steps, run.optim, _user_plan(plan, split_before), seed, rtol, param_rtol,
                          out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)

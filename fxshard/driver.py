@@ -93,9 +93,12 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     """
     from fxshard.train.launch import check_accumulated_loss
     from fxshard.train.local import launch_local
-    from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul
+    from fxshard.tools.verify import check_verify_options
+    from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul, check_timeout
     from fxshard.train.reference import reference_losses
 
+    check_verify_options(steps, rtol, param_rtol)  # before anything is compiled or launched
+    check_timeout(timeout_s)
     check_cpu_matmul(cpu_matmul)
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
         out = Path(out) if out is not None else Path(tmp) / "out"

@@ -57,8 +57,10 @@ def edit(path: Path, old: str, new: str) -> int:
 
 
 def check_error(out: Path) -> str:
+    """What check says of an edited folder when told to run it anyway (without --allow-edited it refuses the edited
+    file before running anything, tests/cli/test_trust_look.py)."""
     with pytest.raises(CheckError) as info:
-        check_output(out)
+        check_output(out, allow_edited=True)
     return str(info.value)
 
 
@@ -190,7 +192,7 @@ def test_cli_check_prints_the_groups_and_exits_2_on_a_mismatch(compiled, tmp_pat
     assert "OK: 4 rank file(s) agree on the collectives of every tp, pp, tied-weight group" in ok.output
     out = copy(gpt_tp2(compiled), tmp_path)
     edit(out / "rank_pp0_tp1.py", "all_reduce = rt.all_reduce(embedding, self.tp)", "all_reduce = embedding")
-    bad = runner.invoke(app, ["check", str(out)])
+    bad = runner.invoke(app, ["check", str(out), "--allow-edited"])
     assert bad.exit_code == 2
     assert "error: rank_pp0_tp1.py:" in bad.stderr and "running this would hang" in bad.stderr
     assert "Traceback" not in bad.stderr

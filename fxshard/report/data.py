@@ -1,11 +1,13 @@
 """Everything ``fxshard report`` shows, gathered from what fxshard already wrote or computes elsewhere.
 
-The report computes nothing of its own: the layout and rank files come from the manifest, memory per rank
-from ``fxshard plan``'s cost model (:func:`fxshard.tools.costs.plan_costs`), the schedule from torch's own
-schedule order (:mod:`fxshard.tools.timeline`), the run from ``OUT/run.json`` (:mod:`fxshard.train.record`),
-the ``--metrics`` lines and the ``--trace`` files::
+The report computes nothing of its own, and runs no code of the folder it reads (a folder received from someone
+else is looked at, not run): the layout comes from the manifest, the rank files are read as text, the schedule
+from torch's own schedule order (:mod:`fxshard.tools.timeline`), the run from ``OUT/run.json``
+(:mod:`fxshard.train.record`), the ``--metrics`` lines and the ``--trace`` files.  Memory per rank is ``fxshard
+plan``'s cost model (:func:`fxshard.tools.costs.plan_costs`), which imports a model file: only one the user
+names (``model``), and only when it is the file the folder was compiled from (its recorded sha256)::
 
-    data = report_data(Path("out/l"))
+    data = report_data(Path("out/l"), model=Path("samples/llama.py"))
     len(data.cells), len(data.schedule.rows)   # 8 ranks, 2 pp ranks for tp=2 pp=2 dp=2
 """
 
@@ -20,6 +22,7 @@ from fxshard.codegen.manifest import Manifest, read_manifest
 from fxshard.ir.layout import Coords
 from fxshard.report.code import ModuleLines, highlight, rank_modules
 from fxshard.tools.timeline import Slot, bubble, timeline
+from fxshard.train.record import RUN_RECORD
 
 MEMORY_PARTS = (("params_peak", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
                 ("activations", "activations"), ("transient", "transient"))
@@ -64,7 +67,7 @@ class Measured:
 @dataclass
 class RunInfo:
     losses: list[tuple[int, float]]
-    seconds: list[float]
+    seconds: list[float | None]  # per step of ``losses``; None: not recorded
     tokens_per_step: int | None
     memory: list[dict] | None
     metrics: str | None
@@ -92,15 +95,16 @@ class ReportData:
 
 
 def report_data(out: str | Path, device_memory: int | None = None, metrics: Path | None = None,
-                trace: Path | None = None) -> ReportData:
-    """Gather the report of compiled folder ``out`` (and of its last run: ``run.json``, or the files given)."""
+                trace: Path | None = None, model: Path | None = None) -> ReportData:
+    """Gather the report of compiled folder ``out`` (and of its last run: ``run.json``, or the files given);
+    ``model``: the model file ``out`` was compiled from, for the plan's memory figures."""
     from fxshard.errors import OptionError
     from fxshard.train.record import read_run_record, recorded_path
 
     out = Path(out)
     manifest = read_manifest(out)
     layout = manifest.layout
-    plan_rows, note = _plan(out, manifest, device_memory)
+    plan_rows, note = _plan(manifest, device_memory, model)
     cells = _cells(manifest, plan_rows, device_memory)
     modules = {e.file: rank_modules((out / e.file).read_text(), layout.tp) for e in manifest.ranks}
     code = {e.file: highlight((out / e.file).read_text()) for e in manifest.ranks}
@@ -113,7 +117,7 @@ def report_data(out: str | Path, device_memory: int | None = None, metrics: Path
         metrics = None
     if trace is None:
         trace = recorded_path(record, "trace", out)
-    data.run = _run(record, metrics, manifest)
+    data.run = _run(record, metrics, manifest, data.warnings)
     data.measured = measured_step(trace, layout.world_size) if trace is not None else None
     if trace is not None and data.measured is None:
         what = f"--trace {trace}" if given else f"the last run's trace, {record['trace']}"
@@ -124,16 +128,21 @@ def report_data(out: str | Path, device_memory: int | None = None, metrics: Path
     return data
 
 
-def _plan(out: Path, manifest: Manifest, device_memory: int | None) -> tuple[list[dict], str]:
-    """Per pp rank the plan's bytes (``fxshard plan``), or why there are none."""
+def _plan(manifest: Manifest, device_memory: int | None, model: Path | None) -> tuple[list[dict], str]:
+    """Per pp rank the plan's bytes (``fxshard plan`` of ``model``, the user's own copy of the model file), or why
+    there are none.  Never the folder's ``model.py``: reading a folder runs none of its code."""
     from fxshard.errors import FxshardError
     from fxshard.tools.costs import plan_costs
 
     if "user" in manifest.plan_source.split("+") or (manifest.pipeline and manifest.pipeline.cut == "split_before"):
         return [], "no plan figures: compiled with a plan file or --split-before, which the folder does not record"
+    if model is None:
+        return [], (f"no plan figures: the report runs no code of the folder it reads; pass --model with your copy of "
+                    f"{manifest.model_name or 'the model file'} (the file it was compiled from) to draw each rank's "
+                    "memory by the plan")
+    _same_model(model, manifest)
     try:
-        report = plan_costs(out / manifest.model_file, manifest.layout, seed=manifest.seed,
-                            device_memory=device_memory)
+        report = plan_costs(model, manifest.layout, seed=manifest.seed, device_memory=device_memory)
     except FxshardError as e:
         return [], f"no plan figures: {e}"
     rows = []
@@ -144,6 +153,20 @@ def _plan(out: Path, manifest: Manifest, device_memory: int | None) -> tuple[lis
     for row in rows:
         row["bubble"], row["bubble_formula"] = bubble, report.bubble_formula
     return rows, ""
+
+
+def _same_model(model: Path, manifest: Manifest) -> None:
+    """``--model`` is the file the folder was compiled from (sha256), before it is imported."""
+    import hashlib
+
+    from fxshard.errors import OptionError
+
+    if not Path(model).is_file():
+        raise OptionError(f"--model {model}: no such file; name the model file the folder was compiled from")
+    found = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:16]
+    if found != manifest.model_digest:
+        raise OptionError(f"--model {model}: is not the model file the folder was compiled from (sha256 {found}, the "
+                          f"manifest records {manifest.model_digest} for {manifest.model_name}); name that file")
 
 
 def _cells(manifest: Manifest, plan_rows: list[dict], device_memory: int | None) -> list[Cell]:
@@ -176,27 +199,64 @@ def _schedule(manifest: Manifest) -> Schedule:
     return Schedule(layout.schedule, m, v, rows, span, bubble(rows), float(expr), formula)
 
 
-def _run(record: dict, metrics: Path | None, manifest: Manifest) -> RunInfo | None:
-    """The losses and step times of the last run (the --metrics lines; run.json's losses without them)."""
+def _run(record: dict, metrics: Path | None, manifest: Manifest, warnings: list[str]) -> RunInfo | None:
+    """The losses and step times of the last run (the --metrics lines; run.json's losses without them).  A line
+    whose step or loss is not a number is left out and said in ``warnings``; a non-finite loss (a run that
+    stopped on it) stays in the table, and the curve draws the finite ones."""
     from fxshard.train.progress import tokens_per_step
 
     losses, seconds, tokens = [], [], tokens_per_step(manifest)
     if metrics is not None and metrics.is_file():
-        for line in metrics.read_text().splitlines():
+        for number, line in enumerate(metrics.read_text(errors="replace").splitlines(), start=1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            losses.append((row["step"], row["loss"]))
-            if "seconds" in row:
-                seconds.append(row["seconds"])
-            tokens = row.get("tokens", tokens)
-    elif record.get("losses"):
-        losses = list(enumerate(record["losses"], start=record["steps"] - len(record["losses"]) + 1))
+            step, loss = (row.get("step"), row.get("loss")) if isinstance(row, dict) else (None, None)
+            if not (_is_number(step) and float(step).is_integer() and _is_number(loss)):
+                warnings.append(f"{metrics} line {number}: expected a step and a loss that are numbers; found "
+                                f"{_short(line)}; not drawn")
+                continue
+            losses.append((int(step), float(loss)))
+            sec = row.get("seconds")
+            seconds.append(float(sec) if _is_number(sec) and math.isfinite(sec) and sec > 0 else None)
+            if isinstance(row.get("tokens"), int) and not isinstance(row.get("tokens"), bool):
+                tokens = row["tokens"]
+    elif isinstance(record.get("losses"), list) and isinstance(record.get("steps"), int):
+        values = record["losses"]
+        if all(_is_number(v) for v in values):
+            losses = [(i, float(v)) for i, v in enumerate(values, start=record["steps"] - len(values) + 1)]
+        else:
+            warnings.append(f"{RUN_RECORD}: its losses are not all numbers; not drawn")
     if not losses:
         return None
-    return RunInfo(losses, seconds, tokens, record.get("memory"), str(metrics) if metrics else None,
-                   record.get("time", ""))
+    for step, value in losses:
+        if not math.isfinite(value):
+            warnings.append(f"step {step}: loss {value} (not a finite number; the curve leaves it out)")
+    memory = record.get("memory")
+    if memory is not None and not _memory_rows(memory):
+        warnings.append(f"{RUN_RECORD}: its memory rows are not what `fxshard run --memory-report` writes; not shown")
+        memory = None
+    return RunInfo(losses, seconds, tokens, memory, str(metrics) if metrics else None, str(record.get("time", "")))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _memory_rows(rows) -> bool:
+    """run.json's memory rows have the fields and numbers the page reads."""
+    keys = ("params", "grads", "optimizer", "saved", "peak")
+    return isinstance(rows, list) and all(
+        isinstance(r, dict) and isinstance(r.get("rank"), int) and isinstance(r.get("coords"), dict)
+        and all(_is_number(r.get(k)) for k in keys)
+        and (r.get("plan") is None or isinstance(r["plan"], dict) and all(_is_number(r["plan"].get(k))
+                                                                          for k in ("saved", "peak")))
+        for r in rows)
 
 
 def measured_step(trace: Path, world: int) -> Measured | None:

@@ -9,11 +9,13 @@ positions)::
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jinja2
 
 from fxshard import units
+from fxshard.files import write_text
 from fxshard.ir.layout import Coords
 from fxshard.report.data import MEMORY_PARTS, ReportData, report_data
 
@@ -22,12 +24,14 @@ ACTION_NAMES = {"F": "forward", "B": "backward", "I": "backward (input gradient)
 
 
 def write_report(out: str | Path, device_memory: int | None = None, metrics: Path | None = None,
-                 trace: Path | None = None, path: Path | None = None) -> tuple[Path, list[str]]:
-    """Write the report of compiled folder ``out`` to ``path`` (default ``out/report.html``); its path, and what
-    the last run recorded that could not be read (also on the page)."""
-    data = report_data(out, device_memory, metrics, trace)
+                 trace: Path | None = None, path: Path | None = None,
+                 model: Path | None = None) -> tuple[Path, list[str]]:
+    """Write the report of compiled folder ``out`` to ``path`` (default ``out/report.html``; never through a link);
+    its path, and what the last run recorded that could not be read (also on the page).  ``model``: the model file
+    ``out`` was compiled from, for the plan's memory figures (nothing of ``out`` runs)."""
+    data = report_data(out, device_memory, metrics, trace, model)
     path = Path(path) if path is not None else Path(out) / REPORT
-    path.write_text(render(data))
+    write_text(path, render(data), "the report")
     return path, data.warnings
 
 
@@ -77,14 +81,20 @@ def _per_step(data: ReportData) -> int:
 def _loss_curve(data: ReportData, width: int = 560, height: int = 200, pad: int = 40) -> dict | None:
     if data.run is None or not data.run.losses:
         return None
-    steps = [s for s, _ in data.run.losses]
-    values = [v for _, v in data.run.losses]
+    drawn = [(s, v) for s, v in data.run.losses if math.isfinite(v)]  # a non-finite loss: said, not drawn
+    if not drawn:
+        return None
+    steps = [s for s, _ in drawn]
+    values = [v for _, v in drawn]
     lo, hi = min(values), max(values)
-    hi = hi if hi > lo else lo + 1
     first, last = min(steps), max(steps)
     span = max(last - first, 1)
-    points = [(pad + (s - first) / span * (width - 2 * pad), height - pad - (v - lo) / (hi - lo) * (height - 2 * pad))
-              for s, v in data.run.losses]
+
+    def up(v: float) -> float:  # 0 at the lowest loss, 1 at the highest; halves: hi - lo of two huge finite losses
+        return (v / 2 - lo / 2) / (hi / 2 - lo / 2) if hi > lo else 0.5  # (1e308, -1e308) would overflow to inf
+
+    points = [(pad + (s - first) / span * (width - 2 * pad), height - pad - up(v) * (height - 2 * pad))
+              for s, v in drawn]
     return {"width": width, "height": height, "pad": pad, "points": points, "lo": lo, "hi": hi, "first": first,
             "last": last, "path": " ".join(f"{x:.1f},{y:.1f}" for x, y in points)}
 

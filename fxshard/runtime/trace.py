@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -92,10 +91,10 @@ def save() -> Path | None:
         meta.append({"name": "thread_name", "ph": "M", "pid": tracer.rank, "tid": DP_THREAD,
                      "args": {"name": "dp (DDP / FSDP2 / ZeRO 1 gathers)"}})
     path = tracer.folder / f"rank{tracer.rank}.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}))
-    tmp.replace(path)
-    return path
+    from fxshard.files import write_text  # here: importing the runtime loads nothing else of fxshard
+
+    return write_text(path, json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}),
+                      "this rank's trace")
 
 
 def merge(folder: str | Path, world: int) -> Path:
@@ -104,6 +103,7 @@ def merge(folder: str | Path, world: int) -> Path:
     events: list[dict] = []
     for rank in range(world):
         events += json.loads((folder / f"rank{rank}.json").read_text())["traceEvents"]
-    path = folder / MERGED
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return path
+    from fxshard.files import write_text
+
+    return write_text(folder / MERGED, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}),
+                      "the joined trace")

@@ -70,12 +70,9 @@ def check_output(out: str | Path, allow_edited: bool = False) -> CheckReport:
     problems += _external_weights(manifest)
     if problems:
         _fail(problems, RECOMPILE)
-    report = check_program(sources, manifest, weights, run=True, fix=_fix_for(out, manifest))
-    # after the checks above, whose messages say more about a broken edit; this catches the edits they cannot
-    # see (a changed number), before anything trains on them
-    if not allow_edited:
+    if not allow_edited:  # before anything of the folder runs: a file edited after compile is refused unrun
         refuse_edited(out, manifest)
-    return report
+    return check_program(sources, manifest, weights, run=True, fix=_fix_for(out, manifest))
 
 
 def _fix_for(out: Path, manifest: Manifest) -> str:

@@ -10,6 +10,7 @@ records into full tensors (:func:`gather_parameters`) and compared with the sing
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,18 @@ class Verification:
                 f"{self.worst['fqn']}); tolerance: losses {self.rtol:g} relative, parameters {self.param_rtol:g} of "
                 "the update: "
                 f"{'OK' if self.ok else 'FAILED'}")
+
+
+def check_verify_options(steps: int, rtol: float | None, param_rtol: float | None) -> None:
+    """Refuse what would make the comparison meaningless, before anything is compiled or launched."""
+    from fxshard.errors import OptionError
+
+    if not (isinstance(steps, int) and steps >= 1):
+        raise OptionError(f"--steps {steps}: expected at least 1 training step to compare, e.g. --steps 3")
+    for flag, value, example in (("rtol", rtol, "1e-5"), ("param-rtol", param_rtol, "1e-3")):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise OptionError(f"--{flag} {value}: expected a finite tolerance >= 0, e.g. --{flag} {example} (leave it "
+                              "out for the default of the dtype)")
 
 
 def with_weights(mf, folder: Path):

@@ -300,12 +300,9 @@ def _fsync(path: Path) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from fxshard.files import write_text
+
+    write_text(path, text, f"the checkpoint's {path.name}", fsync=True)
 
 
 # ---------------------------------------------------------------- load

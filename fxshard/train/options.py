@@ -96,8 +96,11 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         raise OptionError(f"--steps {options.steps}: expected at least 1 step (steps count from the start, resumed "
                           "or not)")
     timeout, metrics, final_state = options.timeout, options.metrics, options.final_state
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise OptionError(f"--timeout {timeout}: expected a positive number of seconds, e.g. --timeout 300")
+    check_timeout(timeout)
+    from fxshard.files import refuse_link
+    from fxshard.train.record import RUN_RECORD
+
+    refuse_link(Path(out) / RUN_RECORD, "the run record")  # written by rank 0 at the end: refused now, not then
     if metrics is not None:
         _check_metrics(out, metrics)
     check_cpu_matmul(options.cpu_matmul)
@@ -116,6 +119,18 @@ def check_run_options(out: Path, options: RunOptions, say=print):
             raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
                               "folder you can write to") from None
     return checkpoint
+
+
+MAX_TIMEOUT = 365 * 24 * 3600  # a year: torch's stores and gloo take deadlines this far (1e10 s fails to connect)
+
+
+def check_timeout(timeout: float) -> None:
+    """``--timeout`` seconds: positive, finite, and no more than torch's process groups accept."""
+    from fxshard.errors import OptionError
+
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
+        raise OptionError(f"--timeout {timeout}: expected a positive number of seconds up to {MAX_TIMEOUT} (a year), "
+                          "e.g. --timeout 300")
 
 
 def _check_compiled_memory_report(out: Path) -> None:
@@ -173,6 +188,9 @@ def _check_metrics(out: Path, metrics: Path) -> None:
             raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
         if not metrics.parent.is_dir():
             raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
+        from fxshard.files import refuse_link
+
+        refuse_link(metrics, "the run's metrics")  # rank 0 appends to it: never through a link
         _refuse_generated(out, metrics)
         if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
             existed = metrics.exists()
@@ -195,6 +213,14 @@ def _check_trace(trace: Path) -> None:
         if not trace.exists() and not trace.parent.is_dir():
             raise OptionError(f"--trace {trace}: the folder {trace.parent} does not exist; create it first")
         trace.mkdir(exist_ok=True)
+        import re
+
+        from fxshard.files import refuse_link
+        from fxshard.runtime.trace import MERGED
+
+        for path in trace.iterdir():  # the files the ranks and the join will write: refused now, not after training
+            if path.name == MERGED or re.fullmatch(r"rank\d+\.json", path.name):
+                refuse_link(path, "a trace file")
         probe = trace / f".fxshard-write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
@@ -221,6 +247,11 @@ def _check_checkpoint_option(checkpoint, say) -> None:
 
     if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
         raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+    if checkpoint.save_every:
+        from fxshard.files import refuse_link
+        from fxshard.train.checkpoint import LATEST
+
+        refuse_link(checkpoint.folder / LATEST, "the checkpoint's latest")  # rewritten by every save
     if checkpoint.resume:
         from fxshard.train.checkpoint import check_checkpoint
 

@@ -26,10 +26,10 @@ def write_run_record(out: Path, options, losses: list[float], memory_rows: list[
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": options.steps, "losses": losses,
               "metrics": _recorded(options.metrics, out), "trace": _recorded(options.trace, out),
               "memory": memory_rows, "digests": manifest.digests}
-    path = Path(out) / RUN_RECORD
-    with contextlib.suppress(OSError):
-        path.write_text(json.dumps(record, indent=1, default=str) + "\n")
-        return path
+    from fxshard.files import write_text
+
+    with contextlib.suppress(OSError):  # a link planted at run.json is refused before launch (train/options.py)
+        return write_text(Path(out) / RUN_RECORD, json.dumps(record, indent=1, default=str) + "\n", "the run record")
     return None
 
 

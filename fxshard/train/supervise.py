@@ -80,7 +80,10 @@ class CheckpointBusyError(FxshardError):
 def checkpoint_lock(folder: Path):
     """Hold ``folder``'s lock for the block; refuse when another live process holds it."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    from fxshard.files import open_no_follow
+
+    fd = open_no_follow(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644, "the checkpoint's lock")  # a planted link:
+    # refused by name, never truncated through
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -26,7 +26,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(out):
-    return report_data(out, device_memory=900 * 2**10)  # between the two pp ranks' predicted peaks
+    return report_data(out, device_memory=900 * 2**10, model=LLAMA)  # between the two pp ranks' predicted peaks
 
 
 def test_one_cell_per_rank_with_its_file_and_the_plans_memory(data):
