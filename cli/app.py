@@ -126,8 +126,12 @@ def compile(
                               device_memory=device)
     except FxshardError as e:
         _fail(e)
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder)
-        _fail(f"compile interrupted by {e.args[0] if e.args else 'SIGINT'}: {out} was left as it was")
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
+        signal_name = e.args[0] if e.args else "SIGINT"
+        if getattr(e, "swapped", False):  # it came during the swap, which was completed first
+            _fail(f"compile interrupted by {signal_name} while the new program was being swapped in: {out} holds "
+                  "the new program, complete (your files in it kept)")
+        _fail(f"compile interrupted by {signal_name}: {out} was left as it was")
     compile_report(console, result)
 
 
@@ -293,13 +297,18 @@ def export(
     model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
 ):
     """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
-    transformers' from_pretrained loads."""
+    transformers' from_pretrained loads. DIR is new, empty, or an earlier export (its fxshard-export.json lists
+    what it wrote): written beside it and swapped in, a file of yours in it kept."""
     from fxshard.train.export import export_hf
 
     try:
         path = export_hf(checkpoint, hf, model)
     except FxshardError as e:
         _fail(e)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
+        signal_name = e.args[0] if e.args else "SIGINT"
+        _fail(f"export interrupted by {signal_name}: " + (f"{hf} holds the new export, complete" if getattr(
+            e, "swapped", False) else f"{hf} was left as it was"))
     console.print(f"exported {path} to {hf}")
 
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.folder import check_target
+from fxshard.codegen.folder import check_target, recover_interrupted
 from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
 from fxshard.errors import FxshardError
 from fxshard.ir.layout import Layout
@@ -54,6 +54,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
         compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
     """
     if out is not None:
+        recover_interrupted(Path(out))  # a swap killed (kill -9) in an earlier compile: finished or undone, and said
         check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
     memory_plan = None
     if device_memory is not None or layout.recompute == "auto":

@@ -67,12 +67,26 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise WeightsError(f"{index}: not a safetensors index (no weight_map: {e}); re-save the checkpoint "
                                "with save_pretrained") from e
-        return {name: folder / file for name, file in weight_map.items()}
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: weight_map is {type(weight_map).__name__}, expected a mapping of tensor "
+                               "names to file names; re-save the checkpoint with save_pretrained")
+        return {name: _in_folder(folder, file, name, index) for name, file in weight_map.items()}
     single = folder / SINGLE
     if not single.is_file():
         raise WeightsError(f"{folder}: holds neither {SINGLE} nor {INDEX}; --weights expects a Hugging Face "
                            "model folder saved with save_pretrained (safetensors)")
     return {name: single for name in _header(single, "(any)")}
+
+
+def _in_folder(folder: Path, file, name: str, index: Path) -> Path:
+    """An index's file for tensor ``name``, refused unless it names a file inside ``folder``: every rank would read
+    it at run time, whatever the index says.  The name is judged as written (no ``..``, not absolute); a link
+    the folder itself holds is the folder's own (the Hugging Face cache links its snapshot files to blobs/)."""
+    if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+        raise WeightsError(f"{index}: weight_map names {file!r} for tensor {name}, which is not a file inside "
+                           f"{folder}; a Hugging Face index names files inside its own folder. Re-save the checkpoint "
+                           "with save_pretrained, or fix the index")
+    return folder / file
 
 
 def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:

@@ -8,18 +8,43 @@ replaced by the checkpoint's full tensor (assembled from the saved slices, whate
     AutoModelForCausalLM.from_pretrained("hf-out")   # bit-identical to the trained weights
 
 A model that is not a Hugging Face ``PreTrainedModel`` gets ``model.safetensors`` of its state dict.
+
+The folder is treated as compile treats ``--out`` (:mod:`fxshard.codegen.folder`): only a new or empty folder, or
+one an earlier export wrote (``fxshard-export.json`` lists its files), is written; the export is written into a
+hidden sibling and swapped in, a user's own files in it (a tokenizer, a README) are kept, and the checkpoint's
+own folders are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.codegen.folder import JOURNAL, FolderKind, check_target, recover_interrupted, staged_output
 from fxshard.codegen.manifest import inside
-from fxshard.train.checkpoint import CheckpointError, CheckpointReader, check_checkpoint
+from fxshard.errors import OutputFolderError
+from fxshard.train.checkpoint import CheckpointError, CheckpointReader, check_checkpoint, find_checkpoint
+
+EXPORT_RECORD = "fxshard-export.json"  # the files an export wrote, so the next export may replace them
+EXPORT_FORMAT = "fxshard-export-1"
+
+
+def _exported_files(record: Path) -> set[str] | None:
+    """The files the export that wrote ``record`` wrote (itself included), or None if fxshard did not write it."""
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not (isinstance(data, dict) and data.get("format") == EXPORT_FORMAT and isinstance(data.get("files"), list)):
+        return None
+    return {EXPORT_RECORD} | {f for f in data["files"] if isinstance(f, str)}
+
+
+EXPORT = FolderKind("export", "export", "export", "--hf", EXPORT_RECORD, _exported_files)
 
 
 def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) -> tuple[torch.nn.Module, Path]:
@@ -65,13 +90,30 @@ def _refuse_edited_copy(model_file: Path, digest: str | None) -> None:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None) -> Path:
     """Write the trained model to ``out_dir`` (Hugging Face layout); return the checkpoint folder read."""
+    out_dir = Path(out_dir).resolve()
+    _refuse_checkpoint_folder(Path(checkpoint), out_dir)
+    recover_interrupted(out_dir, EXPORT)
+    check_target(out_dir, set(), EXPORT)  # a folder not an export's: refused before the model is built
     model, path = trained_model(checkpoint, model_file)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out_dir, safe_serialization=True)
-    else:
-        from safetensors.torch import save_model
+    with staged_output(out_dir, set(), EXPORT) as stage:
+        if hasattr(model, "save_pretrained"):
+            model.save_pretrained(stage, safe_serialization=True)
+        else:
+            from safetensors.torch import save_model
 
-        save_model(model, str(out_dir / "model.safetensors"))
+            save_model(model, str(stage / "model.safetensors"))
+        files = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
+        (stage / EXPORT_RECORD).write_text(json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n")
     return path
+
+
+def _refuse_checkpoint_folder(checkpoint: Path, out_dir: Path) -> None:
+    """``--hf`` naming the checkpoint folder itself, or the step it reads (or a folder inside it), would put the
+    export among the files of the checkpoint it reads."""
+    step = find_checkpoint(checkpoint).resolve()
+    root = step.parent
+    if out_dir.is_relative_to(step) or out_dir in (root, checkpoint.resolve()):
+        what = f"the checkpoint's {step.name}" if out_dir.is_relative_to(step) else "the checkpoint folder"
+        inner = " (a folder inside it)" if out_dir.is_relative_to(step) and out_dir != step else ""
+        raise OutputFolderError(f"--hf {out_dir}: is {what}{inner}, which the export reads; export into a folder of "
+                                f"its own, e.g. --hf {root}-hf")
