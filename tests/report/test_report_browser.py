@@ -32,7 +32,7 @@ def report(tmp_path_factory):
     fxshard("compile", ROOT / "samples" / "llama.py", "--tp", 2, "--pp", 2, "--dp", 2, "--out", out)
     run = fxshard("run", out, "--steps", 2, "--trace", out / "trace", "--metrics", out / "m.jsonl", "--memory-report")
     assert "step 2/2" in run.stdout and "tokens/s" in run.stdout  # piped: plain lines, as before
-    fxshard("report", out)
+    fxshard("report", out, "--model", ROOT / "samples" / "llama.py")  # the memory bars: the plan of the model file
     events = json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]
     p2p = [e for e in events if e.get("cat") == "p2p"]
     assert {e["name"] for e in p2p} >= {"fwd_send", "fwd_recv", "bwd_send", "bwd_recv", "wait fwd_recv"}
