@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from rich.console import Console
@@ -89,9 +90,11 @@ def compile_report(console: Console, result) -> None:
         console.print(f"static checks: {check_summary(result.checks)}", highlight=False)
     if result.memory_plan is not None:
         recompute_lines(console, result.memory_plan)
-    console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py")
-    console.print(f"read a rank's code with `fxshard show {result.out} --rank 0`; "
-                  f"train with `fxshard run {result.out} --steps 3`")
+    console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py",
+                  highlight=False, markup=False)
+    out = shlex.quote(str(result.out))  # pasted into a shell as printed: a path with spaces or quotes stays one word
+    console.print(f"read a rank's code with `fxshard show {out} --rank 0`; train with `fxshard run {out} --steps 3`",
+                  highlight=False, markup=False, soft_wrap=True)
 
 
 def show_layout(console: Console, out: Path) -> None:

@@ -51,7 +51,11 @@ class ModelFile:
 
     def build_inputs(self, seed: int = 0) -> Any:
         torch.manual_seed(seed + 1)
-        inputs = self.make_inputs()
+        try:
+            inputs = self.make_inputs()
+        except Exception as e:  # the user's code: its error, named, as make_model()'s is
+            raise ModelFileError(f"{self.path}: make_inputs() raised {type(e).__name__}: {e}; fix the model "
+                                 "file (run make_inputs() on its own to see the traceback)") from e
         check_inputs(inputs, f"{self.path}: make_inputs()")
         return inputs
 

@@ -102,11 +102,13 @@ class _WithLoss(torch.nn.Module):
 def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None) -> Program:
     """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`."""
     model = model if model is not None else mf.build_model(seed)
+    check_names(model, mf.path)
     inputs = inputs if inputs is not None else mf.build_inputs(seed)
     model.train()
     positional = not isinstance(inputs, dict)
     wrapper = _WithLoss(model, mf.loss_fn, positional)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
+    kwargs |= cache_off(model, args, kwargs)
     try:
         with wrapped_functions(model) as (functions, refusals):
             ep = torch.export.export(wrapper, args, kwargs, strict=False)
@@ -123,6 +125,21 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
             if n.op == "call_function" and getattr(n.target, "namespace", None) == FUNCTION_NAMESPACE}
     program.functions = {name: functions[name] for name in sorted(used)}
     return program
+
+
+def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``{"use_cache": False}`` for a forward that takes ``use_cache`` and was not given it: a transformers causal
+    LM defaults to returning its key/value cache (a ``DynamicCache``, which export cannot return and training never
+    reads), so the training forward is captured with the cache off, as samples/llama.py asks for it."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+    if "use_cache" not in params or "use_cache" in kwargs or params.index("use_cache") < len(args):
+        return {}
+    return {"use_cache": False}
 
 
 def _to_program(ep, model, args, kwargs) -> Program:
@@ -169,7 +186,7 @@ def _to_program(ep, model, args, kwargs) -> Program:
     for spec in state:
         if spec.kind == "constant":
             tensors[spec.fqn] = constants[spec.fqn].detach()
-    module_types = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
+    module_types = {fqn: printable(type(m).__name__) for fqn, m in model.named_modules()}
 
     _strip_prefix(gm, WRAPPED)
     _inline_wrappers(gm)
@@ -177,6 +194,32 @@ def _to_program(ep, model, args, kwargs) -> Program:
     state, tied = _merge_tied(gm, state, model)
     return Program(gm, state, inputs, output_paths, module_types, tensors, tied, model,
                    custom_ops=custom_op_modules(gm))
+
+
+_ESCAPES = {'"': '\\"', "'": "\\'", "\\": "\\\\"}
+
+
+def printable(text: str) -> str:
+    """``text`` (a class name) as generated code's comments and docstrings may hold it: quotes, backslashes and
+    characters that are not printable written as their escapes (``Evil\\nimport os``)."""
+    return "".join(_ESCAPES.get(c) or (c if c.isprintable() else c.encode("unicode_escape").decode("ascii"))
+                   for c in text)
+
+
+def check_names(model: torch.nn.Module, path: Path) -> None:
+    """Refuse a module, parameter or buffer name the generated code could not hold as written: every one is
+    written into the rank files (comments, strings, docstrings), where a newline or a quote would end the comment
+    or string and make the rest a line of code."""
+    for kind, named in (("module", model.named_modules(remove_duplicate=False)),
+                        ("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, _ in named:
+            bad = next((c for c in name if not c.isprintable() or c in _ESCAPES), None)
+            if bad is not None:
+                raise ModelFileError(f"{path}: {kind} {name!r} has {bad!r} in its name; fxshard writes every module, "
+                                     "parameter and buffer name into the generated code, where it must stay one "
+                                     "line of text. Rename it (the key of its ModuleDict, or the name given to "
+                                     "add_module / register_parameter / register_buffer)")
 
 
 def _merge_tied(gm: fx.GraphModule, state: list[StateSpec], model: torch.nn.Module):

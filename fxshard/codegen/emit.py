@@ -8,6 +8,7 @@ byte-identical files.
 
 from __future__ import annotations
 
+import keyword
 import math
 import operator
 import re
@@ -35,10 +36,21 @@ from fxshard.units import human_bytes
 
 aten = torch.ops.aten
 
+def one_line(value):
+    """Every value the template writes into a rank file, as text on one line: a character that is not printable
+    (a newline in a class or file name) is written as its escape, so that no text a model or its file names carry
+    becomes a line of code.  Names that would need more (quotes inside a string) are refused at capture
+    (:func:`fxshard.capture.program.check_names`)."""
+    if not isinstance(value, str) or value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(Path(__file__).parent / "templates")),
     keep_trailing_newline=True,
     autoescape=False,
+    finalize=one_line,
 )
 
 # what a block keeps for backward under --recompute, said on its call
@@ -112,7 +124,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, version: 
         state_nodes = [n for n in placeholders if n.name in state and n.users]
         inputs = [n for n in placeholders if n.name not in state]
         outputs_only = _outputs_only(gm, compute)
-        cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {type(program.model).__name__}: "
+        cls, names, a = _class_code("RankModule", f"{_coords_text(coords, layout)} of {program.module_types['']}: "
                                     "parameters at their per-rank shapes, straight-line forward.",
                                     [], compute, state_nodes, inputs, set(), ctx, coords, collectives, None,
                                     set(out_node.all_input_nodes), _outputs_guard(out_node, outputs_only),
@@ -172,7 +184,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, version: 
         version=version,
         model_file=ctx.model_file_name,
         digest=ctx.model_digest,
-        model_class=type(program.model).__name__,
+        model_class=program.module_types[""],
         custom_op_imports=import_lines(program.custom_ops),
         function_lines=[f.define_line(name) for name, f in program.functions.items()],
         layout=layout.describe(),
@@ -505,6 +517,8 @@ def _block_class(unit: BlockUnit, ctx: CompileContext, coords, classes: dict) ->
     key = (tuple(init_lines), len(args), tuple(lines))
     if key not in classes:
         type_name = ctx.program.module_types.get(unit.fqn, "Block")
+        if not type_name.isidentifier() or keyword.iskeyword(type_name):  # a class made with type("...")
+            type_name = "Block"
         taken_names = {c.cls.name for c in classes.values()}
         name, i = type_name, 2
         while name in taken_names or name in _RESERVED_CLASSES or re.fullmatch(r"Stage\d+", name):

@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import stat
@@ -97,7 +98,7 @@ def check_target(out: Path, new_names: set[str], kind: FolderKind = PROGRAM) -> 
                                 "choose an empty or new folder")
     if not os.access(out, os.W_OK):  # the swap moves the user's files out of it: refuse before any work
         raise OutputFolderError(f"{out}: is read-only, so fxshard cannot replace the {kind.noun} in it; make it "
-                                f"writable (chmod u+w {out}) or choose another folder")
+                                f"writable (chmod u+w {shlex.quote(str(out))}) or choose another folder")
     listed = kind.listed(record)
     if listed is None:
         raise OutputFolderError(f"{out}: its {kind.record} is not fxshard's, so the folder is not fxshard's to "
