@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_a_causal_lm_with_its_default_use_cache_is_captured_with_the_cache_off(t
 
 @pytest.mark.distributed
 def test_a_causal_lm_captured_with_the_cache_off_trains_as_on_one_device(tmp_path):
-    from fxshard.tools.verify import verify
+    from fxshard.driver import verify
 
     model = tmp_path / "llama_cache.py"
     model.write_text(CACHE_DEFAULT)

@@ -26,7 +26,7 @@ import pytest
 
 from fxshard.codegen.folder import JOURNAL, STOP_ENV
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import FxshardWarning, OutputFolderError
 from fxshard.ir.context import Layout
 

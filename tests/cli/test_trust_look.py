@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.files import UnsafePathError, open_no_follow, write_text
 from fxshard.ir.context import Layout
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.errors import ModelFileError
 from fxshard.ir.context import Layout
 from fxshard.tools.check import check_output
