@@ -112,6 +112,9 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         _check_trace(options.trace)
     if final_state is not None and final_state.exists() and not final_state.is_dir():
         raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
+    if final_state is not None and final_state.is_dir():
+        for path in final_state.glob("rank*.safetensors"):  # each rank writes its own: never through a link
+            refuse_link(path, "a rank's trained tensors")
     if checkpoint is not None:
         try:
             _check_checkpoint_option(checkpoint, say)
@@ -221,9 +224,11 @@ def _check_trace(trace: Path) -> None:
         for path in trace.iterdir():  # the files the ranks and the join will write: refused now, not after training
             if path.name == MERGED or re.fullmatch(r"rank\d+\.json", path.name):
                 refuse_link(path, "a trace file")
-        probe = trace / f".fxshard-write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        import tempfile
+
+        fd, probe = tempfile.mkstemp(prefix=".fxshard-write-test-", dir=trace)  # a new file (O_EXCL): no link opened
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise OptionError(f"--trace {trace}: cannot be written ({e.strerror}); choose a folder you can write "
                           "to") from None

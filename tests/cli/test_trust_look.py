@@ -149,6 +149,10 @@ def test_run_refuses_links_where_it_will_write_before_launch(compiled, tmp_path)
     (tmp_path / "m.jsonl").symlink_to(target)
     proc = cli("run", out, "--steps", 1, "--metrics", tmp_path / "m.jsonl")
     assert proc.returncode == 2 and "m.jsonl: is a symbolic link" in proc.stderr and "launching" not in proc.stdout
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "rank1.safetensors").symlink_to(target)  # verify's trained tensors, one file per rank
+    proc = cli("run", out, "--steps", 1, "--final-state", tmp_path / "final")
+    assert proc.returncode == 2 and "rank1.safetensors: is a symbolic link" in proc.stderr, proc.stderr
     assert target.read_text() == "mine"
 
 
