@@ -76,14 +76,15 @@ class Program:
 class _WithLoss(torch.nn.Module):
     """Runs the user's model and its loss in one forward, so both land in one graph."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn, positional: bool):
+    def __init__(self, model: torch.nn.Module, loss_fn, positional: bool, constants: dict | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.positional = positional
+        self.constants = constants or {}  # keyword arguments of the model's forward traced as constants, not inputs
 
     def forward(self, *args, **kwargs):
-        out = self.model(*args, **kwargs)
+        out = self.model(*args, **kwargs, **self.constants)
         inputs = args if self.positional else kwargs
         if self.loss_fn is not None:
             loss = self.loss_fn(out, inputs)
@@ -106,9 +107,8 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     inputs = inputs if inputs is not None else mf.build_inputs(seed)
     model.train()
     positional = not isinstance(inputs, dict)
-    wrapper = _WithLoss(model, mf.loss_fn, positional)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
-    kwargs |= cache_off(model, args, kwargs)
+    wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
     try:
         with wrapped_functions(model) as (functions, refusals):
             ep = torch.export.export(wrapper, args, kwargs, strict=False)
@@ -130,7 +130,8 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
 def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     """``{"use_cache": False}`` for a forward that takes ``use_cache`` and was not given it: a transformers causal
     LM defaults to returning its key/value cache (a ``DynamicCache``, which export cannot return and training never
-    reads), so the training forward is captured with the cache off, as samples/llama.py asks for it."""
+    reads), so the training forward is captured with the cache off, as samples/llama.py asks for it.  Passed by the
+    capture wrapper as a constant of the trace, not as an input: the batches stay what make_inputs() returns."""
     import inspect
 
     try:
