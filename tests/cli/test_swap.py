@@ -30,6 +30,8 @@ from fxshard.driver import compile as compile_model
 from fxshard.errors import FxshardWarning, OutputFolderError
 from fxshard.ir.context import Layout
 
+pytestmark = pytest.mark.e2e  # each test runs fxshard compile as a process and signals it: make test, not test-fast
+
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "tests" / "models" / "mlp.py"
 LEFT_AS_IT_WAS = "was left as it was"
