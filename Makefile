@@ -22,9 +22,10 @@ test: setup browser
 	$(PY) -m pytest -q --durations=15
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).
+# Two workers (pytest-xdist), a test file each at a time: the machine's 2 cores.
 FAST := -m "not distributed and not e2e and not browser"
 test-fast: setup
-	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) --durations=10
+	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) -n 2 --dist loadfile --durations=10
 
 # Another torch in a second environment, .venv-compat (`make setup`'s .venv is not touched): the fast tier, then
 # a distributed subset (tp2 through the command line, pp2, dp2 ZeRO 1 and 3, a transformers Llama at tp2 and
@@ -43,7 +44,7 @@ $(COMPAT_STAMP): pyproject.toml scripts/setup_compat.sh
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -p no:cacheprovider
+	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -n 2 --dist loadfile -p no:cacheprovider
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_DISTRIBUTED)
 
 # The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md

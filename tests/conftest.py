@@ -59,6 +59,8 @@ if os.environ.get("FXSHARD_TEST_CPU") == "1":
         _cpu[item.nodeid] = _now() - start
 
     def pytest_terminal_summary(terminalreporter):
+        if not _cpu:  # pytest-xdist's controller: the workers ran the tests (run without -n to measure)
+            return
         total = sum(_cpu.values())
         terminalreporter.write_sep("=", f"CPU time: {total:.1f} s in {len(_cpu)} tests; the 15 costliest")
         for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:

@@ -69,18 +69,21 @@ def wrapped_functions(model: torch.nn.Module):
     ops: dict[str, FunctionOp] = {}
     refusals: list[CaptureError] = []
     inside = [0]  # Functions applied by a wrapped Function's forward belong to it
-    original = torch.autograd.Function.__dict__["apply"]
+    original = torch.autograd.Function.__dict__["apply"]  # a classmethod (torch 2.13) or a C one (2.14)
+
+    def call(cls, *args, **kwargs):
+        return original.__get__(None, cls)(*args, **kwargs)
 
     def apply(cls, *args, **kwargs):
         if cls.__module__.startswith("torch.") or inside[0]:  # torch's own (checkpointing) keep their gradient
-            return original.__func__(cls, *args, **kwargs)
+            return call(cls, *args, **kwargs)
         fqn = stack[-1] if stack else ""
         inside[0] += 1
         try:
-            name, fop = _wrap(cls, args, kwargs, fqn, lambda: original.__func__(cls, *args, **kwargs))
+            name, fop = _wrap(cls, args, kwargs, fqn, lambda: call(cls, *args, **kwargs))
         except CaptureError as e:
             refusals.append(e)
-            return original.__func__(cls, *args, **kwargs)
+            return call(cls, *args, **kwargs)
         finally:
             inside[0] -= 1
         old = ops.get(name)

@@ -58,7 +58,8 @@ def _loss(out, inputs):
 
 
 def _model_file(model: _Op, batch: tuple) -> ModelFile:
-    return ModelFile(Path(__file__), lambda: model, lambda: batch, _loss, None, None)
+    return ModelFile(path=Path(__file__), make_model=lambda: model, make_inputs=lambda: batch, loss_fn=_loss,
+                     module=None)
 
 
 def _as_keywords(gm: fx.GraphModule) -> None:
