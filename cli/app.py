@@ -146,6 +146,9 @@ def plan(
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
+    data: Path = typer.Option(None, "--data", help="a token file to check against the model (as `fxshard run "
+                                                   "--data`): its sequences, and with --pack the padding packing saves"),
+    pack: bool = typer.Option(False, "--pack", help="with --data: pack whole documents (as `fxshard run --pack`)"),
     **flags,
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
@@ -160,12 +163,24 @@ def plan(
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
+        found = None
+        if data is not None or pack:
+            from fxshard.capture.modelfile import load_model_file
+            from fxshard.train.data import DataOptions
+            from fxshard.train.data.checks import check_model_data
+
+            found = check_model_data(load_model_file(model), seed, DataOptions(data=data, pack=pack),
+                                     say=err.print)
     except FxshardError as e:
         _fail(e)
     if as_json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(report.to_json() | ({"data": found} if found else {}), indent=2, default=str))
     else:
         plan_report(console, report)
+        if found:
+            from fxshard.train.data.checks import describe
+
+            console.print(describe(found), highlight=False)
 
 
 @app.command()
@@ -249,6 +264,74 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         launch_local(out, options.argv(out), world)
     except FxshardError as e:
         _fail(e)
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("tokenize")
+def data_tokenize(
+    corpus: Path = typer.Argument(..., help="a .txt (documents between blank lines), .jsonl or .parquet file, or a "
+                                            "folder of them"),
+    tokenizer: Path = typer.Option(..., "--tokenizer", help="a local Hugging Face tokenizer folder "
+                                                            "(tokenizer.json)"),
+    out: Path = typer.Option(..., "--out", help="the token file to write, PATH.bin (PATH.idx and PATH.json beside "
+                                                "it)"),
+    validation: float = typer.Option(0.005, "--validation", help="the fraction of the documents (the last ones) "
+                                                                 "held out as the validation split"),
+    text_field: str = typer.Option("text", "--text-field", help="the field (.jsonl) or column (.parquet) of the "
+                                                                "text"),
+    eos: str = typer.Option(None, "--eos", help="the end-of-document token (default: tokenizer_config.json's "
+                                                "eos_token)"),
+):
+    """Tokenize a text corpus into a token file (ids back to back, EOS after each document, Megatron's .idx and a
+    .json sidecar) for `fxshard run --data`."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from fxshard.train.data.tokenize import tokenize as tokenize_
+
+    try:
+        if not 0 <= validation < 1:
+            from fxshard.errors import OptionError
+
+            raise OptionError(f"--validation {validation}: expected a fraction in [0, 1), e.g. 0.005")
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TimeRemainingColumn(), console=err, transient=True) as bar:
+            task = bar.add_task(f"tokenizing {corpus}", total=None)
+            done = tokenize_(corpus, tokenizer, out, validation, text_field, eos,
+                             progress=lambda n, total: bar.update(task, completed=n, total=total))
+    except FxshardError as e:
+        _fail(e)
+    console.print(f"wrote {done.path}: {done.tokens:,} tokens ({done.dtype}) in {done.documents:,} documents, "
+                  f"the last {done.validation_documents:,} the validation split; eos id {done.eos}, vocabulary "
+                  f"{done.vocab_size:,}")
+
+
+@data_app.command("generate")
+def data_generate(
+    out: Path = typer.Argument(..., help="folder to write: OUT/corpus/*.jsonl and the tokenizer OUT/tokenizer"),
+    documents: int = typer.Option(20_000, "--documents", help="documents to generate"),
+    files: int = typer.Option(1, "--files", help=".jsonl files to spread them over"),
+    vocab: int = typer.Option(256, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS among them)"),
+    seed: Seed = 0,
+):
+    """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
+    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download."""
+    from fxshard.train.data.synthetic import train_tokenizer, write_corpus
+
+    try:
+        if documents < 1 or files < 1 or vocab < 2:
+            from fxshard.errors import OptionError
+
+            raise OptionError(f"--documents {documents} --files {files} --vocab {vocab}: expected at least 1 document "
+                              "and 1 file, and a vocabulary of 2 ids or more")
+        with console.status(f"generating {documents:,} documents"):
+            write_corpus(out / "corpus", documents, files, seed)
+            train_tokenizer(out / "corpus", out / "tokenizer", vocab)
+    except FxshardError as e:
+        _fail(e)
+    console.print(f"wrote {out / 'corpus'} ({documents:,} documents) and the tokenizer {out / 'tokenizer'}")
 
 
 @app.command()

@@ -129,6 +129,9 @@ def _check_fxshard(args: list[str], where: str) -> None:
         return
     assert args[0] in root.commands, f"{where}: fxshard has no command {args[0]!r} (it has {sorted(root.commands)})"
     command = root.commands[args[0]]
+    while hasattr(command, "commands") and len(args) > 1:  # a group (fxshard data tokenize): its subcommand
+        assert args[1] in command.commands, f"{where}: `fxshard {args[0]}` has no command {args[1]!r}"
+        command, args = command.commands[args[1]], [f"{args[0]} {args[1]}", *args[2:]]
     rest = [t.strip("[]") for t in args[1:] if t.strip("[]")]
     positional, i, placeholders = [], 0, False
     while i < len(rest):

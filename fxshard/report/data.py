@@ -72,6 +72,7 @@ class RunInfo:
     memory: list[dict] | None
     metrics: str | None
     when: str
+    data: dict | None = None  # the run's --data token file and, packed, the padding (fxshard.train.data.checks)
 
 
 @dataclass
@@ -237,7 +238,12 @@ def _run(record: dict, metrics: Path | None, manifest: Manifest, warnings: list[
     if memory is not None and not _memory_rows(memory):
         warnings.append(f"{RUN_RECORD}: its memory rows are not what `fxshard run --memory-report` writes; not shown")
         memory = None
-    return RunInfo(losses, seconds, tokens, memory, str(metrics) if metrics else None, str(record.get("time", "")))
+    data = record.get("data")
+    if data is not None and not _data_record(data):
+        warnings.append(f"{RUN_RECORD}: its data record is not what `fxshard run --data` writes; not shown")
+        data = None
+    return RunInfo(losses, seconds, tokens, memory, str(metrics) if metrics else None, str(record.get("time", "")),
+                   data)
 
 
 def _is_number(value) -> bool:
@@ -257,6 +263,14 @@ def _memory_rows(rows) -> bool:
         and (r.get("plan") is None or isinstance(r["plan"], dict) and all(_is_number(r["plan"].get(k))
                                                                           for k in ("saved", "peak")))
         for r in rows)
+
+
+def _data_record(data) -> bool:
+    """run.json's data record (fxshard.train.data.checks.data_record) has the fields and numbers the page reads."""
+    padding = data.get("padding") if isinstance(data, dict) else None
+    return isinstance(data, dict) and isinstance(data.get("source"), str) and (padding is None or (
+        isinstance(padding, dict) and all(_is_number(padding.get(k)) for k in ("packed", "unpacked", "documents",
+                                                                                 "sequences"))))
 
 
 def measured_step(trace: Path, world: int) -> Measured | None:

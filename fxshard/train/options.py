@@ -115,6 +115,7 @@ def check_run_options(out: Path, options: RunOptions, say=print):
     if final_state is not None and final_state.is_dir():
         for path in final_state.glob("rank*.safetensors"):  # each rank writes its own: never through a link
             refuse_link(path, "a rank's trained tensors")
+    _check_data(out, options, say)
     if checkpoint is not None:
         try:
             _check_checkpoint_option(checkpoint, say)
@@ -134,6 +135,22 @@ def check_timeout(timeout: float) -> None:
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
         raise OptionError(f"--timeout {timeout}: expected a positive number of seconds up to {MAX_TIMEOUT} (a year), "
                           "e.g. --timeout 300")
+
+
+def _check_data(out: Path, options: RunOptions, say) -> None:
+    """The training data (and the validation split, when the run evaluates) fits the compiled program: refused here,
+    before any rank starts, with the file and the fix (:mod:`fxshard.train.data.checks`)."""
+    from fxshard.train.data.checks import check_data, describe
+    from fxshard.train.launch import under_torchrun
+    from fxshard.train.supervise import LAUNCHER_PID
+
+    if under_torchrun() and LAUNCHER_PID in os.environ:
+        return  # a rank of the local launcher, which checked before starting it
+    quiet = under_torchrun() and os.environ["RANK"] != "0"  # under torchrun every rank checks, rank 0 says so
+    splits = ("train", "validation") if getattr(options, "eval_every", 0) else ("train",)
+    found = check_data(out, options.data, (lambda *_: None) if quiet else say, splits)
+    if not quiet and any(s["kind"] in ("tokens", "dataset", "stream") for s in found.values()):
+        say(describe(found))
 
 
 def _check_compiled_memory_report(out: Path) -> None:

@@ -25,12 +25,24 @@ def write_run_record(out: Path, options, losses: list[float], memory_rows: list[
     manifest = read_manifest(out)
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": options.steps, "losses": losses,
               "metrics": _recorded(options.metrics, out), "trace": _recorded(options.trace, out),
-              "memory": memory_rows, "digests": manifest.digests}
+              "memory": memory_rows, "digests": manifest.digests,
+              "data": _data(out, options)}
     from fxshard.files import write_text
 
     with contextlib.suppress(OSError):  # a link planted at run.json is refused before launch (train/options.py)
         return write_text(Path(out) / RUN_RECORD, json.dumps(record, indent=1, default=str) + "\n", "the run record")
     return None
+
+
+def _data(out: Path, options) -> dict | None:
+    """The run's token file and, packed, its padding; None for the model file's own data (or unreadable)."""
+    from fxshard.errors import FxshardError
+    from fxshard.train.data.checks import data_record
+
+    try:
+        return data_record(out, options.data)
+    except (FxshardError, OSError):
+        return None
 
 
 def _recorded(path, out: Path) -> str | None:

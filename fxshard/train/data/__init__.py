@@ -34,7 +34,7 @@ __all__ = ["Batches", "DataOptions", "global_batches", "inputs_read", "open_batc
 
 
 def open_batches(model_file, manifest=None, split: str = "train", dp_rank: int = 0, dp_size: int = 1,
-                 options: DataOptions = DataOptions(), state: dict | None = None, *,
+                 options: DataOptions | None = None, state: dict | None = None, *,
                  reads: set | None = None, workers: int | None = None, seed: int | None = None) -> Batches:
     """This dp rank's batches of ``split`` (see the module docstring).  ``reads``: the batch's input keys this rank
     loads (None: all; :func:`inputs_read` gives a pipeline rank's); ``workers``: overrides ``options.data_workers``;
@@ -49,6 +49,7 @@ def open_batches(model_file, manifest=None, split: str = "train", dp_rank: int =
     from fxshard.train.data.sources import resolve_source
     from fxshard.train.data.spec import BatchSpec
 
+    options = options if options is not None else DataOptions()
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     seed = manifest.seed if manifest is not None else seed or 0
     spec = BatchSpec.of(mf.build_inputs(seed), f"{mf.path}: make_inputs()")
@@ -62,7 +63,7 @@ def open_batches(model_file, manifest=None, split: str = "train", dp_rank: int =
     return batches
 
 
-def global_batches(model_file, split: str = "train", options: DataOptions = DataOptions(), seed: int = 0,
+def global_batches(model_file, split: str = "train", options: DataOptions | None = None, seed: int = 0,
                    state: dict | None = None) -> Batches:
     """The whole global batches of ``split`` in the order every layout trains on them: what single-device training
     (:func:`fxshard.train.reference.reference_losses`, ``fxshard verify``) takes.  ``seed``: the compile's."""

@@ -10,6 +10,7 @@ workers prefetch, so :meth:`Batches.state_dict` is where the next batch starts.
 from __future__ import annotations
 
 import itertools
+import pickle
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ class Batches:
             self._it = self._start()
         batch = next(self._it)
         self.position += self.spec.rows
-        return batch
+        return _arrived(batch) if self._loader is not None and self.workers else batch
 
     def state_dict(self) -> dict:
         """The data position, JSON-able: where the next batch starts."""
@@ -107,19 +108,48 @@ class Batches:
             yield _without(batch, self.unread, self.spec)
 
     def _order(self) -> EpochOrder:
-        return EpochOrder(len(self.source), self.seed, self.shuffle)
+        key = (self.seed, self.shuffle)
+        if getattr(self, "_order_key", None) != key:  # one permutation per epoch, made once
+            self._order_key, self._cached_order = key, EpochOrder(len(self.source), self.seed, self.shuffle)
+        return self._cached_order
 
     def _dataloader(self) -> DataLoader:
-        collate = _Collate(self.spec, self.source.collate, self.unread, self.local_rows, self.source.name)
+        carry = self.source.model_file if self.workers else None
+        collate = _Collate(self.spec, Held(self.source.collate, carry), self.unread, self.local_rows,
+                           self.source.name)
         common = dict(num_workers=self.workers, pin_memory=self.pin, worker_init_fn=_one_thread,
                       prefetch_factor=2 if self.workers else None, persistent_workers=False)
         if self.source.kind == "stream":
-            stream = _RankStream(self.source.dataset, self.spec, self.position, self.dp_rank, self.dp_size, collate,
-                                 self.source.name)
+            stream = _RankStream(Held(self.source.dataset, carry), self.spec, self.position, self.dp_rank,
+                                 self.dp_size, collate, self.source.name)
             return DataLoader(stream, batch_size=None, **common)
-        rows = _Rows(self.source.dataset, self.spec, self.source.name, checked=self.source.kind != "tokens")
+        rows = _Rows(Held(self.source.dataset, carry), self.spec, self.source.name,
+                     checked=self.source.kind != "tokens")
         sampler = _RankSampler(self._order(), self.position, self.spec.rows, self.dp_rank, self.dp_size)
         return DataLoader(rows, batch_sampler=sampler, collate_fn=collate, **common)
+
+
+class Held:
+    """An object of the model file (its dataset, its collate) on its way to a loader worker.
+
+    Under fork a worker inherits it.  Under spawn or forkserver (macOS; Linux from Python 3.14) the worker
+    unpickles it in a fresh interpreter where the model file's module (imported by path, as ``fxshard_model_<hash>``)
+    is unknown, so it travels as bytes and the worker imports the model file before reading them."""
+
+    def __init__(self, obj, model_file=None):
+        self.obj, self.model_file = obj, model_file
+
+    def __reduce__(self):
+        if self.model_file is None:
+            return (Held, (self.obj,))
+        return (_held_in_worker, (str(self.model_file), pickle.dumps(self.obj)))
+
+
+def _held_in_worker(model_file: str, payload: bytes) -> Held:
+    from fxshard.capture.modelfile import load_model_file
+
+    load_model_file(model_file)  # registers its module under the name the rank gave it
+    return Held(pickle.loads(payload), model_file)
 
 
 def _one_thread(_worker: int) -> None:
@@ -139,14 +169,14 @@ class _RankSampler(Sampler):
 class _Rows(torch.utils.data.Dataset):
     """A map-style dataset whose examples are checked against the compiled row as they are read."""
 
-    def __init__(self, dataset, spec: BatchSpec, name: str, checked: bool = True):
+    def __init__(self, dataset: Held, spec: BatchSpec, name: str, checked: bool = True):
         self.dataset, self.spec, self.name, self.checked = dataset, spec, name, checked
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self.dataset.obj)
 
     def __getitem__(self, i: int):
-        example = self.dataset[i]
+        example = self.dataset.obj[i]
         if self.checked:
             self.spec.check_example(example, f"{self.name}[{i}]")
         return example
@@ -156,15 +186,51 @@ class _Collate:
     """Examples to this rank's batch: the model file's ``collate`` (checked) or a stack, constants added, inputs
     this rank does not read set to None."""
 
-    def __init__(self, spec: BatchSpec, collate, unread: frozenset, rows: int, name: str):
+    def __init__(self, spec: BatchSpec, collate: Held, unread: frozenset, rows: int, name: str):
         self.spec, self.collate, self.unread, self.rows, self.name = spec, collate, unread, rows, name
 
     def __call__(self, examples: list) -> Any:
-        if self.collate is None:
-            return self.spec.stack(examples, self.unread)
-        batch = self.collate(examples)
-        self.spec.check_batch(batch, self.rows, f"{self.name.split(':')[0]}: collate()", self.unread)
-        return _without(batch, self.unread, self.spec)
+        if self.collate.obj is None:
+            batch = self.spec.stack(examples, self.unread)
+        else:
+            batch = self.collate.obj(examples)
+            self.spec.check_batch(batch, self.rows, f"{self.name.split(':')[0]}: collate()", self.unread)
+            batch = _without(batch, self.unread, self.spec)
+        return _to_send(batch) if get_worker_info() is not None else batch
+
+
+SHARED_MEMORY_BYTES = 4 << 20  # a tensor from a loader worker at least this big comes through shared memory
+
+
+class _Sent:
+    """A small tensor on its way from a loader worker, as a numpy array: pickled through the worker's pipe it costs
+    a copy, where torch's shared memory costs a file, an mmap and a passed descriptor per tensor (about a
+    millisecond each on a busy machine, more than a small batch's whole load)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.array)
+
+    def pin_memory(self, device=None) -> torch.Tensor:  # the DataLoader's pinning thread (a GPU machine)
+        return self.tensor().pin_memory()
+
+
+def _to_send(batch: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    def send(v):
+        small = isinstance(v, torch.Tensor) and v.numel() * v.element_size() < SHARED_MEMORY_BYTES
+        return _Sent(v.numpy()) if small and v.dtype != torch.bfloat16 and not v.requires_grad else v
+
+    return pytree.tree_map(send, batch)
+
+
+def _arrived(batch: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda v: v.tensor() if isinstance(v, _Sent) else v, batch)
 
 
 def _without(batch: Any, unread: frozenset, spec: BatchSpec) -> Any:
@@ -180,7 +246,7 @@ class _RankStream(IterableDataset):
     this rank's rows of global batches ``w, w + W, ...`` (the DataLoader takes one batch from each worker in turn,
     so they arrive in order); the other rows are passed over, never held."""
 
-    def __init__(self, dataset, spec: BatchSpec, position: int, dp_rank: int, dp_size: int, collate: _Collate,
+    def __init__(self, dataset: Held, spec: BatchSpec, position: int, dp_rank: int, dp_size: int, collate: _Collate,
                  name: str):
         self.dataset, self.spec, self.position, self.collate, self.name = dataset, spec, position, collate, name
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -188,7 +254,7 @@ class _RankStream(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        stream = endless(self.dataset, self.name)
+        stream = endless(self.dataset.obj, self.name)
         for _ in range(self.position):
             next(stream)
         rows = self.spec.rows

@@ -35,6 +35,7 @@ class Source:
     dataset: Any = None  # tokens, dataset, stream: what yields single examples
     batches: list | None = None  # batches: the global batches, cycled
     collate: Any = None  # the model file's collate(examples), or None: stack
+    model_file: Any = None  # the model file defining dataset and collate (a loader worker imports it first)
 
     def __len__(self) -> int:
         return len(self.batches) if self.kind == "batches" else len(self.dataset)
@@ -57,7 +58,7 @@ def resolve_source(mf, spec: BatchSpec, split: str, options: DataOptions = DataO
     if split not in SPLITS:
         raise DataError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
     if options.data is not None:
-        from fxshard.train.data.tokens import token_source
+        from fxshard.train.data.windows import token_source
 
         return token_source(mf, spec, split, options, manifest)
     make_dataset = getattr(mf.module, "make_dataset", None)
@@ -83,11 +84,11 @@ def _dataset_source(mf, spec: BatchSpec, split: str, make_dataset, seed: int) ->
                         "on its own to see the traceback)") from e
     collate = getattr(mf.module, "collate", None)
     if isinstance(dataset, IterableDataset):
-        return Source("stream", where, dataset=dataset, collate=collate)
+        return Source("stream", where, dataset=dataset, collate=collate, model_file=mf.path)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise DataError(f"{where} returned {type(dataset).__name__}; expected a map-style "
                         "torch.utils.data.Dataset (__getitem__ and __len__) or an IterableDataset of examples")
-    return Source("dataset", where, dataset=dataset, collate=collate)
+    return Source("dataset", where, dataset=dataset, collate=collate, model_file=mf.path)
 
 
 def _batch_list(mf, seed: int) -> Source:

@@ -1,0 +1,83 @@
+"""`fxshard data generate` and `fxshard data tokenize` write a token file `fxshard run --data` reads; bad data is a
+one-line error naming the file and the fix before any process starts; `fxshard plan --data --pack` says how much
+padding packing saves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fxshard.compiler import compile as compile_model
+from fxshard.ir.context import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = ROOT / "samples" / "llama.py"
+PACKED = ROOT / "tests" / "models" / "packed_llama.py"
+
+pytestmark = pytest.mark.e2e
+
+
+def _fxshard(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data-cli")
+    made = _fxshard("data", "generate", root / "gen", "--documents", 200)
+    assert made.returncode == 0, made.stderr
+    done = _fxshard("data", "tokenize", root / "gen" / "corpus", "--tokenizer", root / "gen" / "tokenizer", "--out",
+                    root / "corpus.bin", "--validation", 0.05)
+    assert done.returncode == 0, done.stderr
+    assert "in 200 documents, the last 10 the validation split; eos id 0, vocabulary 256" in " ".join(done.stdout.split())
+    return root
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    compile_model(LLAMA, Layout(tp=2), out=folder, meta=True)
+    return folder
+
+
+def test_tokenize_writes_the_bin_its_index_and_sidecar(tokens):
+    side = json.loads((tokens / "corpus.json").read_text())
+    assert side["dtype"] == "uint16" and side["documents"] == 200 and side["validation_documents"] == 10
+    assert (tokens / "corpus.bin").stat().st_size == 2 * side["tokens"]
+    assert (tokens / "corpus.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+
+
+@pytest.mark.parametrize("make, says", [
+    ("ids", "short.bin: token id 300 in the train split, but {model}'s model has a vocabulary of 256"),
+    ("short", "short.bin ({split}): 2 sequences, fewer than one global batch of 4; give a longer token file"),
+    ("nosidecar", "short.bin: no sidecar gives the dtype of its token ids; write {tmp}/short.json"),
+])
+def test_bad_token_files_are_refused_before_launch(out, tmp_path, make, says):
+    ids = np.full(100, 300) if make == "ids" else np.arange(40)
+    ids.astype(np.uint16).tofile(tmp_path / "short.bin")
+    if make != "nosidecar":
+        (tmp_path / "short.json").write_text('{"dtype": "uint16"}')
+    r = _fxshard("run", out, "--data", tmp_path / "short.bin")
+    assert r.returncode == 2 and "launching" not in r.stdout, r.stdout + r.stderr
+    text = " ".join(r.stderr.split())
+    want = says.format(model=out / "model.py", tmp=tmp_path, split="train, sequences of 16 tokens")
+    assert want in text, text
+
+
+def test_pack_on_a_model_without_document_masks_is_refused_before_launch(out, tokens):
+    r = _fxshard("run", out, "--data", tokens / "corpus.bin", "--pack")
+    assert r.returncode == 2 and "launching" not in r.stdout
+    assert "--pack: " in r.stderr and "was compiled without position_ids" in " ".join(r.stderr.split())
+
+
+def test_plan_says_the_padding_packing_saves(tokens):
+    r = _fxshard("plan", PACKED, "--tp", 2, "--data", tokens / "corpus.bin", "--pack")
+    assert r.returncode == 0, r.stderr
+    line = " ".join(r.stdout.split())
+    assert "data (train): " in line and "packed sequences of 64 tokens" in line and "of the positions saved" in line

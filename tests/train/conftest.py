@@ -1,0 +1,16 @@
+import pytest
+
+from fxshard.train.data.synthetic import train_tokenizer, write_corpus
+from fxshard.train.data.tokenize import tokenize
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A generated corpus of 300 documents of 1 to 3 sentences (about 10 to 70 tokens), a 256-id BPE tokenizer
+    trained on it, and the token file ``t.bin`` that `fxshard data tokenize` writes with the last 10% of the
+    documents held out: ``(folder, summary)``."""
+    root = tmp_path_factory.mktemp("tokens")
+    write_corpus(root / "corpus", 300, files=2, sentences=(1, 3))
+    train_tokenizer(root / "corpus", root / "tok", vocab=256)
+    summary = tokenize(root / "corpus", root / "tok", root / "t.bin", validation=0.1)
+    return root, summary
