@@ -103,7 +103,7 @@ def _memory_worker(rank: int, world: int, out: str, data: str, steps: int) -> di
 
 
 def run(work: Path, quick: bool = False, rounds: int = 20, warmup: int = 2, log=print) -> dict:
-    from fxshard.compiler import compile as compile_model
+    from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
 
     layout = Layout(tp=2, dp=2)

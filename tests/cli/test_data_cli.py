@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
