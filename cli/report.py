@@ -9,14 +9,14 @@ from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
 
-from fxshard.codegen.emit import collective_counts
+from fxshard.codegen.header import collective_counts
 from fxshard.codegen.manifest import Manifest, RankEntry, read_manifest
 from fxshard.ir.layout import DP, EP, PP, TP
 from fxshard.units import human_bytes
 
 
 def _collective_counts(entry: RankEntry) -> str:
-    f, b = collective_counts([c.to_json() for c in entry.collectives])  # emit counts the dicts it writes
+    f, b = collective_counts(entry.collectives)
     return f"fwd: {f}\nbwd: {b}"
 
 

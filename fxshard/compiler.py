@@ -32,7 +32,8 @@ from fxshard.capture.modelfile import (
 from fxshard.capture.precision import capture_at
 from fxshard.capture.program import Program
 from fxshard.codegen import emit_rank, rank_file_name
-from fxshard.codegen.emit import RankCode, name_stage_values
+from fxshard.codegen.collective_list import collective_entries
+from fxshard.codegen.emit import RankCode
 from fxshard.codegen.folder import staged_output
 from fxshard.codegen.manifest import (
     MANIFEST,
@@ -47,6 +48,7 @@ from fxshard.codegen.manifest import (
     TensorEntry,
     TiedWeight,
 )
+from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.context import CompileContext, spec
@@ -304,18 +306,19 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
             global_ranks = [r for r in range(layout.world_size)
                             if (layout.coords(r).pp, layout.coords(r).tp) == (pp_rank, tp_rank)]
             code = emit_rank(result.gm, ctx, coords, __version__, global_ranks)
+            collectives = collective_entries(result.gm, ctx, pp_rank)
             fname = rank_file_name(coords)
             sources[fname] = code.source
             for e in range(layout.ep):  # every ep rank runs the same file on its own experts' weights
                 here = coords.replace(ep=e) if layout.ep > 1 else coords
                 holders = [r for r in global_ranks if layout.ep_rank(layout.coords(r).dp) == e]
-                ranks.append(_rank_entry(result.gm, ctx, here, holders, fname, code))
+                ranks.append(_rank_entry(result.gm, ctx, here, holders, fname, code, collectives))
     manifest = _manifest(result.gm, ctx, mf, seed, ranks)
     return sources, manifest, weight_shards(manifest, ctx.program.tensors)
 
 
 def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, global_ranks: list[int],
-                fname: str, code: RankCode) -> RankEntry:
+                fname: str, code: RankCode, collectives: tuple[CollectiveEntry, ...]) -> RankEntry:
     """What the manifest records of one rank file: every tensor it holds, its placements and the slice of its source."""
     layout, program = ctx.layout, ctx.program
     state = program.state_by_name()
@@ -338,12 +341,12 @@ def _rank_entry(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, global_
             shape=shape, dtype=str(full.dtype).removeprefix("torch."),
             slice=slice_spec(placements[axis], coords[axis], layout.size(axis)),
             aliases=tuple(sorted(tied_by_kept.get(s.fqn, []))))
-    # emit describes collectives and stages as dicts: they become typed here, at the manifest's boundary
+    # emit describes the stages as dicts: they become typed here, at the manifest's boundary
     stages = tuple(map(StageEntry.from_json, code.stages)) if ctx.pipeline is not None else None
     ep = f"_ep{coords.ep}" if coords.ep is not None else ""
     return RankEntry(coords=coords, global_ranks=tuple(global_ranks), file=fname,
                      weights=f"weights/{fname.removesuffix('.py')}{ep}.safetensors", tensors=tensors,
-                     collectives=tuple(map(CollectiveEntry.from_json, code.collectives)), stages=stages)
+                     collectives=collectives, stages=stages)
 
 
 def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int, ranks: list[RankEntry]) -> Manifest:

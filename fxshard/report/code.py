@@ -20,7 +20,7 @@ import token
 import tokenize
 from dataclasses import dataclass, field
 
-from fxshard.codegen.emit import SHORT_DTYPES
+from fxshard.codegen.lines import SHORT_DTYPES
 
 _BUILTINS = {"self", "None", "True", "False", "super", "torch", "rt", "aten"}
 
