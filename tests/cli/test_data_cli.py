@@ -81,3 +81,20 @@ def test_plan_says_the_padding_packing_saves(tokens):
     assert r.returncode == 0, r.stderr
     line = " ".join(r.stdout.split())
     assert "data (train): " in line and "packed sequences of 64 tokens" in line and "of the positions saved" in line
+
+
+def test_the_report_says_the_padding_packing_saved(tokens, tmp_path):
+    from fxshard.report.data import report_data
+    from fxshard.report.render import render
+    from fxshard.train.data import DataOptions
+    from fxshard.train.options import RunOptions
+    from fxshard.train.record import write_run_record
+
+    compile_model(PACKED, Layout(tp=2), out=tmp_path / "packed", meta=True)
+    options = RunOptions(steps=1, data=DataOptions(data=tokens / "corpus.bin", pack=True))
+    write_run_record(tmp_path / "packed", options, [5.5], None)
+    data = report_data(tmp_path / "packed")
+    padding = data.run.data["padding"]
+    assert padding["packed"] < padding["unpacked"] and not data.warnings
+    page = " ".join(render(data).split())
+    assert f"packing saves <b>{100 * (padding['unpacked'] - padding['packed']):.1f}%</b> of the positions" in page

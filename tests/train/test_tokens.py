@@ -66,6 +66,45 @@ def test_a_nanogpt_file_finds_its_documents_from_eos(corpus, tmp_path):
         TokenFile.open(tmp_path / "train.bin")
 
 
+def test_a_megatron_index_of_several_sequences_per_document(tmp_path):
+    """An index as Megatron's _IndexWriter lays it out (header, version, dtype code, sequence count, document-index
+    count; int32 lengths, int64 byte pointers, int64 document indices), documents of 2, 1 and 3 sequences."""
+    import struct
+
+    lengths = [3, 4, 2, 5, 1, 6]
+    documents = [0, 2, 3, 6]
+    np.arange(sum(lengths), dtype=np.int32).tofile(tmp_path / "m.bin")
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]) * 4
+    with open(tmp_path / "m.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))
+        f.write(struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(documents)))
+        f.write(np.array(lengths, np.int32).tobytes() + pointers.astype(np.int64).tobytes())
+        f.write(np.array(documents, np.int64).tobytes())
+    tokens = TokenFile.open(tmp_path / "m")  # the prefix, as Megatron names a dataset
+    assert tokens.dtype == np.int32 and tokens.starts.tolist() == [0, 7, 9]
+    assert tokens.document_lengths().tolist() == [7, 2, 12] and tokens.read(7, 2).tolist() == [7, 8]
+    (tmp_path / "m.bin").write_bytes((tmp_path / "m.bin").read_bytes()[:-4])
+    with pytest.raises(DataError, match=r"m.idx: indexes 21 tokens but .*m.bin holds 20; the two files are not a pair"):
+        TokenFile.open(tmp_path / "m.bin")
+
+
+def test_validation_comes_from_eval_data_or_nanogpts_val_bin(corpus, tmp_path):
+    root, summary = corpus
+    ids = np.arange(200, dtype=np.uint16) % 250
+    for name in ("train", "val"):
+        ids.tofile(tmp_path / f"{name}.bin")
+        (tmp_path / f"{name}.json").write_text(json.dumps({"dtype": "uint16"}))
+    np.full(200, 7, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    val = next(global_batches(LLAMA, "validation", DataOptions(data=tmp_path / "train.bin")))
+    assert val["input_ids"].eq(7).all()  # val.bin beside train.bin
+    other = next(global_batches(LLAMA, "validation", DataOptions(data=tmp_path / "train.bin",
+                                                                 eval_data=root / "t.bin")))
+    assert other["input_ids"][0].tolist() == TokenFile.open(root / "t.bin").read(0, 16).tolist()
+    (tmp_path / "val.bin").unlink()
+    with pytest.raises(DataError, match=r"train.bin: no validation split: .* pass --eval-data PATH"):
+        global_batches(LLAMA, "validation", DataOptions(data=tmp_path / "train.bin"))
+
+
 def test_dp_ranks_read_their_sequences_of_the_one_device_order(corpus):
     root, _ = corpus
     options = DataOptions(data=root / "t.bin")
