@@ -56,18 +56,17 @@ def write_corpus(folder: Path, documents_count: int, files: int = 1, seed: int =
                  sentences: tuple[int, int] = (1, 40), chunk: int = 10_000) -> list[Path]:
     """A corpus of ``documents_count`` documents in ``files`` .jsonl files under ``folder`` (generated ``chunk``
     documents at a time)."""
+    from fxshard.files import write_text
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     per = -(-documents_count // files)
     paths = []
     for k in range(files):
         n = min(per, documents_count - k * per)
-        path = folder / f"part-{k:03d}.jsonl"
-        with open(path, "w") as f:
-            for c, lo in enumerate(range(0, n, chunk)):
-                for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences):
-                    f.write(json.dumps({"text": text}) + "\n")
-        paths.append(path)
+        lines = [json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
+                 for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences)]
+        paths.append(write_text(folder / f"part-{k:03d}.jsonl", "".join(lines), "a generated corpus file"))
     return paths
 
 
@@ -84,8 +83,10 @@ def train_tokenizer(corpus: Path, out: Path, vocab: int = 256) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False)
     texts = (t for p in corpus_files(corpus) for t in read_documents(p))
     tokenizer.train_from_iterator(texts, trainer)
+    from fxshard.files import write_text
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}) + "\n")
+    write_text(out / "tokenizer.json", tokenizer.to_str(), "a tokenizer")
+    write_text(out / "tokenizer_config.json", json.dumps({"eos_token": EOS}) + "\n", "a tokenizer's configuration")
     return out

@@ -144,10 +144,14 @@ def tokenize(corpus: Path, tokenizer_dir: Path, out: Path, validation: float = 0
         raise DataError(f"--out {out}: the folder {out.parent} does not exist; create it first")
     total = sum(p.stat().st_size for p in files)
     lengths: list[int] = []
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    from fxshard.files import refuse_link, write_text
+
+    refuse_link(out, "the token file")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     done = 0
     try:
-        with open(tmp, "wb") as sink:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        with os.fdopen(fd, "wb") as sink:
             for path in files:
                 for chunk in _chunks(documents(path, text_field)):
                     for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
@@ -167,8 +171,8 @@ def tokenize(corpus: Path, tokenizer_dir: Path, out: Path, validation: float = 0
         side = {"format": "fxshard-tokens", "dtype": dtype.name, "eos": eos_id, "vocab_size": vocab,
                 "tokens": int(sum(lengths)), "documents": len(lengths), "validation_documents": held,
                 "tokenizer": str(Path(tokenizer_dir).resolve()), "corpus": str(Path(corpus).resolve())}
-        out.with_suffix(".json").write_text(json.dumps(side, indent=1) + "\n")
-        os.replace(tmp, out)
+        write_text(out.with_suffix(".json"), json.dumps(side, indent=1) + "\n", "a token file's sidecar")
+        os.replace(tmp, out)  # a rename: a link planted at the name since the check is replaced, not followed
     finally:
         tmp.unlink(missing_ok=True)
     return Tokenized(out, side["tokens"], len(lengths), held, dtype.name, eos_id, vocab)

@@ -176,11 +176,11 @@ def read_megatron_index(idx: Path, binary: Path) -> tuple[np.dtype, np.ndarray]:
 
 def write_megatron_index(idx: Path, dtype: np.dtype, document_lengths: np.ndarray) -> None:
     """Megatron's ``.idx`` of a file of documents back to back, one sequence per document."""
+    from fxshard.files import write_bytes
+
     lengths = np.asarray(document_lengths, dtype=np.int64)
     codes = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}
     pointers = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64) * np.dtype(dtype).itemsize
-    with open(idx, "wb") as f:
-        f.write(MEGATRON_HEADER + struct.pack("<QBQQ", 1, codes[np.dtype(dtype)], len(lengths), len(lengths) + 1))
-        f.write(lengths.astype(np.int32).tobytes())
-        f.write(pointers.tobytes())
-        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    header = MEGATRON_HEADER + struct.pack("<QBQQ", 1, codes[np.dtype(dtype)], len(lengths), len(lengths) + 1)
+    write_bytes(idx, header + lengths.astype(np.int32).tobytes() + pointers.tobytes()
+                + np.arange(len(lengths) + 1, dtype=np.int64).tobytes(), "a token file's Megatron index")
