@@ -209,7 +209,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                          split_before=split_before, microbatches=microbatches, batch=batch)
     if layout.recompute != "none" and find_blocks(program.module_types) is None:
         raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
-                          "(a ModuleList of modules of one class, such as a transformer's layers), which are what "
+                          "(a ModuleList of layers, such as a transformer's), which are what "
                           "fxshard recomputes; drop --recompute")
     if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
         ctx.notes.extend(resolved.notes)

@@ -27,6 +27,16 @@ def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
     return seen
 
 
+def module_call(node: fx.Node, fqn: str) -> int | None:
+    """Which call of module ``fqn`` computed ``node`` (0 for the first; export numbers the later calls of a
+    module its forward calls again, ALBERT's shared layer's, ``@1``, ``@2``, ...), or None outside ``fqn``."""
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        if value[0] == fqn:
+            _, at, k = key.rpartition("@")
+            return int(k) if at and k.isdigit() else 0
+    return None
+
+
 def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")

@@ -1,6 +1,6 @@
 """The model's repeated blocks as units of the program: each block a class runs becomes a submodule of it.
 
-A transformer's layers (the longest ``ModuleList`` of one class, :func:`fxshard.ir.cut.find_blocks`) run as
+A transformer's layers (the outermost ``ModuleList`` with the most members, :func:`fxshard.ir.cut.find_blocks`) run as
 contiguous spans of the captured graph.  This pass decides, for every class of the rank files (a pipeline
 stage, or the whole rank: :func:`fxshard.ir.blocks.bodies`), which blocks it calls as a submodule, and records
 the decision in each node's ``NodeSpec.block``.  So a rank file reads as the model does

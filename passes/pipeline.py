@@ -63,7 +63,7 @@ def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext) -> CutPlan:
     S = ctx.layout.num_stages
     what = f"--pp {ctx.layout.pp}" + (f" x {ctx.layout.stages_per_rank} virtual stages" if S > ctx.layout.pp else "")
-    blocks = find_blocks(ctx.program.module_types)
+    blocks = find_blocks(ctx.program.module_types, gm)
     markers = max((spec(n).segment or 0 for n in gm.graph.nodes), default=0)
     costs = _param_costs(compute, ctx)
     if markers:
@@ -92,7 +92,7 @@ def _choose_cut(gm: fx.GraphModule, compute: list[fx.Node], ctx: CompileContext)
         _check_starts(starts, len(compute), "split_before", [f"before {f}" for _, f in found])
         return _describe(CutPlan("split_before", starts, []), compute, blocks, ctx, costs)
     if blocks is None:
-        raise PlanError(f"{what}: the model has no repeated blocks (a ModuleList of one class) to cut between; "
+        raise PlanError(f"{what}: the model has no repeated blocks (a ModuleList of layers) to cut between; "
                         "mark the cuts with fxshard.pipeline_split() in forward, or pass split_before")
     if len(blocks) < S:
         raise LayoutError(f"{what} needs {S} pipeline stages but the model has {len(blocks)} repeated blocks "
@@ -131,34 +131,36 @@ def _check_starts(starts: list[int], n: int, source: str, what: list[str]) -> No
 
 
 def _param_costs(compute: list[fx.Node], ctx: CompileContext):
+    """Each parameter's uses (positions in ``compute``) and bytes: what the automatic cut balances and the stage
+    table reports, a parameter counted in every stage that uses it."""
     position = {n: i for i, n in enumerate(compute)}
-    first_use, nbytes = {}, {}
+    uses, nbytes = {}, {}
     for p in ctx.params:
-        uses = [position[u] for u in p.users if u in position]
+        at = sorted(position[u] for u in p.users if u in position)
         val = p.meta.get("val")
-        if uses and isinstance(val, torch.Tensor):
-            first_use[p] = min(uses)
+        if at and isinstance(val, torch.Tensor):
+            uses[p] = at
             nbytes[p] = val.numel() * val.element_size()
-    return first_use, nbytes
+    return uses, nbytes
 
 
 def _describe(cut: CutPlan, compute, blocks: Blocks | None, ctx: CompileContext, costs) -> CutPlan:
     """Per-stage label and cost row: the blocks it holds, forward FLOPs and parameter bytes per microbatch."""
     S = len(cut.starts)
     ends = cut.starts[1:] + [len(compute)]
-    first_use, nbytes = costs
+    uses, nbytes = costs
     block_first = block_spans(compute, blocks)[0] if blocks else {}
     tp = ctx.layout.tp
     for s in range(S):
         lo, hi = cut.starts[s], ends[s]
         held = [b for b, i in block_first.items() if lo <= i < hi]
         flops = sum(node_flops(n) for n in compute[lo:hi])
-        params = sum(nbytes[p] for p, i in first_use.items() if lo <= i < hi)
+        here = [p for p, at in uses.items() if any(lo <= i < hi for i in at)]
+        params = sum(nbytes[p] for p in here)
         local_params = 0
-        for p, i in first_use.items():
-            if lo <= i < hi:
-                val = p.meta["val"]
-                local_params += math.prod(local_shape(tuple(val.shape), spec(p).placement, tp)) * val.element_size()
+        for p in here:
+            val = p.meta["val"]
+            local_params += math.prod(local_shape(tuple(val.shape), spec(p).placement, tp)) * val.element_size()
         label = _range_label(held, blocks)
         extra = []
         if s == 0 and (not held or lo < block_first.get(held[0], lo)):
@@ -180,5 +182,5 @@ def _range_label(held: list[str], blocks: Blocks | None) -> str:
     first, last = held[0], held[-1]
     if first == last:
         return first
-    return f"{blocks.prefix}.{first.rsplit('.', 1)[1]}-{last.rsplit('.', 1)[1]}"
+    return f"{blocks.prefix}.{first[len(blocks.prefix) + 1:]}-{last[len(blocks.prefix) + 1:]}"
 

@@ -50,6 +50,10 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
        for name, layout, *optim in [("dp2", Layout(dp=2)), ("pp2-4-microbatches", Layout(pp=2, microbatches=4)),
                                     ("tp2", Layout(tp=2)), ("dp2-accum2", Layout(dp=2), OptimConfig(grad_accum=2))]},
     "bert-mlm-pp2-4-microbatches": (ROOT / "tests" / "models" / "bert_mlm.py", Layout(pp=2, microbatches=4), None),
+    # heterogeneous stacks: a layer called several times (ALBERT) is a block per call; a list of two classes whose
+    # layers share one block (Zamba2); the stages calling a shared block each hold it, gradients summed
+    "albert-shared-layer-pp2": (ROOT / "tests" / "models" / "hf_albert_mlm.py", Layout(pp=2), None),
+    "zamba2-hybrid-pp2": (ROOT / "tests" / "models" / "hf_zamba2.py", Layout(pp=2), None),
     # in-place writes the loss needs without consuming their result (through a view; a buffer counter)
     "inplace-view-tp2": (ROOT / "tests" / "models" / "inplace_view.py", Layout(tp=2), None),
     "inplace-view-pp2-1f1b": (ROOT / "tests" / "models" / "inplace_view.py", Layout(pp=2), None),

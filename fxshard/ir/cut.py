@@ -4,7 +4,8 @@ Where to cut, in order of precedence:
 
 1. ``fxshard.pipeline_split()`` calls in the user's ``forward`` (export keeps them as marker ops);
 2. ``split_before=["model.layers.8", ...]`` in the plan (``--split-before`` on the command line);
-3. automatic: the model's repeated blocks (the longest ``ModuleList`` of one class) are divided into
+3. automatic: the model's repeated blocks (the outermost ``ModuleList`` with the most members, of one class
+   or several, a member called several times a block per call: :func:`find_blocks`) are divided into
    contiguous groups, one per stage, minimizing the largest per-stage cost (FLOPs and parameter
    bytes, from the captured shapes); never inside a block.
 
@@ -21,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError, PlanError
-from fxshard.graph import node_fqn
+from fxshard.graph import module_call, node_fqn
 from fxshard.ir.layout import Layout
 from fxshard.ir.spec import update_spec
 
@@ -87,32 +88,86 @@ _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 
 @dataclass
 class Blocks:
-    """The model's repeated blocks: ``prefix.0`` .. ``prefix.{n-1}``, all of one class."""
+    """The model's repeated blocks: ``prefix.0`` .. ``prefix.{n-1}``, the members of one ``ModuleList``, of one
+    class or several (Jamba's Mamba and attention layers, Zamba2's Mamba and hybrid layers).
+
+    ``names`` are the blocks in the order they run.  Found with the graph (:func:`find_blocks`'s ``gm``), a member
+    the forward calls several times is a block per call, ``fqn@k`` (ALBERT's one layer, called N times): a
+    pipeline cut may fall between its calls, and the stages holding them each hold its parameters."""
 
     prefix: str
-    cls: str
+    cls: str  # its class, or its classes joined by "/"
     names: list[str]
 
     def __len__(self) -> int:
         return len(self.names)
 
+    def label_of(self, node: fx.Node) -> str | None:
+        """The block (an entry of ``names``) that computes ``node``, or None outside the blocks."""
+        fqn = node_fqn(node)
+        if not under(fqn, self.prefix) or fqn == self.prefix:
+            return None
+        member = self.prefix + "." + fqn[len(self.prefix) + 1:].split(".", 1)[0]
+        if member in self.names:
+            return member
+        call = module_call(node, member)
+        label = f"{member}@{call}"
+        return label if label in self.names else None
 
-def find_blocks(module_types: dict[str, str]) -> Blocks | None:
-    """The longest run of same-class modules ``prefix.<i>`` (the transformer layers)."""
+
+def find_blocks(module_types: dict[str, str], gm: fx.GraphModule | None = None) -> Blocks | None:
+    """The model's repeated blocks: the ``ModuleList`` (members ``prefix.<i>``) with the most members, among those
+    not inside another list's member (T5's ``block.0.layer`` of three sublayers is part of a block).  A list of
+    one class wins a tie, and is preferred to a longer list of several classes only when that is inside it.
+    With the graph ``gm``, members are counted by their calls, and a member called several times is a block per
+    call (:class:`Blocks`)."""
     runs: dict[str, dict[int, str]] = {}
     for fqn, cls in module_types.items():
         m = _INDEXED.match(fqn)
         if m:
             runs.setdefault(m.group(1), {})[int(m.group(2))] = cls
+    runs = {p: m for p, m in runs.items() if sorted(m) == list(range(len(m)))}
+    calls = _calls(gm, runs) if gm is not None else {}
     best = None
     for prefix, members in runs.items():
-        classes = set(members.values())
-        if len(classes) != 1 or sorted(members) != list(range(len(members))):
+        if any(_inside_member(prefix, other, runs[other]) for other in runs):
             continue
-        key = (len(members), -prefix.count("."))
+        names = [name for i in range(len(members)) for name in calls.get(f"{prefix}.{i}", [f"{prefix}.{i}"])]
+        classes = sorted(set(members.values()))
+        key = (len(names), len(classes) == 1, -prefix.count("."))
         if best is None or key > best[0]:
-            best = (key, Blocks(prefix, classes.pop(), [f"{prefix}.{i}" for i in range(len(members))]))
-    return best[1] if best else None
+            best = (key, Blocks(prefix, "/".join(classes), names))
+    if best is None:
+        return None
+    blocks = best[1]
+    if gm is not None:  # in the order they run
+        first = {}
+        for node in gm.graph.nodes:
+            label = blocks.label_of(node) if node.op == "call_function" else None
+            if label is not None:
+                first.setdefault(label, len(first))
+        blocks.names.sort(key=lambda b: first.get(b, len(first)))
+    return blocks
+
+
+def _inside_member(prefix: str, other: str, members: dict[int, str]) -> bool:
+    """Whether the list ``prefix`` lies inside a member ``other.<i>`` of the list ``other``."""
+    if not prefix.startswith(other + "."):
+        return False
+    first = prefix[len(other) + 1:].split(".", 1)[0]
+    return first.isdigit() and int(first) in members
+
+
+def _calls(gm: fx.GraphModule, runs: dict[str, dict[int, str]]) -> dict[str, list[str]]:
+    """Member FQN -> its blocks, for the members the forward calls more than once: ``fqn@0``, ``fqn@1``, ..."""
+    members = {f"{p}.{i}" for p, m in runs.items() for i in m}
+    seen: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        for key, value in (node.meta.get("nn_module_stack") or {}).items():
+            if value[0] in members:
+                _, at, k = key.rpartition("@")
+                seen.setdefault(value[0], set()).add(int(k) if at and k.isdigit() else 0)
+    return {fqn: [f"{fqn}@{k}" for k in sorted(ks)] for fqn, ks in seen.items() if len(ks) > 1}
 
 
 def under(fqn: str, prefix: str) -> bool:
@@ -125,12 +180,10 @@ def block_spans(compute: list[fx.Node], blocks: Blocks) -> tuple[dict[str, int],
     starts: dict[str, int] = {}
     ends: dict[str, int] = {}
     for i, node in enumerate(compute):
-        fqn = node_fqn(node)
-        for b in blocks.names:
-            if under(fqn, b):
-                starts.setdefault(b, i)
-                ends[b] = i
-                break
+        b = blocks.label_of(node)
+        if b is not None:
+            starts.setdefault(b, i)
+            ends[b] = i
     return starts, ends
 
 
@@ -176,9 +229,10 @@ class Segment:
     cost: float = 0.0
 
 
-def segments(compute: list[fx.Node], blocks: Blocks, param_first_use: dict[fx.Node, int],
+def segments(compute: list[fx.Node], blocks: Blocks, param_uses: dict[fx.Node, list[int]],
              param_bytes: dict[fx.Node, int]) -> list[Segment]:
-    """Split the compute nodes (graph order) into [before] + blocks + [after]; check the blocks are in order."""
+    """Split the compute nodes (graph order) into [before] + blocks + [after]; check the blocks are in order.
+    A parameter counts in every segment that uses it: a stage holding a shared block's call holds its weights."""
     starts, ends = block_spans(compute, blocks)
     names = [b for b in blocks.names if b in starts]
     for a, b in zip(names, names[1:], strict=False):
@@ -194,9 +248,9 @@ def segments(compute: list[fx.Node], blocks: Blocks, param_first_use: dict[fx.No
     for j, seg in enumerate(segs):
         for node in compute[bounds[j]:bounds[j + 1]]:
             seg.flops += node_flops(node)
-    for p, first in param_first_use.items():
-        j = max(k for k in range(len(segs)) if segs[k].first <= first)
-        segs[j].param_bytes += param_bytes[p]
+    for p, uses in param_uses.items():
+        for j in {max(k for k in range(len(segs)) if segs[k].first <= i) for i in uses}:
+            segs[j].param_bytes += param_bytes[p]
     total_f = sum(s.flops for s in segs) or 1
     total_b = sum(s.param_bytes for s in segs) or 1
     for s in segs:

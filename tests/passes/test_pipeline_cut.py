@@ -158,3 +158,36 @@ def test_zero3_with_zero_bubble_is_refused_before_it_trains_wrongly():
 def test_virtual_stages_need_an_interleaved_schedule():
     with pytest.raises(LayoutError, match="--virtual-stages 2: schedule 1f1b runs one stage per pp rank"):
         Layout(pp=2, virtual_stages=2)
+
+
+def test_blocks_are_the_outermost_list_of_any_classes():
+    from fxshard.ir.cut import find_blocks
+
+    jamba = {"model.layers": "ModuleList", "model.layers.0": "Mamba", "model.layers.1": "Attention",
+             "model.layers.2": "Mamba", "model.layers.3": "Attention"}
+    blocks = find_blocks(jamba)
+    assert (blocks.prefix, blocks.cls, blocks.names) == ("model.layers", "Attention/Mamba",
+                                                         [f"model.layers.{i}" for i in range(4)])
+    # T5's sublayers (self-attention, cross-attention, feed-forward) are inside a block, not blocks
+    t5 = {"decoder.block.0": "T5Block", "decoder.block.1": "T5Block", "decoder.block.0.layer.0": "SelfAttn",
+          "decoder.block.0.layer.1": "CrossAttn", "decoder.block.0.layer.2": "FF", "decoder.block.1.layer.0": "SelfAttn",
+          "decoder.block.1.layer.1": "CrossAttn", "decoder.block.1.layer.2": "FF"}
+    assert find_blocks(t5).prefix == "decoder.block"
+    # a list of one class wins a tie with one of several
+    assert find_blocks({"a.0": "X", "a.1": "Y", "b.0": "Z", "b.1": "Z"}).prefix == "b"
+
+
+def test_a_layer_called_several_times_is_a_block_per_call(models):
+    from fxshard.capture.program import capture
+    from fxshard.ir.cut import find_blocks
+
+    program = capture(load_model_file(models / "hf_albert_mlm.py"))
+    shared = "albert.encoder.albert_layer_groups.0"
+    assert find_blocks(program.module_types).names == [shared]
+    assert find_blocks(program.module_types, program.gm).names == [f"{shared}@{k}" for k in range(4)]
+    result = compile_program(models / "hf_albert_mlm.py", Layout(pp=2))
+    stages = pipeline_stages(result.gm, result.ctx)
+    held = [{n.name for n in st.state} for st in stages]
+    query = "p_model_albert_encoder_albert_layer_groups_0_albert_layers_0_attention_query_weight"
+    assert query in held[0] and query in held[1]  # both stages call the shared layer: both hold it
+    assert [row["blocks"] for row in result.ctx.pipeline.table] == [2, 2]
