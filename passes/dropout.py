@@ -57,7 +57,9 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if node.target not in _DROPOUT:
             _refuse_other_randomness(node, ctx)
             continue
-        x, p, train = (argument(node, name) for name in ("input", "p", "train"))
+        # F.dropout(inplace=True) is aten.dropout_, whose tensor argument is named self
+        x = argument(node, "input") if _DROPOUT[node.target] is False else argument(node, "self")
+        p, train = argument(node, "p"), argument(node, "train")
         if not train:
             node.replace_all_uses_with(x)
             gm.graph.erase_node(node)

@@ -139,3 +139,16 @@ def test_a_random_op_is_refused_only_when_the_call_draws(tmp_path, training):
             compile_program(path, Layout(dp=2))
     else:
         compile_program(path, Layout(dp=2))
+
+
+def test_in_place_dropout_keeps_its_input(tmp_path):
+    # nn.Dropout(inplace=True) captures as aten.dropout_, whose tensor argument is `self`, not `input`: at p = 0
+    # the op was replaced by None (MobileNetV2's classifier crashed the compile at tp=2), at p > 0 it dropped None
+    path = _model_file(tmp_path, """
+        h = F.dropout(h, 0.0, inplace=True)
+        h = F.dropout(h, 0.3, inplace=True)
+    """)
+    gm = compile_program(path, Layout()).gm
+    (site,) = _dropouts(gm)
+    assert site.args[0].target is aten.linear.default and site.kwargs["inplace"] is True
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.dropout_.default]
