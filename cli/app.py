@@ -236,10 +236,10 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
 
     try:
         options = RunOptions.from_flags(flags)
+        if not options.allow_edited:  # first: the option checks import model.py (make_dataset, make_batches)
+            refuse_edited(out, read_manifest(out))
         check_run_options(out, options)
         if under_torchrun():
-            if not options.allow_edited:
-                refuse_edited(out, read_manifest(out))
             from fxshard.cli.report import memory_table
 
             from fxshard.runtime.guard import recorded
@@ -258,8 +258,6 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
             with console.status(f"checking {out}"):
                 report = check_output(out, options.allow_edited)
             console.print(f"static checks: OK ({report.ranks} rank files agree on every collective and send)")
-        elif not options.allow_edited:
-            refuse_edited(out, manifest)
         console.print(f"launching {world} processes for {out} ({manifest.layout.describe()})")
         launch_local(out, options.argv(out), world)
     except FxshardError as e:

@@ -33,6 +33,7 @@ SOURCES = {"fxshard": ROOT / "fxshard", "fxshard.passes": ROOT / "passes", "fxsh
 LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.defaults", "fxshard.flags", "fxshard.graph")
 LAYERS = (
     LEAVES,
+    ("fxshard.files",),  # safe writes, above the leaves (it raises FxshardError)
     ("fxshard.runtime",),
     ("fxshard.capture",),
     ("fxshard.ir",),

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxshard.codegen.manifest import FORMAT, MANIFEST, listed_files
+from fxshard.codegen.manifest import MANIFEST, listed_files
 from fxshard.errors import OutputFolderError, warn
 
 JOURNAL = ".fxshard-swap"  # in the staging folder: travels with it through the exchange

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fxshard.ir.layout import DP, EDP, EP, MESH_AXES, PP, TP, Layout
 from fxshard.testing import spawn
+
+pytestmark = pytest.mark.distributed  # every test spawns gloo ranks
 
 
 def _members(rank: int, world: int, layout: Layout, tied: dict) -> dict[str, list[int]]:

@@ -20,6 +20,7 @@ SHAPES = [(3, 5), (7,), (2, 2, 3), (1,), (4, 4)]
 def _compare(rank: int, world: int, dtype: str):
     import torch.distributed as dist
 
+    import fxshard.runtime.distributed_optimizer as module
     from fxshard.runtime.distributed_optimizer import DistributedOptimizer
     from fxshard.train.optim import OptimConfig
 
@@ -50,14 +51,16 @@ def _compare(rank: int, world: int, dtype: str):
             def wrapped(*a, **k):
                 counted[kind] += 1
                 return fn(*a, **k)
+            wrapped.__wrapped__ = fn
             return wrapped
 
-        dist.reduce_scatter_single, dist.all_gather_single = count("reduce_scatter", real[0]), count("all_gather", real[1])
+        dist.all_gather_single = count("all_gather", real[1])
+        module._reduce_scatter = count("reduce_scatter", module._reduce_scatter)  # torch's, chosen at import
         try:
             opt.reduce_gradients()
             opt.step()
         finally:
-            dist.reduce_scatter_single, dist.all_gather_single = real
+            dist.all_gather_single, module._reduce_scatter = real[1], module._reduce_scatter.__wrapped__
         opt.zero_grad()
         ref_opt.step()
         calls.append(counted)

@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_in
 
 from fxshard.errors import DataError
 from fxshard.train.data.order import EpochOrder, rank_batches, rank_positions
-from fxshard.train.data.sources import Source
-from fxshard.train.data.spec import BatchSpec, local_slice
+from fxshard.train.data.spec import BatchSpec, Source, local_slice
 
 STATE_FORMAT = 1
 

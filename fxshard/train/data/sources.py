@@ -13,43 +13,13 @@ First match wins:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from fxshard.errors import DataError
 from fxshard.train.data.options import DataOptions
-from fxshard.train.data.spec import BatchSpec
+from fxshard.train.data.spec import BatchSpec, Source
 
 SPLITS = ("train", "validation")
-
-
-@dataclass
-class Source:
-    """One split's examples.  ``kind``: "tokens", "dataset" (map-style), "stream" (an IterableDataset),
-    "batches" (whole global batches); ``name`` names it in messages and in the data state."""
-
-    kind: str
-    name: str
-    dataset: Any = None  # tokens, dataset, stream: what yields single examples
-    batches: list | None = None  # batches: the global batches, cycled
-    collate: Any = None  # the model file's collate(examples), or None: stack
-    model_file: Any = None  # the model file defining dataset and collate (a loader worker imports it first)
-
-    def __len__(self) -> int:
-        return len(self.batches) if self.kind == "batches" else len(self.dataset)
-
-    @property
-    def sized(self) -> bool:
-        return self.kind != "stream"
-
-    def describe(self) -> str:
-        if self.kind == "batches":
-            return f"{self.name}: {len(self.batches)} global batch{'es' * (len(self.batches) != 1)}, cycled"
-        if self.kind == "stream":
-            return f"{self.name} (an IterableDataset, streamed)"
-        return f"{self.name}: {len(self.dataset):,} examples"
 
 
 def resolve_source(mf, spec: BatchSpec, split: str, options: DataOptions = DataOptions(), seed: int = 0,

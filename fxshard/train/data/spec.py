@@ -138,3 +138,30 @@ def local_slice(batch: Any, dp_rank: int, dp_size: int) -> Any:
         return batch
     return pytree.tree_map(lambda v: v.tensor_split(dp_size)[dp_rank] if isinstance(v, torch.Tensor) and v.dim()
                            else v, batch)
+
+
+@dataclass
+class Source:
+    """One split's examples.  ``kind``: "tokens", "dataset" (map-style), "stream" (an IterableDataset),
+    "batches" (whole global batches); ``name`` names it in messages and in the data state."""
+
+    kind: str
+    name: str
+    dataset: Any = None  # tokens, dataset, stream: what yields single examples
+    batches: list | None = None  # batches: the global batches, cycled
+    collate: Any = None  # the model file's collate(examples), or None: stack
+    model_file: Any = None  # the model file defining dataset and collate (a loader worker imports it first)
+
+    def __len__(self) -> int:
+        return len(self.batches) if self.kind == "batches" else len(self.dataset)
+
+    @property
+    def sized(self) -> bool:
+        return self.kind != "stream"
+
+    def describe(self) -> str:
+        if self.kind == "batches":
+            return f"{self.name}: {len(self.batches)} global batch{'es' * (len(self.batches) != 1)}, cycled"
+        if self.kind == "stream":
+            return f"{self.name} (an IterableDataset, streamed)"
+        return f"{self.name}: {len(self.dataset):,} examples"

@@ -23,8 +23,7 @@ import torch
 from fxshard.errors import DataError
 from fxshard.train.data.options import DataOptions
 from fxshard.train.data.packing import Packed, pack, packed_row, unpacked_padding
-from fxshard.train.data.sources import Source
-from fxshard.train.data.spec import BatchSpec
+from fxshard.train.data.spec import BatchSpec, Source
 from fxshard.train.data.tokens import TokenFile
 
 FILLED = ("input_ids", "labels", "position_ids", "attention_mask")
@@ -161,7 +160,7 @@ def _packed(part: SplitRange, seq: int) -> Packed:
 
 
 def token_source(mf, spec: BatchSpec, split: str, options: DataOptions, manifest=None) -> Source:
-    """The token file of ``split`` as a :class:`~fxshard.train.data.sources.Source` of sequences."""
+    """The token file of ``split`` as a :class:`~fxshard.train.data.spec.Source` of sequences."""
     check_token_inputs(mf, spec, options)
     path = options.data
     if split == "validation":
