@@ -4,7 +4,7 @@ First fit over a window, in document order: a document goes into the oldest of t
 that has room for it, else it starts a new sequence; sequences are numbered as they start.  (Filling only the
 current sequence pads about a quarter of short-document corpora; the window brings that to a few percent while
 keeping documents near their neighbours.)  A document longer than a sequence is cut into pieces of the sequence's
-length, each a document of its own.  Every rank and the single-device reference pack the same documents the same way, so a
+length, each a document of its own: the full pieces are sequences of their own, the last piece is packed.  Every rank and the single-device reference pack the same documents the same way, so a
 packed sequence is one example like any other: the rows of every global batch are the same at any layout.
 
 Inside a sequence, position ids restart at 0 for each document (and for the padding), which is what makes a
@@ -66,25 +66,43 @@ def pieces(starts: np.ndarray, lengths: np.ndarray, seq: int) -> tuple[np.ndarra
 
 
 def pack(starts: np.ndarray, lengths: np.ndarray, seq: int, window: int = WINDOW) -> Packed:
-    """Pack documents (file offsets ``starts``, ``lengths``) into sequences of ``seq`` (see the module docstring)."""
-    start, length = pieces(np.asarray(starts, np.int64), np.asarray(lengths, np.int64), seq)
-    room = np.full(window, -1, dtype=np.int64)  # room left in each open slot's sequence (-1: no sequence yet)
-    slot_sequence = np.zeros(window, dtype=np.int64)
-    oldest = 0  # the slot whose sequence started first, replaced by the next new sequence
-    sequences: list[list[int]] = []
-    age = np.arange(window)
-    for j, n in enumerate(length.tolist()):  # sequential by nature: some microseconds a document
-        fits = np.flatnonzero(room >= n)
-        if fits.size:
-            slot = int(fits[np.argmin((age[fits] - oldest) % window)])
+    """Pack documents (file offsets ``starts``, ``lengths``) into sequences of ``seq`` (see the module docstring).
+
+    A document's full pieces are sequences of their own, numbered where the document comes; only its last, shorter
+    piece looks for room among the open sequences (so a corpus of documents much longer than a sequence packs in
+    one pass over its documents, not its pieces)."""
+    lengths = np.asarray(lengths, np.int64)
+    start, length = pieces(np.asarray(starts, np.int64), lengths, seq)
+    kept = lengths[lengths > 0]
+    count = (kept + seq - 1) // seq
+    first_piece = (np.cumsum(count) - count).tolist()
+    full = (kept // seq).tolist()
+    rest = (kept % seq).tolist()
+    room = [-1] * window  # room left in each open slot's sequence (-1: none yet); slots are reused oldest first
+    slot_entry = [0] * window
+    oldest = 0
+    entries: list = []  # a packed sequence (a list of pieces), or (first piece, n): n sequences of one full piece
+    for j0, f, r in zip(first_piece, full, rest, strict=True):  # sequential by nature: microseconds a document
+        if f:
+            entries.append((j0, f))
+        if not r:
+            continue
+        j = j0 + f
+        for k in range(window):
+            slot = oldest + k - window if oldest + k >= window else oldest + k
+            if room[slot] >= r:
+                break
         else:
             slot, oldest = oldest, (oldest + 1) % window
-            slot_sequence[slot], room[slot] = len(sequences), seq
-            sequences.append([])
-        sequences[slot_sequence[slot]].append(j)
-        room[slot] -= n
-    order = np.asarray([j for s in sequences for j in s], dtype=np.int64)
-    first = np.concatenate([[0], np.cumsum([len(s) for s in sequences])]).astype(np.int64)
+            slot_entry[slot], room[slot] = len(entries), seq
+            entries.append([])
+        entries[slot_entry[slot]].append(j)
+        room[slot] -= r
+    order = np.concatenate([np.asarray(e, np.int64) if isinstance(e, list) else np.arange(e[0], e[0] + e[1])
+                            for e in entries]) if entries else np.zeros(0, np.int64)
+    sizes = np.concatenate([[len(e)] if isinstance(e, list) else np.ones(e[1], np.int64) for e in entries]) \
+        if entries else np.zeros(0, np.int64)
+    first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return Packed(seq, first, start[order], length[order].astype(np.int32))
 
 
