@@ -18,8 +18,9 @@ browser:
 demo: setup
 	$(PY) scripts/demo.py
 
+# Two workers (pytest-xdist), a test file each at a time: spawned ranks run one thread each.
 test: setup browser
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself).
 # Two workers (pytest-xdist), a test file each at a time: the machine's 2 cores.
