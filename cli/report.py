@@ -227,6 +227,9 @@ _PLAN_ROWS = [  # key, label, unit
                 "reduce-scatter (t-1)/t)", "count"),
     ("pp_send", "pp elements sent per step (activations fwd, grads bwd)", "count"),
     ("dp_bytes", "dp bytes sent per step (ring collectives; --ep: the experts' over dp/ep)", "bytes"),
+    # --cp only
+    ("cp_sent", "cp bytes sent per step (attention's K/V exchange fwd + bwd; ring: (c-1)/c of a gather or "
+                "reduce-scatter, the ring's c-1 K/V steps, the all-to-alls)", "bytes"),
     # --ep only
     ("ep_psi", "expert parameters (this rank's E/ep of each MoE layer; in Ψ)", "count"),
     ("ep_state", "expert model state bytes (parameters, gradients, Adam; ZeRO 1: Adam over dp/ep; ZeRO 2/3: "

@@ -66,10 +66,12 @@ from fxshard.ir.contracts import (
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
+from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.blocks import blocks_pass
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
+from fxshard.passes.context_parallel import context_parallel_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.overlap import overlap_pass
@@ -80,7 +82,7 @@ from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
-PASSES = [token_mean_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
+PASSES = [token_mean_pass, context_parallel_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
           dropout_pass, pipeline_pass, blocks_pass, overlap_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
@@ -179,7 +181,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    microbatches, batch = 1, None
+    microbatches, batch, inputs = 1, None, None
     if program is None:
         inputs = mf.build_inputs(seed)
         if layout.pp > 1 or layout.dp > 1:
@@ -196,6 +198,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             size = per_rank // microbatches
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
+    sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
@@ -206,7 +209,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     for message in resolved.warnings:
         warn(message)
     ctx = CompileContext(layout, program, resolved, model_file_name=mf.path.name, model_digest=mf.digest(),
-                         split_before=split_before, microbatches=microbatches, batch=batch)
+                         split_before=split_before, microbatches=microbatches, batch=batch, sequence=sequence)
     if layout.recompute != "none" and find_blocks(program.module_types) is None:
         raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
                           "(a ModuleList of layers, such as a transformer's), which are what "
@@ -228,6 +231,18 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     gm = run_passes(gm, ctx)
     ctx.passes_run.insert(0, "capture")
     return CompiledProgram(None, ctx, gm)
+
+
+def _sequence(mf: ModelFile, seed: int, inputs, program: Program, layout: Layout) -> SequenceDims:
+    """Under ``--cp``: each captured value's sequence dimensions, from a second capture (on meta tensors) at another
+    length (:mod:`fxshard.ir.sequence`)."""
+    if inputs is None:  # a program captured by the caller: its rows of the example batch
+        rows = next((i.shape[0] for i in program.inputs if i.is_tensor and i.shape), None)
+        inputs = pytree.tree_map(lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() else v,
+                                 mf.build_inputs(seed))
+    dtype = layout.compute_dtype if layout.mixed else None
+    return sequence_dims(lambda other: capture_at(mf, seed, other, dtype, meta=True).gm, inputs, program.gm,
+                         f"{mf.path.name}: make_inputs()")
 
 
 def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:

@@ -29,7 +29,6 @@ from fxshard.ir.context import TP, CompileContext, NodeSpec, RankValue, spec, up
 from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import (
-    Decision,
     Propagation,
     argument,
     propagate,
@@ -101,22 +100,29 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
         d = prop.decisions[node]
         if node.op != "call_function":
             continue
-        if node.target in _SIZED:
-            set_argument(node, _SIZED[node.target], list(local_shape(shape(node), d.out, tp)))
-        elif node.target is aten.unflatten.int and isinstance(d.out, Shard):
-            dim = argument(node, "dim") % len(shape(node.args[0]))
-            sizes = local_shape(shape(node), d.out, tp)[dim:dim + len(argument(node, "sizes"))]
-            set_argument(node, "sizes", list(sizes))
-        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(d.inputs[0], Shard):
-            _localize_split(node, d, tp)
-        elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(d.inputs[0], Shard):
-            _localize_squeeze(node, d.inputs[0], tp)
+        localize_sizes(node, d.out, d.inputs[0] if d.inputs else None, tp)
         if d.rewrite == "bias_after_reduce":
             _bias_after_reduce(gm, node, ctx.layout.sp)
         elif d.rewrite == "vocab_embedding":
             _vocab_embedding(node, tp)
         elif d.rewrite == "vocab_cross_entropy":
             _vocab_cross_entropy(gm, node, tp)
+
+
+def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
+    """Make the global sizes export baked into ``node`` (a ``view``'s shape, a ``split``'s sizes) this rank's, for
+    its output placed ``out`` and its first input ``first_input`` over ``parts`` ranks (tp, or cp for
+    passes/context_parallel.py)."""
+    if node.target in _SIZED:
+        set_argument(node, _SIZED[node.target], list(local_shape(shape(node), out, parts)))
+    elif node.target is aten.unflatten.int and isinstance(out, Shard):
+        dim = argument(node, "dim") % len(shape(node.args[0]))
+        sizes = local_shape(shape(node), out, parts)[dim:dim + len(argument(node, "sizes"))]
+        set_argument(node, "sizes", list(sizes))
+    elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(first_input, Shard):
+        _localize_split(node, first_input, parts)
+    elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(first_input, Shard):
+        _localize_squeeze(node, first_input, parts)
 
 
 def _refuse_parameter_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
@@ -268,8 +274,7 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
     return f"{fqn}: {what} cannot be split over tp={tp}; use tp in {{{', '.join(map(str, ok))}}}"
 
 
-def _localize_split(node: fx.Node, d: Decision, tp: int) -> None:
-    p = d.inputs[0]
+def _localize_split(node: fx.Node, p: Shard, tp: int) -> None:
     dim = argument(node, "dim") % len(shape(node.args[0]))
     if dim != p.dim:
         return

@@ -121,7 +121,7 @@ def emit_rank(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, version: 
         tied = _stage_classes(gm, classes, ctx, coords, out)
         mine = set(layout.stages_of(coords[PP]))
         axes, held, skipped = [*out.axes, PP], [n for c in classes if c.stage in mine for n in c.nodes], set()
-    if layout.zero == 3 and layout.dp > 1:  # the FSDP2 units of attach_data_parallel
+    if layout.zero == 3 and layout.replicas > 1:  # the FSDP2 units of attach_data_parallel
         for cls in out.classes:
             cls.attributes.append(f"BLOCKS = {tuple(cls.blocks)!r}  # block submodules: one FSDP2 unit each")
     blocks = list(out.block_classes.values())

@@ -22,7 +22,7 @@ from fxshard.codegen.manifest import CollectiveEntry
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, spec
 from fxshard.ir.cut import find_blocks, under
-from fxshard.ir.layout import DP, EP, PP, TP, Coords, Layout
+from fxshard.ir.layout import CP, DP, EP, PP, TP, Coords, Layout
 from fxshard.ir.placement import local_shape
 from fxshard.units import human_bytes
 
@@ -41,6 +41,7 @@ def header_fields(ctx: CompileContext, coords: Coords, version: str, global_rank
         "model_class": ctx.program.module_types[""],
         "layout": layout.describe(),
         "mesh": layout.mesh_shape,
+        "mesh_axes": ", ".join(layout.mesh_axes),
         "coords_text": coords_text(coords, layout),
         "global_ranks": ", ".join(map(str, global_ranks)),
         "plan_source": ctx.plan.source,
@@ -102,13 +103,18 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
     from fxshard.runtime.data_parallel import DDP_BUCKET_MB
 
     layout = ctx.layout
-    if layout.dp == 1:
+    if layout.replicas == 1:
         return [], []
     zero = layout.zero
-    doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
-           f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
+    if layout.cp > 1:  # the cp ranks hold the same parameters too: gradients averaged over dp x cp (torchtitan's)
+        doc = [f"Data parallelism over dp x cp = {layout.dp} x {layout.cp} (global ranks "
+               f"{', '.join(map(str, global_ranks))} run this file, each dp rank on 1/{layout.dp} of the batch, each "
+               f"cp rank on 1/{layout.cp} of its tokens; dp_mesh is the flattened dp_cp mesh), ZeRO stage {zero}:"]
+    else:
+        doc = [f"Data parallelism over dp = {layout.dp} (global ranks {', '.join(map(str, global_ranks))} run this "
+               f"file, each on 1/{layout.dp} of the batch), ZeRO stage {zero}:"]
     zmb = ZERO_BUCKET_MB
-    doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.dp, zmb=zmb) for line in _ZERO_TEXT[zero]]
+    doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.replicas, zmb=zmb) for line in _ZERO_TEXT[zero]]
     if zero == 1:
         if ctx.expert_params:
             doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) have a distributed "
@@ -208,10 +214,10 @@ class _Issue:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1) -> list[_Issue]:
+def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1, cp: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
     axis = next((a.axis for a in node.args if isinstance(a, Group)), TP)
-    ranks = {EP: ep, DP: dp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
+    ranks = {EP: ep, DP: dp, CP: cp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
@@ -252,7 +258,8 @@ def collective_header(nodes: list[fx.Node], ctx: CompileContext, skipped: set[fx
         if not s.collective or n in skipped or not KINDS[n.target.__name__].communicates:
             continue
         block = next((b for b in (blocks.names if blocks else []) if under(s.fqn, b)), None)
-        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep, ctx.layout.dp))
+        (per_block.setdefault(block, []) if block else rest).extend(_issues(n, tp, ctx.layout.ep, ctx.layout.dp,
+                                                                            ctx.layout.cp))
     for block, issues in per_block.items():
         text = _describe(issues)
         if runs and runs[-1][1] == text and _next_block(runs[-1][0][-1], block):
@@ -306,4 +313,4 @@ def class_axes(gm: fx.GraphModule, layout: Layout) -> list[str]:
     parallelism, and every other axis a collective of the graph goes over (dp, for the whole-batch means of a
     load-balancing loss: passes/router_loss.py)."""
     used = {a.axis for n in gm.graph.nodes if spec(n).collective for a in n.args if isinstance(a, Group)}
-    return [axis for axis in (TP, EP, DP) if axis == TP or axis in used or (axis == EP and layout.ep > 1)]
+    return [axis for axis in (TP, EP, CP, DP) if axis == TP or axis in used or (axis == EP and layout.ep > 1)]

@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.blocks import BlockUnit
+from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
-from fxshard.ir.layout import DP, PP, TP
+from fxshard.ir.layout import CP, DP, PP, TP
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import collectives as rt_collectives
 from fxshard.runtime import random as rt_random
@@ -80,6 +81,9 @@ def base_name(node: fx.Node) -> str:
         return "linear"
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__.split(".")[-1]
+    source = kind_of(node.args[0].target) if target is operator.getitem and isinstance(node.args[0], fx.Node) else None
+    if source is not None and source.outputs:  # a ring step's attn_out, attn_lse, next_key, next_value
+        return source.outputs[node.args[1]]
     return getattr(target, "__name__", "value").strip("_") or "value"
 
 
@@ -136,6 +140,8 @@ def line_note(node: fx.Node, tp: int) -> str:
     p = s.placement
     if s.collective == "copy_to_linears":  # its input's value; the linears' outputs after the arrow
         return f"{value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
+    if s.collective and any(isinstance(a, Group) and a.axis == CP for a in node.args):  # over cp: its placements there
+        return f"{value} cp {_short(spec(node.args[0]).seq)} -> {_short(s.seq)}".strip()
     if s.collective:
         src = spec(node.args[0]).placement
         return f"{value} {src} -> {p}".strip()
@@ -146,6 +152,11 @@ def line_note(node: fx.Node, tp: int) -> str:
     if node.target is rt_random.dropout:  # see passes/dropout.py
         place = (place + "  " if place else "") + "layout-invariant mask, as on one device"
     return f"{value} {place}".strip()
+
+
+def _short(p) -> str:
+    """``S(2)``, ``R``; a tuple of them ``(S(2), S(2))``."""
+    return f"({', '.join(map(str, p))})" if isinstance(p, tuple) else str(p if p is not None else Replicate())
 
 
 def call_text(node: fx.Node, names, coords) -> str:

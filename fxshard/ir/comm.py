@@ -9,8 +9,8 @@ experts) is one entry::
 
     >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
     ('all_reduce', 'all_reduce')
-    >>> [k.name for k in communicating("backward")]
-    ['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to']
+    >>> [k.name for k in communicating("backward")][:5], KINDS["ring_attention_step"].forward
+    (['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to'], 'send_recv')
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import context_parallel as rcp
 from fxshard.runtime import experts as rte
 
 # the bytes a rank sends, as a multiple of the collective's whole buffer, for ring algorithms over n ranks
@@ -30,6 +31,7 @@ WIRE: dict[str, Callable[[int], float]] = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,  # of the buffer: each rank keeps its own 1/n (balanced routing)
+    "send_recv": lambda n: 2,  # a cp ring step: this rank's key block and its value block, sent once each
 }
 
 
@@ -48,6 +50,7 @@ class CollectiveKind:
     legend: str
     fake: Callable[..., torch.Tensor]
     grouped: bool = True  # takes a process group (``shard`` does not: it keeps a part, no communication)
+    outputs: tuple[str, ...] = ()  # a kind returning several values: their names in a rank file (``attn_out``, ...)
 
     @property
     def name(self) -> str:
@@ -60,6 +63,10 @@ class CollectiveKind:
 
 def _gathered(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
     return torch.cat([x] * size, dim=dim)  # the shape, and a gradient path for fxshard check's meta run
+
+
+def _gathered_along(x: torch.Tensor, size: int, dim: int, balanced: bool = True) -> torch.Tensor:
+    return torch.cat([x] * size, dim=dim)
 
 
 def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
@@ -88,6 +95,39 @@ def _counts(offsets: torch.Tensor, size: int, **_) -> torch.Tensor:
 
 def _batch_mean(x: torch.Tensor, size: int, rows=1, **_) -> torch.Tensor:
     return x / (rows * size) if not isinstance(rows, torch.Tensor) else x / rows
+
+
+def _entered(x: torch.Tensor, size: int, dims: tuple = (), split: int | None = None, balanced: bool = True):
+    return x.narrow(split, 0, x.shape[split] // size).clone() if split is not None else x.clone()
+
+
+def _causal(q: torch.Tensor, size: int, keys: int, balanced: bool = True, block: int | None = None):
+    rows = q.shape[-2]
+    return torch.empty((rows, rows if block is not None else keys), dtype=torch.bool, device=q.device)
+
+
+def _ring(k: torch.Tensor, size: int, value=None, query=None, mask=None, **_):
+    out = query.new_empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float32)
+    return out, query.new_empty(query.shape[:-1], dtype=torch.float32), k.clone(), value.clone()
+
+
+def _ring_last(k: torch.Tensor, size: int, **kwargs):
+    return _ring(k, size, **kwargs)[:2]
+
+
+def _moved(x: torch.Tensor, size: int, smaller: int, larger: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[smaller] //= size
+    shape[larger] *= size
+    return x.new_empty(shape)
+
+
+def _to_heads(x, size, head_dim=1, seq_dim=2, balanced=True):
+    return _moved(x, size, head_dim, seq_dim)
+
+
+def _to_seq(x, size, head_dim=1, seq_dim=2, balanced=True):
+    return _moved(x, size, seq_dim, head_dim)
 
 
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
@@ -128,6 +168,28 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rte.all_to_all_combine, "all_to_all", "all_to_all",
                    "expert outputs -> back to the ranks their rows came from, in their order (all-to-all); "
                    "backward dispatches the gradient", _rows),
+    # context parallelism (passes/context_parallel.py, fxshard/runtime/context_parallel.py), over cp
+    CollectiveKind(rcp.cp_enter, None, None,
+                   "a value computed from the inputs on the whole sequence -> this cp rank's: each sequence dimension "
+                   "in the cp ranks' (load-balanced) order, this rank's part kept (no communication)", _entered),
+    CollectiveKind(rcp.cp_causal_mask, None, None,
+                   "the causal mask of this cp rank's queries, from token positions in the cp order (no "
+                   "communication)", _causal),
+    CollectiveKind(rcp.ring_attention_step, "send_recv", "send_recv",
+                   "ring attention step: attend over the K/V block held now while it goes to the next cp rank and "
+                   "the previous rank's arrives (send/recv); backward passes dK/dV back the same way", _ring,
+                   outputs=("attn_out", "attn_lse", "next_key", "next_value")),
+    CollectiveKind(rcp.ring_attention_last, None, None,
+                   "the ring's last step: attend over the K/V block held now (no communication)", _ring_last,
+                   outputs=("attn_out", "attn_lse")),
+    CollectiveKind(rcp.seq_to_heads, "all_to_all", "all_to_all",
+                   "S(seq) -> S(heads): all-to-all over cp, the whole sequence and 1/cp of the heads (Ulysses); "
+                   "backward the inverse", _to_heads),
+    CollectiveKind(rcp.heads_to_seq, "all_to_all", "all_to_all",
+                   "S(heads) -> S(seq): all-to-all over cp back to this rank's tokens; backward the inverse", _to_seq),
+    CollectiveKind(rcp.cp_leave, "all_gather", None,
+                   "S(seq) -> R: all-gather over cp and back to the natural order (a returned value); backward keeps "
+                   "this rank's part", _gathered_along),
 )}
 BY_FUNCTION = {k.function: k for k in KINDS.values()}
 

@@ -16,7 +16,9 @@ import torch.fx as fx
 from fxshard.capture.program import Program
 from fxshard.ir.cut import CutPlan
 from fxshard.ir.layout import (  # noqa: F401  (the layout's names, for the passes' one import)
+    CP,
     DP,
+    DPCP,
     DTYPES,
     EDP,
     EP,
@@ -29,6 +31,7 @@ from fxshard.ir.layout import (  # noqa: F401  (the layout's names, for the pass
     Coords,
     Layout,
 )
+from fxshard.ir.sequence import SequenceDims
 from fxshard.ir.spec import Group, NodeSpec, RankValue, spec, update_spec  # noqa: F401  (the node facts' names)
 
 if TYPE_CHECKING:  # CompileContext carries the resolved plan: a type above ir (the plan reads ir's placements)
@@ -52,6 +55,7 @@ class CompileContext:
     pipeline: CutPlan | None = None  # passes/pipeline.py, when pp > 1: the cut (its stages: fxshard.ir.stages)
     token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
     expert_params: dict[str, int] = field(default_factory=dict)  # passes/expert_parallel.py: FQN -> experts (dim 0)
+    sequence: SequenceDims | None = None  # under --cp: each captured value's sequence dimensions (fxshard.ir.sequence)
 
     @property
     def plan_summary(self) -> list[str]:

@@ -2,12 +2,13 @@
 
 Its fields are the layout flags of ``fxshard compile``, ``plan`` and ``verify``, declared once (:mod:`fxshard.flags`).
 The mesh's axes have one home, here: ``MESH_AXES`` are its dimensions, outermost first (a tp group is
-consecutive ranks); expert parallelism's ``ep`` and ``edp`` are carved out of ``dp``.  Code that names an axis uses
-these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process group a rank's program
+consecutive ranks); expert parallelism's ``ep`` and ``edp`` are carved out of ``dp``; context parallelism's ``cp``
+sits between dp and pp, and gradients are averaged over ``dp_cp``, the two flattened (world = dp·cp·pp·tp).  Code
+that names an axis uses these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process group a rank's program
 uses, once, the way torchtitan's ``ParallelDims.build_mesh`` does::
 
-    >>> Layout(tp=2, pp=2, dp=2).mesh_shape, Layout(dp=4, ep=2).size(EDP)
-    ((2, 2, 2), 2)
+    >>> Layout(tp=2, pp=2, dp=2).mesh_shape, Layout(dp=4, ep=2).size(EDP), Layout(dp=2, cp=2).mesh_axes
+    ((2, 2, 2), 2, ('dp', 'cp', 'pp', 'tp'))
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several stages per rank
-DP, PP, TP = "dp", "pp", "tp"  # the mesh axes, by name
-MESH_AXES = (DP, PP, TP)  # outermost first: a tp group is consecutive ranks
+DP, CP, PP, TP = "dp", "cp", "pp", "tp"  # the mesh axes, by name
+MESH_AXES = (DP, CP, PP, TP)  # outermost first: a tp group is consecutive ranks; cp only when --cp > 1 (mesh_axes)
+DPCP = "dp_cp"  # dp and cp flattened: the ranks that hold the same parameters and average their gradients (--cp)
+CP_MODES = ("allgather", "ring", "a2a")  # --cp-mode: how attention exchanges keys and values (passes/context_parallel.py)
 # expert parallelism is carved out of dp (Megatron-Core, torchtitan): dp coordinate d is ep rank d % ep of the ep
 # group of d // ep; the ranks holding the same experts (d % ep equal) form its expert-data-parallel ("edp") group
 EP, EDP = "ep", "edp"
@@ -36,16 +39,17 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; 
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
 # before code generation
-_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap")  # Layout fields newer than manifest format 1: absent
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap", "cp", "cp_mode")  # Layout fields newer than manifest format 1: absent
 # from older manifests
-_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True}  # written only when set: manifests before them stay byte
+_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True, "cp": 1, "cp_mode": "allgather"}  # written only when set: manifests before them stay byte
 # for byte
 
 
 @dataclass(frozen=True)
 class Coords:
     """A rank's place on the mesh: its index on each axis of ``MESH_AXES``, and under ``--ep`` which experts it holds
-    (its dp index modulo ep; None without expert parallelism).  A manifest's rank file sits at ``dp=0``::
+    (its dp index modulo ep; None without expert parallelism); ``cp`` is None without context parallelism.  A
+    manifest's rank file sits at ``dp=0`` (and ``cp=0``: every cp rank runs it, reading its index from its group)::
 
         >>> Layout(tp=2, dp=4, ep=2).coords(7)
         Coords(dp=3, pp=0, tp=1, ep=1)
@@ -57,6 +61,7 @@ class Coords:
     pp: int = 0
     tp: int = 0
     ep: int | None = None
+    cp: int | None = None
 
     def __getitem__(self, axis: str) -> int:
         """The index on ``axis`` by name, for code over any axis (a ``RankValue``'s, a ``Group``'s)."""
@@ -66,13 +71,15 @@ class Coords:
 
     def __repr__(self) -> str:
         ep = f", ep={self.ep}" if self.ep is not None else ""
-        return f"Coords(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep})"
+        cp = f", cp={self.cp}" if self.cp is not None else ""
+        return f"Coords(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep}{cp})"
 
     def replace(self, **index: int | None) -> Coords:
         return dataclasses.replace(self, **index)
 
     def to_json(self) -> dict[str, int]:
-        """``{"dp": d, "pp": p, "tp": t}`` (and ``"ep"`` under ``--ep``): the manifest's ``coords``."""
+        """``{"dp": d, "pp": p, "tp": t}`` (and ``"ep"`` under ``--ep``, ``"cp"`` under ``--cp``): the manifest's
+        ``coords``."""
         return {axis: getattr(self, axis) for axis in _COORD_AXES if getattr(self, axis) is not None}
 
     @classmethod
@@ -114,9 +121,17 @@ class Layout:
     overlap: bool = option(True, "write copy_to and the column-parallel linears reading it as one rt.copy_to_linears, "
                                  "whose backward overlaps the input gradient's all-reduce with the weight gradients "
                                  "(same values, same bytes)")
+    # context parallelism (passes/context_parallel.py): the sequence split over cp ranks
+    cp: int = option(1, "context-parallel degree: every activation split along the sequence over cp ranks (causal "
+                        "models load-balanced: 2*cp chunks, rank i holds chunks i and 2*cp-1-i); parameters "
+                        "replicated over cp, gradients averaged over dp x cp")
+    cp_mode: str = option("allgather", "how attention sees the other cp ranks' keys and values: allgather (all-gather "
+                                       "K/V, reduce-scatter their gradients), ring (send/recv K/V blocks around the cp "
+                                       "ring, log-sum-exp merges), a2a (Ulysses: all-to-all from a sequence to a head "
+                                       "split around attention)")
 
     def __post_init__(self):
-        for axis in (TP, PP, DP, EP):
+        for axis in (TP, PP, DP, EP, CP):
             if getattr(self, axis) < 1:
                 raise LayoutError(f"--{axis} must be at least 1, got {getattr(self, axis)}")
         if self.zero not in (0, 1, 2, 3):
@@ -152,6 +167,14 @@ class Layout:
             raise LayoutError(f"--microbatches must be at least 1, got {self.microbatches}")
         if self.ep > 1:
             self._check_ep()
+        if self.cp_mode not in CP_MODES:
+            raise LayoutError(f"--cp-mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
+        if self.cp > 1 and self.ep > 1:
+            raise LayoutError(f"--cp {self.cp} with --ep {self.ep}: expert parallelism does not yet compose with context "
+                              "parallelism (the experts' gradients would need averaging over cp too); drop one of them")
+        if self.cp == 1 and self.cp_mode != "allgather":
+            raise LayoutError(f"--cp-mode {self.cp_mode} applies to context parallelism (--cp 2 or more); add --cp N "
+                              "or drop --cp-mode")
 
     def _check_ep(self) -> None:
         """ep is carved out of dp (every other flag composes with it: the README's table)."""
@@ -173,15 +196,34 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh's dimensions, outermost first: ``MESH_AXES`` without ``cp`` at ``--cp 1`` (so folders compiled
+        without context parallelism keep their three-axis mesh, byte for byte)."""
+        return MESH_AXES if self.cp > 1 else tuple(a for a in MESH_AXES if a != CP)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(self.size(axis) for axis in MESH_AXES)
+        return tuple(self.size(axis) for axis in self.mesh_axes)
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters and averaging their gradients: dp, times cp under ``--cp``."""
+        return self.dp * self.cp
+
+    @property
+    def grad_axis(self) -> str:
+        """The group whose ranks hold the same parameters and average their gradients: dp, or dp x cp (``dp_cp``)."""
+        return DPCP if self.cp > 1 else DP
 
     def size(self, axis: str) -> int:
-        """The number of ranks along mesh ``axis`` (``edp``: the dp ranks holding the same experts)."""
-        return self.dp // self.ep if axis == EDP else getattr(self, axis)
+        """The number of ranks along mesh ``axis`` (``edp``: the dp ranks holding the same experts; ``dp_cp``: dp
+        times cp)."""
+        if axis == EDP:
+            return self.dp // self.ep
+        return self.dp * self.cp if axis == DPCP else getattr(self, axis)
 
     def ep_rank(self, dp_rank: int) -> int:
         """The ep coordinate of dp coordinate ``dp_rank``: which 1/ep of each MoE layer's experts it holds."""
@@ -191,18 +233,21 @@ class Layout:
         """The global ranks of every ep group (consecutive dp coordinates) and every edp group (the same
         experts), per (pp, tp) coordinate: ``Layout(dp=4, ep=2).expert_groups()["ep"] == [[0, 1], [2, 3]]``."""
         groups: dict[str, list[list[int]]] = {EP: [], EDP: []}
-        for p in range(self.pp):
-            for t in range(self.tp):
-                for g in range(self.dp // self.ep):
-                    groups[EP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t) for e in range(self.ep)])
-                for e in range(self.ep):
-                    groups[EDP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t) for g in range(self.dp // self.ep)])
+        for c in range(self.cp):
+            for p in range(self.pp):
+                for t in range(self.tp):
+                    at = {"pp": p, "tp": t} | ({"cp": c} if self.cp > 1 else {})
+                    for g in range(self.dp // self.ep):
+                        groups[EP].append([self.rank_of(dp=g * self.ep + e, **at) for e in range(self.ep)])
+                    for e in range(self.ep):
+                        groups[EDP].append([self.rank_of(dp=g * self.ep + e, **at) for g in range(self.dp // self.ep)])
         return groups
 
     def process_groups(self, device_type: str, tied: Mapping[str, Sequence[int]] | None = None) -> ProcessGroups:
         """Every process group this rank's program uses, built here alone (a rank of the initialized default group).
 
-        The dp x pp x tp mesh is torch's ``DeviceMesh``; under ``--ep`` its dp dimension is unflattened into
+        The dp x pp x tp mesh (dp x cp x pp x tp under ``--cp``, with dp and cp flattened into ``dp_cp``) is torch's
+        ``DeviceMesh``; under ``--ep`` its dp dimension is unflattened into
         edp x ep (dp coordinate ``d`` is ep rank ``d % ep``); ``tied`` (group name -> stages holding the weight,
         the manifest's ``tied_across_stages``) adds one group per weight held on several pp ranks, per (dp, tp)
         coordinate.  Building a group is collective over the world, so every rank builds all of them, in this order::
@@ -213,8 +258,10 @@ class Layout:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
-        meshes = {axis: mesh[axis] for axis in MESH_AXES}
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_axes)
+        meshes = {axis: mesh[axis] for axis in self.mesh_axes}
+        if self.cp > 1:  # torchtitan's dp_shard_cp: the ranks that average gradients and shard ZeRO state
+            meshes[DPCP] = mesh[DP, CP]._flatten(DPCP)
         if self.ep > 1:  # torchtitan's ParallelDims carves ep out of its dp dimensions the same way
             experts = mesh[DP]._unflatten(0, (self.size(EDP), self.ep), (EDP, EP))
             meshes |= {axis: experts[axis] for axis in (EDP, EP)}
@@ -225,11 +272,13 @@ class Layout:
             if len(pp_ranks) < 2:
                 continue
             for d in range(self.dp):
-                for t in range(self.tp):
-                    ranks = [self.rank_of(dp=d, pp=p, tp=t) for p in pp_ranks]
-                    group = dist.new_group(ranks)
-                    if rank in ranks:
-                        groups[name] = group
+                for c in range(self.cp):
+                    for t in range(self.tp):
+                        at = {"cp": c} if self.cp > 1 else {}
+                        ranks = [self.rank_of(dp=d, pp=p, tp=t, **at) for p in pp_ranks]
+                        group = dist.new_group(ranks)
+                        if rank in ranks:
+                            groups[name] = group
         return ProcessGroups(meshes, groups)
 
     @property
@@ -254,7 +303,7 @@ class Layout:
     def coords(self, rank: int) -> Coords:
         """Mesh coordinates of a global rank; the innermost axis (tp) varies fastest; under ``--ep``, its ep index."""
         index = {}
-        for axis in reversed(MESH_AXES):
+        for axis in reversed(self.mesh_axes):
             rank, index[axis] = divmod(rank, self.size(axis))
         return Coords(**index, ep=self.ep_rank(index[DP]) if self.ep > 1 else None)
 
@@ -262,8 +311,8 @@ class Layout:
         """The global rank at ``coords``, or at the mesh indices named (the others 0): ``rank_of(dp=1, tp=1)``."""
         coords = coords if coords is not None else Coords(**index)
         rank = 0
-        for axis in MESH_AXES:
-            rank = rank * self.size(axis) + coords[axis]
+        for axis in self.mesh_axes:
+            rank = rank * self.size(axis) + ((coords.cp or 0) if axis == CP else coords[axis])
         return rank
 
     def to_json(self) -> dict:
@@ -282,6 +331,8 @@ class Layout:
         text = f"tp={self.tp} pp={self.pp} dp={self.dp} zero={self.zero}"
         if self.ep > 1:
             text += f" ep={self.ep}"
+        if self.cp > 1:
+            text += f" cp={self.cp} cp-mode={self.cp_mode}"
         if self.pp > 1:
             text += f" schedule={self.schedule} microbatches={self.microbatches}"
             if self.stages_per_rank > 1:
@@ -299,7 +350,7 @@ class Layout:
 
 class ProcessGroups(Mapping):
     """The process groups of one rank's program by name (:meth:`Layout.process_groups`): each mesh axis, ``ep`` and
-    ``edp`` under ``--ep``, ``tied:<fqn>`` under pipeline parallelism.  A rank file's ``RankModule(groups, device)``
+    ``edp`` under ``--ep``, ``cp`` and ``dp_cp`` under ``--cp``, ``tied:<fqn>`` under pipeline parallelism.  A rank file's ``RankModule(groups, device)``
     reads it as a mapping; :meth:`mesh_of` gives the 1-D ``DeviceMesh`` of an axis (FSDP2 shards over dp's)."""
 
     def __init__(self, meshes: dict, groups: dict):

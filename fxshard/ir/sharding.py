@@ -272,6 +272,12 @@ def _replicated_out(node: fx.Node):
 _RULES: dict = {}
 
 
+def rule_decision(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> Decision | None:
+    """The table's decision for ``node`` with its tensor inputs at ``placements`` (None: no rule computes it so).
+    Rules are axis-free; context parallelism asks them about its own axis (:mod:`fxshard.ir.cp_rules`)."""
+    return _rule(node, args, placements)
+
+
 def _rule(node, args, placements) -> Decision | None:
     packet = getattr(node.target, "overloadpacket", None)
     fn = _RULES.get(node.target) or _RULES.get(packet)

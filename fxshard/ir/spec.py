@@ -66,6 +66,9 @@ class NodeSpec:
     # blocks: the repeated block (its FQN) whose generated submodule runs the node; "" for the nodes its class
     # runs itself.  What a block holds, reads and returns is derived from these (fxshard.ir.blocks)
     block: str = ""
+    # context_parallel (--cp): the placement over cp, ``S(d)`` where the node holds this rank's tokens along d (in the
+    # cp order), R where it holds every token; None without context parallelism
+    seq: Placement | tuple[Placement, ...] | None = None
 
 
 def spec(node: fx.Node) -> NodeSpec:

@@ -11,6 +11,16 @@ from fxshard.runtime.collectives import (
     scatter,
     shard,
 )
+from fxshard.runtime.context_parallel import (
+    cp_causal_mask,
+    cp_enter,
+    cp_leave,
+    heads_to_seq,
+    merge_attention,
+    ring_attention_last,
+    ring_attention_step,
+    seq_to_heads,
+)
 from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
@@ -25,4 +35,6 @@ __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
-           "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets"]
+           "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets", "cp_enter",
+           "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
+           "seq_to_heads", "heads_to_seq"]

@@ -37,8 +37,8 @@ from fxshard.ir.blocks import block_units
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks, under
-from fxshard.ir.layout import EDP, EP, TP, Coords, Layout
-from fxshard.ir.placement import local_shape
+from fxshard.ir.layout import CP, EDP, EP, TP, Coords, Layout
+from fxshard.ir.placement import Shard, local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.saved import trace_saved
@@ -248,11 +248,28 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.
             out[node.name] = dims
             unfitted += all(isinstance(d, sympy.Integer) for d in dims)
             continue
-        out[node.name] = tuple(_fit(d1, d2, b, s or 1, 2 * b, s2 or 1) for d1, d2 in zip(val.shape, val2.shape,
-                                                                                         strict=True))
+        split = _cp_split(node, layout.cp)  # under --cp: the dimension holding this rank's 1/cp of the tokens
+        out[node.name] = tuple(_fit(d1 * layout.cp, d2, b, s or 1, 2 * b, s2 or 1) / layout.cp if d == split else
+                               _fit(d1, d2, b, s or 1, 2 * b, s2 or 1)
+                               for d, (d1, d2) in enumerate(zip(val.shape, val2.shape, strict=True)))
     if unfitted and second is not None:
         notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
     return out, notes
+
+
+def _cp_split(node: fx.Node, cp: int) -> int | None:
+    """The dimension along which ``node`` holds 1/cp of the sequence (passes/context_parallel.py), or None: its own
+    placement over cp, or for a node a later pass inserted (a tp collective) that of its input of as many
+    dimensions."""
+    if cp == 1:
+        return None
+    for n in (node, *node.all_input_nodes):
+        p = spec(n).seq
+        if p is not None:
+            if n is not node and getattr(n.meta.get("val"), "dim", lambda: -1)() != node.meta["val"].dim():
+                continue
+            return p.dim if isinstance(p, Shard) else None
+    return None
 
 
 def _state_only(gm: fx.GraphModule, state: set[fx.Node]) -> set[fx.Node]:
@@ -341,10 +358,10 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
     experts = _expert_psi(state, ctx, layout)  # this rank's E/ep experts: state of their own (none without --ep)
-    mem = formula(layout.zero, layout.dp, layout.mixed, psi - experts)
+    mem = formula(layout.zero, layout.replicas, layout.mixed, psi - experts)  # ZeRO shards over dp x cp
     for key in ("params", "grads", "optimizer"):
         row[key] = Cost(sympy.nsimplify(mem[key] + expert_state(layout, experts)[key]), at)
-    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.dp, layout.mixed, psi - experts,
+    row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.replicas, layout.mixed, psi - experts,
                                                           _block_params(state, ctx, layout))
                                               + expert_state(layout, experts)["params"]), at)
     row["forward_values"] = Cost(sum((nbytes(n) for n in tensors), sympy.Integer(0)), at)
@@ -365,6 +382,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
     row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi - experts, m if ctx.pipeline is not None else 1)
                                            + _expert_dp_bytes(layout, experts)), at)
+    if layout.cp > 1:
+        row["cp_sent"] = Cost(sympy.expand(_cp_bytes(nodes, numel, layout) * m), at)
     if layout.ep > 1:
         row["ep_psi"] = Cost(sympy.Integer(experts), at)
         row["ep_state"] = Cost(sympy.nsimplify(expert_state(layout, experts)["total"]), at)
@@ -482,6 +501,25 @@ def _all_to_all_bytes(tensors, numel, layout: Layout) -> sympy.Expr:
     return sympy.nsimplify(WIRE["all_to_all"](layout.ep)) * total
 
 
+def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
+    """Bytes one microbatch's attention exchanges over cp send from a rank, forward and backward, by the ring
+    algorithms' :data:`fxshard.ir.comm.WIRE`: allgather's gathers of K and V ((cp-1)/cp of the gathered buffer each
+    way), ring's cp-1 steps (a K block and a V block each, forward, and their gradients back), a2a's all-to-alls."""
+    total = sympy.Integer(0)
+    for n in nodes:
+        kind = KINDS.get(spec(n).collective)
+        if kind is None or not any(isinstance(a, Group) and a.axis == CP for a in n.args):
+            continue
+        for direction in ("forward", "backward"):
+            op = getattr(kind, direction)
+            if op is None:
+                continue
+            whole = n.args[0] if buffer_is_input(kind, direction) or op == "send_recv" else n
+            size = numel(whole) * whole.meta["val"].element_size()
+            total += sympy.nsimplify(WIRE[op](layout.cp)) * size
+    return total
+
+
 def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
@@ -519,7 +557,7 @@ def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
     for GPipe, 1F1B, interleaved 1F1B per stage: benchmarks/comm_axes.py); 2 without a pipeline.  FSDP2
     reshards after each forward; the backwards re-gather, the last one keeps them.  Not modelled: a rank
     with 4 or more stages, where torch's schedule evicts and re-gathers stages (``max_active_stages``)."""
-    n = layout.dp
+    n = layout.replicas  # the ranks averaging gradients: dp, times cp under --cp
     if n == 1:
         return 0
     ring = (n - 1) / n

@@ -30,7 +30,7 @@ from fxshard import runtime
 from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import CheckError
 from fxshard.ir.comm import KINDS, SUM_TIED_GRADS
-from fxshard.ir.layout import DP, EP, PP, TP
+from fxshard.ir.layout import CP, DP, EP, PP, TP
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
 
@@ -168,7 +168,7 @@ class Recorder:
         def note(g):
             self._note(kind.backward, group, g, "backward", kind.name, site)
 
-        if kind.backward and kind.name == "copy_to_linears":  # several outputs: noted on its input's gradient
+        if kind.backward and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
         y = kind.fake(x, size, **kwargs)
         if kind.backward:
@@ -183,6 +183,9 @@ class Recorder:
     def sum_tied_grads(self, copies, group):
         if group is not None:
             self._note("all_reduce", group, copies[0], "after backward", SUM_TIED_GRADS, self._site())
+
+
+_SEVERAL_OUTPUTS = ("copy_to_linears", "ring_attention_step")  # whose backward collective is noted on the input
 
 
 def _recording(kind):
@@ -284,6 +287,7 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
     lay, coords = manifest.layout, entry.coords
     groups = {axis: FakeGroup(axis, lay.size(axis), coords[axis]) for axis in (TP, PP, DP)}
     groups[EP] = FakeGroup(EP, lay.ep, coords.ep or 0)
+    groups[CP] = FakeGroup(CP, lay.cp, coords.cp or 0)
     pipe = manifest.pipeline
     if pipe is None:
         inputs = [_meta(i.microbatch_shape, i.dtype, False) if i.is_tensor else None for i in manifest.inputs]

@@ -267,6 +267,10 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
         raise LayoutError(f"{out} was compiled for {layout.world_size} processes ({layout.describe()}) but "
                           f"{world} were started; launch with --nproc-per-node {layout.world_size}")
     check_accumulated_loss(out, manifest, optim.grad_accum)
+    if layout.cp > 1 and checkpoint is not None:
+        raise LayoutError(f"{out} was compiled with --cp {layout.cp}: checkpoints (--checkpoint, --resume) do not yet "
+                          "save or load a context-parallel run (its cp ranks hold the same shards); drop --checkpoint, "
+                          "or compile without --cp")
     with named_phase("start-up: the process groups of the dp x pp x tp mesh"):
         groups = layout.process_groups(device.type, {t.name: t.stages for t in manifest.tied_across_stages})
     coords = layout.coords(rank)
@@ -274,7 +278,7 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
     code = import_rank_file(out / entry.file)
     batches = open_batches(load_model_file(out / manifest.model_file), manifest, "train", coords[DP], layout.dp,
                            data, reads=inputs_read(out, manifest, coords[PP]))
-    dp_mesh = groups.mesh_of(DP)
+    dp_mesh = groups.mesh_of(layout.grad_axis)  # the ranks averaging gradients: dp, or dp x cp under --cp
     masters: dict[int, torch.Tensor] = {}
     reader = _resume_reader(checkpoint, manifest, out, steps)
     if layout.pp == 1:
@@ -301,18 +305,18 @@ def _set_up(out: Path, steps: int, optim: OptimConfig, device: torch.device, che
             make_optimizer(experts, optim, edp_zero, groups[EDP], _masters_of(experts, masters),
                            names=[names[id(p)] for p in experts], average_over=layout.dp))
     else:
-        opt = make_optimizer(params, optim, layout.zero if layout.dp > 1 else 0, groups[DP],
+        opt = make_optimizer(params, optim, layout.zero if layout.replicas > 1 else 0, groups[layout.grad_axis],
                              masters=[masters[id(p)] for p in params] if masters else None,
                              names=[names[id(p)] for p in params])
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest
-    if layout.zero == 1 and layout.dp > 1 and optim.overlap_param_gather:
+    if layout.zero == 1 and layout.replicas > 1 and optim.overlap_param_gather:
         # each bucket's all-gather waited for just before its first use in the next forward; a compiled forward
         # is one graph, so its module waits for all of its buckets before it runs
         opt.gather_before_use(list(held.values()), per_submodule=not compile)
     if reader is not None:
         from fxshard.train.checkpoint import load_optimizer
 
-        load_optimizer(reader, opt, held, entry, groups[DP], groups.get(EDP))
+        load_optimizer(reader, opt, held, entry, groups[layout.grad_axis], groups.get(EDP))
     if reader is not None:  # replayed by step until checkpoints keep the data position
         batches.load_state_dict({"format": 1, "position": reader.step * optim.grad_accum * batches.spec.rows})
     return _Run(manifest, layout, entry, coords, groups, device, batches, params, step_fn, held, finish, opt,
@@ -332,10 +336,10 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     if run.count_tokens is not None:  # a token-mean loss: the step's count, from the whole step's batches
         counted = _dp_sum(sum(_count_tokens(run.count_tokens, b, manifest, rows) for b in batches),
                           run.groups[DP], run.device)
-        counting = step_tokens(counted, accum * microbatches * dp)
+        counting = step_tokens(counted, accum * microbatches * layout.replicas)  # cp ranks: parts of each row
     value = 0.0
     # compiled: the rank files' collectives run in the graph, unguarded; the whole mesh's heartbeats say who stopped
-    phase_group = dist.group.WORLD if run.compiled else run.groups[DP]
+    phase_group = dist.group.WORLD if run.compiled else run.groups[layout.grad_axis]
     with counting, named_phase(_torch_issued(layout, step, run.compiled), phase_group):
         for number, batch in enumerate(batches, (step - 1) * accum):
             leaves = [_to_rank(v, run.device, layout) for v in flatten_batch(batch, manifest.inputs, rows)]
@@ -349,11 +353,11 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
     if run.finish is not None:
         with trace.span("tied and split-backward gradient sums", "step"):
             run.finish()
-    if dp > 1:
-        value = _dp_mean(value, run.groups[DP], run.device)
+    if layout.replicas > 1:  # under --cp each rank's loss is its share of its rows' tokens: averaged over dp x cp
+        value = _dp_mean(value, run.groups[layout.grad_axis], run.device)
     if probe is not None:
         probe.after_backward(run.params)
-    sharded = layout.zero == 1 and layout.dp > 1  # fxshard's distributed optimizer
+    sharded = layout.zero == 1 and layout.replicas > 1  # fxshard's distributed optimizer
     if sharded:
         with trace.span("ZeRO-1 gradient reduce-scatter", "step"):
             run.opt.reduce_gradients()  # each rank's shard of the averaged gradients
@@ -361,7 +365,8 @@ def _train_step(run: _Run, step: int, optim: OptimConfig, probe: MemoryProbe | N
         pairs = run.opt.grad_pieces({id(p): w for p, w in run.weighted}) if sharded else \
             [(local(p.grad), w) for p, w in run.weighted if p.grad is not None]
         clip_grad_norm_(pairs, optim.clip_grad_norm)
-    with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}", run.groups[DP]):
+    with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}",
+                     run.groups[layout.grad_axis]):
         with trace.span("optimizer step", "step"):
             run.opt.step()  # ZeRO 1 all-gathers the updated parameters
     if probe is not None:
@@ -376,7 +381,7 @@ def _torch_issued(layout: Layout, step: int, compiled: bool = False) -> str:
     what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
             2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
-    what = what if layout.dp > 1 else ""
+    what = what if layout.replicas > 1 else ""
     if compiled:
         # tp's collectives run inside the graphs; pp's schedule and ep's exchanges run eagerly, guarded
         inside = ("the rank files' collectives over tp inside the torch.compile graphs (--compile: run without it "
@@ -445,7 +450,7 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
         from fxshard.runtime.compiled import compile_module
 
         compile_module(module, regional=compiled_regionally(layout), cpu_matmul=compile)
-    return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.dp > 1 else module
+    return trace_ddp(code.attach_data_parallel(module, dp_mesh)) if layout.replicas > 1 else module
 
 
 def compiled_regionally(layout) -> bool:
@@ -453,14 +458,14 @@ def compiled_regionally(layout) -> bool:
     under ZeRO 3, whose FSDP2 units gather each block's parameters around it, and under ``--ep`` with ``--recompute``,
     where torch's checkpoint under compile cannot hold the graph breaks at a block's expert exchanges and so runs
     eagerly around each compiled block (which then runs again in backward)."""
-    return (layout.dp > 1 and layout.zero == 3) or (layout.ep > 1 and layout.recompute != "none")
+    return (layout.replicas > 1 and layout.zero == 3) or (layout.ep > 1 and layout.recompute != "none")
 
 
 def _needing_masters(module, layout, entry: RankEntry | None, prefix: str) -> list[torch.nn.Parameter]:
     """The parameters that get an fp32 master copy under mixed precision: all of them, except under FSDP2 (ZeRO 2/3,
     whose fp32 shards are the masters) those it manages; the experts of an expert-parallel layer, which it leaves
     alone, still need theirs."""
-    if not (layout.dp > 1 and layout.zero >= 2):
+    if not (layout.replicas > 1 and layout.zero >= 2):
         return list(module.parameters())
     return [p for name, p in module.named_parameters() if entry is not None and entry.tensors[prefix + name].axis == EP]
 
@@ -494,12 +499,12 @@ def _norm_weights(held: dict, entry: RankEntry, manifest: Manifest, layout) -> l
             w = 1.0 / copies.get(t.source, 1)
             if t.placements[TP] == Replicate():
                 w /= layout.tp  # the same gradient on every tp rank (experts under --ep too: whole on each tp rank)
-            if layout.zero == 1 and layout.dp > 1:
+            if layout.zero == 1 and layout.replicas > 1:
                 pass  # the distributed optimizer's pieces: each element on one rank of its dp (edp) group
             elif t.axis == EP:
                 w /= layout.size(EDP)  # the same gradient on the ranks holding the same experts
-            elif layout.dp > 1 and layout.zero == 0:
-                w /= layout.dp  # DDP: the same (averaged) gradient on every dp rank
+            elif layout.replicas > 1 and layout.zero == 0:
+                w /= layout.replicas  # DDP: the same (averaged) gradient on every dp (x cp) rank
             out.append((p, w))
     return out
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from fxshard.ir.layout import DP, EP, MESH_AXES, PP, TP, Coords, Layout
+from fxshard.ir.layout import CP, DP, EP, PP, TP, Coords, Layout
 from fxshard.ir.placement import Partial, Replicate, Shard, placement_from_json
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2, dp=2), Layout(dp=4, ep=2, tp=2), Layout(pp=3)])
+@pytest.mark.parametrize("layout", [Layout(tp=2, pp=2, dp=2), Layout(dp=4, ep=2, tp=2), Layout(pp=3),
+                                    Layout(dp=2, cp=2, tp=2), Layout(cp=4, pp=2)])
 def test_coordinates_and_ranks_are_inverse(layout):
     for rank in range(layout.world_size):
         c = layout.coords(rank)
-        assert layout.rank_of(c) == rank == layout.rank_of(**{axis: c[axis] for axis in MESH_AXES})
+        assert layout.rank_of(c) == rank == layout.rank_of(**{axis: c[axis] for axis in layout.mesh_axes})
+        assert (c.cp is None) == (layout.cp == 1)
         assert c.ep == (c.dp % layout.ep if layout.ep > 1 else None)
         assert Coords.from_json(c.to_json()) == c
 
@@ -21,6 +23,13 @@ def test_the_innermost_axis_varies_fastest():
     layout = Layout(tp=2, pp=2, dp=2)
     assert [layout.coords(r) for r in (0, 1, 2, 4)] == [Coords(), Coords(tp=1), Coords(pp=1), Coords(dp=1)]
     assert layout.coords(3)[PP] == 1 and layout.coords(3)[TP] == 1 and layout.coords(3)[DP] == 0
+
+
+def test_cp_sits_between_dp_and_pp():
+    layout = Layout(dp=2, cp=2, tp=2)
+    assert layout.mesh_axes == (DP, CP, PP, TP) and layout.mesh_shape == (2, 2, 1, 2) and layout.world_size == 8
+    assert [layout.coords(r) for r in (1, 2, 4)] == [Coords(tp=1, cp=0), Coords(cp=1), Coords(dp=1, cp=0)]
+    assert Layout(tp=2).mesh_axes == (DP, PP, TP)  # folders without --cp keep their three-axis mesh
 
 
 def test_a_coordinate_of_another_axis_is_an_error():

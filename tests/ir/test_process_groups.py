@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxshard.ir.layout import DP, EDP, EP, MESH_AXES, PP, TP, Layout
+from fxshard.errors import LayoutError
+from fxshard.ir.layout import CP, DP, DPCP, EDP, EP, PP, TP, Layout
 from fxshard.testing import spawn
 
 pytestmark = pytest.mark.distributed  # every test spawns gloo ranks
@@ -20,8 +21,11 @@ def _members(rank: int, world: int, layout: Layout, tied: dict) -> dict[str, lis
 
 def _expected(layout: Layout, rank: int, tied: dict) -> dict[str, list[int]]:
     c = layout.coords(rank)
+    axes = layout.mesh_axes
     along = {axis: [r for r in range(layout.world_size)
-                    if all(layout.coords(r)[a] == c[a] for a in MESH_AXES if a != axis)] for axis in MESH_AXES}
+                    if all(layout.coords(r)[a] == c[a] for a in axes if a != axis)] for axis in axes}
+    if layout.cp > 1:  # dp and cp flattened: the ranks at this pp and tp coordinate
+        along[DPCP] = [r for r in range(layout.world_size) if (layout.coords(r).pp, layout.coords(r).tp) == (c.pp, c.tp)]
     for axis, groups in (layout.expert_groups().items() if layout.ep > 1 else ()):
         along[axis] = next(g for g in groups if rank in g)
     for name, stages in tied.items():
@@ -45,4 +49,18 @@ def test_a_weight_tied_across_pp_ranks_gets_a_group_per_tp_coordinate():
     tied = {"tied:lm_head.weight": (0, 3), "tied:one_rank": (0, 2)}
     for rank, groups in enumerate(spawn(_members, layout.world_size, layout, tied)):
         assert groups == _expected(layout, rank, tied), rank
-        assert list(groups) == [*MESH_AXES, "tied:lm_head.weight"]
+        assert list(groups) == [*layout.mesh_axes, "tied:lm_head.weight"]
+
+
+def test_cp_sits_between_dp_and_pp_and_flattens_with_dp():
+    """dp=2 cp=2 tp=2: a cp group per (dp, tp) coordinate, dp x cp flattened (the ranks averaging gradients)."""
+    layout = Layout(dp=2, cp=2, tp=2)
+    for rank, groups in enumerate(spawn(_members, layout.world_size, layout, {})):
+        assert groups == _expected(layout, rank, {}), rank
+        assert set(groups) == {DP, CP, PP, TP, DPCP}
+    assert _expected(layout, 5, {})[DPCP] == [1, 3, 5, 7]
+
+
+def test_cp_with_ep_is_refused():
+    with pytest.raises(LayoutError, match="--cp 2 with --ep 2"):
+        Layout(dp=2, cp=2, ep=2)

@@ -1,0 +1,307 @@
+"""Context parallelism at run time: the sequence split over the cp ranks, and attention across the split.
+
+A rank file under ``--cp N`` computes what depends on the inputs alone (position ids, masks, rotary tables, shifted
+labels) on the whole sequence, as the model does, then takes this rank's tokens with :func:`cp_enter`; everything
+after runs on S/N tokens.  A causal model's sequence is cut into 2N chunks and rank i holds chunks i and 2N-1-i
+(Megatron-LM's and torchtitan's load balance), so that every rank does the same attention work: every tensor along
+the sequence, on every rank, is in that order (:func:`load_balanced_order`), and each whole value (a mask's key
+dimension, an ALiBi bias) is permuted alike, which keeps every position-dependent value exact.
+
+Attention sees the other ranks' keys and values in one of three ways (``--cp-mode``):
+
+=========  ======================================================  =============================================
+mode       forward                                                 backward
+=========  ======================================================  =============================================
+allgather  ``rt.gather_to`` K and V over cp (all-gather)           reduce-scatter of dK and dV (the same call)
+ring       :func:`ring_attention_step`: K/V blocks passed to the    dK/dV passed back around the ring, each
+           next rank while this block is computed (send/recv);     block's gradient recomputed while they travel
+           :func:`merge_attention`: log-sum-exp merge of blocks
+a2a        :func:`seq_to_heads` (all-to-all): whole sequence,      the inverse all-to-all of each
+           1/N of the heads; :func:`heads_to_seq` back
+=========  ======================================================  =============================================
+
+Each function takes the cp process group and reads this rank's index from it, so one rank file serves every cp
+rank.  ``fxshard check`` runs them with a stand-in group that has ``rank`` and ``size`` attributes.  Under
+``torch.compile`` the ring's send/recv and the all-to-alls run eagerly (:func:`torch.compiler.disable`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from fxshard.runtime.guard import call_site as _site
+from fxshard.runtime.guard import guarded
+
+
+def _index(group) -> int:
+    """This rank's index in ``group`` (a process group, or ``fxshard check``'s stand-in with an int ``rank``)."""
+    rank = getattr(group, "rank", None)
+    return rank if isinstance(rank, int) else dist.get_rank(group)
+
+
+def _size(group) -> int:
+    size = getattr(group, "size", None)
+    return size if isinstance(size, int) else dist.get_world_size(group)
+
+
+@functools.lru_cache(maxsize=64)
+def _order(length: int, parts: int, balanced: bool) -> torch.Tensor:
+    if not balanced:
+        return torch.arange(length)
+    chunk = length // (2 * parts)
+    starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in starts])
+
+
+def load_balanced_order(length: int, parts: int, balanced: bool = True) -> torch.Tensor:
+    """The positions of a sequence of ``length`` in the order the ``parts`` cp ranks hold them: rank i holds chunks
+    i and 2*parts-1-i of 2*parts (``balanced``, causal models), or chunk i of parts::
+
+        >>> load_balanced_order(8, 2).tolist(), load_balanced_order(8, 2, balanced=False).tolist()
+        ([0, 1, 6, 7, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    return _order(length, parts, balanced).clone()
+
+
+def _permuted(x: torch.Tensor, dims, parts: int, balanced: bool) -> torch.Tensor:
+    for d in dims:
+        x = x.index_select(d, _order(x.shape[d], parts, balanced).to(x.device))
+    return x
+
+
+def _unpermuted(x: torch.Tensor, dim: int, parts: int, balanced: bool) -> torch.Tensor:
+    order = _order(x.shape[dim], parts, balanced)
+    return x.index_select(dim, torch.argsort(order).to(x.device))
+
+
+def cp_enter(x: torch.Tensor, group, dims: tuple = (), split: int | None = None, balanced: bool = True) -> torch.Tensor:
+    """A value computed from the inputs alone, on the whole sequence, as this rank's split program takes it: each of
+    ``dims`` (a sequence dimension) permuted into the cp ranks' order, then this rank's part along ``split`` (None:
+    the whole value).  No gradient flows into inputs, and nothing is communicated."""
+    parts = _size(group)
+    x = _permuted(x, dims, parts, balanced)
+    if split is not None:
+        size = x.shape[split] // parts
+        x = x.narrow(split, _index(group) * size, size)
+    return x.contiguous()
+
+
+def cp_causal_mask(query: torch.Tensor, group, keys: int, balanced: bool = True, block: int | None = None
+                   ) -> torch.Tensor:
+    """``[S/N, keys]`` booleans, True where this rank's query may attend: key position <= query position, positions
+    in the cp order (:func:`load_balanced_order`); ``block``: only the keys cp rank ``block`` holds.  Replaces
+    ``is_causal=True``, which means the top-left triangle and so only holds for the whole sequence."""
+    parts, index = _size(group), _index(group)
+    rows = query.shape[-2]
+    length = rows * parts
+    order = _order(length, parts, balanced).to(query.device)
+    q = order[index * rows:(index + 1) * rows]
+    k = order if block is None else order[block * rows:(block + 1) * rows]
+    k = k[:keys] if block is None else k
+    return q[:, None] >= k[None, :]
+
+
+# ---------------------------------------------------------------- ring
+
+
+def _block(q, k, v, mask, scale: float, kv_groups: int):
+    """Attention of ``q`` over one block of keys: the output and the log-sum-exp of each query's scores, in fp32.
+    A query with no key to see in the block has output 0 and log-sum-exp -inf (the merge gives it no weight)."""
+    if kv_groups > 1:  # transformers' repeat_kv: head h reads key/value head h // groups
+        k, v = k.repeat_interleave(kv_groups, dim=-3), v.repeat_interleave(kv_groups, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = lse.masked_fill(torch.isneginf(lse), 0.0)
+    out = torch.matmul(torch.exp(scores - safe.unsqueeze(-1)), v.float())
+    return out, lse
+
+
+def _block_mask(mask, query, group, step: int, causal: bool, balanced: bool):
+    """The mask of the keys this rank holds at ring ``step`` (they came from cp rank index - step)."""
+    parts, index = _size(group), _index(group)
+    source = (index - step) % parts
+    if causal:
+        return cp_causal_mask(query, group, query.shape[-2] * parts, balanced, block=source)
+    if mask is None:
+        return None
+    width = mask.shape[-1] // parts
+    return mask.narrow(-1, source * width, width) if mask.shape[-1] > 1 else mask
+
+
+def _neighbours(group) -> tuple[int, int]:
+    parts, index = _size(group), _index(group)
+    return dist.get_global_rank(group, (index + 1) % parts), dist.get_global_rank(group, (index - 1) % parts)
+
+
+def _start_shift(tensors, group, to_next: bool):
+    """Send ``tensors`` one rank along the ring (to the next rank, or back to the previous) and receive the same
+    shapes from the other side; returns the receive buffers and the requests to wait for."""
+    nxt, prev = _neighbours(group)
+    to, frm = (nxt, prev) if to_next else (prev, nxt)
+    tensors = [t.contiguous() for t in tensors]
+    bufs = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, to, group) for t in tensors] + [dist.P2POp(dist.irecv, b, frm, group)
+                                                                        for b in bufs]
+    return bufs, dist.batch_isend_irecv(ops)
+
+
+class _RingStep(torch.autograd.Function):
+    """One ring step: start passing K/V on, attend over the K/V held now, wait.  Backward: start passing the
+    gradient of the received K/V back, recompute this block's gradient meanwhile, wait and add the gradient of the
+    K/V this rank sent, which the next rank passes back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, group, step, causal, scale, kv_groups, send, balanced, site):
+        ctx.group, ctx.step, ctx.causal, ctx.scale, ctx.kv_groups = group, step, causal, scale, kv_groups
+        ctx.send, ctx.balanced, ctx.site = send, balanced, site
+        block_mask = _block_mask(mask, q, group, step, causal, balanced)
+        with guarded("send/recv of K/V around the cp ring", group, k, site):
+            pending = _start_shift([k, v], group, to_next=True) if send else None
+            out, lse = _block(q, k, v, block_mask, scale, kv_groups)
+            if pending is not None:
+                for work in pending[1]:
+                    work.wait()
+        ctx.save_for_backward(q, k, v, block_mask)
+        received = pending[0] if pending is not None else []
+        return (out, lse, *received)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, *dreceived):
+        q, k, v, block_mask = ctx.saved_tensors
+        pending = None
+        with guarded("send/recv of dK/dV around the cp ring (backward)", ctx.group, k, ctx.site):
+            if ctx.send:
+                grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(dreceived, (k, v), strict=True)]
+                pending = _start_shift(grads, ctx.group, to_next=False)
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out, lse = _block(*leaves, block_mask, ctx.scale, ctx.kv_groups)
+                outs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
+                dq, dk, dv = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs],
+                                                 allow_unused=True)
+            if pending is not None:
+                for work in pending[1]:
+                    work.wait()
+                dk, dv = dk + pending[0][0], dv + pending[0][1]
+        return dq, dk, dv, *([None] * 9)
+
+
+@torch.compiler.disable
+def ring_attention_step(key: torch.Tensor, group, value: torch.Tensor, query: torch.Tensor,
+                        mask: torch.Tensor | None = None, step: int = 0, causal: bool = False, scale: float = 1.0,
+                        kv_groups: int = 1, balanced: bool = True) -> tuple[torch.Tensor, ...]:
+    """Ring step ``step`` of attention over the cp ranks: ``query`` attends over the ``key``/``value`` block held
+    now (this rank's own at step 0) while the block travels on to the next rank, which returns as the next step's.
+    Returns ``(out, lse, next_key, next_value)``: the block's output and log-sum-exp in fp32 (for
+    :func:`merge_attention`) and the block received from the previous rank.  ``mask``: ``[.., S/N, S]`` over all
+    keys in the cp order (the columns of the block's source rank are used); ``causal``: the mask made from
+    positions instead; ``kv_groups``: query heads per key/value head (grouped-query attention, repeated here, after
+    the transfer)."""
+    return _RingStep.apply(query, key, value, mask, group, step, causal, scale, kv_groups, True, balanced, _site())
+
+
+@torch.compiler.disable
+def ring_attention_last(key: torch.Tensor, group, value: torch.Tensor, query: torch.Tensor,
+                        mask: torch.Tensor | None = None, step: int = 0, causal: bool = False, scale: float = 1.0,
+                        kv_groups: int = 1, balanced: bool = True) -> tuple[torch.Tensor, ...]:
+    """The ring's last step (:func:`ring_attention_step` that passes nothing on): ``(out, lse)``."""
+    return _RingStep.apply(query, key, value, mask, group, step, causal, scale, kv_groups, False, balanced, _site())
+
+
+def merge_attention(outs: list, lses: list, dtype: torch.dtype) -> torch.Tensor:
+    """Exact softmax attention from blocks over disjoint keys: each block's output weighted by exp(its
+    log-sum-exp - the total log-sum-exp), in ``dtype``."""
+    stacked = torch.stack(list(lses))
+    total = torch.logsumexp(stacked, dim=0)
+    safe = total.masked_fill(torch.isneginf(total), 0.0)
+    out = sum(torch.exp(lse - safe).unsqueeze(-1) * o for o, lse in zip(outs, lses, strict=True))
+    return out.to(dtype)
+
+
+# ---------------------------------------------------------------- all-to-all (Ulysses) and outputs
+
+
+def _exchange(x: torch.Tensor, group, split: int, join: int, what: str, site) -> torch.Tensor:
+    """Part j of ``x`` along ``split`` to cp rank j; the parts received, in rank order, joined along ``join``."""
+    parts = _size(group)
+    chunks = torch.stack(x.chunk(parts, dim=split)).contiguous()
+    out = torch.empty_like(chunks)
+    with guarded(what, group, x, site):
+        dist.all_to_all_single(out, chunks, group=group)
+    return torch.cat(list(out.unbind(0)), dim=join)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, head_dim, seq_dim, balanced, site):
+        ctx.args = (group, head_dim, seq_dim, balanced, site)
+        return _to_heads(x, group, head_dim, seq_dim, balanced, site)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_seq(grad, *ctx.args), None, None, None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, head_dim, seq_dim, balanced, site):
+        ctx.args = (group, head_dim, seq_dim, balanced, site)
+        return _to_seq(x, *ctx.args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_heads(grad, *ctx.args), None, None, None, None, None
+
+
+def _to_heads(x, group, head_dim, seq_dim, balanced, site):
+    whole = _exchange(x, group, head_dim, seq_dim, "all_to_all (sequence to heads)", site)
+    return _unpermuted(whole, seq_dim, _size(group), balanced).contiguous()
+
+
+def _to_seq(x, group, head_dim, seq_dim, balanced, site):
+    x = _permuted(x, (seq_dim,), _size(group), balanced)
+    return _exchange(x, group, seq_dim, head_dim, "all_to_all (heads to sequence)", site)
+
+
+@torch.compiler.disable
+def seq_to_heads(x: torch.Tensor, group, head_dim: int = 1, seq_dim: int = 2, balanced: bool = True) -> torch.Tensor:
+    """Ulysses: ``[.., H, S/N, d]`` split over the sequence -> ``[.., H/N, S, d]``, the whole sequence in its natural
+    order and 1/N of the heads (an all-to-all over cp); backward the inverse."""
+    return _SeqToHeads.apply(x, group, head_dim, seq_dim, balanced, _site())
+
+
+@torch.compiler.disable
+def heads_to_seq(x: torch.Tensor, group, head_dim: int = 1, seq_dim: int = 2, balanced: bool = True) -> torch.Tensor:
+    """The inverse of :func:`seq_to_heads`: ``[.., H/N, S, d]`` -> ``[.., H, S/N, d]`` in the cp order."""
+    return _HeadsToSeq.apply(x, group, head_dim, seq_dim, balanced, _site())
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, balanced, site):
+        ctx.group, ctx.dim, ctx.balanced = group, dim, balanced
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(_size(group))]
+        with guarded("all_gather (a returned value, whole)", group, x, site):
+            dist.all_gather(parts, x.contiguous(), group=group)
+        return _unpermuted(torch.cat(parts, dim=dim), dim, len(parts), balanced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mine = _permuted(grad, (ctx.dim,), _size(ctx.group), ctx.balanced)
+        size = mine.shape[ctx.dim] // _size(ctx.group)
+        return mine.narrow(ctx.dim, _index(ctx.group) * size, size), None, None, None, None
+
+
+def cp_leave(x: torch.Tensor, group, dim: int, balanced: bool = True) -> torch.Tensor:
+    """A value split over the sequence, whole and in the natural order (the model's other outputs, returned):
+    all-gather along ``dim`` over cp, then undo the cp order.  Backward keeps this rank's part."""
+    return _Leave.apply(x, group, dim, balanced, _site())
+
+
+__all__ = ["cp_causal_mask", "cp_enter", "cp_leave", "heads_to_seq", "load_balanced_order", "merge_attention",
+           "ring_attention_last", "ring_attention_step", "seq_to_heads"]
