@@ -12,7 +12,7 @@ and trained parameters, each at verify's tolerance (bf16's under ``--dtype bf16`
 their kernels run side by side.  On ``--device cpu`` the GPU is hidden (``CUDA_VISIBLE_DEVICES=``) and they are gloo
 processes.  The ``--weights`` case saves a Hugging Face folder and verifies a model compiled from it
 (``verify(weights=...)``: each rank reads its slices at run time).  A case whose layout option does not exist yet
-(``--cp``) is listed as not built.
+is listed as not built (``NEEDS_FIELD``).
 
 It writes ``OUT/nccl-matrix.log`` (every case's whole output, in order) and ``OUT/nccl-matrix.md`` (one row per
 case; ``gloo-matrix.*`` on the CPU), and prints the table last; it exits 1 when a case failed.
@@ -51,10 +51,12 @@ CASES: dict[str, tuple[Path | None, list[str]]] = {
     "llama-tp2-dp2-bf16": (LLAMA, ["--tp", "2", "--dp", "2", "--dtype", "bf16"]),
     "mixtral-dp2-ep2": (MIXTRAL, ["--dp", "2", "--ep", "2"]),
     "qwen3moe-dp2-ep2": (QWEN3_MOE, ["--dp", "2", "--ep", "2"]),  # another expert layout, as transformers writes it
-    "llama-cp2": (LLAMA, ["--cp", "2"]),  # SLOT: context parallelism; runs once Layout has a cp field
+    "llama-cp2": (LLAMA, ["--cp", "2"]),  # context parallelism (docs/context-parallel.md): allgather K/V
+    "llama-cp2-ring": (LLAMA, ["--cp", "2", "--cp-mode", "ring"]),  # send/recv around the cp ring
+    "llama-cp2-tp2-a2a": (LLAMA, ["--cp", "2", "--tp", "2", "--cp-mode", "a2a"]),  # Ulysses all-to-alls
     "llama-tp2-weights": (None, ["--tp", "2"]),  # a Hugging Face folder, --weights: see _weights_case
 }
-NEEDS_FIELD = {"llama-cp2": "cp"}  # a case that waits for a Layout field
+NEEDS_FIELD: dict[str, str] = {}  # a case that waits for a Layout field (none now: --cp has landed)
 LIMIT_S = {"llama-tp2-compile": 240, "llama-tp2-pp2-dp2-zero1": 200}  # on a GPU machine's 16 cores
 DEFAULT_LIMIT_S = 150
 CPU_SLOWER = 4  # the limits' factor on --device cpu: a rehearsal on 2 shared cores runs 8 ranks and inductor there

@@ -19,7 +19,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
-from fxshard.ir.sharding import Decision, argument, shape
+from fxshard.ir.sharding import Decision, argument, rule, shape
+from fxshard.runtime import context_parallel as rcp
 from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
@@ -158,3 +159,35 @@ def _sdpa_rows(node, args, placements) -> Decision | None:
             return None
         need.append(want)
     return Decision(q, tuple(need))
+
+
+# ---------------------------------------------------------------- the cp attention calls under tensor parallelism
+# The tensor-parallel pass runs after passes/context_parallel.py and meets its attention calls: split over tp by
+# heads like the attention they replace (every head attends on its own), so tp ranks do not each run every head.
+
+
+@rule(rcp.ring_attention_step, rcp.ring_attention_last, rcp.seq_to_heads, rcp.heads_to_seq)
+def _cp_attention_heads(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> Decision | None:
+    """Key, value and query (and a ring step's outputs) split alike along the heads (dimension 1 of
+    ``[B, H, S, D]``); a mask split alike where it has heads, whole where it broadcasts over them (size 1)."""
+    head = placements[0]
+    n = len(shape(args[0]))
+    if not (isinstance(head, Shard) and head.dim == 1 and head.blocks == 1 and n == 4):
+        return None
+    if node.target in (rcp.seq_to_heads, rcp.heads_to_seq):  # they move heads within each tp rank's own, so a tp
+        if node.kwargs.get("head_dim", 1) != 1:                # split of the heads stays one
+            return None
+        return Decision(head, (head,))
+    mask = node.kwargs.get("mask")
+    need = tuple(R if a is mask and shape(a)[1] == 1 else head for a in args)
+    outs = 4 if node.target is rcp.ring_attention_step else 2
+    return Decision(tuple(head for _ in range(outs)), need)
+
+
+@rule(rcp.merge_attention)
+def _merge_heads(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> Decision | None:
+    """The blocks' outputs and log-sum-exps merged head by head: split alike along the heads, the result too."""
+    head = placements[0]
+    if not (isinstance(head, Shard) and head.dim == 1) or any(p != head for p in placements):
+        return None
+    return Decision(head, tuple(placements))

@@ -1,5 +1,5 @@
 """scripts/nccl_matrix.py reads each case's agreement from `fxshard verify`'s summary as rich prints it (wrapped at
-120 columns), tells a pass from a failure, a crash and a time-out, and keeps the --cp slot until Layout has cp."""
+120 columns), tells a pass from a failure, a crash and a time-out, and runs the --cp cases now that Layout has cp."""
 
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ def test_the_wrapped_summary_is_read_and_a_pass_needs_exit_0_and_ok():
     assert matrix.status({"exit": None}) == "timed out"
 
 
-def test_the_cp_slot_waits_for_a_layout_field():
-    has_cp = "cp" in {f.name for f in dataclasses.fields(Layout)}
-    assert matrix.built("llama-cp2") == has_cp and matrix.built("llama-tp2")
+def test_the_cp_cases_are_built_and_name_each_mode():
+    assert "cp" in {f.name for f in dataclasses.fields(Layout)}
+    assert all(matrix.built(c) for c in ("llama-cp2", "llama-cp2-ring", "llama-cp2-tp2-a2a", "llama-tp2"))
     assert matrix.CASES["llama-cp2"][1] == ["--cp", "2"]
+    assert matrix.CASES["llama-cp2-ring"][1][-2:] == ["--cp-mode", "ring"]
+    for case in ("llama-cp2", "llama-cp2-ring", "llama-cp2-tp2-a2a"):  # flags verify takes, into a valid Layout
+        flags = matrix.CASES[case][1]
+        kw = {flags[i].removeprefix("--").replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)}
+        Layout(**{k: int(v) if v.isdigit() else v for k, v in kw.items()})
