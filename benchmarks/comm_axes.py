@@ -60,10 +60,11 @@ class SendCounter:
 
 def _traffic(out: str, steps: int) -> dict:
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     counter, sends = CollectiveCounter(), SendCounter()
     with counter, sends:
-        train(Path(out), steps, log=lambda *_: None)
+        train(Path(out), RunOptions(steps), log=lambda *_: None)
     kinds: dict[str, dict[str, int]] = {}
     for phase in counter.counts.values():
         for kind, v in phase.items():

@@ -73,10 +73,11 @@ class ExchangeCounter(CollectiveCounter):
 
 def _worker(rank: int, world: int, out: str) -> dict:
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     counter = ExchangeCounter()
     with counter:
-        train(Path(out), STEPS, log=lambda *_: None)
+        train(Path(out), RunOptions(STEPS), log=lambda *_: None)
     kinds = {k: v for phase in counter.counts.values() for k, v in phase.items()}
     return {"rank": rank, "leaving": counter.leaving, "routing": counter.routing,
             "all_to_all_input_bytes": kinds.get("all_to_all", {}).get("bytes", 0)}

@@ -2,8 +2,8 @@
 
 The activations benchmark's model (samples/gpt.py's architecture, 4 layers, bf16, at each of :data:`SHAPES`) is
 compiled once per mode at tp = 1 and tp = 2.  One set of gloo processes per tp holds the three programs, each set up the way
-``fxshard run`` sets a rank up (:func:`fxshard.train.launch._set_up`: weights, mixed precision, AdamW), and
-:func:`benchmarks.common.interleave` runs one training step (``_train_step``: forward, backward, clipping, the
+``fxshard run`` sets a rank up (:class:`fxshard.train.program.Program`: weights, mixed precision, AdamW), and
+:func:`benchmarks.common.interleave` runs one training step (``Program.step``: forward, backward, clipping, the
 optimizer step) of each mode in turn, the order rotating every round.  Reported per mode: the median step time,
 and the median over rounds of its time ÷ ``none``'s in the same round.  Every mode trains the same batches from
 the same weights, so their losses must agree step by step (recompute is exact): the largest relative
@@ -33,19 +33,20 @@ SHAPES = {"h256": SHAPE, "h1024": {"vocab": 512, "seq": 512, "hidden": 1024, "he
 
 
 def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: int) -> dict:
-    from fxshard.train.launch import _set_up, _train_step
-    from fxshard.train.optim import OptimConfig
-
-    optim = OptimConfig()
-    total = rounds + warmup + 1  # and the counted step
     import torch
 
-    runs = {mode: _set_up(Path(out), total, optim, torch.device("cpu"), None) for mode, out in outs.items()}
+    from fxshard.train.launch import open_stream
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
+
+    total = rounds + warmup + 1  # and the counted step
+    runs = {mode: Program(Path(out), RunOptions(total), torch.device("cpu")) for mode, out in outs.items()}
+    data = {mode: open_stream(run, "train") for mode, run in runs.items()}
     losses: dict[str, list[float]] = {mode: [] for mode in outs}
 
     def stepper(mode):
         def step():
-            losses[mode].append(_train_step(runs[mode], len(losses[mode]) + 1, optim, None))
+            losses[mode].append(runs[mode].step(next(data[mode])))
         return step
 
     times = interleave({mode: stepper(mode) for mode in outs}, rounds=rounds, warmup=warmup)

@@ -7,7 +7,7 @@ round by round (:func:`benchmarks.common.interleave`):
 
 - ``fxshard``: the model file compiled by ``fxshard.compiler.compile(path, Layout(dtype="bf16"), meta=True)``; its
   ``RankModule`` built, given fp32 storage, loaded and split into bf16 parameters and fp32 masters as
-  ``fxshard run --dtype bf16`` does (:func:`fxshard.train.launch._prepare`);
+  ``fxshard run --dtype bf16`` does (:func:`fxshard.train.modules._prepare`);
 - ``fxshard --compile``: the same module's forward through :func:`fxshard.runtime.compiled.compile_module`, as
   ``fxshard run --compile``;
 - ``transformers``: the unmodified ``LlamaForCausalLM``, ``model(**batch).loss``, in a plain loop;
@@ -81,7 +81,7 @@ def _fxshard(out: Path, full: torch.nn.Module, device: torch.device):
     mesh = init_device_mesh(device.type, layout.mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     entry = manifest.rank(layout.coords(dist.get_rank()))
     module = import_rank_file(out / entry.file).RankModule({a: mesh.get_group(a) for a in ("dp", "pp", "tp")}, device)
-    module.return_outputs = False  # as fxshard.train.launch.train does
+    module.return_outputs = False  # as fxshard.train.modules.build_rank does
     promote(module)  # fp32 storage, so the masters are the fp32 weights exactly
     source = dict(full.named_parameters()) | dict(full.named_buffers())
     own = dict(module.named_parameters()) | dict(module.named_buffers())

@@ -172,7 +172,7 @@ def model_and_batch(size: str) -> tuple[torch.nn.Module, dict, torch.device]:
 
 def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul: str = "onednn",
                       groups: dict | None = None) -> Contender:
-    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.launch.train`` does;
+    """This rank's generated ``RankModule``, built and loaded the way ``fxshard.train.modules.build_rank`` does;
     ``compile`` and ``cpu_matmul`` as ``fxshard run --compile --cpu-matmul``; ``groups``: process groups by mesh
     axis instead of the device mesh's."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -190,7 +190,7 @@ def fxshard_contender(out: Path, inputs: dict, compile: bool = False, cpu_matmul
     entry = manifest.rank(layout.coords(dist.get_rank()))
     code = import_rank_file(out / entry.file)
     module = code.RankModule(groups, device)
-    module.return_outputs = False  # as fxshard.train.launch.train does
+    module.return_outputs = False  # as fxshard.train.modules.build_rank does
     load_state(module, out / entry.weights)
     if compile:
         from fxshard.runtime.compiled import compile_module

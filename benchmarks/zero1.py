@@ -1,6 +1,6 @@
 """ZeRO 1 before and after the distributed optimizer: collectives per step, bytes, step time.
 
-samples/gpt.py at dp = 2, trained by ``fxshard run``'s own step (:func:`fxshard.train.launch._train_step`) in
+samples/gpt.py at dp = 2, trained by ``fxshard run``'s own step (:meth:`fxshard.train.program.Program.step`) in
 the same two processes, the contenders taking turns (:func:`benchmarks.common.interleave`):
 
 - **before**: the recipe fxshard used until the distributed optimizer: DDP's bucketed all-reduce of the
@@ -53,25 +53,25 @@ def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: in
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from benchmarks.comm import CollectiveCounter
-    from fxshard.runtime.distributed_optimizer import finish_param_sync
-    from fxshard.train.launch import _set_up, _train_step
+    from fxshard.train.launch import open_stream
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
 
     steps = (warmup + rounds) * STEPS_PER_CALL + 1  # and one counted step
     optims = _optims()
-    runs, losses, done = {}, {}, {}
+    runs, losses, data = {}, {}, {}
     for name, optim in optims.items():
-        run = _set_up(Path(outs[name]), steps, optim, torch.device("cpu"), None)
+        run = Program(Path(outs[name]), RunOptions(steps, optim), torch.device("cpu"))
         if name == "before":  # compiled at ZeRO 0 (DDP): swap its AdamW for torch's ZeRO 1 optimizer
-            run.opt = ZeroRedundancyOptimizer(run.params, optimizer_class=torch.optim.AdamW,
-                                              process_group=run.groups["dp"], **optim.kwargs())
-        runs[name], losses[name], done[name] = run, [], 0
+            run._opt = ZeroRedundancyOptimizer(run.parameters(), optimizer_class=torch.optim.AdamW,
+                                               process_group=run.groups["dp"], **optim.kwargs())
+        runs[name], losses[name], data[name] = run, [], open_stream(run, "train")
 
     def stepper(name: str, steps: int = STEPS_PER_CALL):
         def call():
             for _ in range(steps):
-                done[name] += 1
-                losses[name].append(_train_step(runs[name], done[name], optims[name], None))
-            finish_param_sync(runs[name].opt)  # timed: the last step's gathers are this call's
+                losses[name].append(runs[name].step(next(data[name])))
+            runs[name].wait_for_parameters()  # timed: the last step's gathers are this call's
         return call
 
     times = interleave({name: stepper(name) for name in runs}, rounds, warmup)
@@ -82,11 +82,11 @@ def _worker(rank: int, world: int, outs: dict[str, str], rounds: int, warmup: in
         with counter:
             stepper(name, 1)()
         counts[name] = {k: v for k, v in counter.counts.get("step", {}).items()}
-        opt = runs[name].opt
+        opt = runs[name]._opt
         buckets[name] = len(opt.buckets) if hasattr(opt, "buckets") else None
-    psi = sum(p.numel() for p in runs["after"].params)
-    return {"times": times, "counts": counts, "buckets": buckets, "losses": losses, "psi": psi,
-            "tensors": len(runs["after"].params)}
+    params = runs["after"].parameters()
+    return {"times": times, "counts": counts, "buckets": buckets, "losses": losses,
+            "psi": sum(p.numel() for p in params), "tensors": len(params)}
 
 
 def run(workdir: Path, rounds: int = 20, warmup: int = 2, log=print) -> dict:

@@ -230,9 +230,9 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
     sha256 differs from manifest.json's; --allow-edited overrides) and manifest paths outside OUT. A compiled
     folder is Python code that runs on every rank: run only folders you trust."""
     from fxshard.codegen.manifest import read_manifest, refuse_edited
-    from fxshard.train.launch import run_rank, under_torchrun
+    from fxshard.train.launch import run_rank
     from fxshard.train.local import launch_local
-    from fxshard.train.options import check_run_options
+    from fxshard.train.options import check_run_options, under_torchrun
 
     try:
         options = RunOptions.from_flags(flags)

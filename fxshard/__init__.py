@@ -7,6 +7,7 @@ from fxshard.version import __version__
 # ``fxshard.runtime`` (which must run with torch and the runtime alone).
 _LAZY = {
     "pipeline_split": "fxshard.ir.cut",
+    "load": "fxshard.train.program",
     **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize")},
 }
 
@@ -39,4 +40,5 @@ def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, met
 
 
 __all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize", "pipeline_split", "compile",
+           "load",
            "__version__"]

@@ -114,11 +114,12 @@ def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1)
     """On this rank of an initialized process group: train each compiled folder of ``outs`` for ``steps``
     steps and return what the rank held, by name (a spawn target for tests and benchmarks)."""
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     found = {}
     for name, out in outs.items():
         memory: dict = {}
-        train(Path(out), steps, log=lambda *_: None, memory=memory)
+        train(Path(out), RunOptions(steps), log=lambda *_: None, memory=memory)
         found[name] = memory
     return found
 

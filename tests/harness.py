@@ -3,7 +3,18 @@ comparison of a distributed run with single-device training that the mixture-of-
 
 from fxshard.testing import spawn
 
-__all__ = ["assert_matches_single_device", "compile_and_train", "single_device", "spawn", "train_and_record"]
+__all__ = ["assert_matches_single_device", "compile_and_train", "run_options", "single_device", "spawn",
+           "train_and_record"]
+
+
+def run_options(steps: int, optim, checkpoint=None):
+    """``fxshard run``'s options for ``steps`` steps of ``optim``, with a CheckpointConfig's folder, saves and resume."""
+    from fxshard.train.options import RunOptions
+
+    if checkpoint is None:
+        return RunOptions(steps, optim)
+    return RunOptions(steps, optim, checkpoint=checkpoint.folder, save_every=checkpoint.save_every,
+                      resume=checkpoint.resume)
 
 
 def assert_matches_single_device(case: str, path, layout, per_rank: list, manifest, want: list[float], single: dict,
@@ -33,10 +44,11 @@ def train_and_record(out: str, steps: int, optim) -> tuple[list[float], dict, di
     from pathlib import Path
 
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     state: dict = {}
     memory: dict = {}
-    losses = train(Path(out), steps, optim, log=lambda *_: None, final_state=state, memory=memory)
+    losses = train(Path(out), RunOptions(steps, optim), log=lambda *_: None, final_state=state, memory=memory)
     return losses, state, memory
 
 

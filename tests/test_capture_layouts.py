@@ -55,11 +55,13 @@ CASES = {  # id -> (model file, layout[, plan])
 def _train_all(rank: int, world: int, outs: list[str]):
     from fxshard.train.launch import train
     from fxshard.train.optim import OptimConfig
+    from fxshard.train.options import RunOptions
 
     results = {}
     for out in outs:
         state: dict = {}
-        results[out] = (train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state), state)
+        results[out] = (train(Path(out), RunOptions(STEPS, OptimConfig()), log=lambda *_: None, final_state=state),
+                        state)
     return results
 
 

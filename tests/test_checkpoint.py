@@ -44,13 +44,14 @@ def _train(rank: int, world: int, runs: list, crash_at: int | None = None):
     import os
 
     from fxshard.train.launch import train
+    from harness import run_options
 
     if crash_at is not None:
         os.environ[CRASH_ENV] = str(crash_at)
     results = {}
     for out, steps, ckpt in runs:
         state: dict = {}
-        losses = train(Path(out), steps, OptimConfig(), log=lambda *_: None, final_state=state, checkpoint=ckpt)
+        losses = train(Path(out), run_options(steps, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)
         results[out] = (losses, state)
     return results
 

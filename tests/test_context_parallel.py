@@ -54,9 +54,10 @@ CASES = {  # id -> (model file, layout)
 
 def _train_one(out: str):
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     state: dict = {}
-    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state)
+    losses = train(Path(out), RunOptions(STEPS, OptimConfig()), log=lambda *_: None, final_state=state)
     return losses, state
 
 

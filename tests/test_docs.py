@@ -1,7 +1,7 @@
 """Tier 1: the documentation says what the code does.
 
 Every command line in README.md and docs/*.md (a fenced shell block's line that starts with ``fxshard``,
-``python -m fxshard...``, ``torchrun``, ``make``, ``python -m <module>`` or ``python <file>``) parses against the
+``python -m fxshard...``, ``torchrun`` (of fxshard's command line, or of a script that exists), ``make``, ``python -m <module>`` or ``python <file>``) parses against the
 real command line: the command exists, each flag exists on that command and gets a value where it takes one, the
 positional arguments fit, and a file or folder it names exists in the repository (outputs excepted: a path under
 ``out/``, or the value of an option that writes). A line with placeholders (``MODEL``, ``OUT``, ``$z``) is checked
@@ -181,8 +181,11 @@ def test_documented_command_lines_parse(tokens, request):
         for target in tokens[1:]:
             if "=" not in target:
                 assert target in _make_targets(), f"{where}: the Makefile has no target {target!r}"
+    elif tokens[0] == "torchrun" and "-m" not in tokens:  # a script of its own: the file exists
+        script = next((t for t in tokens[1:] if t.endswith(".py")), None)
+        assert script is not None, f"{where}: torchrun without -m MODULE or a script"
+        _check_path(script, where)
     elif tokens[0] == "torchrun":
-        assert "-m" in tokens, f"{where}: torchrun without -m MODULE"
         module = tokens[tokens.index("-m") + 1]
         assert module == "fxshard.cli.app", f"{where}: torchrun runs {module}, not fxshard's command line"
         _check_fxshard(tokens[tokens.index("-m") + 2:], where)

@@ -53,7 +53,9 @@ CASES = {  # id -> (layout, optimizer settings)
 def _train_one(out: str, optim: OptimConfig) -> list[float]:
     from fxshard.train.launch import train
 
-    return train(Path(out), STEPS, optim, log=lambda *_: None)
+    from fxshard.train.options import RunOptions
+
+    return train(Path(out), RunOptions(STEPS, optim), log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")

@@ -152,28 +152,23 @@ def _norms_after_backward(out: str) -> tuple[float, float]:
     """The global gradient norm fxshard run clips by in its first step, of all parameters and of the experts alone,
     each local gradient (at ZeRO 1: each piece of the distributed optimizer's reduced shards) weighted as
     ``fxshard run --clip-grad-norm`` does."""
-    import fxshard.train.launch as launch
     from fxshard.runtime.data_parallel import local
+    from fxshard.train.launch import open_stream
+    from fxshard.train.modules import expert_parameters
     from fxshard.train.optim import clip_grad_norm_
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
 
-    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # the clipping path runs; nothing is scaled
-    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
-    experts = {id(p) for p in launch._expert_parameters(run.held, run.entry)}
-    weights = {id(p): w for p, w in run.weighted}
-    found = []
-
-    def recorded(pairs, max_norm, group=None):  # where _train_step clips: after every gradient sum and reduction
-        found.append(clip_grad_norm_(pairs, math.inf))
-        if run.layout.zero == 1:
-            mine = run.opt.parts[1].grad_pieces(weights)  # ExpertSplitOptimizer: the experts' optimizer over edp
-        else:
-            mine = [(local(p.grad), w) for p, w in run.weighted if p.grad is not None and id(p) in experts]
-        found.append(clip_grad_norm_(mine, math.inf))
-        return found[0]
-
-    launch.clip_grad_norm_ = recorded
-    launch._train_step(run, 1, config, None)
-    return tuple(found)
+    program = Program(Path(out), RunOptions(1, OptimConfig(lr=0.0)), torch.device("cpu"))
+    program.train_step(next(open_stream(program, "train")))
+    total = program.clip_grad_norm_(math.inf)  # after every gradient sum and reduction; nothing scaled
+    experts = {id(p) for p in expert_parameters(program.held, program.entry)}
+    weights = {id(p): w for p, w in program._weighted}
+    if program.layout.zero == 1:
+        mine = program._opt.parts[1].grad_pieces(weights)  # ExpertSplitOptimizer: the experts' optimizer over edp
+    else:
+        mine = [(local(p.grad), w) for p, w in program._weighted if p.grad is not None and id(p) in experts]
+    return total, clip_grad_norm_(mine, math.inf)
 
 
 @pytest.mark.distributed

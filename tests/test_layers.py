@@ -51,9 +51,7 @@ LAYERS = (
 TYPE_ONLY_UP = {
     ("fxshard.ir.context", "fxshard.plan.styles"): "CompileContext carries the resolved plan; the plan reads ir",
 }
-KNOWN_CYCLES = {  # within one package, until the issue that removes them lands
-    frozenset({"fxshard.train.launch", "fxshard.train.options"}): "issue 29: fxshard.load and the loop",
-}
+KNOWN_CYCLES: dict = {}  # within one package, until the issue that removes them lands
 
 
 def _modules() -> dict[str, Path]:

@@ -264,9 +264,10 @@ def test_plan_counts_the_experts_split():
 
 def _train_saving(out: str, ckpt):
     from fxshard.train.launch import train
+    from harness import run_options
 
     state: dict = {}
-    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state, checkpoint=ckpt)
+    losses = train(Path(out), run_options(STEPS, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)
     return losses, state
 
 
@@ -313,15 +314,19 @@ def test_checkpoints_of_split_experts_resume_at_other_layouts_and_export_to_the_
 
 def _norm_after_backward(out: str) -> float:
     """The global gradient norm ``fxshard run --clip-grad-norm`` clips by in its first step."""
-    import fxshard.train.launch as launch
-    from fxshard.train.optim import clip_grad_norm_
+    program = _program_after_backward(out)
+    return program.clip_grad_norm_(math.inf)  # the norm, nothing scaled
 
-    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # the clipping path runs; nothing is scaled
-    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
-    found = []
-    launch.clip_grad_norm_ = lambda pairs, max_norm, group=None: found.append(clip_grad_norm_(pairs, math.inf))
-    launch._train_step(run, 1, config, None)
-    return found[0]
+
+def _program_after_backward(out: str):
+    """``out``'s program after its first batch's forward and backward."""
+    from fxshard.train.launch import open_stream
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
+
+    program = Program(Path(out), RunOptions(1, OptimConfig(lr=0.0)), torch.device("cpu"))
+    program.train_step(next(open_stream(program, "train")))
+    return program
 
 
 @pytest.mark.distributed
@@ -339,17 +344,11 @@ def test_global_gradient_norm_counts_each_split_expert_once(tmp_path):
 
 
 def _router_grads_after_backward(out: str) -> dict[str, torch.Tensor]:
-    """This rank's router weight gradients (``mlp.gate.weight``) after the first step's backward."""
-    import fxshard.train.launch as launch
-
-    config = OptimConfig(lr=0.0, clip_grad_norm=1e30)  # read the gradients where they are clipped, before the step
-    run = launch._set_up(Path(out), 1, config, torch.device("cpu"), None)
-    found: dict[str, torch.Tensor] = {}
-    launch.clip_grad_norm_ = lambda *_, **__: found.update(
-        {f"{prefix}{name}": p.grad.clone() for prefix, m in run.held.items() for name, p in m.named_parameters()
-         if name.endswith("mlp_gate_weight")})
-    launch._train_step(run, 1, config, None)
-    return found
+    """This rank's router weight gradients (``mlp.gate.weight``) after the first step's backward, finished as the
+    optimizer step applies them."""
+    program = _program_after_backward(out)
+    program.finish_gradients()
+    return {name: p.grad.clone() for name, p in program.named_parameters() if name.endswith("mlp_gate_weight")}
 
 
 @pytest.mark.distributed

@@ -123,9 +123,10 @@ def _case(case: str):
 
 def _train_one(out: str, optim: OptimConfig):
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     state: dict = {}
-    losses = train(Path(out), STEPS, optim, log=lambda *_: None, final_state=state)
+    losses = train(Path(out), RunOptions(STEPS, optim), log=lambda *_: None, final_state=state)
     return losses, state
 
 

@@ -139,7 +139,9 @@ def test_each_rank_holds_its_slices_and_reads_only_them(folders, name, tmp_path,
 def _train_all(rank: int, world: int, outs: list[str]):
     from fxshard.train.launch import train
 
-    return {out: train(Path(out), STEPS, log=lambda *_: None) for out in outs}
+    from fxshard.train.options import RunOptions
+
+    return {out: train(Path(out), RunOptions(STEPS), log=lambda *_: None) for out in outs}
 
 
 def _pretrained_losses(model_file: Path, folder: Path, dtype: str = "fp32") -> list[float]:

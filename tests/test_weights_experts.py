@@ -192,9 +192,10 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
 
 def _train_one(out: str, ckpt: CheckpointConfig | None):
     from fxshard.train.launch import train
+    from harness import run_options
 
     state: dict = {}
-    losses = train(Path(out), STEPS, OptimConfig(), log=lambda *_: None, final_state=state, checkpoint=ckpt)
+    losses = train(Path(out), run_options(STEPS, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)
     return losses, state
 
 

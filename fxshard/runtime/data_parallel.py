@@ -74,21 +74,23 @@ def inner(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def make_optimizer(params, config, zero: int, dp_group, masters=None, names=None, average_over=None):
+def make_optimizer(params, config, zero: int, dp_group, masters=None, names=None, average_over=None, decayed=None):
     """AdamW over ``params``; at ZeRO stage 1 fxshard's distributed optimizer, its state sharded over ``dp_group``
     in flat buckets of ``config.zero_bucket_mb``; ``names`` and ``average_over``: see
-    :class:`~fxshard.runtime.distributed_optimizer.DistributedOptimizer`.
+    :class:`~fxshard.runtime.distributed_optimizer.DistributedOptimizer`.  ``decayed``: one flag per parameter,
+    whether weight decay applies to it (``config.param_groups``).
 
     With ``masters`` (fp32 copies of low-precision ``params``), AdamW steps the masters instead."""
     if zero == 1:
         from fxshard.runtime.distributed_optimizer import DistributedOptimizer
 
-        return DistributedOptimizer(params, config, dp_group, masters, average_over=average_over, names=names)
+        return DistributedOptimizer(params, config, dp_group, masters, average_over=average_over, names=names,
+                                    decayed=decayed)
     if masters is not None:
         from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
-        return MasterWeightAdamW(params, masters, config)
-    return config.make(params)
+        return MasterWeightAdamW(params, masters, config, decayed)
+    return config.make(params, decayed)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

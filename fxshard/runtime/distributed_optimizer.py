@@ -114,12 +114,13 @@ class DistributedOptimizer:
     """
 
     def __init__(self, params, config, group, masters=None, bucket_bytes: int | None = None,
-                 average_over: int | None = None, names: list[str] | None = None):
+                 average_over: int | None = None, names: list[str] | None = None, decayed: list[bool] | None = None):
         bucket_bytes = bucket_bytes or int(config.zero_bucket_mb * 2**20)  # OptimConfig: --zero-bucket-mb
         params = list(params)
         names = names or [f"parameter {i}" for i in range(len(params))]
         keep = [i for i, p in enumerate(params) if p.requires_grad]  # torch's AdamW never steps a frozen one
         self.params, self.names = [params[i] for i in keep], [names[i] for i in keep]
+        decayed = [True] * len(self.params) if decayed is None else [decayed[i] for i in keep]
         masters = None if masters is None else [masters[i] for i in keep]
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -135,7 +136,13 @@ class DistributedOptimizer:
         if masters is not None:  # fp32 master shards; the caller drops its full copies
             self.masters = [self._master_shard(b, masters) for b in self.buckets]
         self.shards = self.masters or [b.params[b.lo:b.hi] for b in self.buckets]
+        # weight decay, here, on the decayed parameters' elements of each shard (a shard crosses parameters, and the
+        # 1-D ones are spared): the multiply AdamW makes first, so its own runs with weight decay 0
+        self.weight_decay = config.weight_decay
+        self._decayed = [_runs([(c.at, c.at + c.hi - c.lo) for c in b.pieces if decayed[c.index]]) for b in self.buckets]
         self.optim = config.make(self.shards or [torch.zeros(1, requires_grad=True)])  # a rank with nothing to train
+        for group in self.optim.param_groups:
+            group["weight_decay"] = 0.0
         self._reduced = False
         self._deferred = False  # gather_before_use: step() leaves the all-gathers in flight
         self._pending: dict[int, dist.Work] = {}  # bucket index -> its all-gather, issued and not yet waited for
@@ -206,6 +213,7 @@ class DistributedOptimizer:
         for b, shard in zip(self.buckets, self.shards, strict=True):
             g = b.grads[b.lo:b.hi]
             shard.grad = g.float() if self.masters is not None else g
+        self._decay()
         self.optim.step()
         with torch.no_grad():
             for k, (b, shard) in enumerate(zip(self.buckets, self.shards, strict=True)):
@@ -214,6 +222,17 @@ class DistributedOptimizer:
                     b.params[b.lo:b.hi].copy_(shard)  # rounded to the parameters' dtype
                 if self.world > 1:
                     self._gather(k, b)
+
+    def _decay(self) -> None:
+        """AdamW's decoupled weight decay, ``p *= 1 - lr * weight_decay``, on the decayed runs of each shard: the
+        same multiply torch's foreach AdamW makes on a whole parameter, so bitwise the same."""
+        if not self.weight_decay or not self.shards:
+            return
+        lr = self.optim.param_groups[0]["lr"]  # a scheduler's current learning rate
+        runs = [shard[a:b] for shard, decayed in zip(self.shards, self._decayed, strict=True) for a, b in decayed]
+        if runs:
+            with torch.no_grad():
+                torch._foreach_mul_(runs, 1 - lr * self.weight_decay)
 
     def _gather(self, k: int, b: _Bucket) -> None:
         """Bucket ``k``'s all-gather: waited for here, or (deferred) left in flight with a trace event from its
@@ -322,6 +341,18 @@ class DistributedOptimizer:
             dist.gather(shard.contiguous(), parts, group=self.group, group_dst=0)
         return torch.cat(parts) if self.rank == 0 else shard
 
+    def load_value(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Make ``value`` (fp32, shaped like ``p``) ``p``'s value: its view of the bucket (rounded to the bucket's
+        dtype) and, under mixed precision, this rank's part of the fp32 master shard."""
+        with torch.no_grad():
+            p.copy_(value)
+            i = self._index.get(id(p))
+            if i is None or self.masters is None:
+                return
+            for b, shard in zip(self.buckets, self.masters, strict=True):
+                for c in (c for c in b.pieces if c.index == i):
+                    shard[c.at:c.at + c.hi - c.lo] = value.reshape(-1)[c.lo:c.hi].to(shard.device, shard.dtype)
+
     def load_state(self, p: torch.nn.Parameter, state: dict[str, torch.Tensor]) -> None:
         """Take this rank's part of ``p``'s whole Adam state (``exp_avg``, ``exp_avg_sq`` shaped like ``p``,
         ``step``).  Every parameter of a shard must come with the same step."""
@@ -339,6 +370,17 @@ class DistributedOptimizer:
                 for kind in ("exp_avg", "exp_avg_sq"):
                     v = st.setdefault(kind, torch.zeros_like(shard))
                     v[c.at:c.at + c.hi - c.lo] = state[kind].reshape(-1)[c.lo:c.hi].to(v.dtype)
+
+
+def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent ``[start, end)`` ranges joined (the pieces of neighbouring parameters of a shard)."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def finish_param_sync(opt) -> None:

@@ -39,10 +39,16 @@ def split_masters(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[
 class MasterWeightAdamW:
     """AdamW on fp32 master weights of low-precision parameters (ZeRO 0, and one device)."""
 
-    def __init__(self, params, masters, config):
+    def __init__(self, params, masters, config, decayed=None):
         self.params = list(params)
         self.masters = dict(enumerate(masters))
-        self.optim = config.make(list(self.masters.values()) or [torch.zeros(1, requires_grad=True)])
+        if not self.masters:
+            decayed = None
+        self.optim = config.make(list(self.masters.values()) or [torch.zeros(1, requires_grad=True)], decayed)
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
 
     def step(self) -> None:
         for i, m in self.masters.items():

@@ -101,18 +101,21 @@ def make_schedule(name: str, stages: list[PipelineStage], microbatches: int):
 
 
 def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, inputs: list[torch.Tensor],
-                 group) -> list[torch.Tensor]:
-    """One training step's forward and backward over all microbatches; the microbatch losses (last stage)."""
+                 group, train: bool = True) -> list[torch.Tensor]:
+    """One batch's forward and backward over all microbatches (``train=False``: forward only, without gradients,
+    through the schedule's ``eval``); the microbatch losses (last stage)."""
     losses: list[torch.Tensor] = []
     # the schedule API wants a target per microbatch; the loss needs none, so a placeholder is split
     target = torch.zeros(microbatches, device=stages[0].device)
-    first = any(s.is_first for s in stages)
-    with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of activations and gradients)", group,
-                 cat="schedule"), _traced_p2p():
-        if first:
+    inputs = inputs if any(s.is_first for s in stages) else []
+    what = "activations and gradients" if train else "activations, forward only"
+    with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of {what})", group, cat="schedule"), \
+            _traced_p2p():
+        if train:
             schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         else:
-            schedule.step(target=target, losses=losses, return_outputs=False)
+            with torch.no_grad():
+                schedule.eval(*inputs, target=target, losses=losses, return_outputs=False)
     return losses
 
 

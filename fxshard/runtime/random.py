@@ -43,15 +43,17 @@ class BatchContext:
     number: int = 0  # forward batches since the start of training: (step - 1) * grad_accum + k
     first_row: int = 0  # row of the full batch where this rank's share starts (dp offset)
     microbatch: int = 0  # index of the pipeline microbatch being computed (0 without pipelining)
+    training: bool = True  # False: an evaluation's forward, where dropout keeps every element
 
 
 _context = BatchContext()
 
 
-def begin_batch(seed: int, number: int, first_row: int = 0) -> None:
-    """Before each batch's forward: the run's seed, the batch number, this dp rank's first row."""
+def begin_batch(seed: int, number: int, first_row: int = 0, training: bool = True) -> None:
+    """Before each batch's forward: the run's seed, the batch number, this dp rank's first row; ``training=False``
+    before an evaluation's forward (no dropout, as ``model.eval()``)."""
     global _context
-    _context = BatchContext(seed, number, first_row, 0)
+    _context = BatchContext(seed, number, first_row, 0, training)
 
 
 def begin_microbatch(index: int) -> None:
@@ -132,7 +134,7 @@ def dropout(x: torch.Tensor, p: float, site: int, shard=None, inplace: bool = Fa
 
     >>> begin_batch(seed=0, number=0); y = dropout(torch.ones(4, 8), 0.5, site=0)   # doctest: +SKIP
     """
-    if p == 0:
+    if p == 0 or not _context.training:
         return x
     if p == 1:
         return x.mul_(0) if inplace else x * 0

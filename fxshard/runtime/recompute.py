@@ -22,7 +22,7 @@ every op of the block prefers recompute; ``selective``: :data:`SAVED_OPS` must b
 context function only as a module-level function or a ``functools.partial`` of one, so it has neither the
 dropout key (``--compile`` refuses dropout: :func:`fxshard.train.options.check_compile`) nor the watchers of
 :func:`watching_kept` (``--memory-report`` measures the eager run).  Around a block compiled on its own
-(:func:`fxshard.train.launch.compiled_regionally`) dynamo cannot trace the checkpoint and runs it eagerly, with
+(:func:`fxshard.train.modules.compiled_regionally`) dynamo cannot trace the checkpoint and runs it eagerly, with
 the same arguments: the block runs again, compiled, in backward.
 """
 

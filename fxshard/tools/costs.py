@@ -473,7 +473,7 @@ def _expert_psi(state, ctx, layout: Layout) -> int:
 def expert_state(layout: Layout, experts: int) -> dict[str, float]:
     """Bytes of the experts' model state on one rank (``experts``: their parameters on it, E/ep of each layer's).
     They are data-parallel over edp (dp/ep ranks holding the same experts), not dp: ZeRO 1 shards their Adam state
-    over edp; under ZeRO 2/3 FSDP2 leaves them whole, so every category is whole (``fxshard.train.launch``)."""
+    over edp; under ZeRO 2/3 FSDP2 leaves them whole, so every category is whole (``fxshard.train.modules``)."""
     return formula(1 if layout.zero == 1 else 0, layout.size(EDP), layout.mixed, experts)
 
 

@@ -221,8 +221,10 @@ def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | Non
 
 
 def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankEntry, opt, manifest: Manifest,
-                    coords: dict, dp_group, optim_config, edp_group=None) -> Path | None:
+                    coords: dict, dp_group, optim_config, edp_group=None, trainer: dict | None = None) -> Path | None:
     """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path.
+    ``trainer`` (rank 0's, JSON): where training is beyond the tensors (batches trained, the LR scheduler's state, the
+    data position), kept in the index as ``"trainer"``.
 
     Each distinct slice is written once: the dense tensors by dp rank 0, and under --ep each ep rank's experts
     (its E/ep of the stacked expert weights, a dim-0 slice) by the first rank of its edp group (dp coordinate
@@ -255,12 +257,12 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
         os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
     dist.barrier()
     if rank == 0:
-        _commit(folder, tmp, step, Path(out), manifest, optim_config)
+        _commit(folder, tmp, step, Path(out), manifest, optim_config, trainer)
     dist.barrier()
     return folder / f"step-{step:08d}" if rank == 0 else None
 
 
-def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config) -> None:
+def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config, trainer=None) -> None:
     """Rank 0, after every shard is written: index, model file, rename, then ``latest``."""
     from dataclasses import asdict
 
@@ -278,7 +280,7 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
     index = {"format": FORMAT, "step": step, "model_file": manifest.model_file,
              "model_name": manifest.model_name, "model_digest": manifest.model_digest,
              "seed": manifest.seed, "layout": manifest.layout.to_json(), "optimizer": asdict(optim_config),
-             "tensors": pieces}
+             "tensors": pieces} | ({"trainer": trainer} if trainer is not None else {})
     shutil.copyfile(out / manifest.model_file, tmp / "model.py")
     _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     final = folder / f"step-{step:08d}"
@@ -402,29 +404,46 @@ class CheckpointReader:
             "resume with the model the checkpoint was trained from")
 
 
-def load_parameters(reader: CheckpointReader, module: torch.nn.Module, entry: RankEntry, prefix: str = "") -> None:
-    """Overwrite ``module``'s parameters with this rank's slices of the checkpoint's values."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            t = entry.tensors[prefix + name]
-            value = reader.tensor(t.source, "param", t.slice)
-            if tuple(value.shape) != tuple(p.shape):
-                raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "
-                                      f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
-            p.copy_(value)
-
-
-def load_optimizer(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group, edp_group=None) -> None:
-    """Give ``opt`` the checkpoint's Adam state of every parameter this rank (and dp rank) optimizes; under --ep
-    the experts' optimizer gets this ep rank's slice of theirs (at ZeRO 1 the share of this rank of edp)."""
+def load_trained(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group, edp_group=None) -> None:
+    """Give this rank's parameters, in place, and its optimizer the checkpoint's trained values and Adam state, each
+    where the layout keeps it: the parameter itself (DDP), its dp shard (FSDP2, a DTensor), the fp32 master and the
+    rounded parameter (mixed precision), this rank's part of its ZeRO-1 buckets; under --ep the experts' optimizer
+    gets this ep rank's slice of theirs (at ZeRO 1 the share of this rank of edp).  The set-up is the one the run
+    trains with, so a resumed run and an uninterrupted one hold the same values bit for bit."""
     parts = _optimizers(opt, dp_group, edp_group)
-    for prefix, module in held.items():
-        for name, p in module.named_parameters():
-            t = entry.tensors[prefix + name]
-            if not reader.has_state(t.source):
-                continue
-            state = {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS}
-            _give_state(*parts[t.axis], p, state)
+    with torch.no_grad():
+        for prefix, module in held.items():
+            for name, p in module.named_parameters():
+                t = entry.tensors[prefix + name]
+                value = reader.tensor(t.source, "param", t.slice)
+                if tuple(value.shape) != tuple(p.shape):
+                    raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "
+                                          f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
+                owner, group = parts[t.axis]
+                _give_value(owner, p, value)
+                if reader.has_state(t.source):
+                    _give_state(owner, group, p, {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS})
+
+
+def _give_value(opt, p, value: torch.Tensor) -> None:
+    """Make ``value`` (fp32, p's tp slice) ``p``'s trained value wherever ``opt`` and the layout keep it."""
+    from fxshard.runtime.distributed_optimizer import DistributedOptimizer
+    from fxshard.runtime.mixed_precision import MasterWeightAdamW
+
+    if isinstance(opt, DistributedOptimizer):
+        opt.load_value(p, value)  # the bucket's view, and this rank's part of the fp32 master shard
+    elif hasattr(p, "to_local"):  # FSDP2: this dp rank's shard (fp32 under mixed precision: the master)
+        from torch.distributed.tensor import distribute_tensor
+
+        local = p.to_local()
+        mine = distribute_tensor(value.to(local.device, local.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        local.copy_(mine.to_local())
+    else:
+        if isinstance(opt, MasterWeightAdamW):
+            i = next(i for i, q in enumerate(opt.params) if q is p)
+            if i in opt.masters:
+                opt.masters[i].copy_(value)
+        p.copy_(value)  # rounded to the compute dtype under mixed precision, as split_masters rounds
 
 
 def _give_state(opt, group, p, state: dict) -> None:

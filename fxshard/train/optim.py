@@ -12,6 +12,9 @@ if TYPE_CHECKING:  # imported where used: the command line reads these options w
     import torch
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-3
@@ -31,6 +34,18 @@ class OptimConfig:
         "help": "ZeRO 1: leave each bucket's parameter all-gather in flight after the step and wait for it just "
                 "before the next forward first uses the bucket (Megatron-Core's overlap_param_gather; same values, "
                 "same bytes)"})
+    weight_decay_all: bool = field(default=False, metadata={  # decayed()
+        "help": "apply --weight-decay to every parameter; by default parameters whose source tensor has fewer than "
+                "2 dimensions (norms, biases) are spared, as Megatron-Core and nanoGPT do"})
+    # the learning rate of each step: fxshard.train.schedule.LRSchedule, under torch's LambdaLR
+    lr_schedule: str = field(default="constant", metadata={
+        "help": "constant, cosine, linear (to --min-lr over the steps after warmup) or wsd (warmup, stable, then a "
+                "linear decay to --min-lr over the last --decay-steps)"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "steps whose learning rate rises linearly to --lr: step k (from 0) has lr * (k + 1) / (warmup + 1)"})
+    min_lr: float = field(default=0.0, metadata={"help": "the learning rate cosine, linear and wsd decay to"})
+    decay_steps: int | None = field(default=None, metadata={
+        "help": "wsd: the steps of the final decay (default: the last fifth of --steps)"})
 
     def __post_init__(self):
         from fxshard.errors import OptionError
@@ -53,16 +68,45 @@ class OptimConfig:
             raise bad("grad-accum", self.grad_accum, "at least 1 batch per optimizer step")
         if not (math.isfinite(self.zero_bucket_mb) and self.zero_bucket_mb > 0):
             raise bad("zero-bucket-mb", self.zero_bucket_mb, "a positive size in MB, e.g. 160")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise bad("lr-schedule", self.lr_schedule, f"one of {', '.join(LR_SCHEDULES)}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise bad("warmup-steps", self.warmup_steps, "a number of steps >= 0")
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise bad("min-lr", self.min_lr, f"a learning rate in [0, --lr {self.lr:g}]")
+        if self.decay_steps is not None and not (isinstance(self.decay_steps, int) and self.decay_steps >= 1):
+            raise bad("decay-steps", self.decay_steps, "at least 1 step (leave it out for the last fifth of --steps)")
+        if self.decay_steps is not None and self.lr_schedule != "wsd":
+            raise bad("decay-steps", self.decay_steps, f"--lr-schedule wsd (it is {self.lr_schedule}, which decays "
+                      "over every step after warmup)")
 
     def kwargs(self) -> dict:
         # foreach=True: bitwise equal to the per-tensor loop, sharded or not, and faster (scripts/adamw_variants.py)
         return dict(lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, weight_decay=self.weight_decay,
                     foreach=True)
 
-    def make(self, params) -> torch.optim.Optimizer:
+    def decayed(self, shape) -> bool:
+        """Whether a parameter whose *source* tensor has ``shape`` is in the weight-decayed group: 2 or more
+        dimensions (matrices, embeddings, stacked experts), or every parameter with ``weight_decay_all``.  Without
+        weight decay every parameter is in the one group, so nothing is split."""
+        return self.weight_decay == 0 or self.weight_decay_all or len(shape) >= 2
+
+    def param_groups(self, params, decayed=None) -> list[dict]:
+        """AdamW's parameter groups: the decayed parameters, then the spared ones with weight decay 0 (an empty
+        group is left out; ``decayed`` None: one group).  Group order and membership do not change any value: AdamW
+        is elementwise."""
+        params = list(params)
+        if decayed is None or all(decayed):
+            return [{"params": params}]
+        decay = [p for p, d in zip(params, decayed, strict=True) if d]
+        spare = [p for p, d in zip(params, decayed, strict=True) if not d]
+        return ([{"params": decay}] if decay else []) + [{"params": spare, "weight_decay": 0.0}]
+
+    def make(self, params, decayed=None) -> torch.optim.Optimizer:
+        """AdamW over ``params``; ``decayed``: one flag per parameter (:meth:`decayed`), None: all decayed."""
         import torch
 
-        return torch.optim.AdamW(params, **self.kwargs())
+        return torch.optim.AdamW(self.param_groups(params, decayed), **self.kwargs())
 
 
 def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, group=None) -> float:

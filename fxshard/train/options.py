@@ -50,6 +50,9 @@ class RunOptions:
                                "instead of hanging", launcher=True)
     allow_edited: bool = option(False, "accept rank files and model.py whose sha256 differs from the one "
                                        "manifest.json recorded at compile (files edited by hand)")
+    eval_every: int = option(0, "every N steps, evaluate the model on --eval-batches batches of the validation split "
+                                "(no gradients; printed and recorded as eval_loss in --metrics); 0: never")
+    eval_batches: int = option(4, "validation batches per evaluation (the same first batches each time)")
 
     @classmethod
     def flags(cls) -> list[Flag]:
@@ -79,6 +82,27 @@ class RunOptions:
         return CheckpointConfig(self.checkpoint, self.save_every, self.resume)
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (or fxshard run's launcher): RANK and WORLD_SIZE are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def options_with(options: RunOptions, changes: dict) -> RunOptions:
+    """``options`` with ``changes`` (field names of :meth:`RunOptions.flags`, the optimizer's among them) replaced.
+
+    >>> options_with(RunOptions(), {"lr": 3e-4, "steps": 10}).optim.lr
+    0.0003
+    """
+    from fxshard.errors import OptionError
+
+    given = values(options)
+    unknown = sorted(set(changes) - set(given))
+    if unknown:
+        raise OptionError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the options are "
+                          f"fxshard run's, by field name: {', '.join(given)}")
+    return RunOptions.from_flags(given | changes) if changes else options
+
+
 def check_run_options(out: Path, options: RunOptions, say=print):
     """Refuse run options that could only fail later, before any process starts (the optimizer's own are
     checked by :class:`~fxshard.train.optim.OptimConfig`); return the checkpoint configuration.  The launcher
@@ -88,13 +112,20 @@ def check_run_options(out: Path, options: RunOptions, say=print):
 
     checkpoint = options.checkpoint_config()
     from fxshard.codegen.manifest import read_manifest
-    from fxshard.train.launch import check_accumulated_loss
+    from fxshard.train.modules import check_accumulated_loss
+    from fxshard.train.schedule import check_schedule
 
     if options.optim.grad_accum > 1:  # also refused on each rank (torchrun); here before any process starts
         check_accumulated_loss(out, read_manifest(out), options.optim.grad_accum)
     if options.steps < 1:
         raise OptionError(f"--steps {options.steps}: expected at least 1 step (steps count from the start, resumed "
                           "or not)")
+    check_schedule(options.optim, options.steps)
+    if options.eval_every < 0 or options.eval_batches < 1:
+        flag, value = ("--eval-every", options.eval_every) if options.eval_every < 0 else \
+            ("--eval-batches", options.eval_batches)
+        raise OptionError(f"{flag} {value}: expected " + ("a number of steps >= 0 (0: no evaluation)"
+                                                           if flag == "--eval-every" else "at least 1 batch"))
     timeout, metrics, final_state = options.timeout, options.metrics, options.final_state
     check_timeout(timeout)
     from fxshard.files import refuse_link
@@ -178,7 +209,7 @@ def check_compile(out: Path) -> None:
     """Refuse ``--compile`` where a compiled run could not be the eager one, or would recompile every step."""
     from fxshard.codegen.manifest import read_manifest
     from fxshard.errors import OptionError
-    from fxshard.train.launch import compiled_regionally
+    from fxshard.train.modules import compiled_regionally
 
     layout = read_manifest(out).layout
     why = []
@@ -201,7 +232,6 @@ def check_compile(out: Path) -> None:
 
 def _check_metrics(out: Path, metrics: Path) -> None:
     from fxshard.errors import OptionError
-    from fxshard.train.launch import under_torchrun
 
     try:
         if metrics.is_dir():
@@ -265,7 +295,6 @@ def _refuse_generated(out: Path, metrics: Path) -> None:
 
 def _check_checkpoint_option(checkpoint, say) -> None:
     from fxshard.errors import OptionError
-    from fxshard.train.launch import under_torchrun
 
     if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
         raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")

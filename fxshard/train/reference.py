@@ -15,13 +15,19 @@ from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
 
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
-                     dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions()
-                     ) -> list[float]:
+                     dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions(),
+                     eval_every: int = 0, eval_batches: int = 4, evals: dict | None = None) -> list[float]:
     """Losses of ``steps`` AdamW steps on one device, from the same initial weights and the same global batches
-    (:func:`fxshard.train.data.global_batches` of ``data``).
+    (:func:`fxshard.train.data.global_batches` of ``data``), with the same weight-decay groups and learning-rate
+    schedule (torch's LambdaLR of :func:`fxshard.train.schedule.lr_schedule`).
 
     ``dtype="bf16"``: the same mixed-precision recipe as ``--dtype bf16`` (bf16 parameters and
-    gradients, AdamW on fp32 master weights)."""
+    gradients, AdamW on fp32 master weights).  ``eval_every``: every that many steps, ``evals[step]`` gets the loss
+    of the first ``eval_batches`` validation batches in ``model.eval()`` mode, as ``fxshard run --eval-every``."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from fxshard.train.schedule import lr_schedule
+
     model = mf.build_model(seed)
     model.train()
     stream = global_batches(mf, "train", data, seed)
@@ -29,14 +35,16 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     positional = not isinstance(batches[0], dict)
     step_fn = _WithLoss(model, mf.loss_fn, positional)
     params = list(model.parameters())
+    decayed = [optim.decayed(p.shape) for p in params]
     if dtype == "fp32":
-        opt = optim.make(params)
+        opt = optim.make(params, decayed)
     else:
         masters = split_masters(params, getattr(torch, DTYPES[dtype]))
-        opt = MasterWeightAdamW(params, masters, optim)
+        opt = MasterWeightAdamW(params, masters, optim, decayed)
+    scheduler = LambdaLR(getattr(opt, "optim", opt), lr_schedule(optim, steps))
     if dtype != "fp32":
         batches = [cast_inputs(b, getattr(torch, DTYPES[dtype])) for b in batches]
-    counter = _token_counter(mf, seed) if optim.grad_accum > 1 else None
+    counter = _token_counter(mf, seed) if optim.grad_accum > 1 or (eval_every and eval_batches > 1) else None
     losses = []
     for i in range(steps):
         total = 0.0
@@ -46,7 +54,7 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         for k, batch in enumerate(step_batches):
             if counts[k] == 0:
                 continue  # no counted token: no share of the step's loss or gradient
-            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in fxshard.train.launch.train
+            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in Program.train_step
             with ReferenceDropout():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
             share = counts[k] / sum(counts)
@@ -57,12 +65,38 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         elif optim.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad_norm, foreach=False)
         opt.step()
+        scheduler.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if eval_every and (i + 1) % eval_every == 0 and evals is not None:
+            evals[i + 1] = _evaluate(model, step_fn, _validation(mf, seed, data, eval_batches, dtype), counter,
+                                     positional)
     if final_state is not None:  # the trained parameters by FQN (tied ones under every name)
         for name, p in model.named_parameters(remove_duplicate=False):
             final_state[name] = p.detach().clone()
     return losses
+
+
+def _validation(mf: ModelFile, seed: int, data: DataOptions, batches: int, dtype: str) -> list:
+    """The first ``batches`` global batches of the validation split."""
+    stream = global_batches(mf, "validation", data, seed)
+    try:
+        taken = [next(stream) for _ in range(batches)]
+    finally:
+        stream.close()
+    return taken if dtype == "fp32" else [cast_inputs(b, getattr(torch, DTYPES[dtype])) for b in taken]
+
+
+def _evaluate(model, step_fn, batches: list, counter, positional: bool) -> float:
+    """The loss of ``batches`` without gradients in ``model.eval()`` mode, a token mean over all of them."""
+    counts = [counter(b) for b in batches] if counter is not None else [1] * len(batches)
+    model.eval()
+    try:
+        with torch.no_grad():
+            found = [float((step_fn(*b) if positional else step_fn(**b))[0]) for b in batches]
+    finally:
+        model.train()
+    return sum(loss * n / sum(counts) for loss, n in zip(found, counts, strict=True) if n)
 
 
 def _token_counter(mf: ModelFile, seed: int):

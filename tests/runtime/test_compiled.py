@@ -57,19 +57,20 @@ def _eager_and_compiled(out: str) -> dict:
     import fxshard.runtime.matmul as matmul
     import fxshard.train.launch as launch
     from fxshard.runtime.compiled import compile_seconds
+    from fxshard.train.options import RunOptions
     from fxshard.runtime.matmul import onednn_products
 
     quiet = dict(log=lambda *_: None)
-    eager = launch.train(Path(out), STEPS, **quiet)
+    eager = launch.train(Path(out), RunOptions(STEPS), **quiet)
     matmul.MIN_MULTIPLY_ADDS = 0  # the models' products are too small for oneDNN's default: every one on it here
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     graphs, rows, saved = [], [], []  # graphs compiled after each step; rows each dispatch got; bytes saved for backward
-    step, dispatch = launch._train_step, experts._dispatch
+    step, dispatch = launch._Loop._step, experts._dispatch
 
-    def counted_step(*args):
-        loss = step(*args)
+    def counted_step(self, *args):
+        loss = step(self, *args)
         graphs.append(counters["stats"]["unique_graphs"])
         return loss
 
@@ -82,12 +83,12 @@ def _eager_and_compiled(out: str) -> dict:
         saved.append(t.numel() * t.element_size())
         return t
 
-    launch._train_step, experts._dispatch = counted_step, counted_dispatch
+    launch._Loop._step, experts._dispatch = counted_step, counted_dispatch
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            compiled = launch.train(Path(out), STEPS, compile=True, **quiet)
+            compiled = launch.train(Path(out), RunOptions(STEPS, compile=True), **quiet)
     finally:
-        launch._train_step, experts._dispatch = step, dispatch
+        launch._Loop._step, experts._dispatch = step, dispatch
     return {"eager": eager, "compiled": compiled, "compile_s": compile_seconds(), "graphs": graphs,
             "breaks": dict(counters["graph_break"]), "rows": rows, "saved": sum(saved),
             "onednn": onednn_products()}

@@ -165,24 +165,28 @@ def _train_twice(rank: int, world: int, out: str, optim):
     import dataclasses
     from pathlib import Path
 
-    from fxshard.train.launch import _set_up, _train_step, train
+    from fxshard.train.launch import open_stream, train
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
 
     results = {}
     for overlap in (False, True):
         state: dict = {}
         config = dataclasses.replace(optim, overlap_param_gather=overlap)
-        results[overlap] = train(Path(out), STEPS, config, log=lambda *_: None, final_state=state), state
-    run = _set_up(Path(out), STEPS, optim, torch.device("cpu"), None)
+        results[overlap] = train(Path(out), RunOptions(STEPS, config), log=lambda *_: None, final_state=state), state
+    program = Program(Path(out), RunOptions(STEPS, optim), torch.device("cpu"))
+    data = open_stream(program, "train")
     waited: list[int] = []
-    _record_waits(run.opt, waited)
+    _record_waits(program._opt, waited)
     pending, waits = [], []
-    for step in range(1, STEPS + 1):
-        _train_step(run, step, optim, None)
-        pending.append(run.opt.gathers_in_flight)
+    for _ in range(STEPS):
+        program.step(next(data))
+        pending.append(program._opt.gathers_in_flight)
         waits.append(list(waited))
         waited.clear()
-    run.opt.finish_param_sync()
-    return {"results": results, "buckets": len(run.opt.buckets), "pending": pending, "waits": waits}
+    program.wait_for_parameters()
+    run = program
+    return {"results": results, "buckets": len(run._opt.buckets), "pending": pending, "waits": waits}
 
 
 STEPS = 3
