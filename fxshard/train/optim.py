@@ -103,10 +103,11 @@ class OptimConfig:
         return ([{"params": decay}] if decay else []) + [{"params": spare, "weight_decay": 0.0}]
 
     def make(self, params, decayed=None) -> torch.optim.Optimizer:
-        """AdamW over ``params``; ``decayed``: one flag per parameter (:meth:`decayed`), None: all decayed."""
+        """AdamW over ``params`` (tensors, or torch's group dicts); ``decayed``: one flag per parameter
+        (:meth:`decayed`), None: as given, every one decayed."""
         import torch
 
-        return torch.optim.AdamW(self.param_groups(params, decayed), **self.kwargs())
+        return torch.optim.AdamW(params if decayed is None else self.param_groups(params, decayed), **self.kwargs())
 
 
 def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, group=None) -> float:
