@@ -23,7 +23,7 @@ from harness import assert_matches_single_device
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
-from fxshard.compiler import compile as compile_model
+from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 from fxshard.testing import case_result, spawn_cases
 from fxshard.train.data import DataOptions
