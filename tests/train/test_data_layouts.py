@@ -40,9 +40,10 @@ CASES = {  # id -> (model file, layout, optimizer settings, data from the token 
 def train_on(out: str, steps: int, optim: OptimConfig, data: DataOptions):
     """A spawn target: this rank's losses and trained tensors."""
     from fxshard.train.launch import train
+    from fxshard.train.options import RunOptions
 
     state: dict = {}
-    losses = train(Path(out), steps, optim, log=lambda *_: None, final_state=state, data=data)
+    losses = train(Path(out), RunOptions(steps, optim, data), log=lambda *_: None, final_state=state)
     return losses, state
 
 
