@@ -172,7 +172,6 @@ def _check_data(out: Path, options: RunOptions, say) -> None:
     """The training data (and the validation split, when the run evaluates) fits the compiled program: refused here,
     before any rank starts, with the file and the fix (:mod:`fxshard.train.data.checks`)."""
     from fxshard.train.data.checks import check_data, describe
-    from fxshard.train.launch import under_torchrun
     from fxshard.train.supervise import LAUNCHER_PID
 
     if under_torchrun() and LAUNCHER_PID in os.environ:

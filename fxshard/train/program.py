@@ -151,7 +151,6 @@ class Program:
     def local_batch(self, batch):
         """This rank's share of a global batch (one batch as ``make_inputs()`` returns it): every tensor's rows of this
         dp rank, in dp order, as one device's batch splits into the dp ranks'.  Tensors stay on the CPU."""
-        from torch.utils import _pytree as pytree
 
         from fxshard.train.data.spec import local_slice
 
