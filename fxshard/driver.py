@@ -93,8 +93,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         assert result.ok, result.summary()
     """
     from fxshard.tools.verify import check_verify_options
-    from fxshard.train.modules import check_accumulated_loss
     from fxshard.train.local import launch_local
+    from fxshard.train.modules import check_accumulated_loss
     from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul, check_timeout
     from fxshard.train.reference import reference_losses
 

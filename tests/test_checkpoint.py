@@ -43,8 +43,9 @@ def _train(rank: int, world: int, runs: list, crash_at: int | None = None):
     """Train each ``(out, steps, CheckpointConfig)``; {out: (losses, final state)}."""
     import os
 
-    from fxshard.train.launch import train
     from harness import run_options
+
+    from fxshard.train.launch import train
 
     if crash_at is not None:
         os.environ[CRASH_ENV] = str(crash_at)

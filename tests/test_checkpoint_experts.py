@@ -51,8 +51,9 @@ RESUMES = {  # id -> (saved run, layout resuming its step-1 checkpoint)
 
 
 def _train_one(out: str, ckpt: CheckpointConfig):
-    from fxshard.train.launch import train
     from harness import run_options
+
+    from fxshard.train.launch import train
 
     state: dict = {}
     losses = train(Path(out), run_options(STEPS, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)

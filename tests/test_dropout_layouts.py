@@ -52,7 +52,6 @@ CASES = {  # id -> (layout, optimizer settings)
 
 def _train_one(out: str, optim: OptimConfig) -> list[float]:
     from fxshard.train.launch import train
-
     from fxshard.train.options import RunOptions
 
     return train(Path(out), RunOptions(STEPS, optim), log=lambda *_: None)

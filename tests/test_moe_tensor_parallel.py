@@ -263,8 +263,9 @@ def test_plan_counts_the_experts_split():
 
 
 def _train_saving(out: str, ckpt):
-    from fxshard.train.launch import train
     from harness import run_options
+
+    from fxshard.train.launch import train
 
     state: dict = {}
     losses = train(Path(out), run_options(STEPS, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)

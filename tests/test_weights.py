@@ -138,7 +138,6 @@ def test_each_rank_holds_its_slices_and_reads_only_them(folders, name, tmp_path,
 
 def _train_all(rank: int, world: int, outs: list[str]):
     from fxshard.train.launch import train
-
     from fxshard.train.options import RunOptions
 
     return {out: train(Path(out), RunOptions(STEPS), log=lambda *_: None) for out in outs}

@@ -191,8 +191,9 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
 
 
 def _train_one(out: str, ckpt: CheckpointConfig | None):
-    from fxshard.train.launch import train
     from harness import run_options
+
+    from fxshard.train.launch import train
 
     state: dict = {}
     losses = train(Path(out), run_options(STEPS, OptimConfig(), ckpt), log=lambda *_: None, final_state=state)

@@ -57,8 +57,8 @@ def _eager_and_compiled(out: str) -> dict:
     import fxshard.runtime.matmul as matmul
     import fxshard.train.launch as launch
     from fxshard.runtime.compiled import compile_seconds
-    from fxshard.train.options import RunOptions
     from fxshard.runtime.matmul import onednn_products
+    from fxshard.train.options import RunOptions
 
     quiet = dict(log=lambda *_: None)
     eager = launch.train(Path(out), RunOptions(STEPS), **quiet)
