@@ -236,6 +236,7 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
 
     try:
         options = RunOptions.from_flags(flags)
+        options.checkpoint_config()  # flags that need each other: said before anything reads OUT
         if not options.allow_edited:  # first: the option checks import model.py (make_dataset, make_batches)
             refuse_edited(out, read_manifest(out))
         check_run_options(out, options)
