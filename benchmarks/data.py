@@ -4,7 +4,7 @@ samples/llama.py at tp=2 dp=2 (4 ranks) reads a token file of at least 50M token
 ``fxshard data tokenize`` wrote from a generated corpus (:mod:`fxshard.train.data.synthetic`, a BPE tokenizer of the
 model's 256 ids trained on it), shuffled, through 2 DataLoader workers per rank:
 
-- **step time**: ``fxshard run``'s own step (:func:`fxshard.train.launch._train_step`) on the token file and on
+- **step time**: ``fxshard run``'s own step (:meth:`fxshard.train.program.Program.step`) on the token file and on
   the example batch (no data source: ``make_inputs()`` every step), two programs in the same four processes
   taking turns (:func:`benchmarks.common.interleave`); the ratio per round, token file ÷ example batch;
 - **host memory**: the peak RSS (``VmHWM``) of each rank and of its loader workers after 10 and after 2,000 training
@@ -51,55 +51,54 @@ def _hwm(pid: int | str = "self") -> int:
     return 0
 
 
-def _setups(out: str, data: str, steps: int, workers: int) -> dict:
+def _set_up(out: str, steps: int, data):
+    """A program of ``out`` and its training stream of ``data`` (DataOptions), as ``fxshard run`` sets them up."""
     import torch
 
+    from fxshard.train.launch import open_stream
+    from fxshard.train.options import RunOptions
+    from fxshard.train.program import Program
+
+    program = Program(Path(out), RunOptions(steps, data=data), torch.device("cpu"))
+    return program, open_stream(program, "train")
+
+
+def _setups(out: str, data: str, steps: int, workers: int) -> dict:
     from fxshard.train.data import DataOptions
-    from fxshard.train.launch import _set_up
-    from fxshard.train.optim import OptimConfig
 
     options = {"example batch": DataOptions(), "token file": DataOptions(data=Path(data), data_workers=workers)}
-    return {name: _set_up(Path(out), steps, OptimConfig(), torch.device("cpu"), None, None, o)
-            for name, o in options.items()}
+    return {name: _set_up(out, steps, o) for name, o in options.items()}
 
 
 def _step_worker(rank: int, world: int, out: str, data: str, rounds: int, warmup: int) -> dict:
-    from fxshard.train.launch import _train_step
-    from fxshard.train.optim import OptimConfig
-
     runs = _setups(out, data, (warmup + rounds) * STEPS_PER_CALL, 2)
-    done = dict.fromkeys(runs, 0)
 
     def stepper(name: str):
+        program, stream = runs[name]
+
         def call():
             for _ in range(STEPS_PER_CALL):
-                done[name] += 1
-                _train_step(runs[name], done[name], OptimConfig(), None)
+                program.step(next(stream))
         return call
 
     try:
         return {"times": interleave({name: stepper(name) for name in CONTENDERS}, rounds, warmup)}
     finally:
-        for run in runs.values():
-            run.batches.close()
+        for _, stream in runs.values():
+            stream.close()
 
 
 def _memory_worker(rank: int, world: int, out: str, data: str, steps: int) -> dict:
-    import torch
-
     from fxshard.train.data import DataOptions
-    from fxshard.train.launch import _set_up, _train_step
-    from fxshard.train.optim import OptimConfig
 
-    run = _set_up(Path(out), steps, OptimConfig(), torch.device("cpu"), None, None,
-                  DataOptions(data=Path(data), data_workers=2))
+    program, stream = _set_up(out, steps, DataOptions(data=Path(data), data_workers=2))
     try:
-        for step in range(1, steps + 1):
-            _train_step(run, step, OptimConfig(), None)
-        workers = [w.pid for w in getattr(run.batches._it, "_workers", [])]
-        return {"rank": _hwm(), "workers": [_hwm(pid) for pid in workers], "position": run.batches.position}
+        for _ in range(steps):
+            program.step(next(stream))
+        workers = [w.pid for w in getattr(stream._it, "_workers", [])]
+        return {"rank": _hwm(), "workers": [_hwm(pid) for pid in workers], "position": stream.position}
     finally:
-        run.batches.close()
+        stream.close()
 
 
 def run(work: Path, quick: bool = False, rounds: int = 20, warmup: int = 2, log=print) -> dict:
