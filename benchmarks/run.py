@@ -16,6 +16,8 @@
     python -m benchmarks.run --only single --device cuda   # world size 1: fxshard's code against the same
                                             # transformers model in a plain loop, eager and compiled, a ~1B Llama
                                             # in bf16 at seq 2048 (results/single-cuda.*; on the CPU a tiny one)
+    python -m benchmarks.run --only auto    # fxshard calibrate, then 12 layouts at world size 4 predicted and
+                                            # measured: ratios, rank correlation (results/auto-cpu.*)
     python -m benchmarks.run --only data    # a 50M-token file at tp=2 dp=2: step time against the example
                                             # batch, peak RSS over 10 and 2,000 steps (results/data-cpu.*)
 """
@@ -36,6 +38,7 @@ import torch  # noqa: E402
 
 from benchmarks import (  # noqa: E402
     activations,
+    auto,
     comm,
     comm_axes,
     comm_experts,
@@ -54,7 +57,7 @@ from benchmarks.common import BACKEND_OF, cpu_line, environment, write_results  
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
-ALONE = ("single", "data")  # parts run only when --only names them, into results files of their own
+ALONE = ("single", "data", "auto")  # parts run only when --only names them, into results files of their own
 GPU_PARTS = ("tp", "single")  # what --device cuda runs
 
 
@@ -93,6 +96,7 @@ SECTIONS = {
     "single": ("single", [("World size 1: fxshard's code against the same transformers model, eager and compiled",
                            single.markdown)]),
     "data": ("data", [("Training data: step time with a token file, host memory over steps", data.markdown)]),
+    "auto": ("auto", [("The time model against measured steps (12 layouts at world size 4, gloo)", auto.markdown)]),
 }
 
 
@@ -119,6 +123,8 @@ def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "
         return recompute_time.run(work, settings["recompute_rounds"], settings["recompute_warmup"], quick)
     if part == "data":
         return data.run(work, quick)
+    if part == "auto":
+        return auto.run(work, quick)
     if part == "single":
         return single.run(settings["single_size"], work, settings["single_rounds"], settings["single_warmup"], device)
     assert part == "compile"

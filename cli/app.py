@@ -11,9 +11,10 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from fxshard.errors import FxshardError, FxshardWarning
+from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build, flags
 from fxshard.ir.layout import Layout
+from fxshard.tools.auto_options import AutoOptions
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -58,6 +59,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
                                                                               "(repeat, or comma-separate)")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
+AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/tools/auto_options.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -96,9 +98,10 @@ def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
 def compile(
     model: ModelArg,
+    seq: int = typer.Option(None, "--seq", help="--auto: the sequence length to search at (default: the example's)"),
     split_before: SplitBefore = None,
     plan: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
@@ -117,9 +120,16 @@ def compile(
     from fxshard.driver import compile as compile_
     from fxshard.tools.costs import parse_size
 
+    auto = build(AutoOptions, flags)
+    layout = build(Layout, flags)
+    if auto.auto:  # search, print the ranking, then compile the first
+        layout = _plan_auto(model, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out)
+                            ).result.ranked[0].layout
+    elif auto.hardware is not None or auto.gpus is not None or seq is not None:
+        _fail(OptionError("--hardware, --gpus and --seq are compile's --auto flags; found them without --auto: add "
+                          "--auto, or use `fxshard plan --hardware` to predict a layout's step"))
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        layout = build(Layout, flags)
         user_plan = _user_plan(plan, split_before)
         with console.status(f"compiling {model} ({layout.describe()})"):
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
@@ -136,7 +146,7 @@ def compile(
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
 def plan(
     model: ModelArg,
     split_before: SplitBefore = None,
@@ -152,16 +162,25 @@ def plan(
     **flags,
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
-    alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble."""
+    alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble;
+    with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them."""
     import json
 
     from fxshard.cli.report import plan_report
 
     from fxshard.tools.costs import parse_size, plan_costs
 
+    auto = build(AutoOptions, flags)
+    if auto.auto:
+        return _plan_auto(model, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed, as_json)
     try:
+        _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
+        if auto.hardware is not None:
+            from fxshard.tools.hardware import load_hardware
+
+            load_hardware(auto.hardware)  # a bad profile refused before the compile
         report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
         found = None
         if data is not None or pack:
@@ -173,14 +192,73 @@ def plan(
                                      say=err.print)
     except FxshardError as e:
         _fail(e)
+    predicted = None
+    if auto.hardware is not None:
+        from fxshard.tools.auto import predict_layout
+        from fxshard.tools.costs import B, S
+
+        try:
+            predicted = predict_layout(model, report.layout, auto.hardware, int(report.at[B]), int(report.at[S]),
+                                       auto.gpus_per_node, _user_plan(plan_file, split_before), seed)
+        except FxshardError as e:
+            _fail(e)
     if as_json:
-        print(json.dumps(report.to_json() | ({"data": found} if found else {}), indent=2, default=str))
+        extra = {"time": _prediction_json(predicted[0])} if predicted else {}
+        print(json.dumps(report.to_json() | ({"data": found} if found else {}) | extra, indent=2, default=str))
     else:
         plan_report(console, report)
         if found:
             from fxshard.train.data.checks import describe
 
             console.print(describe(found), highlight=False)
+        if predicted:
+            from fxshard.cli.auto import time_lines
+
+            time_lines(console, *predicted)
+
+
+def _only_with_auto(auto: AutoOptions, batch: int | None) -> None:
+    """Refuse --auto's own flags without --auto."""
+    for name, flag in (("gpus", "--gpus"), ("global_batch", "--global-batch")):
+        if getattr(auto, name) is not None:
+            raise OptionError(f"{flag} is for --auto (the search); found it without --auto: add --auto, or give the "
+                              "layout's own flags" + (" and --batch" if name == "global_batch" else ""))
+    if auto.gpus_per_node is not None and auto.hardware is None:
+        raise OptionError("--gpus-per-node places the mesh on nodes for the time model: expected --hardware too")
+
+
+def _prediction_json(pred) -> dict:
+    return {"layout": pred.layout.describe(), "step_s": pred.step, "compute_s": pred.compute,
+            "exposed_communication_s": pred.exposed, "bubble_s": pred.bubble, "tokens_per_s_per_device":
+            pred.tokens_per_s, "mfu": pred.mfu, "peak_bytes": pred.peaks, "device_memory": pred.memory,
+            "fits": pred.fits, "terms_s": pred.terms, "microbatches": pred.microbatches, "rows": pred.rows,
+            "accumulate": pred.accumulate}
+
+
+def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto"):
+    """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first."""
+    import json
+
+    from fxshard.cli.auto import auto_report
+
+    from fxshard.tools.auto import compile_command, plan_auto
+
+    try:
+        with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
+            found = plan_auto(model, layout.dtype, auto, seq, layout, user_plan, seed)
+    except FxshardError as e:
+        _fail(e)
+    command = compile_command(model, found.result.ranked[0], out)
+    if as_json:
+        r = found.result
+        print(json.dumps({"gpus": r.gpus, "hardware": found.hardware.name, "seq": r.setting.seq,
+                          "global_batch": r.setting.global_batch, "gpus_per_node": r.setting.gpus_per_node,
+                          "considered": r.considered, "fitting": r.fitting, "search_s": r.seconds,
+                          "capture_s": found.capture_seconds, "command": command,
+                          "ranked": [_prediction_json(p) for p in r.ranked]}, indent=2, default=str))
+    else:
+        auto_report(console, found, command)
+    return found
 
 
 @app.command()
@@ -198,6 +276,25 @@ def show(
             show_rank(console, out, rank)
     except FxshardError as e:
         _fail(e)
+
+
+@app.command()
+def calibrate(
+    out: Path = typer.Option(..., "--out", "-o", help="the hardware profile to write (JSON; pass it to --hardware)"),
+    procs: int = typer.Option(4, "--procs", help="local processes to measure with (ignored under torchrun)"),
+    quick: bool = typer.Option(False, "--quick", help="fewer and smaller measurements (seconds, noisier)"),
+):
+    """Measure this machine (matmul FLOP/s per dtype, memory bandwidth, collective bandwidth and latency per group
+    size, within a node and, under torchrun, across nodes) and write a hardware profile."""
+    from fxshard.tools.calibrate import calibrate as calibrate_
+
+    try:
+        with console.status(f"measuring with {procs} processes"):
+            profile = calibrate_(out, procs, quick)
+    except FxshardError as e:
+        _fail(e)
+    if profile:
+        console.print(f"wrote {out}: {profile['name']}", highlight=False)
 
 
 ALLOW_EDITED = next(f for f in RunOptions.flags() if f.name == "allow_edited")

@@ -47,6 +47,7 @@ from fxshard.units import human_bytes
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
 _b = sympy.Symbol("b", positive=True, integer=True)  # microbatch rows, replaced by B / (dp * M)
+_CAPTURE = object()  # _symbolic_shapes' default: capture the second size itself
 
 
 @dataclass(frozen=True)
@@ -209,28 +210,18 @@ def planned_memory(out: str | Path) -> dict[int, dict] | str:
             for r in report.ranks}
 
 
-def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.Node]):
+def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.Node], second=_CAPTURE):
     """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture (``state``: the
-    parameter and buffer placeholders, whose sizes stay numbers)."""
-    inputs = mf.build_inputs(seed)
+    parameter and buffer placeholders, whose sizes stay numbers); ``second``: that capture's graph when the caller
+    made it (:mod:`fxshard.tools.profile` fits three compiles to one), None when the model captures at one size."""
     s2 = (s * 3 // 4 if s % 4 == 0 else s - 1) if s and s > 2 else s
-
-    def resize(v):
-        if not isinstance(v, torch.Tensor) or v.dim() == 0:
-            return v
-        v = v[:b]
-        if s2 is not None and v.dim() >= 2 and v.shape[1] == s:
-            v = v[:, :s2]
-        return torch.cat([v, v])
-
     notes = []
-    try:
-        second = capture_at(mf, seed, pytree.tree_map(resize, inputs), layout.compute_dtype if layout.mixed else None,
-                            meta=True).gm
-    except Exception as e:  # a model that only runs at its example size: costs stay numbers
-        notes.append(f"shapes stay numeric: the model does not capture at another size ({type(e).__name__})")
-        second = None
+    if second is _CAPTURE:
+        second = _capture_second(mf, layout, seed, b, s, s2, notes)
+    elif second is None:
+        notes.append("shapes stay numeric: the model does not capture at another size")
     other = {n.name: n.meta.get("val") for n in second.graph.nodes} if second is not None else {}
+
     out, unfitted = {}, 0
     fixed = _state_only(gm, state)
     for node in gm.graph.nodes:
@@ -255,6 +246,26 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.
     if unfitted and second is not None:
         notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
     return out, notes
+
+
+def _capture_second(mf, layout, seed, b: int, s: int | None, s2: int | None, notes: list[str]):
+    """The model captured at twice the microbatch ``b`` and ``s2`` instead of ``s``: its graph, or None."""
+    inputs = mf.build_inputs(seed)
+
+    def resize(v):
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            return v
+        v = v[:b]
+        if s2 is not None and v.dim() >= 2 and v.shape[1] == s:
+            v = v[:, :s2]
+        return torch.cat([v, v])
+
+    try:
+        return capture_at(mf, seed, pytree.tree_map(resize, inputs), layout.compute_dtype if layout.mixed else None,
+                          meta=True).gm
+    except Exception as e:  # a model that only runs at its example size: costs stay numbers
+        notes.append(f"shapes stay numeric: the model does not capture at another size ({type(e).__name__})")
+        return None
 
 
 def _cp_split(node: fx.Node, cp: int) -> int | None:

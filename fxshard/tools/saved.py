@@ -64,6 +64,9 @@ class StageMemory:
     largest_node: str
     blocks: dict = field(default_factory=dict)  # block fqn -> bytes of the storages first kept inside it
     flops: dict = field(default_factory=dict)  # "forward", "blocks", "selective": forward FLOPs (captured size)
+    # who kept each storage first: the block it was kept in (its fqn), else the name of the node that saved it
+    # ("" for the values held without being used); the search's pieces add these up (fxshard.tools.profile)
+    saved_by: dict = field(default_factory=dict)
 
 
 def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at: dict,
@@ -129,6 +132,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
         return node is not None and node.op == "placeholder" and (node in ctx.params or node.name in state)
 
     total, seen, blocks = sympy.Integer(0), set(), {u.fqn: sympy.Integer(0) for u in units.values()}
+    by: dict[str, sympy.Expr] = {}
     for t, op, block in saved:
         if not isinstance(t, torch.Tensor):
             continue
@@ -140,12 +144,14 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
         seen.add(key)
         expr = _storage_expr(t, storage.nbytes(), owner, op, env, dims)
         total += expr
+        key = block if block is not None else (op.name if op is not None else "")
+        by[key] = by.get(key, sympy.Integer(0)) + expr
         if block is not None:
             blocks[block] += expr
     largest = max(((_bytes(dims(n), env[n]), n.name) for n in nodes if _is_float(env.get(n)) and n.name),
                   key=lambda e: float(e[0].subs(at)), default=(sympy.Integer(0), ""))
     return StageMemory(sympy.expand(total), len(seen), *largest, blocks={k: sympy.expand(v) for k, v in blocks.items()},
-                       flops=flops.totals())
+                       flops=flops.totals(), saved_by={k: sympy.expand(v) for k, v in by.items()})
 
 
 def _run_block(unit, run, env: dict, mode: str) -> None:

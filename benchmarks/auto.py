@@ -1,0 +1,121 @@
+"""The time model against measurement: ``fxshard calibrate``, then predict and measure 12 layouts at world size 4.
+
+This machine is measured first (``fxshard calibrate --procs 4``: matmul FLOP/s, memory bandwidth, gloo collectives
+over 2 and 4 processes), then for each layout of :data:`LAYOUTS` (tp, pp, dp, ZeRO and recompute mixed) the time
+model predicts one step of :mod:`benchmarks.models.auto_llama` from that profile, and ``fxshard compile`` +
+``fxshard run --steps N --metrics`` measure it (the median of the steps after the first two).  Reported: each
+layout's predicted and measured step and their ratio, the Spearman rank correlation of the two orders (issue 33's
+target: at least 0.8), and the measured step of the predicted best against the measured best (target: within 10%).
+
+    python -m benchmarks.run --only auto           # results/auto-cpu.md and .json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fxshard.ir.layout import Layout
+
+MODEL = Path(__file__).resolve().parent / "models" / "auto_llama.py"
+WORLD = 4
+L = Layout
+LAYOUTS = [
+    L(dp=4), L(dp=4, zero=1), L(dp=4, zero=3), L(dp=4, recompute="full"),
+    L(tp=4), L(tp=2, dp=2), L(tp=2, dp=2, zero=1, recompute="selective"), L(tp=2, dp=2, sp=True),
+    L(pp=2, dp=2, microbatches=2), L(pp=4, microbatches=4), L(pp=2, tp=2, schedule="gpipe", microbatches=4),
+    L(pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=2, recompute="full"),
+]
+
+
+def run(work: Path, quick: bool = False, profile: Path | None = None) -> dict:
+    """Calibrate (unless ``profile`` names one), predict and measure every layout; the table's rows and summary."""
+    from fxshard.driver import compile as compile_
+    from fxshard.tools.hardware import load_hardware
+    from fxshard.tools.profile import model_profile
+    from fxshard.tools.timemodel import Evaluator, Setting, predict
+
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if profile is None:
+        profile = work / "calibrated.json"
+        subprocess.run([sys.executable, "-m", "fxshard.cli.app", "calibrate", "--procs", str(WORLD), "--out",
+                        str(profile)] + (["--quick"] if quick else []), check=True, capture_output=True)
+    hw = load_hardware(profile)
+    calibrated = time.perf_counter() - started
+    ev = Evaluator(model_profile(MODEL, dtype="fp32"), hw, "fp32")
+    setting = Setting(128, 8, WORLD)
+    steps = 4 if quick else 8
+    rows = []
+    for layout in LAYOUTS[:3] if quick else LAYOUTS:
+        pred = predict(ev, layout, setting)
+        out = work / layout.describe().replace(" ", "_").replace("=", "")
+        compile_(MODEL, layout, out=out)
+        measured = _measure(out, steps)
+        rows.append({"layout": layout.describe(), "predicted_s": pred.step, "measured_s": measured,
+                     "ratio": pred.step / measured, "compute_s": pred.compute, "exposed_s": sum(pred.exposed.values()),
+                     "bubble_s": pred.bubble})
+    predicted = [r["predicted_s"] for r in rows]
+    measured = [r["measured_s"] for r in rows]
+    best_predicted = min(range(len(rows)), key=predicted.__getitem__)
+    return {"rows": rows, "spearman": spearman(predicted, measured),
+            "best_predicted": rows[best_predicted]["layout"], "best_measured": rows[measured.index(min(measured))]["layout"],
+            "regret": measured[best_predicted] / min(measured) - 1, "profile": hw.name, "profile_source": hw.source,
+            "peak_fp32": hw.peak("fp32"), "link": {"bandwidth": hw.intra_node.bandwidth, "latency": hw.intra_node.latency},
+            "kernel_overhead": hw.kernel_overhead, "calibrate_s": calibrated, "steps": steps,
+            "load_average": os.getloadavg()}
+
+
+def _measure(out: Path, steps: int) -> float:
+    """Median seconds of the steps after the first two, rank 0's own clock (``fxshard run --metrics``)."""
+    metrics = out / "metrics.jsonl"
+    subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", str(steps), "--metrics",
+                    str(metrics)], check=True, capture_output=True, timeout=900)
+    seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines() if line.strip()]
+    return statistics.median(seconds[2:] or seconds)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties take their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def markdown(result: dict) -> str:
+    lines = ["| layout | predicted step | measured step | predicted / measured | compute | exposed comm | bubble |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['layout']} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
+                     f"{r['ratio']:.2f} | {r['compute_s'] * 1e3:.1f} ms | {r['exposed_s'] * 1e3:.1f} ms | "
+                     f"{r['bubble_s'] * 1e3:.1f} ms |")
+    load = ", ".join(f"{x:.1f}" for x in result["load_average"])
+    lines += ["", f"Spearman rank correlation of predicted and measured steps: **{result['spearman']:.2f}** (target "
+              f">= 0.8). Predicted best: {result['best_predicted']}; measured best: {result['best_measured']}; the "
+              f"predicted best measured {result['regret']:.0%} slower than the measured best (target within 10%).",
+              f"Profile: {result['profile']} ({result['profile_source']}): fp32 matmul "
+              f"{result['peak_fp32'] / 1e9:.2f} GFLOP/s per process, gloo bus bandwidth "
+              f"{result['link']['bandwidth'] / 1e6:.0f} MB/s, latency {result['link']['latency'] * 1e3:.2f} ms, "
+              f"{result['kernel_overhead'] * 1e6:.1f} us per op. Load average at the end {load} (a shared machine: "
+              f"calibration and runs contend with other work)."]
+    return "\n".join(lines)

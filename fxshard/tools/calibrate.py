@@ -1,0 +1,266 @@
+"""``fxshard calibrate``: measure the machine it runs on and write a hardware profile (:mod:`fxshard.tools.hardware`).
+
+Every rank of the group (``fxshard calibrate --procs N`` starts N local processes; under ``torchrun`` the ranks are
+torchrun's, on one node or many) measures at the same time, so a shared device or CPU is measured as the training
+run will share it:
+
+- matmul FLOP/s per dtype (a square product large enough to reach the kernel's rate), and attention's
+  (``scaled_dot_product_attention``) as a share of it: the profile's ``peak_flops`` and ``efficiency.attention``;
+- memory bandwidth (a large copy: bytes read and written per second) and the time of a tiny op (``kernel_overhead``:
+  eager dispatch, a floor for small ops);
+- collectives per group size: all-reduce, all-gather, reduce-scatter over groups of consecutive ranks within a node
+  (and, across nodes, of ranks one node apart), several sizes each; each link's bus bandwidth and latency are the
+  least-squares fit of ``time = steps x latency + wire bytes / bandwidth`` (the ring formulas the time model uses).
+
+The measured points stay in the profile (``measured``), next to the fitted fields::
+
+    fxshard calibrate --procs 4 --out cpu.json          # this machine, 4 processes (as fxshard run at world size 4)
+    torchrun --nnodes 2 --nproc-per-node 8 -m fxshard.cli.app calibrate --out h100-measured.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxshard.errors import OptionError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+
+
+def calibrate(out: Path, procs: int = 1, quick: bool = False) -> dict:
+    """Measure this machine with ``procs`` local processes (gloo on CPUs, nccl on GPUs) and write the profile to
+    ``out``; under ``torchrun`` (``RANK`` set) the ranks are torchrun's and ``procs`` is not used."""
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise OptionError(f"--out {out}: expected a file to write the profile to; found a folder")
+    if not out.parent.is_dir():
+        raise OptionError(f"--out {out}: its folder {out.parent} does not exist; create it first")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        calibrate_rank(out, quick)
+        return json.loads(out.read_text()) if out.exists() else {}
+    if procs < 2:
+        raise OptionError(f"--procs {procs}: expected at least 2 processes (collectives need a group); "
+                          "use --procs 2 or more, or start it under torchrun")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_spawned, args=(procs, port, str(out), quick), nprocs=procs, start_method="spawn")
+    return json.loads(out.read_text())
+
+
+def _spawned(rank: int, world: int, port: int, out: str, quick: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # a training rank's own setting: each process one thread, as fxshard run starts them
+    try:
+        calibrate_rank(Path(out), quick)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
+    """Measure as one rank of the job (initializing the process group from torchrun's environment if needed);
+    rank 0 writes ``out`` and returns the profile, the others None."""
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dtypes = ["bf16", "fp16", "fp32"] if cuda else ["fp32", "bf16"]
+    peaks = {d: _agreed(_matmul_rate(d, device, quick)) for d in dtypes}
+    attention = _agreed(_attention_rate(device, quick)) / peaks["fp32" if not cuda else "bf16"]
+    bandwidth = _agreed(_copy_rate(device, quick))
+    overhead = _agreed(_overhead(device))
+    links = {"intra_node": _link(range(0, min(local, world)), device, quick)}
+    nodes = world // local
+    links["inter_node"] = _link(range(0, world, local), device, quick) if nodes > 1 else None
+    if rank != 0:
+        return None
+    intra = links["intra_node"]
+    profile = {
+        "name": f"measured by fxshard calibrate on {_machine(device)}, {world} ranks ({local} per node)",
+        "source": f"fxshard calibrate, {datetime.now(timezone.utc).isoformat(timespec='seconds')}, load average "
+                  f"{_load()}",
+        "device": device.type,
+        "peak_flops": peaks, "memory_bandwidth": bandwidth, "memory": _memory(device, local),
+        "devices_per_node": local,
+        "intra_node": {"bandwidth": intra["bandwidth"], "latency": intra["latency"]} if intra else
+                      {"bandwidth": bandwidth, "latency": 1e-6},
+        "inter_node": ({"bandwidth": links["inter_node"]["bandwidth"], "latency": links["inter_node"]["latency"]}
+                       if links["inter_node"] else (
+                           {"bandwidth": intra["bandwidth"], "latency": intra["latency"]} if intra else
+                           {"bandwidth": bandwidth, "latency": 1e-6})),
+        "efficiency": {"matmul": 1.0, "attention": round(min(1.0, attention), 3), "memory": 1.0},
+        "kernel_overhead": overhead,
+        "default_dtype": "bf16" if cuda else "fp32",
+        "measured": {k: v for k, v in links.items() if v},
+    }
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
+
+
+def _agreed(value: float) -> float:
+    """The median over the ranks of each rank's measurement (every rank returns it)."""
+    world = dist.get_world_size()
+    values = [None] * world
+    dist.all_gather_object(values, value)
+    return float(statistics.median(values))
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up), all ranks starting together."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _matmul_rate(dtype: str, device, quick: bool) -> float:
+    n = (4096 if not quick else 2048) if device.type == "cuda" else (512 if quick else 1024)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    a = torch.randn(n, n, device=device, dtype=torch_dtype)
+    w = torch.randn(n, n, device=device, dtype=torch_dtype)
+    return 2 * n**3 / _timed(lambda: a @ w, device, 3 if quick else 7)
+
+
+def _attention_rate(device, quick: bool) -> float:
+    heads, seq, dim = 8, (256 if quick else 512) if device.type == "cpu" else 4096, 64
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype) for _ in range(3))
+    t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, 3 if quick else 7)
+    return 4 * heads * seq * seq * dim / t
+
+
+def _copy_rate(device, quick: bool) -> float:
+    n = (2**26 if device.type == "cpu" else 2**28) // (4 if quick else 1)
+    src = torch.ones(n // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / _timed(lambda: dst.copy_(src), device, 5)
+
+
+def _overhead(device) -> float:
+    x = torch.zeros(8, device=device)
+
+    def many():
+        for _ in range(200):
+            x.add_(1)
+
+    return _timed(many, device, 5) / 200
+
+
+def _link(ranks, device, quick: bool) -> dict | None:
+    """Bus bandwidth and latency of the link among ``ranks`` (fitted over group sizes, sizes and collectives)."""
+    ranks = list(ranks)
+    if len(ranks) < 2:
+        return None
+    sizes = [2**16, 2**20, 2**22] if quick else [2**16, 2**18, 2**20, 2**22, 2**24]
+    groups = sorted({g for g in (2, 4, 8, len(ranks)) if g <= len(ranks)})
+    points = []
+    for g in groups:
+        members = ranks[:g]
+        group = dist.new_group(members)  # collective over the world: every rank makes every group
+        if dist.get_rank() in members:
+            for op in OPS:
+                for nbytes in sizes:
+                    points.append((op, g, nbytes, _collective_time(op, nbytes, g, group, device)))
+        dist.barrier()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, points)
+    return _fit(gathered[0])
+
+
+def _collective_time(op: str, nbytes: int, g: int, group, device) -> float:
+    n = nbytes // 4
+    n -= n % g
+    buf = torch.ones(n, device=device)
+    part = torch.empty(n // g, device=device)
+    fn = {"all_reduce": lambda: dist.all_reduce(buf, group=group),
+          "all_gather": lambda: dist.all_gather_into_tensor(buf, part, group=group),
+          "reduce_scatter": lambda: _reduce_scatter(part, buf, group)}[op]
+    fn()
+    times = []
+    for _ in range(5):
+        dist.barrier(group=group)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _reduce_scatter(out, buf, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, buf, group=group)
+
+
+def _fit(points: list) -> dict:
+    """Least squares of ``t = steps x latency + wire / bandwidth`` (steps and wire of each point's ring collective)."""
+    rows = []
+    for op, g, nbytes, t in points:
+        passes = PASSES[op]
+        steps = passes * min(g - 1, 2 * math.ceil(math.log2(g)))
+        rows.append((steps, passes * (g - 1) / g * nbytes, t))
+    sxx = sum(s * s for s, _, _ in rows)
+    sxy = sum(s * w for s, w, _ in rows)
+    syy = sum(w * w for _, w, _ in rows)
+    sxt = sum(s * t for s, _, t in rows)
+    syt = sum(w * t for _, w, t in rows)
+    det = sxx * syy - sxy * sxy
+    latency = (sxt * syy - syt * sxy) / det if det else 0.0
+    inverse_bw = (sxx * syt - sxy * sxt) / det if det else 0.0
+    if latency < 0 or inverse_bw <= 0:  # noise: bandwidth alone through the origin
+        latency, inverse_bw = 1e-6, syt / syy if syy else 1e-9
+    return {"bandwidth": 1 / inverse_bw, "latency": latency,
+            "points": [{"op": op, "group": g, "bytes": nb, "seconds": t} for op, g, nb, t in points]}
+
+
+def _machine(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return f"CPU ({os.cpu_count()} CPUs)"
+
+
+def _memory(device, local: int) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"

@@ -1,0 +1,86 @@
+"""Hardware profiles as data: the shipped ones load, a profile with missing or malformed fields is refused naming
+every field, and the collective times are the ring formulas at the link each group lands on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxshard.errors import OptionError
+from fxshard.tools.calibrate import _fit
+from fxshard.tools.hardware import hardware_names, load_hardware
+
+GOOD = {"peak_flops": {"bf16": 1e15, "fp32": 6e13}, "memory_bandwidth": 3e12, "memory": "80GiB",
+        "devices_per_node": 8, "intra_node": {"bandwidth": 4e11, "latency": 5e-6},
+        "inter_node": {"bandwidth": 5e10, "latency": 1e-5}}
+
+
+def test_the_shipped_profiles_load_with_every_field():
+    assert {"h100", "h200", "b200", "a100", "cpu-gloo"} <= set(hardware_names())
+    for name in hardware_names():
+        hw = load_hardware(name)
+        assert hw.peak("bf16") > 0 and hw.peak("fp32") > 0 and hw.memory > 0 and hw.devices_per_node >= 1
+        assert hw.intra_node.bandwidth > 0 and hw.inter_node.bandwidth > 0
+    assert load_hardware("h100").memory == 80 * 2**30 and load_hardware("H100").name == load_hardware("h100").name
+
+
+def test_a_profile_file_loads_and_missing_fields_are_each_named(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(GOOD))
+    assert load_hardware(path).inter_node.latency == 1e-5
+    broken = {k: v for k, v in GOOD.items() if k not in ("memory_bandwidth", "inter_node")}
+    broken["peak_flops"] = {"bf16": -1}
+    path.write_text(json.dumps(broken))
+    with pytest.raises(OptionError) as e:
+        load_hardware(path)
+    text = str(e.value)
+    assert str(path) in text and "memory_bandwidth" in text and "inter_node" in text and "peak_flops" in text
+    assert "fxshard calibrate" in text
+
+
+@pytest.mark.parametrize("content,found", [("{not json", "expected JSON"), ("[1, 2]", "found list")])
+def test_a_file_that_is_no_profile_is_refused(tmp_path, content, found):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(OptionError, match=found):
+        load_hardware(path)
+
+
+def test_an_unknown_name_lists_the_shipped_ones():
+    with pytest.raises(OptionError, match="h100.*calibrate"):
+        load_hardware("tpu-v9")
+
+
+def test_a_dtype_the_profile_lacks_is_refused_naming_it(tmp_path):
+    path = tmp_path / "fp32only.json"
+    path.write_text(json.dumps(GOOD | {"peak_flops": {"fp32": 1e12}}))
+    with pytest.raises(OptionError, match=r"peak_flops\['bf16'\].*--dtype fp32"):
+        load_hardware(path).peak("bf16")
+
+
+def test_collectives_are_the_ring_formulas_on_the_link_the_group_spans():
+    hw = load_hardware("h100")
+    n = 2**30
+    intra, inter = hw.intra_node, hw.inter_node
+    # all-reduce: 2 (g-1)/g of the buffer over the bus bandwidth, plus the latency of its steps
+    assert hw.collective_seconds("all_reduce", n, 8, 1) == pytest.approx(
+        2 * 7 / 8 * n / intra.bandwidth + 2 * 6 * intra.latency)
+    assert hw.collective_seconds("all_gather", n, 8, 1) == pytest.approx(
+        hw.collective_seconds("all_reduce", n, 8, 1) / 2)
+    assert hw.collective_seconds("all_reduce", n, 16, 2) == pytest.approx(
+        2 * 15 / 16 * n / inter.bandwidth + 2 * 8 * inter.latency)
+    assert hw.collective_seconds("all_reduce", n, 1, 1) == 0.0
+    assert hw.p2p_seconds(n, 2) == pytest.approx(n / inter.bandwidth + inter.latency)
+
+
+def test_calibrate_fits_the_ring_formula_back_from_its_points():
+    bandwidth, latency = 2e8, 1e-3
+    points = []
+    for op, passes in (("all_reduce", 2), ("all_gather", 1), ("reduce_scatter", 1)):
+        for g in (2, 4):
+            steps = passes * min(g - 1, 2 * (g - 1).bit_length())
+            for nbytes in (2**16, 2**20, 2**24):
+                points.append((op, g, nbytes, steps * latency + passes * (g - 1) / g * nbytes / bandwidth))
+    fitted = _fit(points)
+    assert fitted["bandwidth"] == pytest.approx(bandwidth) and fitted["latency"] == pytest.approx(latency)

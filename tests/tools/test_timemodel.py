@@ -1,0 +1,126 @@
+"""The time model on a real capture (samples/llama.py, a transformers Llama): its FLOPs are torch's flop counter's,
+its memory the plan's verdict, and each term moves the way its layout says; the search ranks the layouts that
+divide and fit, refuses clearly when none does, and its winner compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxshard.capture.modelfile import load_model_file
+from fxshard.errors import LayoutError
+from fxshard.ir.layout import Layout
+from fxshard.tools.auto import compile_command
+from fxshard.tools.costs import plan_costs
+from fxshard.tools.hardware import load_hardware
+from fxshard.tools.profile import model_profile
+from fxshard.tools.search import explain, search
+from fxshard.tools.timemodel import Evaluator, Setting, model_flops, predict
+
+MODEL = "samples/llama.py"  # 4 layers, hidden 64, 8 heads (4 kv), vocabulary 256; example batch 4 x 16
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return model_profile(MODEL, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def h100(profile):
+    return Evaluator(profile, load_hardware("h100"))
+
+
+def test_the_profile_finds_the_blocks_and_the_three_structures(profile):
+    assert profile.kinds == ["block0"] * 4 and set(profile.structures) == {"tp1", "tp", "sp"}
+    assert profile.batch == 4 and profile.parameters == sum(
+        p.numel() for p in load_model_file(MODEL).make_model().parameters())
+
+
+def test_forward_flops_are_torch_flop_counters(h100):
+    """The same model with attention written as matmuls (eager), counted by torch.utils.flop_counter."""
+    import samples.llama as llama  # noqa: F401  (the sample's config)
+    from transformers import LlamaForCausalLM
+
+    config = llama.config()
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, 256, (1, 16)), use_cache=False)
+    assert model_flops(h100, 16) == counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, 256, (1, 32)), use_cache=False)
+    assert model_flops(h100, 32) == counter.get_total_flops()  # symbolic in S: attention grows as S**2
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=2, microbatches=4), Layout(dp=2, zero=1), Layout(tp=2, recompute="full")])
+def test_the_memory_is_the_plans_verdict(h100, layout):
+    setting = Setting(16, 4, 8)
+    pred = predict(h100, layout, setting)
+    report = plan_costs(MODEL, layout)
+    planned = [row["peak"].value for row in report.ranks]
+    assert pred.peaks == pytest.approx(planned, rel=0.02)
+
+
+def test_each_term_moves_as_its_layout_says(h100):
+    setting = Setting(2048, 8, 8)  # long enough that FLOPs, not kernel launches, make the step
+    one = predict(h100, Layout(), setting)
+    assert one.exposed == {"tp": 0.0, "cp": 0.0, "ep": 0.0, "dp": 0.0} and one.bubble == 0.0
+    tp = predict(h100, Layout(tp=2), setting)
+    assert tp.exposed["tp"] > 0 and tp.terms["compute"] < one.terms["compute"]
+    dp = predict(h100, Layout(dp=2), setting)
+    # half the rows each; at hidden 64 the weights' bytes and kernel launches do not halve with them
+    assert dp.exposed["dp"] > 0 and one.terms["compute"] / 2 <= dp.terms["compute"] < one.terms["compute"]
+    pp = [predict(h100, Layout(pp=2, microbatches=m), setting) for m in (2, 8)]
+    assert pp[0].bubble > pp[1].bubble > 0
+    full = predict(h100, Layout(recompute="full"), setting)
+    assert full.terms["recompute"] > 0 and full.step > one.step and full.peak < one.peak
+    for p in (one, tp, dp, *pp, full):  # throughput and MFU are the step's, per device
+        world = p.layout.world_size
+        assert p.tokens_per_s == pytest.approx(8 * 2048 / p.step / world)
+        assert 0 < p.mfu < 1
+
+
+def test_across_nodes_a_group_is_slower(h100):
+    setting = Setting(16, 8, 8)
+    one_node = predict(h100, Layout(dp=8), setting)
+    two_nodes = predict(h100, Layout(dp=8), dataclasses.replace(setting, gpus_per_node=4))
+    assert two_nodes.exposed["dp"] > one_node.exposed["dp"]
+
+
+def test_search_ranks_fitting_layouts_of_the_devices_and_its_winner_compiles(profile, tmp_path):
+    from fxshard.driver import compile as compile_
+
+    result = search(profile, load_hardware("cpu-gloo"), 4, Setting(16, 4, 4), top=5)
+    assert result.considered >= result.fitting >= len(result.ranked) > 1
+    steps = [p.step for p in result.ranked]
+    assert steps == sorted(steps)
+    for p in result.ranked:
+        assert p.layout.world_size == 4 and p.fits
+    assert explain(result.ranked[0], result.ranked[0]) == "best" and explain(result.ranked[0], result.ranked[1])
+    best = result.ranked[0]
+    command = compile_command(MODEL, best)
+    assert command.startswith(f"fxshard compile {MODEL}") and "--out out/auto" in command
+    compile_(MODEL, best.layout, out=tmp_path / "out", meta=True)
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())
+
+
+def test_a_device_count_nothing_divides_is_refused_with_counts_that_do(profile):
+    with pytest.raises(LayoutError) as e:  # 7: no tp (heads 8), no pp (4 blocks), no dp (batch 4)
+        search(profile, load_hardware("h100"), 7, Setting(16, 4, 8))
+    assert "--gpus 7" in str(e.value) and "use --gpus in" in str(e.value)
+
+
+def test_a_model_that_fits_no_layout_gets_its_smallest_overshoot_and_the_fixes(profile, tmp_path):
+    small = json.loads((load_hardware("h100").path and open(load_hardware("h100").path).read()))
+    small["memory"] = 600_000  # bytes: below every layout of 2 devices, not of 8
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(small))
+    with pytest.raises(LayoutError) as e:
+        search(profile, load_hardware(path), 2, Setting(16, 8, 8))
+    text = str(e.value)
+    assert "no layout of 2 devices fits" in text and "over" in text and "recompute full" in text
+    assert "--gpus" in text or "--seq" in text
