@@ -33,8 +33,9 @@ LAYOUTS = [
 ]
 
 
-def run(work: Path, quick: bool = False, profile: Path | None = None) -> dict:
-    """Calibrate (unless ``profile`` names one), predict and measure every layout; the table's rows and summary."""
+def run(work: Path, quick: bool = False, profile: Path | None = None, quick_calibrate: bool = True) -> dict:
+    """Calibrate (unless ``profile`` names one; ``quick_calibrate``: fewer sizes, a minute rather than six on this
+    shared machine), predict and measure every layout; the table's rows and summary."""
     from fxshard.driver import compile as compile_
     from fxshard.tools.hardware import load_hardware
     from fxshard.tools.profile import model_profile
@@ -45,7 +46,7 @@ def run(work: Path, quick: bool = False, profile: Path | None = None) -> dict:
     if profile is None:
         profile = work / "calibrated.json"
         subprocess.run([sys.executable, "-m", "fxshard.cli.app", "calibrate", "--procs", str(WORLD), "--out",
-                        str(profile)] + (["--quick"] if quick else []), check=True, capture_output=True)
+                        str(profile)] + (["--quick"] if quick or quick_calibrate else []), check=True, capture_output=True)
     hw = load_hardware(profile)
     calibrated = time.perf_counter() - started
     ev = Evaluator(model_profile(MODEL, dtype="fp32"), hw, "fp32")

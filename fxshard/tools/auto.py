@@ -24,7 +24,8 @@ from fxshard.tools.auto_options import AutoOptions
 from fxshard.tools.hardware import Hardware, load_hardware
 
 # the layout flags --auto chooses itself; the others (--dtype, --overlap) it takes as given
-CHOSEN = ("tp", "pp", "dp", "zero", "schedule", "microbatches", "virtual_stages", "recompute", "sp", "ep")
+CHOSEN = ("tp", "pp", "dp", "zero", "schedule", "microbatches", "virtual_stages", "recompute", "sp", "ep", "cp",
+          "cp_mode")
 
 
 @dataclass
