@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "samples" / "llama.py"
 PADDED = ROOT / "tests" / "models" / "llama_padded.py"
 GPT2 = ROOT / "samples" / "gpt2.py"
+BERT = ROOT / "tests" / "models" / "bert_mlm.py"  # bidirectional: contiguous parts, no load balance
+PACKED = ROOT / "tests" / "models" / "llama_packed_docs.py"  # documents masked apart by restarting position ids
 STEPS = 3
 REL = 1e-5
 BF16_REL = 2e-2  # as tests/test_training_layouts.py: bf16 losses are rounded to 8 significant bits
@@ -42,13 +44,18 @@ CASES = {  # id -> (model file, layout)
     "llama-cp2-recompute-selective": (LLAMA, Layout(cp=2, recompute="selective")),
     "llama-cp2-bf16": (LLAMA, Layout(cp=2, dtype="bf16")),
     "gpt2-cp2": (GPT2, Layout(cp=2)),  # absolute position embeddings, Conv1D (addmm over flattened tokens)
+    "bert-mlm-cp2": (BERT, Layout(cp=2)),
+    "packed-llama-cp2": (PACKED, Layout(cp=2)),
     # ring: K/V blocks passed around the cp ring, partial results merged by their log-sum-exp
     "llama-cp2-ring": (LLAMA, Layout(cp=2, cp_mode="ring")),
     "llama-padded-cp2-ring": (PADDED, Layout(cp=2, cp_mode="ring")),
     "llama-padded-cp2-tp2-ring": (PADDED, Layout(cp=2, tp=2, cp_mode="ring")),
+    "bert-mlm-cp2-ring": (BERT, Layout(cp=2, cp_mode="ring")),
+    "packed-llama-cp2-ring": (PACKED, Layout(cp=2, cp_mode="ring")),
     # a2a (Ulysses): all-to-alls from a sequence split to a head split around attention
     "llama-cp2-a2a": (LLAMA, Layout(cp=2, cp_mode="a2a")),
     "llama-padded-cp2-tp2-a2a": (PADDED, Layout(cp=2, tp=2, cp_mode="a2a")),
+    "bert-mlm-cp2-a2a": (BERT, Layout(cp=2, cp_mode="a2a")),
 }
 
 
