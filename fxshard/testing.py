@@ -55,7 +55,9 @@ def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend
     try:
         if backend == "nccl":
             _use_gpu(rank, world)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        # 180 s: on a loaded 2-core machine a rank's torch import alone has taken over 60 s (the store then failed
+        # with "3/4 clients joined"); spawn's own timeout still bounds a broken run
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=180))
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
