@@ -385,7 +385,7 @@ def _pipeline_info(gm: fx.GraphModule, ctx: CompileContext) -> PipelineInfo | No
         return None
     state = ctx.program.state_by_name()
     tied = tuple(TiedWeight(f"tied:{state[p.name].fqn}", state[p.name].fqn, tuple(holders))
-                 for p, holders in tied_weights(gm, pipeline_stages(gm, ctx), ctx.params))
+                 for p, holders in tied_weights(gm, pipeline_stages(gm, ctx), ctx.trainable))
     # the cut's table rows are dicts (passes/pipeline.py): typed here, at the manifest's boundary
     return PipelineInfo(stages=ctx.layout.num_stages, stages_per_rank=ctx.layout.stages_per_rank,
                         microbatches=ctx.microbatches, batch=ctx.batch, cut=cut.source,

@@ -52,7 +52,7 @@ GROUP = Group(TP)
 @contract(requires=(PLACED,), ensures=(COMMUNICATED,))
 def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     tp = ctx.layout.tp
-    grad = requires_grad(gm, ctx.params)
+    grad = requires_grad(gm, ctx.trainable)
     made: dict[tuple, fx.Node] = {}
     scattered = _token_splits(gm) if ctx.layout.sp else None
     for node in list(gm.graph.nodes):

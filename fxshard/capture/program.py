@@ -42,6 +42,9 @@ class StateSpec:
     fqn: str  # the tensor's name in the user's model state
     kind: str  # "parameter" | "buffer" | "constant"
     persistent: bool = True
+    # a parameter with requires_grad=False (a frozen embedding, a LoRA base): held, loaded, saved and split like any
+    # other, but it gets no gradient, no optimizer state and no update at any layout
+    trainable: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,11 +157,13 @@ def _to_program(ep, model, args, kwargs) -> Program:
     leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
     user_inputs = iter(leaves)
     kinds = {"PARAMETER": "parameter", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant"}
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     for spec in ep.graph_signature.input_specs:
         kind = spec.kind.name
         if kind in kinds:
             fqn = spec.target[len(prefix):] if spec.target.startswith(prefix) else spec.target
-            state.append(StateSpec(spec.arg.name, fqn, kinds[kind], fqn not in non_persistent))
+            state.append(StateSpec(spec.arg.name, fqn, kinds[kind], fqn not in non_persistent,
+                                   trainable=kinds[kind] != "parameter" or fqn not in frozen))
         elif kind == "USER_INPUT":
             path, leaf = next(user_inputs)
             is_tensor = isinstance(leaf, torch.Tensor)

@@ -164,7 +164,7 @@ def _stage_classes(gm: fx.GraphModule, stages: list[Body], ctx: CompileContext, 
     """``Stage{s}`` for each pipeline stage the rank holds; returns the body of ``sync_tied_grads``."""
     layout = ctx.layout
     S = layout.num_stages
-    grad = requires_grad(gm, ctx.params)
+    grad = requires_grad(gm, ctx.trainable)
     stage_attrs: dict[int, dict[str, str]] = {}  # stage -> attribute -> placeholder name
     for body in (b for b in stages if b.stage in layout.stages_of(coords[PP])):
         s, st = body.stage, body.pipeline_stage
@@ -185,7 +185,7 @@ def _stage_classes(gm: fx.GraphModule, stages: list[Body], ctx: CompileContext, 
         stage_attrs[s] = attrs
         out.attrs |= {f"{name}.{key}": ph for key, ph in attrs.items()}
         out.stages.append({"index": s, "class": name, "inputs": in_meta, "outputs": out_meta})
-    tied = tied_weights(gm, [b.pipeline_stage for b in stages], ctx.params)
+    tied = tied_weights(gm, [b.pipeline_stage for b in stages], ctx.trainable)
     return tied_lines(tied, ctx, coords, ctx.program.state_by_name(), stage_attrs)
 
 

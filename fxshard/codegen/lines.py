@@ -222,7 +222,8 @@ def state_line(attr: str, s, node: fx.Node, tp: int, relative_to: str = "", ep: 
     if ep > 1:  # the experts of this ep rank: val holds the local shape
         where = f"# {fqn}  S(0) on ep  global {[val.shape[0] * ep, *val.shape[1:]]}"
     if s.kind == "parameter":
-        return f"self.{attr} = torch.nn.Parameter({empty})  {where}"
+        frozen = "" if s.trainable else ", requires_grad=False"  # no gradient, no optimizer state, no update
+        return f"self.{attr} = torch.nn.Parameter({empty}{frozen})  {where}" + ("" if s.trainable else "  frozen")
     persistent = "" if s.persistent else ", persistent=False"
     return f'self.register_buffer("{attr}", {empty}{persistent})  {where}'
 

@@ -2,7 +2,7 @@
 ``INPUTS`` / ``OUTPUTS`` the schedule allocates by), the names of the values that cross stages, and
 ``sync_tied_grads`` for the weights several stages hold::
 
-    comments, inputs, outputs = io_comments(st, requires_grad(gm, ctx.params), ctx, coords)
+    comments, inputs, outputs = io_comments(st, requires_grad(gm, ctx.trainable), ctx, coords)
 """
 
 from __future__ import annotations

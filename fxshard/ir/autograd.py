@@ -27,7 +27,7 @@ def is_differentiable(node: fx.Node) -> bool:
 def requires_grad(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:
     """The parameters and every differentiable result computed from them: what carries a gradient back::
 
-        grad = requires_grad(gm, ctx.params)
+        grad = requires_grad(gm, ctx.trainable)
         if value in grad: ...  # its consumer's backward sends a gradient to it
     """
     tracked = set(params)

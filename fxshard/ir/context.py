@@ -58,6 +58,16 @@ class CompileContext:
     sequence: SequenceDims | None = None  # under --cp: each captured value's sequence dimensions (fxshard.ir.sequence)
 
     @property
+    def trainable(self) -> set[fx.Node]:
+        """The parameters that train (``requires_grad``): what gradients flow back to.  A frozen parameter is in
+        :attr:`params` (split, loaded and saved as any) and not here::
+
+            grad = requires_grad(gm, ctx.trainable)
+        """
+        state = self.program.state_by_name()
+        return {n for n in self.params if state[n.name].trainable}
+
+    @property
     def plan_summary(self) -> list[str]:
         return compress_plan(self.plan.describe())
 

@@ -90,6 +90,8 @@ def make_optimizer(params, config, zero: int, dp_group, masters=None, names=None
         from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
         return MasterWeightAdamW(params, masters, config, decayed)
+    if not params:  # a rank with nothing to train (a pipeline stage holding no experts under --ep, or only frozen ones)
+        return config.make([torch.zeros(1, requires_grad=True)])
     return config.make(params, decayed)
 
 

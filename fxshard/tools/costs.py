@@ -551,7 +551,7 @@ def _pipeline_elements(gm, stages, numel, ctx, m: int, layout: Layout) -> sympy.
     """Elements this rank sends per step: activations forward and their gradients backward, per boundary."""
     if ctx.pipeline is None:
         return sympy.Integer(0)
-    grad = requires_grad(gm, ctx.params)
+    grad = requires_grad(gm, ctx.trainable)
     total = sympy.Integer(0)
     for st in stages:
         if st.index < layout.num_stages - 1:  # forward: every output; backward: gradients of the received inputs

@@ -77,7 +77,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
     ``at``: where to evaluate to pick the largest value; ``units``: the repeated blocks among ``nodes`` (first
     node -> :class:`~fxshard.ir.blocks.BlockUnit`), run as ``recompute_mode`` has the generated code run them."""
     state = set(ctx.program.state_by_name())
-    grad_inputs = requires_grad(nodes[0].graph.owning_module, ctx.params) if nodes else set()
+    grad_inputs = requires_grad(nodes[0].graph.owning_module, ctx.trainable) if nodes else set()
     env, producer, saved, running = {}, {}, [], [None, None]  # running: the node and the block being run
     units = units or {}
 
@@ -96,7 +96,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
 
     def ensure(a):  # a stage input, parameter or buffer: made when first read
         if a not in env:
-            env[a] = _leaf(a, local, a in ctx.params or a in grad_inputs)
+            env[a] = _leaf(a, local, a in ctx.trainable or a in grad_inputs)
             _own(producer, env[a], a)
 
     def run(node):

@@ -186,6 +186,8 @@ def _optimizer_view(opt):
         index = {id(p): i for i, p in enumerate(opt.params)}
 
         def view(p):
+            if id(p) not in index:  # frozen: no master, no state; its value saved in fp32 as the masters are
+                return p.detach().float(), None, None
             m = opt.masters[index[id(p)]]
             return m, opt.optim.state.get(m), None
         return view
@@ -421,7 +423,7 @@ def load_trained(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp
                                           f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
                 owner, group = parts[t.axis]
                 _give_value(owner, p, value)
-                if reader.has_state(t.source):
+                if p.requires_grad and reader.has_state(t.source):  # frozen: no optimizer state to give
                     _give_state(owner, group, p, {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS})
 
 
@@ -430,7 +432,9 @@ def _give_value(opt, p, value: torch.Tensor) -> None:
     from fxshard.runtime.distributed_optimizer import DistributedOptimizer
     from fxshard.runtime.mixed_precision import MasterWeightAdamW
 
-    if isinstance(opt, DistributedOptimizer):
+    if not p.requires_grad and not hasattr(p, "to_local"):  # frozen: no optimizer holds it
+        p.copy_(value)
+    elif isinstance(opt, DistributedOptimizer):
         opt.load_value(p, value)  # the bucket's view, and this rank's part of the fp32 master shard
     elif hasattr(p, "to_local"):  # FSDP2: this dp rank's shard (fp32 under mixed precision: the master)
         from torch.distributed.tensor import distribute_tensor

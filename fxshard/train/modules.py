@@ -61,7 +61,7 @@ def build_rank(code, out: Path, manifest: Manifest, entry: RankEntry, groups: di
         module = code.RankModule(groups, device)
         module.return_outputs = False  # training needs the loss alone
         runner = _prepare(code, module, out / entry.weights, "", layout, dp_mesh, masters, entry, compile)
-        rank = RankModules(list(runner.parameters()), _plain_step(runner), _plain_eval(runner), {"": module}, None,
+        rank = RankModules(trained_parameters(runner), _plain_step(runner), _plain_eval(runner), {"": module}, None,
                            masters, 1)
     else:
         rank = _pipeline(code, entry, manifest, layout, groups, out, device, dp_mesh, masters, compile)
@@ -133,6 +133,11 @@ def _prepare(code, module, weights: Path, prefix: str, layout, dp_mesh, masters:
     if layout.mixed:
         params = _needing_masters(module, layout, entry, prefix)
         masters.update(zip(map(id, params), split_masters(params, layout.compute_dtype), strict=True))
+        if not (layout.replicas > 1 and layout.zero >= 2):  # FSDP2 gathers its shards in the compute dtype itself
+            with torch.no_grad():  # frozen: the compute dtype, as one device's recipe, and no master
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(layout.compute_dtype)
     if compile:
         from fxshard.runtime.compiled import compile_module
 
@@ -145,8 +150,15 @@ def _needing_masters(module, layout, entry: RankEntry | None, prefix: str) -> li
     whose fp32 shards are the masters) those it manages; the experts of an expert-parallel layer, which it leaves
     alone, still need theirs."""
     if not (layout.replicas > 1 and layout.zero >= 2):
-        return list(module.parameters())
-    return [p for name, p in module.named_parameters() if entry is not None and entry.tensors[prefix + name].axis == EP]
+        return trained_parameters(module)
+    return [p for name, p in module.named_parameters()
+            if p.requires_grad and entry is not None and entry.tensors[prefix + name].axis == EP]
+
+
+def trained_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: a frozen one (``requires_grad=False`` in the model, generated so) gets no
+    gradient, no optimizer state and no master copy at any layout or ZeRO stage; it is still loaded and saved."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _masters_of(params: list, masters: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
@@ -200,7 +212,7 @@ def _plain_eval(module):
 def expert_parameters(held: dict[str, torch.nn.Module], entry: RankEntry) -> list[torch.nn.Parameter]:
     """The parameters the manifest records split over ep (this rank's experts), in module order."""
     return [p for prefix, module in held.items() for name, p in module.named_parameters()
-            if entry.tensors[prefix + name].axis == EP]
+            if p.requires_grad and entry.tensors[prefix + name].axis == EP]
 
 
 def _check_experts_left_alone(held: dict[str, torch.nn.Module], entry: RankEntry, layout: Layout) -> None:
@@ -256,7 +268,7 @@ def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, 
     schedule = make_schedule(layout.schedule, stages, microbatches)
     coords = layout.coords(dist.get_rank())
     last = layout.rank_of(coords.replace(pp=layout.stage_rank(layout.num_stages - 1)))
-    params = [p for m in runners.values() for p in m.parameters()]  # stages never share a Parameter object
+    params = [p for m in runners.values() for p in trained_parameters(m)]  # stages never share a Parameter object
 
     def run(leaves, train: bool) -> float:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
