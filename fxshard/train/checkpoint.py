@@ -54,11 +54,15 @@ class CheckpointError(FxshardError):
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """``fxshard run --checkpoint DIR --save-every K [--resume]``."""
+    """``fxshard run --checkpoint DIR --save-every K [--resume | --overwrite] [--keep-last N]
+    [--allow-changed-model]``."""
 
     folder: Path
     save_every: int = 0
     resume: bool = False
+    overwrite: bool = False
+    keep_last: int = 0
+    allow_changed_model: bool = False
 
 
 def _key(fqn: str, kind: str, sl: SliceSpec) -> str:
@@ -125,6 +129,45 @@ def check_checkpoint(path: str | Path, say=None) -> Path:
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_earlier(Path(path), folder)}") from e.__cause__
     return folder
+
+
+def check_new_run(config: CheckpointConfig) -> None:
+    """A run without ``--resume`` into a folder that holds an earlier run's checkpoints would overwrite its steps and
+    move ``latest`` back: refused, unless ``--overwrite`` says to replace them."""
+    folder = Path(config.folder)
+    if config.resume or config.overwrite or not folder.is_dir():
+        return
+    steps = _complete_steps(folder)
+    if not steps and not (folder / LATEST).exists():
+        return
+    newest = f"newest {steps[-1].name}" if steps else f"{LATEST} but no complete step"
+    raise CheckpointError(f"--checkpoint {folder}: holds an earlier run's checkpoints ({len(steps)} step"
+                          f"{'s' * (len(steps) != 1)}, {newest}), which a new run would overwrite, moving "
+                          f"{LATEST} back; continue that run with --resume, choose another --checkpoint folder, or "
+                          "pass --overwrite to start over (its steps are deleted when this run saves its first)")
+
+
+RESTORED_SCHEDULE = ("lr", "lr_schedule", "warmup_steps", "min_lr", "decay_steps")  # the scheduler's saved state
+
+
+def check_resumable(reader: CheckpointReader, manifest: Manifest, out: Path, steps: int, optim_config,
+                    allow_changed_model: bool = False) -> None:
+    """Before launch, what a resumed run would refuse after it: a checkpoint of another model (its digest, unless
+    ``allow_changed_model``, and its parameters' names and shapes in any case), ``--steps`` at or below its step,
+    and a learning-rate schedule other than the one whose state it saved (a resumed run takes the saved state)."""
+    from dataclasses import asdict
+
+    reader.check_model(manifest, out, allow_changed_model)
+    if reader.step >= steps:
+        raise CheckpointError(f"{reader.path} is at step {reader.step}; --steps {steps} leaves nothing to run "
+                              f"(--steps counts from the start: pass more than {reader.step})")
+    saved, given = reader.index.get("optimizer") or {}, asdict(optim_config)
+    changed = [f"--{k.replace('_', '-')} {given[k]} (saved: {saved[k]})" for k in RESTORED_SCHEDULE
+               if k in saved and saved[k] != given[k]]
+    if changed and (reader.index.get("trainer") or {}).get("scheduler") is not None:
+        raise CheckpointError(f"{reader.path}: resumed with {', '.join(changed)}; the checkpoint's learning-rate "
+                              "schedule continues as it was saved, so the run would not be what these options say. "
+                              "Resume with the saved values, or start a new run (another --checkpoint folder)")
 
 
 def _earlier(path: Path, damaged: Path) -> str:
@@ -223,22 +266,27 @@ def _gathered(p, value, state, owner, dp_group) -> dict[str, torch.Tensor] | Non
 
 
 def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankEntry, opt, manifest: Manifest,
-                    coords: dict, dp_group, optim_config, edp_group=None, trainer: dict | None = None) -> Path | None:
+                    coords: dict, dp_group, optim_config, edp_group=None, trainer: dict | None = None,
+                    keep_last: int = 0, replace: bool = False) -> Path | None:
     """Save this rank's part of a checkpoint at ``step`` (collective over all ranks); rank 0 returns its path.
     ``trainer`` (rank 0's, JSON): where training is beyond the tensors (batches trained, the LR scheduler's state, the
-    data position), kept in the index as ``"trainer"``.
+    data position), kept in the index as ``"trainer"``.  Once the step is complete, ``keep_last`` and ``replace``
+    delete older steps (:func:`_prune`).
 
     Each distinct slice is written once: the dense tensors by dp rank 0, and under --ep each ep rank's experts
     (its E/ep of the stacked expert weights, a dim-0 slice) by the first rank of its edp group (dp coordinate
-    ``d < ep``), into that ep rank's file, so the global tensor is the concatenation of the ep slices."""
+    ``d < ep``), into that ep rank's file, so the global tensor is the concatenation of the ep slices.
+
+    A write that fails (a folder made unwritable, a full disk) fails the save on every rank alike, with a
+    :class:`CheckpointError` naming the rank and the path: the ranks agree after each stage of the save, so none
+    waits for one that stopped, and ``latest`` keeps naming the last complete checkpoint."""
     folder = Path(folder)
     rank = dist.get_rank()
-    name = [f"step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"]
-    dist.broadcast_object_list(name, src=0)  # one temporary folder for all ranks
-    tmp = folder / name[0]
-    if rank == 0:
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    name = f"step-{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+    made = [name, _attempt(lambda: (folder / name).mkdir(parents=True), folder / name) if rank == 0 else None]
+    dist.broadcast_object_list(made, src=0)  # one temporary folder for all ranks, or rank 0's failure to make it
+    tmp = folder / made[0]
+    _agree(step, folder, [made[1]])
     views = {axis: (_optimizer_view(o), group) for axis, (o, group) in _optimizers(opt, dp_group, edp_group).items()}
     tensors = {}
     for prefix, module in held.items():
@@ -249,19 +297,52 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
             if got is not None:
                 tensors |= {_key(t.source, k, t.slice): v.detach().cpu().contiguous() for k, v in got.items()}
     layout = manifest.layout
+    failed = None
     if coords["dp"] < layout.ep:  # dp rank 0; under --ep the first rank of each edp group
         from safetensors.torch import save_file
 
         shard = tmp / _shard_name(coords, layout.ep_rank(coords["dp"]) if layout.ep > 1 else None)
-        save_file(tensors, str(shard))
-        _fsync(shard)  # on disk before the index says the checkpoint is complete
+        # on disk before the index says the checkpoint is complete
+        failed = _attempt(lambda: (save_file(tensors, str(shard)), _fsync(shard)), shard)
     if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
         os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
-    dist.barrier()
+    _agree(step, folder, _gather(failed), tmp)
+    committed = None
     if rank == 0:
-        _commit(folder, tmp, step, Path(out), manifest, optim_config, trainer)
-    dist.barrier()
+        committed = _attempt(lambda: _commit(folder, tmp, step, Path(out), manifest, optim_config, trainer), folder)
+    _agree(step, folder, _gather(committed), tmp)
+    if rank == 0:
+        _prune(folder, folder / f"step-{step:08d}", keep_last, replace)
     return folder / f"step-{step:08d}" if rank == 0 else None
+
+
+def _attempt(write, path: Path) -> str | None:
+    """Run ``write``; None, or what failed: this rank, the path, the system's reason."""
+    try:
+        write()
+    except OSError as e:
+        where = e.filename or path
+        return f"rank {dist.get_rank()} could not write {where} ({e.strerror or e})"
+    return None
+
+
+def _gather(failed: str | None) -> list:
+    """Every rank's ``failed``, on every rank (a barrier that carries each rank's outcome)."""
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, failed)
+    return found
+
+
+def _agree(step: int, folder: Path, failures: list, tmp: Path | None = None) -> None:
+    """Raise the same :class:`CheckpointError` on every rank when any rank's part of the save failed."""
+    failures = [f for f in failures if f]
+    if not failures:
+        return
+    if tmp is not None and dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save: never loaded; dropped where it can be
+    raise CheckpointError(f"the checkpoint of step {step} could not be saved: {'; '.join(failures)}. The run stops; "
+                          f"{folder / LATEST} still names the last complete checkpoint. Make {folder} writable (or "
+                          "free space), then continue with --resume, or save to another --checkpoint folder")
 
 
 def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config, trainer=None) -> None:
@@ -287,7 +368,7 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
     _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     final = folder / f"step-{step:08d}"
     old = None
-    if final.exists():  # saving a step again (a rerun without --resume): swap, then drop the old one
+    if final.exists():  # saving a step again (--overwrite, or resumed before it): swap, then drop the old one
         old = final.rename(folder / f"{final.name}.old-{uuid.uuid4().hex[:8]}")
     tmp.rename(final)
     _write_atomic(folder / LATEST, final.name + "\n")
@@ -296,6 +377,29 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
     for stale in folder.glob("step-*.tmp-*"):  # partial saves of killed runs: never loaded, now dropped
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _prune(folder: Path, final: Path, keep_last: int, replace: bool) -> None:
+    """Rank 0, once ``final`` is complete and ``latest`` names it: with ``replace`` (``--overwrite``'s first save)
+    delete every other complete step (an earlier run's), and with ``keep_last`` all but the newest N.  Only complete
+    steps are deleted, never ``final``; a step is renamed out of the ``step-*`` names first, so a deletion cut short
+    leaves no step that looks complete.  (A step being written is a ``.tmp-`` folder of the run holding the lock.)"""
+    others = [p for p in _complete_steps(folder) if p != final]
+    if replace:
+        drop = others
+    elif keep_last:
+        drop = others[:max(0, len(others) + 1 - keep_last)]  # by step number: the newest N include final
+    else:
+        return
+    for step in drop:
+        try:
+            gone = step.rename(folder / f"{step.name}.old-{uuid.uuid4().hex[:8]}")
+        except OSError as e:  # the save is complete: a step that stays is no reason to stop training
+            from fxshard.errors import warn
+
+            warn(f"{step}: could not be deleted ({e.strerror or e}); it stays")
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 def _fsync(path: Path) -> None:
@@ -384,8 +488,16 @@ class CheckpointReader:
                         rec["global_shape"])
         return take(full, sl).contiguous()
 
-    def check_model(self, manifest: Manifest, out: Path) -> None:
-        """Raise unless ``manifest``'s parameters (sources and global shapes) are all in this checkpoint."""
+    def check_model(self, manifest: Manifest, out: Path, allow_changed: bool = False) -> None:
+        """Raise unless this checkpoint was saved from the model ``manifest`` compiles (the model file's digest;
+        ``allow_changed``: any model) and ``manifest``'s parameters (sources and global shapes) are all in it."""
+        saved = self.index.get("model_digest")
+        if not allow_changed and saved and manifest.model_digest and saved != manifest.model_digest:
+            raise CheckpointError(
+                f"{self.path}: saved from another model file ({self.index.get('model_name')}, digest {saved}) than "
+                f"{out} was compiled from ({manifest.model_name}, digest {manifest.model_digest}): the model changed "
+                "since the checkpoint, even if its parameters still fit (an activation, a norm, a constant). Resume "
+                "with the model it was trained from, or pass --allow-changed-model to continue it with this one")
         want = {t.source: list(t.global_shape) for e in manifest.ranks for t in e.tensors.values()
                 if t.kind == "parameter"}
         want = {self.canonical(f): shape for f, shape in want.items()}

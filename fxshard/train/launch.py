@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fxshard.errors import FxshardError
 from fxshard.runtime import trace
 from fxshard.runtime.dp_trace import traced_fsdp
 from fxshard.train.memory import MemoryProbe
@@ -52,11 +50,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
         state = {} if options.final_state is not None else None
         losses = train(out, options, device=device, log=log, memory=memory, final_state=state)
         if state is not None:  # every rank's trained tensors, for fxshard verify
-            from safetensors.torch import save_file
-
-            Path(options.final_state).mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()},
-                      str(Path(options.final_state) / f"rank{rank}.safetensors"))
+            write_final_state(Path(options.final_state), rank, state)
         rows = None
         if memory_report is not None:
             from fxshard.train.memory import report_rows
@@ -99,6 +93,10 @@ def train(out: Path, options: RunOptions, *, device: torch.device | None = None,
     """
     checkpoint = options.checkpoint_config()
     locked = contextlib.nullcontext()
+    if checkpoint is not None:
+        from fxshard.train.checkpoint import check_new_run
+
+        check_new_run(checkpoint)  # on every rank, before any saves: an earlier run's steps are not overwritten
     if checkpoint is not None and dist.get_rank() == 0:
         from fxshard.train.supervise import checkpoint_lock
 
@@ -115,6 +113,32 @@ def train(out: Path, options: RunOptions, *, device: torch.device | None = None,
             return _Loop(program, options, data, log).run(final_state, memory)
         finally:
             data.close()
+
+
+def write_final_state(folder: Path, rank: int, state: dict) -> Path:
+    """``--final-state DIR``: this rank's trained tensors as ``DIR/rank<R>.safetensors``, written through
+    :mod:`fxshard.files` (a new file renamed onto the name: a link planted there during the run is refused, never
+    written through)."""
+    from safetensors.torch import save
+
+    from fxshard.files import write_bytes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_bytes(folder / f"rank{rank}.safetensors", save({k: v.contiguous() for k, v in state.items()}),
+                       "a rank's trained tensors")
+
+
+def open_metrics(path: Path, append: bool):
+    """``--metrics FILE`` for rank 0's lines: opened without following a link (one planted during the run is
+    refused by name; a hard link too), emptied unless ``append`` (a resumed run continues its run's file)."""
+    import os
+
+    from fxshard.files import open_no_follow
+
+    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644, "the run's metrics")
+    if not append:
+        os.ftruncate(fd, 0)  # after the checks: never a file the name only led to
+    return os.fdopen(fd, "a")
 
 
 def open_stream(program: Program, split: str, state: dict | None = None):
@@ -139,6 +163,7 @@ class _Loop:
         self.checkpoint = options.checkpoint_config()
         self.rank = dist.get_rank()
         self.progress = self.sink = self.tokens = None
+        self.saved = False  # whether this run saved a checkpoint yet (--overwrite replaces the folder's at the first)
 
     def run(self, final_state: dict | None, memory: dict | None) -> list[float]:
         program, options = self.program, self.options
@@ -154,7 +179,7 @@ class _Loop:
             self.progress = StepProgress(options.steps, first, self.tokens, self.log,
                                          terminal=None if self.log is print else False)
             if options.metrics is not None:  # a resumed run appends to the metrics of the run it continues
-                self.sink = open(options.metrics, "a" if first > 1 else "w")  # noqa: SIM115
+                self.sink = open_metrics(options.metrics, append=first > 1)
         losses = []
         try:
             for step in range(first, options.steps + 1):
@@ -182,13 +207,10 @@ class _Loop:
         """One optimizer step over ``--grad-accum`` batches of the stream; its loss and learning rate."""
         program = self.program
         loss = program.train_step(*[next(self.data) for _ in range(self.options.optim.grad_accum)])
-        if not math.isfinite(loss):  # every rank has the same step loss: all stop here, before any update
-            program.wait_for_parameters()
-            raise FxshardError(f"step {step}: the loss is {loss}; training stops at the first non-finite loss "
-                               "(check the weights and inputs for inf/nan, or lower --lr)")
         lr = program.optimizer.param_groups[0]["lr"]
-        program.optimizer.step()
-        self.scheduler.step()
+        program.optimizer.step()  # a non-finite loss or gradient norm: stops on every rank, or skips the update
+        if not program.last_step_skipped:
+            self.scheduler.step()  # a skipped step leaves the schedule where it is
         program.optimizer.zero_grad()
         return loss, lr
 
@@ -198,6 +220,11 @@ class _Loop:
         if progress is not None and options.compile and step == self.first:
             self._compile_note(step, seconds)
         record = {"step": step, "loss": loss, "lr": lr, "seconds": round(seconds, 6), "tokens": self.tokens}
+        if self.program.last_step_skipped:
+            record["skipped"] = True
+            if progress is not None:
+                progress.print(f"step {step}: skipped, {self.program.skipped_what} (--on-nonfinite skip): no update; "
+                               f"{self.program.skipped} step{'s' * (self.program.skipped != 1)} skipped so far")
         if options.eval_every and step % options.eval_every == 0:
             record["eval_loss"] = evaluate(self.program, options.eval_batches)
         if progress is not None:
@@ -209,7 +236,10 @@ class _Loop:
                 self.sink.write(json.dumps(record) + "\n")
                 self.sink.flush()
         if self.checkpoint is not None and self.checkpoint.save_every and step % self.checkpoint.save_every == 0:
-            saved = self.program.save(self.checkpoint.folder, scheduler=self.scheduler, data=self.data)
+            saved = self.program.save(self.checkpoint.folder, scheduler=self.scheduler, data=self.data,
+                                      keep_last=self.checkpoint.keep_last,
+                                      replace=self.checkpoint.overwrite and not self.saved)
+            self.saved = True
             if saved is not None:
                 (progress.print if progress else self.log)(f"saved checkpoint {saved}")
 
@@ -225,14 +255,12 @@ class _Loop:
     def _resume(self) -> None:
         """Continue from the checkpoint: weights, optimizer, schedule and data position; a checkpoint without a data
         position (saved before fxshard recorded one) replays the stream by its step count, as fxshard did then."""
-        from fxshard.train.checkpoint import CheckpointError, CheckpointReader
+        from fxshard.train.checkpoint import CheckpointReader, check_resumable
 
         folder = self.checkpoint.folder
         reader = CheckpointReader(folder)
-        reader.check_model(self.program.manifest, self.program.out)
-        if reader.step >= self.options.steps:
-            raise CheckpointError(f"{reader.path} is at step {reader.step}; --steps {self.options.steps} leaves nothing "
-                                  f"to run (--steps counts from the start: pass more than {reader.step})")
+        check_resumable(reader, self.program.manifest, self.program.out, self.options.steps, self.options.optim,
+                        self.checkpoint.allow_changed_model)  # as before launch: under torchrun, a rank's own check
         say = self.log if self.rank == 0 else (lambda *_: None)
         state = self.program.load(folder, scheduler=self.scheduler, say=say)
         if state is not None:

@@ -45,6 +45,15 @@ class RunOptions:
                                            "newest")
     save_every: int = option(0, "save a checkpoint every K steps (with --checkpoint)")
     resume: bool = option(False, "continue from DIR/latest (saved under any layout); --steps counts from step 0")
+    overwrite: bool = option(False, "start a new run in a --checkpoint folder that holds an earlier run's "
+                                    "checkpoints: its steps are deleted when this run saves its first one")
+    keep_last: int = option(0, "keep only the newest N complete checkpoints (never the one DIR/latest names); "
+                               "0: keep all")
+    allow_changed_model: bool = option(False, "--resume a checkpoint saved from another model file (its digest "
+                                              "differs from the compiled one's) whose parameters fit this model")
+    on_nonfinite: str = option("stop", "a non-finite loss or gradient norm (checked on every rank before the "
+                                       "optimizer step): stop the run, or skip the step (no update, the schedule "
+                                       "waits)")
     check: bool = option(True, "before launching locally, run `fxshard check`'s static checks: rank files from "
                                "different compiles, or whose collectives or sends do not match, are refused "
                                "instead of hanging", launcher=True)
@@ -74,12 +83,20 @@ class RunOptions:
         from fxshard.train.checkpoint import CheckpointConfig, CheckpointError
 
         if self.checkpoint is None:
-            if self.save_every or self.resume:
-                raise CheckpointError("--save-every and --resume need --checkpoint DIR")
+            given = [flag for flag, value in (("--save-every", self.save_every), ("--resume", self.resume),
+                                              ("--overwrite", self.overwrite), ("--keep-last", self.keep_last)) if value]
+            if given:
+                raise CheckpointError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --checkpoint DIR")
             return None
         if self.save_every < 0:
             raise CheckpointError(f"--save-every {self.save_every}: expected a positive number of steps")
-        return CheckpointConfig(self.checkpoint, self.save_every, self.resume)
+        if self.keep_last < 0:
+            raise CheckpointError(f"--keep-last {self.keep_last}: expected a number of checkpoints >= 1 (0: keep all)")
+        if self.resume and self.overwrite:
+            raise CheckpointError("--resume and --overwrite: --resume continues the checkpoints in the folder, "
+                                  "--overwrite replaces them; pass one")
+        return CheckpointConfig(self.checkpoint, self.save_every, self.resume, self.overwrite, self.keep_last,
+                                self.allow_changed_model)
 
 
 def under_torchrun() -> bool:
@@ -135,6 +152,8 @@ def check_run_options(out: Path, options: RunOptions, say=print):
     if metrics is not None:
         _check_metrics(out, metrics)
     check_cpu_matmul(options.cpu_matmul)
+    if options.on_nonfinite not in NONFINITE:
+        raise OptionError(f"--on-nonfinite {options.on_nonfinite}: expected one of {', '.join(NONFINITE)}")
     if options.compile:
         check_compile(out)
         if options.memory_report:
@@ -149,13 +168,14 @@ def check_run_options(out: Path, options: RunOptions, say=print):
     _check_data(out, options, say)
     if checkpoint is not None:
         try:
-            _check_checkpoint_option(checkpoint, say)
+            _check_checkpoint_option(out, options, checkpoint, say)
         except OSError as e:
             raise OptionError(f"--checkpoint {checkpoint.folder}: cannot be written ({e.strerror}); choose a "
                               "folder you can write to") from None
     return checkpoint
 
 
+NONFINITE = ("stop", "skip")  # --on-nonfinite
 MAX_TIMEOUT = 365 * 24 * 3600  # a year: torch's stores and gloo take deadlines this far (1e10 s fails to connect)
 
 
@@ -292,20 +312,25 @@ def _refuse_generated(out: Path, metrics: Path) -> None:
                               f"overwrite; name another file, e.g. {Path(out) / 'metrics.jsonl'}")
 
 
-def _check_checkpoint_option(checkpoint, say) -> None:
+def _check_checkpoint_option(out: Path, options: RunOptions, checkpoint, say) -> None:
     from fxshard.errors import OptionError
+    from fxshard.train.checkpoint import check_new_run
 
     if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
         raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
+    check_new_run(checkpoint)  # an earlier run's checkpoints: --resume, another folder, or --overwrite
     if checkpoint.save_every:
         from fxshard.files import refuse_link
         from fxshard.train.checkpoint import LATEST
 
         refuse_link(checkpoint.folder / LATEST, "the checkpoint's latest")  # rewritten by every save
     if checkpoint.resume:
-        from fxshard.train.checkpoint import check_checkpoint
+        from fxshard.codegen.manifest import read_manifest
+        from fxshard.train.checkpoint import CheckpointReader, check_checkpoint, check_resumable
 
         check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
+        check_resumable(CheckpointReader(checkpoint.folder), read_manifest(out), out, options.steps, options.optim,
+                        checkpoint.allow_changed_model)  # another model, nothing left to run, another schedule
     if not under_torchrun():
         from fxshard.train.supervise import check_unlocked
 

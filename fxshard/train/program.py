@@ -23,9 +23,11 @@ Accelerate's ``backward`` / ``clip_grad_norm_`` / ``optimizer.step`` do it:
    under ZeRO 1 reduce-scatter the gradient buckets.  After it the gradients are what the update applies.
 3. ``clip_grad_norm_(max_norm)``: the global norm over every tp, pp, dp (and ep) shard; ``optimizer.step()`` clips to
    the program's ``clip_grad_norm`` itself unless the loop clipped this step.
-4. ``optimizer.step()``: AdamW on this rank's share (ZeRO 1: then the parameter all-gathers).  The loss is known at
-   1, before any parameter changes: that is where a loop checks it (``fxshard run`` stops at a non-finite loss
-   there, so no checkpoint ever holds a non-finite step).
+4. ``optimizer.step()``: AdamW on this rank's share (ZeRO 1: then the parameter all-gathers), unless the step's
+   loss or its global gradient norm (read at 3 on every rank, clipping or not) is not finite: then the update is
+   never applied.  ``--on-nonfinite stop`` (the default) raises :class:`NonFiniteError` on every rank, so no
+   parameter and no checkpoint ever holds a non-finite step; ``skip`` leaves the parameters and the optimizer's
+   state as they were and sets ``last_step_skipped``, as Megatron's and DeepSpeed's loss scalers skip a step.
 
 ``program.optimizer`` is a ``torch.optim.Optimizer`` whose ``param_groups`` are the layout's optimizers' own groups,
 so a scheduler that sets ``group["lr"]`` reaches every shard.  ``save``/``load`` write and read the checkpoints of
@@ -35,6 +37,7 @@ so a scheduler that sets ``group["lr"]`` reaches every shard.  ``save``/``load``
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -60,6 +63,10 @@ from fxshard.train.modules import (
 )
 from fxshard.train.optim import clip_grad_norm_
 from fxshard.train.options import RunOptions, options_with
+
+
+class NonFiniteError(FxshardError):
+    """A step's loss or gradient norm is not finite (``--on-nonfinite stop``): raised on every rank before the update."""
 
 
 def load(out: str | Path, options: RunOptions | None = None, *, device: torch.device | None = None,
@@ -89,7 +96,9 @@ def refuse_cp_checkpoints(out: Path, layout) -> None:
 class Program:
     """One rank's generated modules, data parallelism, pipeline schedule and optimizer (see the module docstring).
 
-    ``step_count``: optimizer steps taken (a loaded checkpoint's step after :meth:`load`)."""
+    ``step_count``: optimizer steps taken, skipped ones included (a loaded checkpoint's step after :meth:`load`);
+    ``last_step_skipped``: whether the last ``optimizer.step()`` skipped its update (``--on-nonfinite skip``: then a
+    loop leaves its LR scheduler where it is, as Megatron does)."""
 
     def __init__(self, out: Path, options: RunOptions, device: torch.device):
         self.out, self.options, self.device = Path(out), options, device
@@ -120,6 +129,10 @@ class Program:
         self._batches = 0  # batches trained since the start of training: they number the dropout masks
         self._accumulated = 0  # batches whose gradients wait for the optimizer step
         self._finished = self._clipped = False
+        self._loss = self._norm = 0.0  # this step's loss (train_step's, summed) and gradient norm
+        self.skipped = 0  # steps whose update a non-finite loss or gradient norm skipped (--on-nonfinite skip)
+        self.last_step_skipped = False
+        self.skipped_what = ""  # why the last skipped step was skipped
 
     # ------------------------------------------------------------ what the rank holds
 
@@ -176,7 +189,9 @@ class Program:
                 self._batches += 1
                 value += self._rank.train_fn(batch) / len(leaves)
         self._accumulated += len(leaves)
-        return self._dp_mean(value)
+        loss = self._dp_mean(value)
+        self._loss += loss
+        return loss
 
     def eval_step(self, *batches) -> float:
         """The mean loss of ``batches`` (this rank's shares) without gradients or dropout; under pipelining the schedule
@@ -229,14 +244,19 @@ class Program:
         else:
             pairs = [(local(p.grad), w) for p, w in self._weighted if p.grad is not None]
         self._clipped = True
-        return clip_grad_norm_(pairs, max_norm)
+        self._norm = clip_grad_norm_(pairs, max_norm)
+        return self._norm
 
     def _optimizer_step(self) -> None:
         self.finish_gradients()
         clip = self.options.optim.clip_grad_norm
-        if clip is not None and not self._clipped:
-            self.clip_grad_norm_(clip)
+        if not self._clipped:  # the global norm, the same on every rank: clipped with --clip-grad-norm, else only read
+            self.clip_grad_norm_(clip if clip is not None else math.inf)
         step = self.step_count + 1
+        self.last_step_skipped = not (math.isfinite(self._loss) and math.isfinite(self._norm))
+        if self.last_step_skipped:
+            self._nonfinite(step)
+            return
         with named_phase(f"the optimizer step's parameter exchange over dp in training step {step}",
                          self.groups[self.layout.grad_axis]):
             with trace.span("optimizer step", "step"):
@@ -245,17 +265,35 @@ class Program:
             self.probe.after_step(self._opt)
         self.step_count = step
 
+    def _nonfinite(self, step: int) -> None:
+        """A step whose loss or global gradient norm is not finite (every rank sees the same two numbers, so every
+        rank takes the same way): the update is never applied.  ``--on-nonfinite stop`` raises; ``skip`` counts the
+        step without changing a parameter or the optimizer's state."""
+        finish_param_sync(self._opt)  # nothing in flight behind an error or a skipped step
+        what = f"the loss is {self._loss}" if not math.isfinite(self._loss) else \
+            f"the gradient norm is {self._norm} (the loss, {self._loss:.6g}, is finite)"
+        if self.options.on_nonfinite != "skip":
+            raise NonFiniteError(f"step {step}: {what}; training stops before the update, so no parameter or "
+                                 "checkpoint holds it (check the weights and inputs for inf/nan, or lower --lr; "
+                                 "--on-nonfinite skip skips such steps instead)")
+        self.skipped += 1
+        self.step_count = step
+        self.skipped_what = what
+
     def _zero_grad(self) -> None:
         self._opt.zero_grad(set_to_none=True)
         self._accumulated = 0
         self._finished = self._clipped = False
+        self._loss = self._norm = 0.0
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, folder: str | Path, *, scheduler=None, data=None) -> Path | None:
+    def save(self, folder: str | Path, *, scheduler=None, data=None, keep_last: int = 0,
+             replace: bool = False) -> Path | None:
         """Save a checkpoint of this step into ``folder`` (``folder/step-<N>``, ``folder/latest``), collectively;
         rank 0 returns its path.  ``scheduler`` and ``data`` (anything with a JSON-able ``state_dict()``: an LR
-        scheduler, the data position) are saved with it."""
+        scheduler, the data position) are saved with it.  Once it is complete, ``keep_last`` (N > 0) deletes all but
+        the newest N complete steps, and ``replace`` every other step of ``folder`` (an earlier run's)."""
         from fxshard.train.checkpoint import save_checkpoint
 
         refuse_cp_checkpoints(self.out, self.layout)
@@ -267,7 +305,7 @@ class Program:
             finish_param_sync(self._opt)  # the parameters of this step, not the gathers still in flight
             return save_checkpoint(folder, self.step_count, self.out, self.held, self.entry, self._opt, self.manifest,
                                    self.coords, self.groups[DP], self.options.optim, self.groups.get(EDP),
-                                   trainer=_json_checked(trainer))
+                                   trainer=_json_checked(trainer), keep_last=keep_last, replace=replace)
 
     def load(self, folder: str | Path, *, scheduler=None, data=None, say=print) -> dict | None:
         """Continue from the checkpoint ``folder`` leads to (saved under any layout): the trained values and Adam
@@ -279,7 +317,7 @@ class Program:
         refuse_cp_checkpoints(self.out, self.layout)
 
         reader = CheckpointReader(folder)
-        reader.check_model(self.manifest, self.out)
+        reader.check_model(self.manifest, self.out, self.options.allow_changed_model)
         finish_param_sync(self._opt)
         self._zero_grad()
         load_trained(reader, self._opt, self.held, self.entry, self.groups[self.layout.grad_axis], self.groups.get(EDP))

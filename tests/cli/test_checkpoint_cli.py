@@ -57,6 +57,6 @@ def test_checkpoint_flag_errors(tmp_path):
     from cli_in_process import fxshard  # refused before anything starts: in this process
 
     bad = fxshard("run", tmp_path, "--resume")
-    assert bad.returncode == 2 and "--resume need --checkpoint DIR" in bad.stderr
+    assert bad.returncode == 2 and "--resume needs --checkpoint DIR" in bad.stderr
     missing = fxshard("export", tmp_path, "--hf", tmp_path / "hf")
     assert missing.returncode == 2 and "no checkpoint here" in missing.stderr
