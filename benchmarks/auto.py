@@ -20,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
+from fxshard.errors import FxshardError
 from fxshard.ir.layout import Layout
 
 MODEL = Path(__file__).resolve().parent / "models" / "auto_llama.py"
+RESULTS_COPY = Path(__file__).resolve().parent / "results" / "auto-cpu-profile.json"
 WORLD = 4
 L = Layout
 LAYOUTS = [
@@ -49,27 +51,38 @@ def run(work: Path, quick: bool = False, profile: Path | None = None, quick_cali
                         str(profile)] + (["--quick"] if quick or quick_calibrate else []), check=True, capture_output=True)
     hw = load_hardware(profile)
     calibrated = time.perf_counter() - started
+    (RESULTS_COPY).write_text(Path(profile).read_text())  # the profile the predictions used, kept with the results
     ev = Evaluator(model_profile(MODEL, dtype="fp32"), hw, "fp32")
     setting = Setting(128, 8, WORLD)
     steps = 4 if quick else 8
-    rows = []
+    rows, failed = [], []
     for layout in LAYOUTS[:3] if quick else LAYOUTS:
         pred = predict(ev, layout, setting)
         out = work / layout.describe().replace(" ", "_").replace("=", "")
-        compile_(MODEL, layout, out=out)
-        measured = _measure(out, steps)
+        try:
+            compile_(MODEL, layout, out=out)
+            measured = _measure(out, steps)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, FxshardError) as e:
+            failed.append({"layout": layout.describe(), "error": _tail(e)})
+            continue
         rows.append({"layout": layout.describe(), "predicted_s": pred.step, "measured_s": measured,
                      "ratio": pred.step / measured, "compute_s": pred.compute, "exposed_s": sum(pred.exposed.values()),
                      "bubble_s": pred.bubble})
     predicted = [r["predicted_s"] for r in rows]
     measured = [r["measured_s"] for r in rows]
     best_predicted = min(range(len(rows)), key=predicted.__getitem__)
-    return {"rows": rows, "spearman": spearman(predicted, measured),
+    return {"rows": rows, "failed": failed, "spearman": spearman(predicted, measured),
             "best_predicted": rows[best_predicted]["layout"], "best_measured": rows[measured.index(min(measured))]["layout"],
             "regret": measured[best_predicted] / min(measured) - 1, "profile": hw.name, "profile_source": hw.source,
             "peak_fp32": hw.peak("fp32"), "link": {"bandwidth": hw.intra_node.bandwidth, "latency": hw.intra_node.latency},
             "kernel_overhead": hw.kernel_overhead, "calibrate_s": calibrated, "steps": steps,
             "load_average": os.getloadavg()}
+
+
+def _tail(e: Exception) -> str:
+    text = getattr(e, "stderr", None) or str(e)
+    text = text.decode() if isinstance(text, bytes) else text
+    return " ".join(text.strip().splitlines()[-3:])[-400:]
 
 
 def _measure(out: Path, steps: int) -> float:
@@ -110,6 +123,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['layout']} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
                      f"{r['ratio']:.2f} | {r['compute_s'] * 1e3:.1f} ms | {r['exposed_s'] * 1e3:.1f} ms | "
                      f"{r['bubble_s'] * 1e3:.1f} ms |")
+    for f in result.get("failed", []):
+        lines.insert(2 + len(result["rows"]), f"| {f['layout']} | | failed: {f['error']} | | | | |")
     load = ", ".join(f"{x:.1f}" for x in result["load_average"])
     lines += ["", f"Spearman rank correlation of predicted and measured steps: **{result['spearman']:.2f}** (target "
               f">= 0.8). Predicted best: {result['best_predicted']}; measured best: {result['best_measured']}; the "

@@ -51,11 +51,11 @@ RECIPES = [
            "sequence 8192 and global batch 128 assumed (Megatron-Bridge's Llama 3 70B pretraining defaults); "
            "Megatron runs sequence parallelism with TP"),
     Recipe("llama3.1-405b", "samples/llama405b.py", 1024, 8192, 512,
-           Layout(tp=8, pp=8, dp=16, schedule="interleaved-1f1b", virtual_stages=8, microbatches=32, dtype="bf16",
-                  sp=True), "auto", 326, MEGATRON, "TP8 PP8 CP2 VP8, BF16",
-           "fxshard has no cp axis on main yet: predicted at TP8 PP8 DP16 VP8 instead (the same devices; each rank "
-           "holds the whole sequence, twice the activations of CP2); sequence 8192, global batch 512 assumed; 126 "
-           "layers over 64 virtual stages are uneven (Megatron's recipe drops layers from the first and last)"),
+           Layout(tp=8, pp=8, cp=2, dp=8, schedule="interleaved-1f1b", virtual_stages=8, microbatches=64,
+                  dtype="bf16", sp=True), "auto", 326, MEGATRON, "TP8 PP8 CP2 VP8, BF16",
+           "cp is costed analytically (the pieces compiled at cp=1, attention against the whole sequence, the keys' "
+           "and values' all-gather); sequence 8192, global batch 512 assumed; 126 layers over 64 virtual stages are "
+           "uneven (Megatron's recipe drops layers from the first and last)"),
     Recipe("deepseek-v3", "benchmarks/models/deepseek_v3.py", 1024, 4096, 8192,
            Layout(tp=2, pp=8, dp=64, ep=64, microbatches=128, dtype="bf16", sp=True), "auto", 1297, MEGATRON,
            "TP2 PP8 EP64, BF16",

@@ -84,3 +84,25 @@ def test_calibrate_fits_the_ring_formula_back_from_its_points():
                 points.append((op, g, nbytes, steps * latency + passes * (g - 1) / g * nbytes / bandwidth))
     fitted = _fit(points)
     assert fitted["bandwidth"] == pytest.approx(bandwidth) and fitted["latency"] == pytest.approx(latency)
+
+
+@pytest.mark.distributed
+def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(tmp_path):
+    from fxshard.tools.calibrate import calibrate
+
+    out = tmp_path / "here.json"
+    written = calibrate(out, procs=2, quick=True)
+    hw = load_hardware(out)
+    assert hw.peak("fp32") > 0 and hw.memory_bandwidth > 0 and hw.devices_per_node == 2
+    assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency >= 0
+    points = written["measured"]["intra_node"]["points"]
+    assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
+
+
+def test_calibrate_refuses_one_process_and_a_folder(tmp_path):
+    from fxshard.tools.calibrate import calibrate
+
+    with pytest.raises(OptionError, match="at least 2 processes"):
+        calibrate(tmp_path / "x.json", procs=1)
+    with pytest.raises(OptionError, match="found a folder"):
+        calibrate(tmp_path, procs=2)
