@@ -50,6 +50,16 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
        for name, layout, *optim in [("dp2", Layout(dp=2)), ("pp2-4-microbatches", Layout(pp=2, microbatches=4)),
                                     ("tp2", Layout(tp=2)), ("dp2-accum2", Layout(dp=2), OptimConfig(grad_accum=2))]},
     "bert-mlm-pp2-4-microbatches": (ROOT / "tests" / "models" / "bert_mlm.py", Layout(pp=2, microbatches=4), None),
+    # a loss adding several means, each over its own counted targets (masked LM + sentence order; extractive QA's
+    # start and end, whose ignore_index is the sequence length): each divided by its own count over the step.  A
+    # large eps: QA's qa_outputs.bias gets a zero gradient up to rounding, which AdamW's default eps would amplify
+    **{f"{name}-{split}": (ROOT / "tests" / "models" / f"hf_{model}.py", layout, None, OptimConfig(eps=1e-3, **accum))
+       for name, model in (("albert-sop", "albert_pretraining"), ("bert-qa", "bert_qa"))
+       for split, layout, accum in (("dp2", Layout(dp=2), {}), ("pp2-2-microbatches", Layout(pp=2, microbatches=2), {}),
+                                    ("accum2", Layout(), {"grad_accum": 2}), ("dp2-accum2", Layout(dp=2), {"grad_accum": 2}))},
+    # batch normalization in training under --dp: the statistics of every dp rank's rows gathered and combined
+    **{f"resnet-bn-dp2-zero{z}": (ROOT / "tests" / "models" / "hf_resnet_bn.py", Layout(dp=2, zero=z), None)
+       for z in (0, 3)},
     # heterogeneous stacks: a layer called several times (ALBERT) is a block per call; a list of two classes whose
     # layers share one block (Zamba2); the stages calling a shared block each hold it, gradients summed
     "albert-shared-layer-pp2": (ROOT / "tests" / "models" / "hf_albert_mlm.py", Layout(pp=2), None),

@@ -323,6 +323,8 @@ class Manifest:
     pipeline: PipelineInfo | None = None
     weights: WeightsSource | None = None  # --weights DIR, or --meta
     digests: dict[str, str] | None = None  # generated file -> sha256, once written
+    # passes/batch_norm_sync.py: ops mixing the examples of the batch ("FQN: op (what)"), which --grad-accum refuses
+    batch_couplings: tuple[str, ...] = ()
 
     @property
     def tied_across_stages(self) -> tuple[TiedWeight, ...]:
@@ -349,6 +351,8 @@ class Manifest:
                 data[key] = getattr(self, key).to_json()
         if self.digests is not None:
             data["digests"] = self.digests
+        if self.batch_couplings:  # written only where there are some: other manifests stay as they were
+            data["batch_couplings"] = list(self.batch_couplings)
         return data
 
     @classmethod
@@ -365,7 +369,8 @@ class Manifest:
             tied=data["tied"], custom_ops=data.get("custom_ops", {}), ranks=tuple(map(RankEntry.from_json, data["ranks"])),
             pipeline=PipelineInfo.from_json(pipeline) if pipeline is not None else None,
             weights=WeightsSource.from_json(weights) if weights is not None else None,
-            digests=digests if isinstance(digests, dict) else None)
+            digests=digests if isinstance(digests, dict) else None,
+            batch_couplings=tuple(data.get("batch_couplings", ())))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"

@@ -56,6 +56,9 @@ class CompileContext:
     token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
     expert_params: dict[str, int] = field(default_factory=dict)  # passes/expert_parallel.py: FQN -> experts (dim 0)
     sequence: SequenceDims | None = None  # under --cp: each captured value's sequence dimensions (fxshard.ir.sequence)
+    # passes/batch_norm_sync.py: the ops that mix the examples of the batch (batch norm in training), which
+    # --grad-accum cannot make exact (the manifest lists them)
+    batch_couplings: list[str] = field(default_factory=list)
 
     @property
     def trainable(self) -> set[fx.Node]:

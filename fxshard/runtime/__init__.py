@@ -1,5 +1,6 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
+from fxshard.runtime.batch_norm import batch_norm_from_stats, batch_stats
 from fxshard.runtime.collectives import (
     all_gather,
     all_reduce,
@@ -37,4 +38,5 @@ __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
            "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets", "cp_enter",
            "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
-           "seq_to_heads", "heads_to_seq"]
+           "seq_to_heads", "heads_to_seq", "batch_stats",
+           "batch_norm_from_stats"]

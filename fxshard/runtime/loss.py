@@ -13,22 +13,25 @@ import contextlib
 
 import torch
 
-_DIVISOR: list[float | None] = [None]
+_DIVISORS: list[tuple[float, ...] | None] = [None]
 
 
 @contextlib.contextmanager
-def step_tokens(counted: int, parts: int):
-    """For one step's forwards and backwards: ``counted`` targets in the whole step, averaged over ``parts``."""
-    _DIVISOR[0] = counted / parts
+def step_tokens(counted, parts: int):
+    """For one step's forwards and backwards: ``counted`` targets in the whole step (one count per counted mean
+    of the loss: an int, or a sequence for a loss adding several), averaged over ``parts``."""
+    counts = tuple(counted) if isinstance(counted, (tuple, list)) else (counted,)
+    _DIVISORS[0] = tuple(c / parts for c in counts)
     try:
         yield
     finally:
-        _DIVISOR[0] = None
+        _DIVISORS[0] = None
 
 
-def token_mean(loss_sum: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """``loss_sum`` (summed over this microbatch's counted targets) as its share of the step's token mean."""
-    divisor = _DIVISOR[0]
-    if divisor is None:
+def token_mean(loss_sum: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, term: int = 0) -> torch.Tensor:
+    """``loss_sum`` (summed over this microbatch's counted targets) as its share of the step's token mean; ``term``:
+    which of the loss's counted means it is (each divided by its own count)."""
+    divisors = _DIVISORS[0]
+    if divisors is None:
         return loss_sum / (target != ignore_index).sum()
-    return loss_sum / divisor
+    return loss_sum / divisors[term]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fxshard.codegen.manifest import Manifest, RankEntry
-from fxshard.errors import FxshardError
+from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.layout import DP, EDP, EP, PP, TP, Layout
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import load_state
@@ -109,6 +109,10 @@ def compiled_regionally(layout) -> bool:
 def check_accumulated_loss(out: Path, manifest: Manifest, grad_accum: int) -> None:
     """Refuse ``--grad-accum K > 1`` for a model whose loss adds a load-balancing loss (two whole-batch means):
     each accumulated batch would compute it on its own batch (:func:`fxshard.compiler.check_router_loss`)."""
+    if grad_accum > 1 and manifest.batch_couplings:
+        raise LayoutError(f"--grad-accum {grad_accum}: {'; '.join(manifest.batch_couplings)} normalizes by the "
+                          "statistics of the whole batch, which accumulated batches each compute on their own part; "
+                          "use --grad-accum 1 (a larger batch per step, over --dp, instead)")
     if grad_accum > 1:
         from fxshard.capture.modelfile import load_model_file
         from fxshard.compiler import check_router_loss

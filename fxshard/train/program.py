@@ -377,15 +377,15 @@ class Program:
         over dp, for ``rt.token_mean`` to divide by; else nothing."""
         if self._count is None:
             return contextlib.nullcontext()
-        counted = torch.tensor(sum(_count_tokens(self._count, batch, self.manifest) for batch in leaves),
-                               dtype=torch.int64, device=self.device)
+        counted = torch.tensor(_add(_count_tokens(self._count, batch, self.manifest) for batch in leaves),
+                               dtype=torch.int64, device=self.device)  # one count per counted mean of the loss
         if self.layout.dp > 1:
             from fxshard.runtime.guard import guarded
 
             with guarded("all_reduce of the step's counted tokens over dp", self.groups[DP]):
                 dist.all_reduce(counted, group=self.groups[DP])
         # cp ranks count parts of each row: the divisor counts dp x cp parts
-        return step_tokens(int(counted), len(leaves) * self._rank.microbatches * self.layout.replicas)
+        return step_tokens(counted.tolist(), len(leaves) * self._rank.microbatches * self.layout.replicas)
 
     def _dp_mean(self, value: float) -> float:
         """The loss averaged over the dp ranks (each saw 1/dp of the batch); under --cp over dp x cp (each rank's loss
@@ -438,15 +438,25 @@ def _batches(batches: tuple, what: str) -> tuple:
     return batches
 
 
-def _count_tokens(count, leaves: list, manifest) -> int:
-    """The targets a token-mean loss counts in one batch's leaves: ``count`` runs on each microbatch-sized run of
-    rows (the shapes it was compiled for), whichever microbatch those rows go to."""
+def _count_tokens(count, leaves: list, manifest) -> tuple[int, ...]:
+    """The targets a token-mean loss counts in one batch's leaves, one count per counted mean the loss adds
+    (``count`` returns a scalar, or a vector for several): ``count`` runs on each microbatch-sized run of rows (the
+    shapes it was compiled for), whichever microbatch those rows go to."""
     rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
     total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
     if rows is None or total is None or rows == total:
-        return int(count(*leaves))
-    return sum(int(count(*[v[i:i + rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in leaves]))
-               for i in range(0, total, rows))
+        return _ints(count(*leaves))
+    return _add(_ints(count(*[v[i:i + rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in leaves]))
+                for i in range(0, total, rows))
+
+
+def _ints(counted) -> tuple[int, ...]:
+    return tuple(int(c) for c in torch.as_tensor(counted).reshape(-1))
+
+
+def _add(counts) -> tuple[int, ...]:
+    """Counts of several parts, summed term by term."""
+    return tuple(map(sum, zip(*counts, strict=True)))
 
 
 def _torch_issued(layout, step: int, compiled: bool = False) -> str:

@@ -50,7 +50,10 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         total = 0.0
         step_batches = batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]
         # --grad-accum k is one step over the k batches: a token-mean loss weighs each batch by its counted tokens
-        counts = [counter(b) for b in step_batches] if counter is not None else [1] * len(step_batches)
+        counts = [counter(b) for b in step_batches] if counter is not None else [(1,)] * len(step_batches)
+        if len(counts[0]) > 1:  # several counted means: one forward on the step's batches as one batch weighs each
+            step_batches, counts = [_concatenated(step_batches)], [(1,)]  # by its own count
+        counts = [c[0] for c in counts]
         for k, batch in enumerate(step_batches):
             if counts[k] == 0:
                 continue  # no counted token: no share of the step's loss or gradient
@@ -89,7 +92,9 @@ def _validation(mf: ModelFile, seed: int, data: DataOptions, batches: int, dtype
 
 def _evaluate(model, step_fn, batches: list, counter, positional: bool) -> float:
     """The loss of ``batches`` without gradients in ``model.eval()`` mode, a token mean over all of them."""
-    counts = [counter(b) for b in batches] if counter is not None else [1] * len(batches)
+    if counter is not None and len(counter(batches[0])) > 1:  # several counted means: the batches as one batch
+        batches = [_concatenated(batches)]
+    counts = [counter(b)[0] for b in batches] if counter is not None else [1] * len(batches)
     model.eval()
     try:
         with torch.no_grad():
@@ -113,9 +118,19 @@ def _token_counter(mf: ModelFile, seed: int):
     if graph is None:
         return None
 
-    def count(batch) -> int:
+    def count(batch) -> tuple[int, ...]:  # one count per counted mean of the loss
         leaves = [leaf for _, leaf in pytree.tree_flatten_with_path(
             (tuple(batch), {}) if not isinstance(batch, dict) else ((), dict(batch)))[0]]
-        return int(graph(*leaves))
+        return tuple(int(c) for c in torch.as_tensor(graph(*leaves)).reshape(-1))
 
     return count
+
+
+def _concatenated(batches: list):
+    """The batches of one step as one batch (their tensors concatenated along the batch dimension)."""
+    from torch.utils import _pytree as pytree
+
+    flat = [pytree.tree_flatten(b) for b in batches]
+    leaves = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() else parts[0]
+              for parts in zip(*(f[0] for f in flat), strict=True)]
+    return pytree.tree_unflatten(leaves, flat[0][1])

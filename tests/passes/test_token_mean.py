@@ -49,3 +49,35 @@ def test_the_returned_loss_is_the_mean_too():
     # the model's own output (HF .loss) is the same node as the loss training uses
     code = compile_model(MODELS / "llama_padded.py", Layout()).sources["rank_pp0_tp0.py"]
     assert "return (token_mean, token_mean" in code
+
+
+def test_extractive_qa_is_two_means_each_counting_positions_other_than_the_sequence_length():
+    result = compile_model(MODELS / "hf_bert_qa.py", Layout(dp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert code.count("rt.token_mean(") == 2
+    assert "ignore_index=16, term=0)" in code and "ignore_index=16, term=1)" in code
+    batch = load_model_file(MODELS / "hf_bert_qa.py").build_inputs(0)
+    count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
+    rows = [batch[k][:2] for k in ("input_ids", "attention_mask", "start_positions", "end_positions")]
+    assert count(*rows).tolist() == [1, 1]  # starts 3, 16 and ends 5, 16 of dp rank 0: 16 is not counted
+    assert any("2 means over counted targets" in note for note in result.ctx.notes)
+
+
+def test_masked_lm_plus_sentence_order_is_two_means():
+    result = compile_model(MODELS / "hf_albert_pretraining.py", Layout(dp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert "term=0)" in code and "term=1)" in code
+    batch = load_model_file(MODELS / "hf_albert_pretraining.py").build_inputs(0)
+    count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
+    names = [i.name for i in result.manifest.inputs]
+    rows = [batch[n][:2] for n in names]
+    assert count(*rows).tolist() == [5 + 1, 2]  # masked tokens of rows 0 and 1; their two sentence-order labels
+
+
+def test_a_constant_over_a_token_mean_is_not_a_mean(tmp_path):
+    model = tmp_path / "reciprocal.py"
+    source = (MODELS / "padded_embedding.py").read_text()
+    loss = "F.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), target.flatten())"
+    assert loss in source
+    model.write_text(source.replace(loss, f"1.0 / {loss}"))
+    assert "count_tokens" not in compile_model(model, Layout(dp=2)).sources["rank_pp0_tp0.py"]
