@@ -110,20 +110,21 @@ class OptimConfig:
         return torch.optim.AdamW(params if decayed is None else self.param_groups(params, decayed), **self.kwargs())
 
 
-def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, group=None) -> float:
+def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, group=None, device=None) -> float:
     """Clip gradients to a global norm, as ``torch.nn.utils.clip_grad_norm_`` does on one device.
 
     ``grads`` pairs each local gradient with the weight of its squares in the global sum: 1 for a
     tensor no other rank holds, 1/k for one of k identical copies (replicated over tp, a weight tied
     across k stages, a gradient replicated over dp).  The weighted sums are all-reduced over ``group``
-    (all ranks), so every rank computes the same norm and the same scale.
+    (all ranks), so every rank computes the same norm and the same scale.  ``device``: where the sum is
+    all-reduced when this rank has no gradient (every parameter frozen): NCCL takes no CPU tensor.
     """
     import torch
     import torch.distributed as dist
 
     from fxshard.runtime.guard import guarded
 
-    device = grads[0][0].device if grads else torch.device("cpu")
+    device = grads[0][0].device if grads else (device or torch.device("cpu"))
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g, w in grads:
         sq += w * g.detach().to(torch.float64).pow(2).sum()

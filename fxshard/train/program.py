@@ -244,7 +244,7 @@ class Program:
         else:
             pairs = [(local(p.grad), w) for p, w in self._weighted if p.grad is not None]
         self._clipped = True
-        self._norm = clip_grad_norm_(pairs, max_norm)
+        self._norm = clip_grad_norm_(pairs, max_norm, device=self.device)
         return self._norm
 
     def _optimizer_step(self) -> None:
