@@ -32,16 +32,16 @@ import operator
 
 import torch
 import torch.fx as fx
+from fxshard.passes.tensor_parallel import localize_sizes
 
 from fxshard.errors import ShardingError
 from fxshard.graph import node_fqn
+from fxshard.ir import cp_attention
 from fxshard.ir.context import CP, CompileContext, Group, NodeSpec
 from fxshard.ir.contracts import contract
-from fxshard.ir import cp_attention
 from fxshard.ir.cp_rules import MATMULS, cp_rule
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard, local_shape
-from fxshard.ir.sharding import Decision, argument, rule_decision, set_argument, shape, tensor_args
-from fxshard.passes.tensor_parallel import localize_sizes
+from fxshard.ir.sharding import Decision, argument, rule_decision, shape, tensor_args
 from fxshard.runtime import collectives as rtc
 from fxshard.runtime import context_parallel as rcp
 from fxshard.runtime import loss as rt_loss

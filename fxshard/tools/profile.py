@@ -41,7 +41,7 @@ from fxshard.ir.comm import KINDS, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks
 from fxshard.ir.experts import grouped_mm_ops, weight_param
-from fxshard.ir.layout import EP, TP, Coords, Layout
+from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.runtime import collectives as rtc
 from fxshard.tools.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
@@ -439,7 +439,7 @@ def _cost_boundaries(ctx, gm, nodes, pieces, piece_of, dims) -> None:
     carry a gradient (the hidden states); what depends on the batch alone (masks, rotary tables) the pipeline
     pass recomputes in the stage or forwards once, small beside them."""
     from fxshard.ir.autograd import requires_grad
-    from fxshard.ir.blocks import bodies, block_units
+    from fxshard.ir.blocks import block_units, bodies
 
     grad = requires_grad(gm, ctx.params)
     body = bodies(gm, ctx)[0]
@@ -465,7 +465,7 @@ def _split_sizes(gm, sym) -> list[sympy.Expr]:
 def _is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
-        return node.target is getattr(__import__("operator"), "getitem")
+        return node.target is __import__("operator").getitem
     return bool(schema.returns) and schema.returns[0].alias_info is not None and not schema.is_mutable
 
 

@@ -31,9 +31,7 @@ microbatches torch's order keeps alive (:mod:`fxshard.tools.alive`), and the tra
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
 import sympy

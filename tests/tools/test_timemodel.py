@@ -42,8 +42,9 @@ def test_the_profile_finds_the_blocks_and_the_three_structures(profile):
 
 def test_forward_flops_are_torch_flop_counters(h100):
     """The same model with attention written as matmuls (eager), counted by torch.utils.flop_counter."""
-    import samples.llama as llama  # noqa: F401  (the sample's config)
     from transformers import LlamaForCausalLM
+
+    import samples.llama as llama  # noqa: F401  (the sample's config)
 
     config = llama.config()
     config._attn_implementation = "eager"
@@ -115,7 +116,7 @@ def test_a_device_count_nothing_divides_is_refused_with_counts_that_do(profile):
 
 
 def test_a_model_that_fits_no_layout_gets_its_smallest_overshoot_and_the_fixes(profile, tmp_path):
-    small = json.loads((load_hardware("h100").path and open(load_hardware("h100").path).read()))
+    small = json.loads(load_hardware("h100").path and open(load_hardware("h100").path).read())
     small["memory"] = 600_000  # bytes: below every layout of 2 devices, not of 8
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(small))
