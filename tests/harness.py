@@ -14,7 +14,8 @@ def run_options(steps: int, optim, checkpoint=None):
     if checkpoint is None:
         return RunOptions(steps, optim)
     return RunOptions(steps, optim, checkpoint=checkpoint.folder, save_every=checkpoint.save_every,
-                      resume=checkpoint.resume)
+                      resume=checkpoint.resume, overwrite=checkpoint.overwrite, keep_last=checkpoint.keep_last,
+                      allow_changed_model=checkpoint.allow_changed_model)
 
 
 def assert_matches_single_device(case: str, path, layout, per_rank: list, manifest, want: list[float], single: dict,

@@ -167,9 +167,10 @@ def test_export_round_trip_is_bit_identical(saved, tmp_path, model):
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
 
 
-def _resume_error(out: Path, ckpt: Path) -> str:
+def _resume_error(out: Path, ckpt: Path, allow_changed_model: bool = False) -> str:
+    config = CheckpointConfig(ckpt, resume=True, allow_changed_model=allow_changed_model)
     with pytest.raises(AssertionError) as e:  # the harness reports the rank's traceback
-        spawn(_train, 1, [(str(out), STEPS, CheckpointConfig(ckpt, resume=True))], timeout=300)
+        spawn(_train, 1, [(str(out), STEPS, config)], timeout=300)
     return str(e.value)
 
 
@@ -191,8 +192,11 @@ def test_a_tensor_missing_from_the_checkpoint_names_file_and_tensor(saved, tmp_p
 
 @pytest.mark.distributed
 def test_a_checkpoint_of_another_model_is_refused(saved, tmp_path):
+    """First by the model file's digest; with --allow-changed-model, by the parameters the checkpoint lacks."""
     out = _compile(tmp_path, "llama", Layout(), "llama-single")
     msg = _resume_error(out, saved["gpt2"][1])
+    assert "saved from another model file" in msg and "--allow-changed-model" in msg
+    msg = _resume_error(out, saved["gpt2"][1], allow_changed_model=True)
     assert "different model" in msg and "model.embed_tokens.weight" in msg and "is missing" in msg
 
 
