@@ -125,12 +125,13 @@ def _agreed(value: float) -> float:
     return float(statistics.median(values))
 
 
-def _timed(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up), all ranks starting together."""
+def _timed(fn, device, repeats: int, group=None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up), the ranks of ``group`` (default: all)
+    starting together."""
     fn()
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -203,16 +204,7 @@ def _collective_time(op: str, nbytes: int, g: int, group, device) -> float:
     fn = {"all_reduce": lambda: dist.all_reduce(buf, group=group),
           "all_gather": lambda: dist.all_gather_into_tensor(buf, part, group=group),
           "reduce_scatter": lambda: _reduce_scatter(part, buf, group)}[op]
-    fn()
-    times = []
-    for _ in range(5):
-        dist.barrier(group=group)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return _timed(fn, device, 5, group)
 
 
 def _reduce_scatter(out, buf, group):
