@@ -12,7 +12,8 @@ import typer
 from rich.console import Console
 
 from fxshard.errors import FxshardError, FxshardWarning, OptionError
-from fxshard.flags import build, flags
+from fxshard.flags import build as _build_flags
+from fxshard.flags import flags
 from fxshard.ir.layout import Layout
 from fxshard.tools.auto_options import AutoOptions
 from fxshard.train.optim import OptimConfig
@@ -35,6 +36,14 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
 
 
 warnings.showwarning = _show_warning
+
+
+def build(cls, values: dict):
+    """The ``cls`` of parsed flags; a value its checks refuse (``--zero 4``) is an error line, not a traceback."""
+    try:
+        return _build_flags(cls, values)
+    except FxshardError as e:
+        _fail(e)
 
 
 def _fail(e: Exception) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 import warnings
@@ -30,10 +29,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+RENDEZVOUS = timedelta(seconds=180)  # on a loaded 2-core machine a rank's torch import alone has taken over 60 s
+
+
+def _store() -> dist.TCPStore:
+    """The rendezvous store, held by the parent on a port the OS picks while it listens: a port found free and
+    then bound by the ranks could be taken in between by another test's group (pytest-xdist runs two), whose
+    ranks then joined this one ("Gloo connectFullMesh failed ... Connection closed by peer")."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=RENDEZVOUS)
 
 
 def _use_gpu(rank: int, world: int) -> None:
@@ -55,9 +58,9 @@ def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend
     try:
         if backend == "nccl":
             _use_gpu(rank, world)
-        # 180 s: on a loaded 2-core machine a rank's torch import alone has taken over 60 s (the store then failed
-        # with "3/4 clients joined"); spawn's own timeout still bounds a broken run
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=180))
+        # RENDEZVOUS: spawn's own timeout still bounds a broken run
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=RENDEZVOUS)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=RENDEZVOUS)
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
@@ -92,8 +95,9 @@ def _joined(ctx, folder: str, world: int) -> bool:
 def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backend: str = "gloo") -> list:
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
+    store = _store()  # held until the ranks are done
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), folder, threads, backend, fn, args), nprocs=world,
+        ctx = mp.start_processes(_worker, args=(world, store.port, folder, threads, backend, fn, args), nprocs=world,
                                  join=False, start_method="spawn")
         import time
 

@@ -318,12 +318,12 @@ def _check_checkpoint_option(out: Path, options: RunOptions, checkpoint, say) ->
 
     if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
         raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-    check_new_run(checkpoint)  # an earlier run's checkpoints: --resume, another folder, or --overwrite
-    if checkpoint.save_every:
+    if checkpoint.save_every:  # first: a planted link is named as such, not taken for an earlier run's latest
         from fxshard.files import refuse_link
         from fxshard.train.checkpoint import LATEST
 
         refuse_link(checkpoint.folder / LATEST, "the checkpoint's latest")  # rewritten by every save
+    check_new_run(checkpoint)  # an earlier run's checkpoints: --resume, another folder, or --overwrite
     if checkpoint.resume:
         from fxshard.codegen.manifest import read_manifest
         from fxshard.train.checkpoint import CheckpointReader, check_checkpoint, check_resumable

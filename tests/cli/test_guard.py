@@ -34,7 +34,8 @@ def test_run_refuses_a_rank_file_that_would_hang_before_launching(tmp_path):
     out = tmp_path / "out"
     compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
     _skip_an_all_reduce(out)
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1"],
+    # --allow-edited: without it the edit is refused by its digest, before the static check this test is about
+    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--allow-edited"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "error: rank_pp0_tp1.py:" in proc.stderr and "running this would hang" in proc.stderr

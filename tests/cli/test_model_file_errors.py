@@ -36,7 +36,7 @@ def make_inputs():  # no use_cache here either
 def cli(*args):
     from typer.testing import CliRunner
 
-    from cli.app import app
+    from fxshard.cli.app import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
 

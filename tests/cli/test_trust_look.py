@@ -41,7 +41,7 @@ def cli(*args):
     Python and torch again for each refusal."""
     from typer.testing import CliRunner
 
-    from cli.app import app
+    from fxshard.cli.app import app
 
     return _Result(CliRunner().invoke(app, [str(a) for a in args]))
 

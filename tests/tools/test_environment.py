@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
-from cli.app import app
+from fxshard.cli.app import app
 from fxshard.tools import environment
 
 ROOT = Path(__file__).resolve().parents[2]
