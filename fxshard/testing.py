@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 RENDEZVOUS = timedelta(seconds=180)  # on a loaded 2-core machine a rank's torch import alone has taken over 60 s
 
 

@@ -34,9 +34,8 @@ def make_inputs():  # no use_cache here either
 
 
 def cli(*args):
-    from typer.testing import CliRunner
-
     from fxshard.cli.app import app
+    from typer.testing import CliRunner
 
     return CliRunner().invoke(app, [str(a) for a in args])
 

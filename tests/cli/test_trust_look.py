@@ -39,9 +39,8 @@ class _Result:
 def cli(*args):
     """The command line in this process (typer's runner): the same parsing and messages, without starting
     Python and torch again for each refusal."""
-    from typer.testing import CliRunner
-
     from fxshard.cli.app import app
+    from typer.testing import CliRunner
 
     return _Result(CliRunner().invoke(app, [str(a) for a in args]))
 

@@ -136,9 +136,8 @@ def test_a_trace_given_that_is_not_one_is_refused(out, tmp_path):
 
 
 def test_report_to_a_path_it_cannot_write_is_one_clear_line(out, tmp_path):
-    from typer.testing import CliRunner
-
     from fxshard.cli.app import app
+    from typer.testing import CliRunner
 
     for to, found in ((tmp_path / "nope" / "x.html", "found no folder"), (tmp_path, "found a folder")):
         result = CliRunner().invoke(app, ["report", str(out), "--to", str(to)])

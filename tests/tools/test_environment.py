@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 
 import torch
+from fxshard.cli.app import app
 from typer.testing import CliRunner
 
-from fxshard.cli.app import app
 from fxshard.tools import environment
 
 ROOT = Path(__file__).resolve().parents[2]
