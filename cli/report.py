@@ -27,12 +27,19 @@ def _rank_table(manifest: Manifest, title: str) -> Table:
     table.add_column("file", no_wrap=True, min_width=16)
     table.add_column("local params", justify="right")
     table.add_column("collectives per microbatch" if manifest.pipeline else "collectives per step")
+    total = _unsharded_params(manifest)
     for entry in manifest.ranks:
         n = sum(_numel(t.shape) for t in entry.tensors.values() if t.kind == "parameter")
         coords = " ".join(f"{k}={v}" for k, v in entry.coords.to_json().items() if k != DP)
-        table.add_row(", ".join(map(str, entry.global_ranks)), coords, entry.file, f"{n:,}",
-                      _collective_counts(entry))
+        held = f"{n:,}\nof {total:,} ({100 * n / total:.0f}%)" if total else f"{n:,}"
+        table.add_row(", ".join(map(str, entry.global_ranks)), coords, entry.file, held, _collective_counts(entry))
     return table
+
+
+def _unsharded_params(manifest: Manifest) -> int:
+    """The model's parameters, unsharded: each source tensor once, at its global shape."""
+    sources = {t.source: t.global_shape for e in manifest.ranks for t in e.tensors.values() if t.kind == "parameter"}
+    return sum(_numel(shape) for shape in sources.values())
 
 
 def _numel(shape) -> int:

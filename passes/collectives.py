@@ -26,6 +26,16 @@ compute                                         gradient backward (not all_gathe
 A partial sum that some consumer takes split over tokens is reduce-scattered once, and gathered from there
 for any consumer that needs it whole (the bytes of one all-reduce).
 
+Parts that several ranks hold alike (``S(d)/g``, g parts over tp ranks: key/value heads fewer than tp, a Mamba-2
+mixer's B and C when its groups are fewer than tp) have partial gradients, each rank's covering what its own
+computation read:
+
+==========================  ==================  =============================================
+S(d)/g -> S(d)              ``own_part``        this rank's share of the part (no communication)
+S(d)/g weight, needs grad   ``sum_replicas``    identity forward; backward sums the replicas'
+                                                gradients, one all-reduce for a layer's weights
+==========================  ==================  =============================================
+
 A replicated node marked ``enters`` (an experts module's dispatch: the tokens' rows gathered for its first grouped
 matmul) counts as split compute for its inputs, and its consumers take it as it is: the ``copy_to`` goes on the
 ``[T, H]`` tokens before the gather, not on the ``[T*k, H]`` rows after it.
@@ -35,6 +45,8 @@ and v share one ``copy_to`` — one backward all-reduce per attention block, as 
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch.fx as fx
 
@@ -55,6 +67,7 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     grad = requires_grad(gm, ctx.trainable)
     made: dict[tuple, fx.Node] = {}
     scattered = _token_splits(gm) if ctx.layout.sp else None
+    _sum_replicas(gm, ctx, grad, tp)
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "output"):
             continue
@@ -109,17 +122,111 @@ def _redistribute(gm, arg: fx.Node, need: Placement, consumer: fx.Node, sharded_
     if isinstance(has, Shard) and scattered is not None and need == R and sharded_out and grad \
             and consumer.op != "output":
         return _make(gm, made, ("gather_to", arg), (arg, GROUP), _split_kwargs(has), R, arg, consumer)
+    if _whole_everywhere(has) and isinstance(need, Shard) and need.blocks == 1 and not need.sizes:
+        if _whole_everywhere(need):  # along any dimension: the whole value on every rank
+            return arg
+        if not need.general:  # this rank's share of it along the dimension asked for
+            return _make(gm, made, ("own_part", arg, need), (arg,),
+                         {"dim": need.dim, "index": RankValue(TP, tuple(range(tp))), "parts": tp}, need,
+                         consumer, consumer)
+    if isinstance(has, Shard) and has.parts and has.blocks == 1 and need == Shard(has.dim):
+        k = tp // has.parts_of(0, tp)  # this rank's share of the part its k replicas hold
+        if k == 1:  # as many parts as ranks: the same split
+            return arg
+        return _make(gm, made, ("own_part", arg, need), (arg,),
+                     {"dim": has.dim, "index": RankValue(TP, tuple(r % k for r in range(tp))), "parts": k}, need,
+                     consumer, consumer)
     if isinstance(has, Shard):
         gathered = _make(gm, made, ("all_gather", arg), (arg, GROUP),
-                         {"dim": has.dim, "blocks": has.blocks}, R, arg, consumer)
+                         {"dim": has.dim, "blocks": has.blocks} | _uneven(has, tp), R, arg, consumer)
         return _redistribute(gm, gathered, need, consumer, *again)
     assert isinstance(need, Shard), (arg, has, need)
     index = RankValue(TP, tuple(range(tp)))
+    kwargs = {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks} | _uneven(need, tp)
     if grad:
-        return _make(gm, made, ("scatter", arg, need), (arg, GROUP),
-                     {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
-    return _make(gm, made, ("shard", arg, need), (arg,),
-                 {"dim": need.dim, "index": index, "parts": tp, "blocks": need.blocks}, need, consumer, consumer)
+        return _make(gm, made, ("scatter", arg, need), (arg, GROUP), kwargs, need, consumer, consumer)
+    return _make(gm, made, ("shard", arg, need), (arg,), kwargs, need, consumer, consumer)
+
+
+def _whole_everywhere(p: Placement) -> bool:
+    """A split of one block cut into one part (``S(d)/1``): the whole value on every rank, its gradients partial
+    (an MQA model's one key/value head); the dimension it names makes no difference."""
+    return isinstance(p, Shard) and p.blocks == 1 and p.parts == (1,)
+
+
+def _uneven(p: Shard, tp: int) -> dict:
+    """The collectives' arguments for unequal or replicated blocks (none for an ordinary split)."""
+    return ({"sizes": p.sizes} if p.sizes else {}) | ({"replicas": p.replicas(tp)} if p.parts else {})
+
+
+def _sum_replicas(gm: fx.GraphModule, ctx: CompileContext, grad: set, tp: int) -> None:
+    """Give the weights whose parts several ranks hold alike (``S(d)/g``) one ``rt.sum_replicas`` per layer: each
+    rank's gradient of such a part covers only what its own computation read (its query heads of a shared
+    key/value head), and the sum over the ranks holding it is the part's gradient."""
+    layers: dict[str, list[fx.Node]] = {}
+    names = ctx.program.state_by_name()
+    for node in gm.graph.nodes:
+        p = spec(node).placement
+        if node.op == "placeholder" and node in ctx.params and node in grad and isinstance(p, Shard) \
+                and any(p.parts_of(b, tp) < tp for b in range(p.blocks)) and node.users:
+            module = names[node.name].fqn.rsplit(".", 1)[0]
+            layers.setdefault(module.rsplit(".", 1)[0] if "." in module else module, []).append(node)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ctx.replicas = replica_lines(layers, names, tp)
+    ctx.notes += [line for line in ctx.replicas if line not in ctx.notes]
+    for weights in layers.values():
+        first = min((u for w in weights for u in w.users), key=order.__getitem__)
+        layouts = RankValue(TP, tuple(tuple(_replica_layout(w, r, tp) for w in weights) for r in range(tp)))
+        with gm.graph.inserting_before(first):
+            node = gm.graph.call_function(KINDS["sum_replicas"].function, (tuple(weights), GROUP), {"layouts": layouts})
+        node.meta["val"] = tuple(w.meta["val"] for w in weights)
+        node.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+        node.meta["fxshard"] = NodeSpec(tuple(spec(w).placement for w in weights), spec(first).fqn, spec(first).role,
+                                        "sum_replicas")
+        for i, w in enumerate(weights):
+            with gm.graph.inserting_before(first):
+                item = gm.graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = w.meta["val"]
+            item.meta["nn_module_stack"] = node.meta["nn_module_stack"]
+            item.meta["fxshard"] = NodeSpec(spec(w).placement, spec(first).fqn, spec(first).role, inputs=())
+            w.replace_all_uses_with(item, delete_user_cb=lambda u: u is not node and u is not item)
+
+
+def replica_lines(layers: dict[str, list[fx.Node]], names: dict, tp: int) -> list[str]:
+    """What the plan and the compile say of parts several ranks hold, one line per kind of layer::
+
+        model.layers.*.self_attn: k_proj.weight S(0)/2, v_proj.weight S(0)/2: 2 parts (heads or groups) over
+        tp=4, each held by 2 ranks; their gradients summed over those ranks once per layer (rt.sum_replicas)
+    """
+    lines: dict[str, str] = {}
+    for layer, weights in layers.items():
+        glob = ".".join("*" if part.isdigit() else part for part in layer.split("."))
+        held = []
+        for w in weights:
+            p = spec(w).placement
+            cut = sorted({p.parts_of(b, tp) for b in range(p.blocks) if p.parts_of(b, tp) < tp})
+            held.append((names[w.name].fqn[len(layer) + 1:], p, cut))
+        counts = sorted({g for _, _, cut in held for g in cut})
+        what = " or ".join(f"{g} part{'s' * (g > 1)} ({'whole on every rank' if g == 1 else f'each held by {tp // g} ranks'})"
+                           for g in counts)
+        lines.setdefault(glob, f"{glob}: {', '.join(f'{name} {p}' for name, p, _ in held)}: fewer heads or groups "
+                               f"than tp={tp}, cut into {what}; their gradients summed over the ranks holding each "
+                               "part once per layer (rt.sum_replicas)")
+    return list(lines.values())
+
+
+def _replica_layout(weight: fx.Node, rank: int, tp: int) -> tuple:
+    """``(dim, ((start, length, slot, slots), ...))`` of ``rt.sum_replicas`` for ``weight`` on tp rank ``rank``."""
+    p = spec(weight).placement
+    size = int(weight.meta["val"].shape[p.dim])
+    pieces, start = [], 0
+    for b, block in enumerate(p.block_sizes(size)):
+        k = tp // p.parts_of(b, tp)
+        length = block * k // tp
+        if k > 1:
+            pieces.append((start, length, rank // k, tp // k))
+        start += length
+    return p.dim, tuple(pieces)
 
 
 def _split_kwargs(split: Shard) -> dict:

@@ -27,7 +27,7 @@ from fxshard.errors import RandomnessError
 from fxshard.graph import node_fqn
 from fxshard.ir.context import TP, CompileContext, RankValue, spec
 from fxshard.ir.contracts import COMMUNICATED, MASKS_INVARIANT, contract
-from fxshard.ir.placement import Replicate, Shard
+from fxshard.ir.placement import Replicate, Shard, slice_spec
 from fxshard.ir.sharding import argument
 from fxshard.runtime import random as rt_random
 
@@ -74,9 +74,13 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         kwargs = {"site": here}
         placement = spec(node).placement
         if isinstance(placement, Shard) and layout.tp > 1:
-            blocks = (placement.blocks,) if placement.blocks > 1 else ()
-            kwargs["shard"] = RankValue(TP, tuple((placement.dim, r, layout.tp, *blocks)
-                                                    for r in range(layout.tp)))
+            if placement.sizes or placement.blocks > 1 and placement.replicas:
+                raise RandomnessError(f"{node_fqn(node) or 'model'}: dropout on a value split in unequal or "
+                                      f"replicated packed blocks ({placement}) has no layout-invariant mask yet; "
+                                      "use the dropout after the packed value is split into its parts")
+            slices = [slice_spec(placement, r, layout.tp) for r in range(layout.tp)]
+            kwargs["shard"] = RankValue(TP, tuple((sl.dim, sl.index, sl.parts, *((sl.blocks,) if sl.blocks > 1 else ()))
+                                                    if sl.parts > 1 else None for sl in slices))
         if _DROPOUT[node.target]:
             kwargs["inplace"] = True
         node.target = rt_random.dropout

@@ -28,6 +28,7 @@ from fxshard.graph import node_fqn
 from fxshard.ir.context import TP, CompileContext, NodeSpec, RankValue, spec, update_spec
 from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
+from fxshard.ir.sharding_mixers import local_groups, local_repeats
 from fxshard.ir.sharding import (
     Propagation,
     argument,
@@ -40,13 +41,16 @@ from fxshard.ir.sharding import (
     written_inputs,
 )
 from fxshard.plan.auto import auto_plan
+from fxshard.plan.demand import demanded_placements
 from fxshard.plan.experts import expert_split
 from fxshard.plan.layers import WeightOp, style_placements, weight_ops
 from fxshard.plan.styles import ResolvedPlan
+from fxshard.plan.unsplit import unsplit_parameters
 from fxshard.runtime import tensor_parallel as rt_tp
 
 aten = torch.ops.aten
 
+_DEMAND_ROUNDS = 4  # a parameter read through another's split (Mamba-1's dt_proj bias after its weight) waits a round
 _SIZED = {aten.view.default: "size", aten.reshape.default: "shape", aten._unsafe_view.default: "size",
           aten.expand.default: "size"}  # op -> its argument of global sizes
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads",
@@ -62,11 +66,17 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         ctx.plan = ResolvedPlan(source="none (tp=1)")
     elif ctx.plan.source == "auto":
         ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
-    weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes)
+    weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes, tp)
     experts = expert_split(gm, ctx)
     weights |= experts.weights
     roles |= {fqn: "expert tensor-parallel" for fqn, *_ in experts.layers}
     prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None, linear=experts.combine)
+    for _ in range(_DEMAND_ROUNDS) if tp > 1 else ():  # bare parameters the split computation asks for
+        asked = demanded_placements(gm, prop, weights, ctx.params, tp)
+        if not asked:
+            break
+        weights |= asked
+        prop = propagate(gm, weights, forced, sequence=tp if ctx.layout.sp else None, linear=experts.combine)
     if ctx.layout.sp and not prop.sequence:
         ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
                          "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")
@@ -75,6 +85,9 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     apply_propagation(gm, prop, ctx, roles)
     for node in experts.dispatch:
         update_spec(node, enters=True)
+    ctx.unsplit = unsplit_parameters(gm, ctx, ops)
+    if ctx.unsplit.warns:
+        ctx.notes.append(ctx.unsplit.note())
     gm.graph.lint()
     return gm
 
@@ -107,6 +120,8 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
             _vocab_embedding(node, tp)
         elif d.rewrite == "vocab_cross_entropy":
             _vocab_cross_entropy(gm, node, tp)
+        elif d.rewrite == "mean_of_parts":
+            _mean_of_parts(gm, node, tp)
 
 
 def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
@@ -120,7 +135,15 @@ def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
         sizes = local_shape(shape(node), out, parts)[dim:dim + len(argument(node, "sizes"))]
         set_argument(node, "sizes", list(sizes))
     elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(first_input, Shard):
-        _localize_split(node, first_input, parts)
+        _localize_split(node, out, first_input, parts)
+    elif node.target is aten.repeat_interleave.self_int and isinstance(out, Shard) \
+            and out.dim == argument(node, "dim") % len(shape(node)):
+        repeats, size = local_repeats(node, first_input, out, parts)
+        set_argument(node, "repeats", repeats)
+        if size is not None:
+            set_argument(node, "output_size", size)
+    elif getattr(node.target, "overloadpacket", None) in (aten.conv1d, aten.conv2d) and isinstance(out, Shard):
+        set_argument(node, "groups", local_groups(node, first_input, parts))
     elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(first_input, Shard):
         _localize_squeeze(node, first_input, parts)
 
@@ -157,7 +180,7 @@ def _op_name(node: fx.Node) -> str:
     return str(node.target).replace("aten::", "aten.") if not callable(node.target) or hasattr(node.target, "_schema") else node.target.__name__
 
 
-def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str]):
+def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str], tp: int):
     weights: dict[fx.Node, Placement] = {}
     owner: dict[fx.Node, str] = {}
     forced, roles = {}, {}
@@ -169,7 +192,7 @@ def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str]
         styled.add(op.fqn)
         if style.gather_output and style.kind != "colwise":
             raise PlanError(f"{op.fqn}: gather_output applies to colwise(); got {style}")
-        for tensor, placement in style_placements(op, style).items():
+        for tensor, placement in style_placements(op, style, tp).items():
             if tensor in weights and weights[tensor] != placement:
                 raise PlanError(
                     f"{op.fqn}: the plan gives its weight {placement} on tp, but the same tensor "
@@ -215,7 +238,7 @@ def _unsplittable(gm: fx.GraphModule, prop: Propagation, tp: int) -> tuple[fx.No
         vals = node.meta.get("val")
         pairs = zip(outs, vals, strict=False) if isinstance(outs, tuple) else [(outs, vals)]
         for p, v in pairs:
-            if isinstance(p, Shard) and isinstance(v, torch.Tensor) and int(v.shape[p.dim]) % (tp * p.blocks):
+            if isinstance(p, Shard) and isinstance(v, torch.Tensor) and not p.divides(int(v.shape[p.dim]), tp):
                 return node, p, int(v.shape[p.dim])
     return None
 
@@ -225,8 +248,9 @@ def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: Compil
     found = _unsplittable(gm, prop, tp)
     if found is not None:
         node, p, size = found
-        ok = _degrees_that_split(gm, ops, ctx, size // p.blocks, experts)
-        raise ShardingError(_divisibility_message(node, p, size, size // p.blocks, tp, ctx, ok))
+        per_block = next((b for i, b in enumerate(p.block_sizes(size)) if b % p.parts_of(i, tp)), size // p.blocks)
+        ok = _degrees_that_split(gm, ops, ctx, per_block, experts)
+        raise ShardingError(_divisibility_message(node, p, size, per_block, tp, ctx, ok))
 
 
 _LARGEST_TP = 1024  # degrees offered go no higher: each is checked by a propagation over the whole graph
@@ -243,7 +267,7 @@ def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileCon
             plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, d)
         else:
             plan = dataclasses.replace(ctx.plan, warnings=[])
-        weights, forced, _ = _weight_placements(ops, plan, [])
+        weights, forced, _ = _weight_placements(ops, plan, [], d)
         weights |= experts if d > 1 else {}
         if d == 1 or _unsplittable(gm, propagate(gm, weights, forced), d) is None:
             ok.append(d)
@@ -274,14 +298,35 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
     return f"{fqn}: {what} cannot be split over tp={tp}; use tp in {{{', '.join(map(str, ok))}}}"
 
 
-def _localize_split(node: fx.Node, p: Shard, tp: int) -> None:
+def _localize_split(node: fx.Node, outs, p: Shard, tp: int) -> None:
+    """A split along the split dimension: equal parts of each piece, or (``outs``, the pieces' placements) each
+    piece's own split of unequal packed blocks (z, xBC, dt of a Mamba-2 in_proj)."""
     dim = argument(node, "dim") % len(shape(node.args[0]))
     if dim != p.dim:
         return
+    if not p.general:
+        if node.target is aten.split.Tensor:
+            set_argument(node, "split_size", argument(node, "split_size") // tp)
+        else:
+            set_argument(node, "split_sizes", [s // tp for s in argument(node, "split_sizes")])
+        return
+    sizes = [out.local_size(int(v.shape[dim]), tp) for out, v in zip(outs, node.meta["val"], strict=True)]
     if node.target is aten.split.Tensor:
-        set_argument(node, "split_size", argument(node, "split_size") // tp)
+        node.target = aten.split_with_sizes.default
+        node.args, node.kwargs = (node.args[0], sizes, dim), {}
     else:
-        set_argument(node, "split_sizes", [s // tp for s in argument(node, "split_sizes")])
+        set_argument(node, "split_sizes", sizes)
+
+
+def _mean_of_parts(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
+    """A mean over the split dimension: each rank's mean of its equal part, divided by tp, sums to the mean."""
+    with gm.graph.inserting_after(node):
+        div = gm.graph.call_function(aten.div.Tensor, (node, float(tp)))
+    node.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+    div.meta["val"] = node.meta["val"]
+    div.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    old = spec(node)
+    div.meta["fxshard"] = NodeSpec(old.placement, old.fqn, old.role, inputs=(old.placement,))
 
 
 def _localize_squeeze(node: fx.Node, p: Shard, tp: int) -> None:

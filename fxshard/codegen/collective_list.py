@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxshard.codegen.lines import block_names
+from fxshard.codegen.lines import block_names, replica_elements
 from fxshard.codegen.manifest import CollectiveEntry
 from fxshard.ir.blocks import Body, block_units, bodies
 from fxshard.ir.comm import KINDS
@@ -43,12 +43,15 @@ def _body_entries(body: Body, ctx: CompileContext) -> list[CollectiveEntry]:
         if kind is None or not kind.communicates:
             continue
         val = node.meta["val"]
-        if isinstance(val, tuple):  # rt.copy_to_linears: its input, as the copy_to it replaces
-            val = node.args[0].meta["val"]
+        if kind.name == "sum_replicas":  # one all-reduce of the replicated parts in their slots
+            val, shape = node.args[0][0].meta["val"], (replica_elements(node, ctx.layout.tp),)
+        else:
+            if isinstance(val, tuple):  # rt.copy_to_linears: its input, as the copy_to it replaces
+                val = node.args[0].meta["val"]
+            shape = tuple(local_shape(tuple(val.shape), spec(node.args[0]).placement, ctx.layout.tp))
         entries.append(CollectiveEntry(
             op=kind.name, group=next(a.axis for a in node.args if isinstance(a, Group)),
             value=names.get(node, node.name),
-            shape=tuple(local_shape(tuple(val.shape), spec(node.args[0]).placement, ctx.layout.tp)),
-            dtype=str(val.dtype).removeprefix("torch."), backward=kind.backward, outputs_only=node in skipped,
+            shape=shape, dtype=str(val.dtype).removeprefix("torch."), backward=kind.backward, outputs_only=node in skipped,
             stage=body.stage))
     return entries

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxshard.codegen.lines import short_dtype
+from fxshard.codegen.lines import replica_elements, short_dtype
 from fxshard.codegen.manifest import CollectiveEntry
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, spec
@@ -221,7 +221,9 @@ def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1, cp: int = 1) -> li
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
-        if op:
+        if op and kind.name == "sum_replicas":
+            out.append(_Issue(direction, op, (replica_elements(node, tp),), node.args[0][0].meta["val"].dtype, ranks))
+        elif op:
             whole = node.args[0] if buffer_is_input(kind, direction) else node
             val = whole.meta["val"]
             out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),

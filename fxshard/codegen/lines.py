@@ -119,6 +119,16 @@ def model_line(node: fx.Node) -> str:
     return ""
 
 
+def replica_elements(node: fx.Node, tp: int) -> int:
+    """The elements ``rt.sum_replicas`` all-reduces (on every rank alike): each replicated part in its slots."""
+    total = 0
+    for w, (dim, pieces) in zip(node.args[0], node.kwargs["layouts"].values[0], strict=True):
+        local = local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp)
+        row = math.prod(local) // local[dim]
+        total += sum(length * slots * row for _start, length, _slot, slots in pieces)
+    return total
+
+
 def short_dtype(dtype: torch.dtype) -> str:
     return SHORT_DTYPES.get(dtype, str(dtype).removeprefix("torch."))
 
@@ -140,6 +150,8 @@ def line_note(node: fx.Node, tp: int) -> str:
     p = s.placement
     if s.collective == "copy_to_linears":  # its input's value; the linears' outputs after the arrow
         return f"{value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
+    if s.collective == "sum_replicas":  # a layer's weights: their splits, each part summed over its ranks in backward
+        return f"({', '.join(map(str, p))})"
     if s.collective and any(isinstance(a, Group) and a.axis == CP for a in node.args):  # over cp: its placements there
         return f"{value} cp {_short(spec(node.args[0]).seq)} -> {_short(s.seq)}".strip()
     if s.collective:

@@ -9,8 +9,8 @@ experts) is one entry::
 
     >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
     ('all_reduce', 'all_reduce')
-    >>> [k.name for k in communicating("backward")][:5], KINDS["ring_attention_step"].forward
-    (['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to'], 'send_recv')
+    >>> [k.name for k in communicating("backward")][:6], KINDS["ring_attention_step"].forward
+    (['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to', 'sum_replicas'], 'send_recv')
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ class CollectiveKind:
         return self.forward is not None or self.backward is not None
 
 
-def _gathered(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
+def _gathered(x: torch.Tensor, size: int, dim: int, blocks: int = 1, sizes=(), replicas=()) -> torch.Tensor:
+    if sizes or replicas:  # the whole size from the split's (a gradient path for fxshard check's meta run)
+        whole = rtc._full_size(x.shape[dim], size, blocks, sizes, replicas)
+        return torch.cat([x] * (whole // x.shape[dim]) + [x.narrow(dim, 0, whole % x.shape[dim])], dim=dim)
     return torch.cat([x] * size, dim=dim)  # the shape, and a gradient path for fxshard check's meta run
 
 
@@ -69,8 +72,17 @@ def _gathered_along(x: torch.Tensor, size: int, dim: int, balanced: bool = True)
     return torch.cat([x] * size, dim=dim)
 
 
-def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
-    return rtc.shard(x, dim, index, parts, blocks)
+def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: int = 1, sizes=(),
+          replicas=()) -> torch.Tensor:
+    return rtc.shard(x, dim, index, parts, blocks, sizes, replicas)
+
+
+def _replicas(tensors: tuple, size: int, layouts=()) -> tuple[torch.Tensor, ...]:
+    return tuple(t.clone() for t in tensors)
+
+
+def _own(x: torch.Tensor, size: int, dim: int, index: int, parts: int) -> torch.Tensor:
+    return rtc.own_part(x, dim, index, parts)
 
 
 def _same(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -154,6 +166,13 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.shard, None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
+    # parts several tp ranks hold alike (key/value heads fewer than tp, a Mamba-2 mixer's B and C under fewer groups)
+    CollectiveKind(rtc.sum_replicas, None, "all_reduce",
+                   "S(d)/g weights (g parts over tp ranks): identity forward; backward sums the gradients of each part "
+                   "over the ranks that hold it (one all-reduce of their slots per layer)", _replicas),
+    CollectiveKind(rtc.own_part, None, None,
+                   "S(d)/g -> S(d): this rank's share of a part tp/g ranks hold alike (no communication; "
+                   "the gradient of the other shares is zero here)", _own, grouped=False),
     # a load-balancing loss's whole-batch means under a split batch (passes/router_loss.py), over dp
     CollectiveKind(rtc.batch_mean, "all_reduce", None,
                    "sums over this rank's rows -> the whole batch's mean: all-reduce over dp forward, / all rows; "

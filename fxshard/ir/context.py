@@ -9,7 +9,7 @@ The passes import the names they share from here: the layout's (:mod:`fxshard.ir
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
@@ -59,6 +59,8 @@ class CompileContext:
     # passes/batch_norm_sync.py: the ops that mix the examples of the batch (batch norm in training), which
     # --grad-accum cannot make exact (the manifest lists them)
     batch_couplings: list[str] = field(default_factory=list)
+    replicas: list[str] = field(default_factory=list)  # passes/collectives.py: parts several tp ranks hold alike
+    unsplit: Any = None  # passes/tensor_parallel.py: what tp leaves whole (fxshard.plan.unsplit.Unsplit)
 
     @property
     def trainable(self) -> set[fx.Node]:
@@ -72,7 +74,8 @@ class CompileContext:
 
     @property
     def plan_summary(self) -> list[str]:
-        return compress_plan(self.plan.describe())
+        """The plan's lines (layers of a list as one ``*`` line), then what holds parts several tp ranks share."""
+        return compress_plan(self.plan.describe()) + self.replicas
 
 
 def compress_plan(lines: list[str]) -> list[str]:

@@ -25,17 +25,88 @@ __all__ = ["Shard", "Replicate", "Partial", "Placement", "R", "local_shape", "sl
 
 @dataclass(frozen=True)
 class Shard:
+    """``dim`` split over the tp ranks; ``blocks`` packed blocks, each split alike (rank r holds part r of each).
+
+    Two refinements, for packed projections whose parts differ (a Mamba-2 ``in_proj`` packs z, x, B, C and dt)
+    and for heads fewer than the ranks (key/value heads under tp beyond them):
+
+    * ``sizes``: the blocks' global sizes when they are unequal (``()``: ``blocks`` equal blocks);
+    * ``parts``: per block, the number of distinct parts it is cut into when fewer than the tp ranks (0: one per
+      rank).  A block of g parts is held by tp/g consecutive ranks per part (rank r holds part r * g // tp); at
+      g = 1 it is whole on every rank.  Those replicas' gradients are partial, each rank's covering what its own
+      computation read, and are summed over the replicas (``rt.sum_replicas`` on a parameter)::
+
+        >>> str(Shard(1, parts=(2,))), str(Shard(0, 5, sizes=(8, 8, 4, 4, 2), parts=(0, 0, 1, 1, 0)))
+        ('S(1)/2', 'S(0)[8,8,4/1,4/1,2]')
+    """
+
     dim: int
     blocks: int = 1
+    sizes: tuple[int, ...] = ()
+    parts: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        sizes, parts = tuple(self.sizes), tuple(self.parts)
+        if sizes and len(set(sizes)) == 1:
+            sizes = ()
+        if parts and not any(parts):
+            parts = ()
+        assert not sizes or len(sizes) == self.blocks, self
+        assert not parts or len(parts) == self.blocks, self
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "parts", parts)
+
+    @property
+    def general(self) -> bool:
+        """Unequal blocks or parts held by several ranks: only the rules written for them take such a split as it
+        is (the others see it gathered)."""
+        return bool(self.sizes or self.parts)
+
+    def block_sizes(self, size: int) -> tuple[int, ...]:
+        """The global sizes of the blocks of a dimension of ``size``."""
+        return self.sizes or (size // self.blocks,) * self.blocks
+
+    def parts_of(self, block: int, tp: int) -> int:
+        """How many distinct parts block ``block`` is cut into over ``tp`` ranks."""
+        return (self.parts[block] if self.parts else 0) or tp
+
+    def replicas(self, tp: int) -> tuple[int, ...]:
+        """Per block, how many consecutive ranks hold each part (the runtime's and the manifest's form)."""
+        return tuple(tp // self.parts_of(b, tp) for b in range(self.blocks)) if self.parts else ()
+
+    def local_size(self, size: int, tp: int) -> int:
+        """This split's size on one rank, of a dimension of ``size`` over ``tp`` ranks."""
+        return sum(s // self.parts_of(i, tp) for i, s in enumerate(self.block_sizes(size)))
+
+    def divides(self, size: int, tp: int) -> bool:
+        """Whether ``tp`` ranks split a dimension of ``size`` as this placement says."""
+        if self.sizes and sum(self.sizes) != size or not self.sizes and size % self.blocks:
+            return False
+        return all(tp % self.parts_of(i, tp) == 0 and s % self.parts_of(i, tp) == 0
+                   for i, s in enumerate(self.block_sizes(size)))
+
+    def moved(self, dim: int) -> Shard:
+        """The same split along another dimension (a transpose, an unsqueeze)."""
+        return Shard(dim, self.blocks, self.sizes, self.parts)
 
     def __str__(self) -> str:
-        return f"S({self.dim})" + (f"x{self.blocks}" if self.blocks > 1 else "")
+        def cut(b):
+            return f"/{self.parts[b]}" if self.parts and self.parts[b] else ""
+        if self.sizes:
+            return f"S({self.dim})[" + ",".join(f"{s}{cut(i)}" for i, s in enumerate(self.sizes)) + "]"
+        out = f"S({self.dim})" + (f"x{self.blocks}" if self.blocks > 1 else "")
+        if self.parts:
+            out += cut(0) if self.blocks == 1 else "/(" + ",".join(str(g or "tp") for g in self.parts) + ")"
+        return out
 
     def __repr__(self) -> str:
-        return f"Shard({self.dim})" if self.blocks == 1 else f"Shard({self.dim}, blocks={self.blocks})"
+        extra = (f", blocks={self.blocks}" if self.blocks > 1 else "") + (f", sizes={self.sizes}" if self.sizes else "") \
+            + (f", parts={self.parts}" if self.parts else "")
+        return f"Shard({self.dim}{extra})"
 
     def to_json(self) -> dict:
-        return {"kind": "shard", "dim": self.dim} | ({"blocks": self.blocks} if self.blocks > 1 else {})
+        return {"kind": "shard", "dim": self.dim} | ({"blocks": self.blocks} if self.blocks > 1 else {}) \
+            | ({"sizes": list(self.sizes)} if self.sizes else {}) | ({"parts": list(self.parts)} if self.parts else {})
 
 
 @dataclass(frozen=True)
@@ -71,8 +142,12 @@ R = Replicate()
 def placement_from_json(data: dict) -> Placement:
     """The placement ``to_json`` wrote; ``ValueError`` for anything else (a manifest edited or not fxshard's)."""
     kind = data.get("kind") if isinstance(data, dict) else None
-    if kind == "shard" and set(data) <= {"kind", "dim", "blocks"} and isinstance(data.get("dim"), int):
-        return Shard(data["dim"], data.get("blocks", 1))
+    if kind == "shard" and set(data) <= {"kind", "dim", "blocks", "sizes", "parts"} \
+            and isinstance(data.get("dim"), int) and all(isinstance(data.get(k, []), list) for k in ("sizes", "parts")):
+        try:
+            return Shard(data["dim"], data.get("blocks", 1), tuple(data.get("sizes", ())), tuple(data.get("parts", ())))
+        except AssertionError:
+            pass
     if kind == "replicate" and set(data) == {"kind"}:
         return Replicate()
     if kind == "partial" and set(data) == {"kind", "reduce"}:
@@ -86,13 +161,16 @@ def local_shape(shape: tuple[int, ...], placement: Placement, parts: int) -> tup
     if not isinstance(placement, Shard):
         return tuple(shape)
     out = list(shape)
-    assert out[placement.dim] % parts == 0, (shape, placement, parts)
-    out[placement.dim] //= parts
+    assert placement.divides(out[placement.dim], parts), (shape, placement, parts)
+    out[placement.dim] = placement.local_size(out[placement.dim], parts)
     return tuple(out)
 
 
 def slice_spec(placement: Placement, index: int, parts: int) -> SliceSpec:
     """The slice rank ``index`` of ``parts`` holds of a tensor placed by ``placement`` (the whole one unless sharded)."""
-    if isinstance(placement, Shard) and parts > 1:
-        return SliceSpec(placement.dim, index, parts, placement.blocks)
-    return SliceSpec()
+    if not isinstance(placement, Shard) or parts == 1:
+        return SliceSpec()
+    if placement.blocks == 1 and placement.parts:  # part index * g // parts of g, held by parts // g ranks alike
+        g = placement.parts_of(0, parts)
+        return SliceSpec(placement.dim, index * g // parts, g) if g > 1 else SliceSpec()
+    return SliceSpec(placement.dim, index, parts, placement.blocks, placement.sizes, placement.replicas(parts))

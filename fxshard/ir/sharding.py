@@ -287,11 +287,19 @@ def _rule(node, args, placements) -> Decision | None:
         fn = _pointwise
     if fn is None:
         return None
+    if not getattr(fn, "general", False):  # a rule written for ordinary splits sees the others gathered
+        placements = [R if isinstance(p, Shard) and p.general else p for p in placements]
+        if all(p == R for p in placements):
+            return None
     return fn(node, args, placements)
 
 
-def rule(*ops):
+def rule(*ops, general: bool = False):
+    """Register a rule for ``ops``.  ``general``: the rule handles splits of unequal blocks and parts held by
+    several ranks (``Shard.sizes``, ``Shard.parts``) itself; any other rule sees such inputs as replicated,
+    so the collectives pass gathers them first (always correct)."""
     def register(fn):
+        fn.general = general
         for op in ops:
             _RULES[op] = fn
         return fn
@@ -299,24 +307,38 @@ def rule(*ops):
     return register
 
 
-def _aligned(s: tuple[int, ...], p: Placement, od: int, n: int, blocks: int) -> Placement:
-    """The placement an operand of shape ``s`` placed ``p`` needs beside an ``n``-d result split on ``od``
-    (``blocks`` packed blocks), broadcasting as torch does: its own split as it is; whole where it has no such
-    dimension or broadcasts along it (size 1); else split alike.  A partial sum is reduced first: summing the
-    result over the ranks would sum every other operand's contribution too."""
-    ad = od - (n - len(s))
+def common_split(splits: list[Shard]) -> Shard | None:
+    """The one split several operands agree on, or None: equal splits agree; a split whose parts several ranks
+    hold alike (``S(d)/g``) yields to the ordinary split of the same dimension, which each rank cuts its share
+    from (``rt.own_part``): the ordinary split proves the size divides over every rank."""
+    found = set(splits)
+    if len(found) > 1:
+        plain = {p for p in found if not p.general}
+        if len(plain) == 1 and all(p.blocks == 1 and not p.sizes and p.dim == next(iter(plain)).dim for p in found):
+            return plain.pop()
+        return None
+    return found.pop() if found else None
+
+
+def _aligned(s: tuple[int, ...], p: Placement, out: Shard, n: int) -> Placement:
+    """The placement an operand of shape ``s`` placed ``p`` needs beside an ``n``-d result split as ``out``,
+    broadcasting as torch does: its own split as it is (an ``S(d)/g`` beside an ordinary split of the same
+    dimension: that split, :func:`common_split`); whole where it has no such dimension or broadcasts along it
+    (size 1); else split alike.  A partial sum is reduced first: summing the result over the ranks would sum
+    every other operand's contribution too."""
+    ad = out.dim - (n - len(s))
     if isinstance(p, Shard):
-        return p
-    return R if ad < 0 or s[ad] == 1 else Shard(ad, blocks)
+        return out.moved(p.dim) if p != out.moved(p.dim) and p.parts and not out.general else p
+    return R if ad < 0 or s[ad] == 1 else out.moved(ad)
 
 
 @rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy, aten.type_as,
       aten.masked_fill, aten.where, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.relu, aten.tanh,
-      aten.sigmoid)
+      aten.sigmoid, general=True)
 def _pointwise(node, args, placements):
     out_shape = shape(node)
     n = len(out_shape)
-    sharded = set()
+    sharded = []
     for a, p in zip(args, placements, strict=True):
         if isinstance(p, Partial):
             return None
@@ -325,29 +347,51 @@ def _pointwise(node, args, placements):
             od = p.dim + n - len(s)
             if s[p.dim] != out_shape[od]:
                 return None
-            sharded.add((od, p.blocks))
-    if len(sharded) != 1:
+            sharded.append(p.moved(od))
+    out = common_split(sharded)
+    if out is None:
         return None
-    od, blocks = sharded.pop()
-    need = tuple(_aligned(shape(a), p, od, n, blocks) for a, p in zip(args, placements, strict=True))
-    return Decision(Shard(od, blocks), need)
+    if out.general and node.target.overloadpacket is aten.dropout:
+        return None  # its mask is drawn by position (passes/dropout.py): on an ordinary split only
+    need = tuple(_aligned(shape(a), p, out, n) for a, p in zip(args, placements, strict=True))
+    return Decision(out, need)
 
 
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-@rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten)
+@rule(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, general=True)
 def _reshape(node, args, placements):
     (p,) = placements[:1]
     if not isinstance(p, Shard):
         return None
-    blocked = _blocked_reshape(shape(args[0]), shape(node), p)
+    src, dst = shape(args[0]), shape(node)
+    if p.general:
+        return _general_reshape(src, dst, p)
+    blocked = _blocked_reshape(src, dst, p)
     if blocked is not None:
         return Decision(blocked, (p,))
-    out = reshape_dim(shape(args[0]), shape(node), p.dim)
-    if out is None or (p.blocks > 1 and shape(args[0])[p.dim] != shape(node)[out]):
+    out = reshape_dim(src, dst, p.dim)
+    if out is None or (p.blocks > 1 and src[p.dim] != dst[out]):
         return None
     return Decision(Shard(out, p.blocks), (p,))
+
+
+def _general_reshape(src: tuple[int, ...], dst: tuple[int, ...], p: Shard) -> Decision | None:
+    """A reshape of a split of unequal blocks keeps it where the split dimension stays as it is.  One block cut into
+    g parts (``S(d)/g``) lands where the elements before the split dimension end, on the first dimension there
+    that g divides past dimensions of 1: ``[.., 2 * 16] -> [.., 2, 16]`` cut into 2 or into 1 part lands on the 2
+    (:func:`reshape_dim` would put a whole part on the 16), ``[.., kv, n, ..] -> [.., kv * n, ..]`` on the
+    merged heads."""
+    out = reshape_dim(src, dst, p.dim)
+    if p.blocks > 1 or p.sizes:
+        return Decision(p.moved(out), (p,)) if out is not None and src[p.dim] == dst[out] else None
+    g = p.parts[0]
+    outer = math.prod(src[:p.dim])  # the elements before the split dimension are the same before its new place
+    j = next((j for j in range(len(dst) + 1) if math.prod(dst[:j]) == outer), None)
+    while j is not None and j < len(dst) and dst[j] % g:
+        j = j + 1 if dst[j] == 1 else None
+    return Decision(p.moved(j), (p,)) if j is not None and j < len(dst) and src[p.dim] % g == 0 else None
 
 
 def _blocked_reshape(src: tuple[int, ...], dst: tuple[int, ...], p: Shard) -> Shard | None:
@@ -402,7 +446,7 @@ def reshape_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> int | N
     return None
 
 
-@rule(aten.expand)
+@rule(aten.expand, general=True)
 def _expand(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
@@ -410,14 +454,14 @@ def _expand(node, args, placements):
     od = p.dim + len(shape(node)) - len(shape(args[0]))
     if shape(args[0])[p.dim] != shape(node)[od]:
         return None
-    return Decision(Shard(od, p.blocks), (p,))
+    return Decision(p.moved(od), (p,))
 
 
-@rule(aten.unsqueeze)
+@rule(aten.unsqueeze, general=True)
 def _unsqueeze(node, args, placements):
     p = placements[0]
     d = _norm(argument(node, "dim"), len(shape(node)))
-    return Decision(Shard(p.dim + (d <= p.dim), p.blocks), (p,)) if isinstance(p, Shard) else None
+    return Decision(p.moved(p.dim + (d <= p.dim)), (p,)) if isinstance(p, Shard) else None
 
 
 def squeezed_dims(node: fx.Node) -> list[int]:
@@ -430,7 +474,7 @@ def squeezed_dims(node: fx.Node) -> list[int]:
     return sorted({_norm(d, len(src)) for d in named if src[_norm(d, len(src))] == 1})
 
 
-@rule(aten.squeeze)
+@rule(aten.squeeze, general=True)
 def _squeeze(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
@@ -438,10 +482,10 @@ def _squeeze(node, args, placements):
     dims = squeezed_dims(node)
     if p.dim in dims:
         return None
-    return Decision(Shard(p.dim - sum(d < p.dim for d in dims), p.blocks), (p,))
+    return Decision(p.moved(p.dim - sum(d < p.dim for d in dims)), (p,))
 
 
-@rule(aten.transpose)
+@rule(aten.transpose, general=True)
 def _transpose(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
@@ -449,28 +493,28 @@ def _transpose(node, args, placements):
     n = len(shape(node))
     a, b = _norm(argument(node, "dim0"), n), _norm(argument(node, "dim1"), n)
     d = b if p.dim == a else a if p.dim == b else p.dim
-    return Decision(Shard(d, p.blocks), (p,))
+    return Decision(p.moved(d), (p,))
 
 
-@rule(aten.t)
+@rule(aten.t, general=True)
 def _t(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard) or len(shape(node)) < 2:
         return None
-    return Decision(Shard(1 - p.dim, p.blocks), (p,))
+    return Decision(p.moved(1 - p.dim), (p,))
 
 
-@rule(aten.permute)
+@rule(aten.permute, general=True)
 def _permute(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
         return None
     n = len(shape(node))
     perm = [_norm(d, n) for d in argument(node, "dims")]
-    return Decision(Shard(perm.index(p.dim), p.blocks), (p,))
+    return Decision(p.moved(perm.index(p.dim)), (p,))
 
 
-@rule(aten.slice, aten.select, aten.narrow)
+@rule(aten.slice, aten.select, aten.narrow, general=True)
 def _slice(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
@@ -480,10 +524,10 @@ def _slice(node, args, placements):
     if dim == p.dim:
         return None
     d = p.dim - (1 if node.target.overloadpacket is aten.select and dim < p.dim else 0)
-    return Decision(Shard(d, p.blocks), (p,))
+    return Decision(p.moved(d), (p,))
 
 
-@rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
+@rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, general=True)
 def _split(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard):
@@ -493,20 +537,42 @@ def _split(node, args, placements):
     dim = _norm(argument(node, "dim"), n_in)
     if dim != p.dim:
         shift = node.target.overloadpacket is aten.unbind and dim < p.dim
-        return Decision(tuple(Shard(p.dim - shift, p.blocks) for _ in val), (p,))
-    sizes = {tuple(v.shape)[dim] for v in val}
-    if p.blocks == len(val) and len(sizes) == 1:
-        return Decision(tuple(Shard(dim) for _ in val), (p,))
-    return None
+        return Decision(tuple(p.moved(p.dim - shift) for _ in val), (p,))
+    if node.target.overloadpacket is aten.unbind:
+        return None
+    parts = _split_blocks(p, shape(args[0])[dim], [tuple(v.shape)[dim] for v in val])
+    return Decision(parts, (p,)) if parts is not None else None
 
 
-@rule(aten.cat)
+def _split_blocks(p: Shard, size: int, pieces: list[int]) -> tuple[Shard, ...] | None:
+    """The splits of the pieces a split along the packed dimension cuts, when each piece is a run of whole blocks
+    (``[z, xBC, dt]`` of a Mamba-2 ``in_proj`` packed as z, x, B, C, dt): each piece holds its blocks, the part of
+    each on every rank.  None when a piece would cut a block."""
+    blocks, out, b = p.block_sizes(size), [], 0
+    for piece in pieces:
+        first, total = b, 0
+        while total < piece and b < len(blocks):
+            total, b = total + blocks[b], b + 1
+        if total != piece or b == first:
+            return None
+        out.append(Shard(p.dim, b - first, blocks[first:b] if p.sizes else (),
+                         p.parts[first:b] if p.parts else ()))
+    return tuple(out) if b == len(blocks) else None
+
+
+@rule(aten.cat, general=True)
 def _cat(node, args, placements):
     n = len(shape(node))
     dim = _norm(argument(node, "dim"), n)
-    if len(set(placements)) != 1 or not isinstance(placements[0], Shard) or placements[0].dim == dim:
+    if any(len(shape(a)) != n for a in args) or not all(isinstance(p, Shard) for p in placements):
         return None
-    if any(len(shape(a)) != n for a in args):
+    if placements[0].dim == dim:  # along the split: the pieces' parts packed as blocks, each rank [a_r, b_r, ..]
+        if any(p.dim != dim for p in placements):
+            return None
+        sizes = tuple(s for a, p in zip(args, placements, strict=True) for s in p.block_sizes(shape(a)[dim]))
+        parts = tuple(g for p in placements for g in (p.parts or (0,) * p.blocks))
+        return Decision(Shard(dim, len(sizes), sizes, parts), tuple(placements))
+    if len(set(placements)) != 1:
         return None
     return Decision(placements[0], tuple(placements))
 
@@ -520,7 +586,7 @@ def _softmax(node, args, placements):
     return Decision(p, (p,))
 
 
-@rule(aten.layer_norm, aten.rms_norm)
+@rule(aten.layer_norm, aten.rms_norm, general=True)
 def _norm_layer(node, args, placements):
     p = placements[0]
     if not isinstance(p, Shard) or any(not q == R for q in placements[1:]):
@@ -531,8 +597,12 @@ def _norm_layer(node, args, placements):
     return Decision(p, tuple(placements))
 
 
-@rule(aten.sum, aten.mean, aten.amax, aten.amin)
+@rule(aten.sum, aten.mean, aten.amax, aten.amin, general=True)
 def _reduce(node, args, placements):
+    """Over other dimensions the split stays.  A sum over the split dimension is each rank's sum of its part, a
+    partial sum (a grouped norm's variance when its groups do not divide over tp: the partial sums are
+    all-reduced, the norm stays split); a mean is the same divided by tp (rewrite ``mean_of_parts``).  A max
+    over the split, or a split of unequal or replicated blocks reduced along itself, declines."""
     p = placements[0]
     dim = argument(node, "dim")
     if not isinstance(p, Shard) or not isinstance(dim, (list, tuple)):  # sum(x), mean(x): every dim
@@ -540,19 +610,26 @@ def _reduce(node, args, placements):
     n = len(shape(args[0]))
     dims = {_norm(d, n) for d in dim}
     keepdim = argument(node, "keepdim", False)
-    if p.dim in dims or not dims:
+    if not dims:
         return None
+    if p.dim in dims:
+        packet = node.target.overloadpacket
+        if p.general or p.blocks > 1 or packet not in (aten.sum, aten.mean):
+            return None
+        return Decision(Partial(), (p,), "mean_of_parts" if packet is aten.mean else None)
     d = p.dim if keepdim else p.dim - sum(x < p.dim for x in dims)
-    return Decision(Shard(d, p.blocks), (p,))
+    return Decision(p.moved(d), (p,))
 
 
-@rule(aten.linear)
+@rule(aten.linear, general=True)
 def _linear(node, args, placements):
     x, w = placements[0], placements[1]
     b = placements[2] if len(args) > 2 else None
     n = len(shape(node))
-    if isinstance(w, Shard) and w.dim == 0 and x == R and b in (None, Shard(0, w.blocks)):
-        return Decision(Shard(n - 1, w.blocks), tuple(placements))
+    if isinstance(w, Shard) and w.dim == 0 and x == R and b in (None, w):
+        return Decision(w.moved(n - 1), tuple(placements))
+    if any(isinstance(p, Shard) and p.general for p in placements):
+        return None
     if isinstance(w, Shard) and w.dim == 1 and w.blocks == 1 and b in (None, R):
         need_x = Shard(len(shape(args[0])) - 1)
         return Decision(Partial(), (need_x, w) + ((R,) if b is not None else ()),
@@ -606,7 +683,8 @@ def _matmul(node, args, placements):
     if len(batch) != 1:
         return None
     od, blocks = batch.pop()
-    return Decision(Shard(od, blocks), tuple(_aligned(s, p, od, n, blocks) for s, p in ((sa, a), (sb, b))))
+    out = Shard(od, blocks)
+    return Decision(out, tuple(_aligned(s, p, out, n) for s, p in ((sa, a), (sb, b))))
 
 
 def _grouped_mm(node, args, placements):
@@ -626,16 +704,37 @@ def _grouped_mm(node, args, placements):
     return None
 
 
-@rule(aten.scaled_dot_product_attention)
+@rule(aten.scaled_dot_product_attention, general=True)
 def _sdpa(node, args, placements):
+    """Attention split by heads.  Key/value heads fewer than tp are cut into as many parts as heads (``S(1)/kv``,
+    each held by tp/kv ranks): with ``enable_gqa`` a rank's query heads all read its one key/value head, taken
+    as it is; repeated to the query heads first (``repeat_kv``), each rank keeps its share (``rt.own_part``)."""
     q, k, v = placements[:3]
-    if not (isinstance(q, Shard) and q == k == v and q.dim < len(shape(args[0])) - 2 and q.blocks == 1):
+    if not (isinstance(q, Shard) and not q.general and q.dim < len(shape(args[0])) - 2 and q.blocks == 1):
+        return None
+    if k != v or not isinstance(k, Shard):
+        return None
+    kept = k  # as the key and value are; one part (the whole head on every rank) reads as a split of the heads
+    if k.blocks == 1 and not k.sizes and k.parts == (1,):
+        k = k.moved(q.dim)
+    if k.moved(q.dim) != k:
+        return None
+    need_kv = q
+    if k.general:
+        grouped = argument(node, "enable_gqa", False) and shape(args[1])[q.dim] < shape(args[0])[q.dim]
+        if k.blocks > 1 or k.sizes:
+            return None
+        if grouped and k.parts[0] == shape(args[1])[q.dim]:  # one key/value head per part
+            need_kv = kept
+        elif shape(args[1])[q.dim] != shape(args[0])[q.dim]:
+            return None
+    elif k != q:
         return None
     n = len(shape(node))
-    masks = [_aligned(shape(a), p, q.dim, n, 1) for a, p in zip(args[3:], placements[3:], strict=True)]
+    masks = [_aligned(shape(a), p, q, n) for a, p in zip(args[3:], placements[3:], strict=True)]
     if any(isinstance(p, Shard) and p != Shard(q.dim - (n - len(shape(a)))) for a, p in zip(args[3:], masks, strict=True)):
         return None
-    return Decision(q, (q, k, v, *masks))
+    return Decision(q, (q, need_kv, need_kv, *masks))
 
 
 @rule(aten.embedding)

@@ -17,7 +17,8 @@ import torch.fx as fx
 from fxshard.graph import node_fqn
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.sharding import propagate
-from fxshard.plan.layers import WeightOp, infer_packing, style_placements
+from fxshard.plan.layers import WeightOp, style_placements
+from fxshard.plan.packing import pieces
 from fxshard.plan.styles import ResolvedPlan, Style, colwise, rowwise, vocab_parallel
 
 
@@ -95,7 +96,10 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
     role: dict[fx.Node, str] = {}
     chosen = []
     for row, cols in pairs:
-        if role.get(row.node) == "col" or any(role.get(c.node) == "row" for c in cols):
+        # a row-parallel Linear's output is whole again (all-reduced): a later Linear reading it and a column's
+        # output pairs with the column only (Mamba-1's out_proj reads in_proj's x and z and x_proj's dt, B and C)
+        cols = [c for c in cols if role.get(c.node) != "row"]
+        if role.get(row.node) == "col" or not cols:
             continue
         role[row.node] = "row"
         role.update({c.node: "col" for c in cols})
@@ -106,10 +110,11 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
         for row, cols in chosen:
             styles[row] = rowwise()
             for c in cols:
-                styles[c] = colwise(packed=infer_packing(c))
+                blocks = pieces(c.node)
+                styles[c] = colwise(packed=len(blocks) if len(set(blocks)) == 1 else 0)
         weights = {}
         for op, st in styles.items():
-            weights.update(style_placements(op, st))
+            weights.update(style_placements(op, st, tp))
         prop = propagate(gm, weights)
         bad = [(row, cols) for row, cols in chosen
                if any(_within(node_fqn(f), _parent(row.fqn)) for f in prop.fallbacks)]

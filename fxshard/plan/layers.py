@@ -22,6 +22,7 @@ import torch.fx as fx
 from fxshard.errors import PlanError
 from fxshard.graph import node_fqn
 from fxshard.ir.placement import Placement, Replicate, Shard
+from fxshard.plan.packing import column_split
 from fxshard.plan.styles import Style
 
 aten = torch.ops.aten
@@ -79,10 +80,10 @@ def infer_packing(op: WeightOp) -> int:
     return 1
 
 
-def style_placements(op: WeightOp, style: Style) -> dict[fx.Node, Placement]:
-    """Placements a style gives to an op's weight and bias."""
+def style_placements(op: WeightOp, style: Style, tp: int) -> dict[fx.Node, Placement]:
+    """Placements a style gives to an op's weight and bias at ``tp`` (a column split's blocks and parts:
+    :func:`fxshard.plan.packing.column_split`)."""
     r = Replicate()
-    packed = infer_packing(op) if style.packed == 0 else style.packed
     if style.kind == "replicate":
         return {op.weight: r} | ({op.bias: r} if op.bias is not None else {})
     if op.kind == "embedding":
@@ -94,6 +95,6 @@ def style_placements(op: WeightOp, style: Style) -> dict[fx.Node, Placement]:
                         "Use colwise() or rowwise() for linear layers.")
     out_dim, in_dim = (0, 1) if op.kind == "linear" else (1, 0)
     if style.kind == "colwise":
-        w = Shard(out_dim, packed)
-        return {op.weight: w} | ({op.bias: Shard(0, packed)} if op.bias is not None else {})
+        w = column_split(op.node, out_dim, style.packed, tp)
+        return {op.weight: w} | ({op.bias: w.moved(0)} if op.bias is not None else {})
     return {op.weight: Shard(in_dim)} | ({op.bias: r} if op.bias is not None else {})

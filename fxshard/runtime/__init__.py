@@ -8,9 +8,11 @@ from fxshard.runtime.collectives import (
     copy_to,
     copy_to_linears,
     gather_to,
+    own_part,
     reduce_scatter,
     scatter,
     shard,
+    sum_replicas,
 )
 from fxshard.runtime.context_parallel import (
     cp_causal_mask,
@@ -32,7 +34,8 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "vocab_embedding",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "own_part", "sum_replicas",
+           "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",

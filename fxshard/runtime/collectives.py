@@ -12,7 +12,16 @@ gather_to      all-gather along dim     reduce-scatter along dim
 copy_to_linears copy_to + its column-   all-reduce of the input gradient, started before the weight
                parallel linears         gradients are computed and waited for after them (overlap)
 batch_mean     all-reduce, / all rows   x n / all rows (DDP averages)
+sum_replicas   identity                 all-reduce of the parts several ranks hold alike (their gradients
+                                        summed over those ranks), one call for a layer's weights
+own_part       this rank's share of a   the gradient in that share, zeros elsewhere (no communication)
+               part its replicas hold
 =============  =======================  ==========================
+
+Splits of unequal packed blocks, or of parts several ranks hold alike (``sizes``, ``replicas``: see
+:class:`fxshard.runtime.slices.SliceSpec`), are gathered and scattered by their slices: a replicated part's gradient
+is partial on each of its ranks (each computed what it read), so the gather's backward keeps it on the first of
+them only and the scatter's backward sums it.
 
 ``reduce_scatter`` and ``gather_to`` are sequence parallelism's pair (Megatron-LM's
 ``reduce_scatter_to_sequence_parallel_region`` / ``gather_from_sequence_parallel_region``): the first
@@ -70,8 +79,11 @@ def _all_reduce(x: torch.Tensor, group, what: str, site=None) -> torch.Tensor:
     return x
 
 
-def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=None, sizes=(),
+                replicas=()) -> torch.Tensor:
     world = dist.get_world_size(group)
+    if sizes or replicas:
+        return _gather_slices(x, group, dim, blocks, sizes, replicas, what, site)
     if _compiling():
         return _functional_all_gather(x, group, dim % x.dim(), blocks, world)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
@@ -84,6 +96,57 @@ def _all_gather(x: torch.Tensor, group, dim: int, blocks: int, what: str, site=N
     for r, p in enumerate(parts):
         place(full, p, SliceSpec(dim, r, world, blocks))
     return full
+
+
+def _gather_slices(x: torch.Tensor, group, dim: int, blocks: int, sizes, replicas, what: str, site) -> torch.Tensor:
+    """Every rank's part of a split of unequal or replicated blocks, put where its slice says (replicas overwrite
+    each other with the same values)."""
+    world = dist.get_world_size(group)
+    dim %= x.dim()
+    if _compiling():
+        parts = funcol.all_gather_tensor(x.contiguous(), 0, group).chunk(world, 0)
+    else:
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+        with guarded(what, group, x, site):
+            dist.all_gather(parts, x.contiguous(), group=group)
+    full = x.new_empty([_full_size(x.shape[dim], world, blocks, sizes, replicas) if d == dim else s
+                        for d, s in enumerate(x.shape)])
+    for r, p in enumerate(parts):
+        place(full, p, SliceSpec(dim, r, world, blocks, tuple(sizes), tuple(replicas)))
+    return full
+
+
+def _full_size(local: int, parts: int, blocks: int, sizes, replicas) -> int:
+    """The whole size of a dimension whose split has ``local`` elements on each of ``parts`` ranks."""
+    if sizes:
+        return sum(sizes)
+    per_block = [parts // (replicas[b] if replicas else 1) for b in range(blocks)]  # parts per block
+    # local = sum(block / per_block[b]) with equal blocks: block = local / sum(1 / per_block)
+    block = round(local / sum(1 / n for n in per_block))
+    return block * blocks
+
+
+def _own_slice(grad: torch.Tensor, dim: int, index: int, parts: int, blocks: int, sizes, replicas) -> torch.Tensor:
+    """This rank's part of a whole gradient; a part it holds with other ranks is kept by the first of them only,
+    zero on the others (replicas' gradients are partial: their sum is the part's gradient)."""
+    sl = SliceSpec(dim % grad.dim(), index, parts, blocks, tuple(sizes), tuple(replicas))
+    pieces = []
+    for b, (a, e) in enumerate(sl.ranges(grad.shape[sl.dim])):
+        piece = grad.narrow(sl.dim, a, e - a)
+        k = replicas[b] if replicas else 1
+        pieces.append(piece if index % k == 0 else torch.zeros_like(piece))
+    return torch.cat(pieces, dim=sl.dim) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _sum_into_slices(grad: torch.Tensor, group, dim: int, full: int, blocks: int, sizes, replicas, what: str,
+                     site) -> torch.Tensor:
+    """The whole gradient of a value scattered into unequal or replicated blocks: each rank's part placed in a zero
+    tensor of the whole size and summed over the group (a replicated part's gradients add up)."""
+    index = dist.get_rank(group)
+    sl = SliceSpec(dim % grad.dim(), index, dist.get_world_size(group), blocks, tuple(sizes), tuple(replicas))
+    whole = grad.new_zeros([full if d == sl.dim else s for d, s in enumerate(grad.shape)])
+    place(whole, grad, sl)
+    return _all_reduce(whole, group, what, site)
 
 
 def _functional_all_gather(x: torch.Tensor, group, dim: int, blocks: int, world: int) -> torch.Tensor:
@@ -110,8 +173,8 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int, what: str, si
     return out.flatten(dim, dim + 1) if blocks > 1 else out
 
 
-def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int) -> torch.Tensor:
-    return take(x, SliceSpec(dim, index, parts, blocks)).contiguous()
+def _take(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int, sizes=(), replicas=()) -> torch.Tensor:
+    return take(x, SliceSpec(dim % x.dim(), index, parts, blocks, tuple(sizes), tuple(replicas))).contiguous()
 
 
 class _CopyTo(torch.autograd.Function):
@@ -156,26 +219,91 @@ class _BatchMean(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, blocks, site):
-        ctx.group, ctx.dim, ctx.blocks = group, dim, blocks
-        return _all_gather(x, group, dim, blocks, "all_gather", site)
+    def forward(ctx, x, group, dim, blocks, site, sizes=(), replicas=()):
+        ctx.group, ctx.dim, ctx.blocks, ctx.sizes, ctx.replicas = group, dim, blocks, sizes, replicas
+        return _all_gather(x, group, dim, blocks, "all_gather", site, sizes, replicas)
 
     @staticmethod
     def backward(ctx, grad):
         index, parts = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return _take(_dense(grad), ctx.dim, index, parts, ctx.blocks), None, None, None, None
+        if ctx.sizes or ctx.replicas:
+            local = _own_slice(_dense(grad), ctx.dim, index, parts, ctx.blocks, ctx.sizes, ctx.replicas)
+        else:
+            local = _take(_dense(grad), ctx.dim, index, parts, ctx.blocks)
+        return local, *([None] * 6)
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, dim, index, parts, blocks, site):
-        ctx.group, ctx.dim, ctx.blocks, ctx.site = group, dim, blocks, site
-        return _take(x, dim, index, parts, blocks)
+    def forward(ctx, x, group, dim, index, parts, blocks, site, sizes=(), replicas=()):
+        ctx.group, ctx.dim, ctx.blocks, ctx.site, ctx.sizes, ctx.replicas = group, dim, blocks, site, sizes, replicas
+        ctx.full = x.shape[dim]
+        return _take(x, dim, index, parts, blocks, sizes, replicas)
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, "all_gather (backward of scatter)", ctx.site)
-        return gathered, *([None] * 6)
+        what = "all_gather (backward of scatter)"
+        if ctx.sizes or ctx.replicas:
+            whole = _sum_into_slices(_dense(grad), ctx.group, ctx.dim, ctx.full, ctx.blocks, ctx.sizes, ctx.replicas,
+                                     "all_reduce (backward of scatter)", ctx.site)
+            return whole, *([None] * 8)
+        gathered = _all_gather(grad, ctx.group, ctx.dim, ctx.blocks, what, ctx.site)
+        return gathered, *([None] * 8)
+
+
+class _SumReplicas(torch.autograd.Function):
+    """Identity on a layer's weights whose parts several ranks hold alike; backward sums, over the group, the
+    gradients of those parts (each rank's is partial), in one all-reduce of their slots."""
+
+    @staticmethod
+    def forward(ctx, group, site, layouts, *tensors):
+        ctx.group, ctx.site, ctx.layouts = group, site, layouts
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        buffers, spans = [], []
+        for g, layout in zip(grads, ctx.layouts, strict=True):
+            g = torch.zeros(()) if g is None else _dense(g)
+            dim, pieces = layout
+            for start, length, slot, slots in pieces:  # a replicated part: its slot among the parts of its block
+                buf = g.new_zeros([length * slots if d == dim % g.dim() else s for d, s in enumerate(g.shape)])
+                buf.narrow(dim % g.dim(), slot * length, length).copy_(g.narrow(dim % g.dim(), start, length))
+                buffers.append(buf.reshape(-1))
+                spans.append(buf.shape)
+        summed = _all_reduce(torch.cat(buffers), ctx.group, "all_reduce (backward of sum_replicas)", ctx.site)
+        out, at, k = [], 0, 0
+        for g, layout in zip(grads, ctx.layouts, strict=True):
+            if g is None:
+                out.append(None)
+                k += len(layout[1])
+                continue
+            g = _dense(g).clone()
+            dim, pieces = layout
+            for start, length, slot, _slots in pieces:
+                n = spans[k].numel()
+                buf = summed[at:at + n].view(spans[k])
+                g.narrow(dim % g.dim(), start, length).copy_(buf.narrow(dim % g.dim(), slot * length, length))
+                at, k = at + n, k + 1
+            out.append(g)
+        return None, None, None, *out
+
+
+def sum_replicas(tensors: tuple, group, layouts: tuple) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as they are; backward, the gradients of their replicated parts summed over ``group``.
+
+    ``layouts[i] = (dim, ((start, length, slot, slots), ...))``: along ``dim`` of tensor i, each part this rank
+    holds with other ranks: where it sits locally, and its slot among the ``slots`` parts of its block (the ranks
+    sharing it have the same slot).  One all-reduce of every part in its slot of a zero buffer sums each part
+    over exactly the ranks that hold it (the key/value projections of a layer whose heads are fewer than tp)."""
+    return _SumReplicas.apply(group, None if _compiling() else _site(), layouts, *tensors)
+
+
+def own_part(x: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
+    """Part ``index`` of ``parts`` of a local value that ``parts`` ranks hold alike: this rank's share (a key/value
+    head's copy on each of its ranks, cut to the heads its queries read).  Backward puts the gradient in that share,
+    zeros elsewhere: the replicas' gradients are partial, summed where the value was made."""
+    return x.narrow(dim, x.shape[dim] // parts * index, x.shape[dim] // parts)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -259,14 +387,19 @@ def batch_mean(x: torch.Tensor, group, rows) -> torch.Tensor:
     return _BatchMean.apply(x, group, rows, _site())
 
 
-def all_gather(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
-    """Concatenate every rank's part along ``dim``; backward keeps this rank's part of the gradient."""
-    return _AllGather.apply(x, group, dim, blocks, None if _compiling() else _site())
+def all_gather(x: torch.Tensor, group, dim: int, blocks: int = 1, sizes: tuple = (), replicas: tuple = ()
+               ) -> torch.Tensor:
+    """Concatenate every rank's part along ``dim``; backward keeps this rank's part of the gradient.  ``sizes``,
+    ``replicas``: unequal or replicated blocks (module docstring)."""
+    return _AllGather.apply(x, group, dim, blocks, None if _compiling() else _site(), tuple(sizes), tuple(replicas))
 
 
-def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
-    """Keep part ``index`` of ``parts`` along ``dim``; backward all-gathers the gradient."""
-    return _Scatter.apply(x, group, dim, index, parts, blocks, None if _compiling() else _site())
+def scatter(x: torch.Tensor, group, dim: int, index: int, parts: int, blocks: int = 1, sizes: tuple = (),
+            replicas: tuple = ()) -> torch.Tensor:
+    """Keep part ``index`` of ``parts`` along ``dim``; backward all-gathers the gradient (sums it into place, for
+    unequal or replicated blocks)."""
+    return _Scatter.apply(x, group, dim, index, parts, blocks, None if _compiling() else _site(), tuple(sizes),
+                          tuple(replicas))
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
@@ -281,11 +414,13 @@ def gather_to(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor
     return _GatherTo.apply(x, group, dim, blocks, None if _compiling() else _site())
 
 
-def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1, sizes: tuple = (),
+          replicas: tuple = ()) -> torch.Tensor:
     """Keep part ``index`` of ``parts`` of a tensor that carries no gradient (no communication)."""
-    return _take(x, dim, index, parts, blocks)
+    return _take(x, dim, index, parts, blocks, sizes, replicas)
 
 
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
-               "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears}
-__all__ = [*COLLECTIVES, "batch_mean", "shard"]
+               "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears,
+               "sum_replicas": sum_replicas}
+__all__ = [*COLLECTIVES, "batch_mean", "shard", "own_part"]

@@ -34,41 +34,52 @@ KEY = "fxshard.checkpoint"  # shard metadata: JSON {"dir": ..., "tensors": {key:
 NO_WEIGHTS = "compiled without weights (on meta tensors): recompile with --weights DIR, a Hugging Face folder"
 
 
-def part_ranges(size: int, index: int, parts: int, blocks: int = 1) -> list[tuple[int, int]]:
+def part_ranges(size: int, index: int, parts: int, blocks: int = 1, sizes: tuple[int, ...] = (),
+                replicas: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
     """``[(start, stop), ...]``: the ranges of a dimension of ``size`` that part ``index`` of ``parts`` holds,
-    one inside each of ``blocks`` equal blocks, in order.
+    one inside each of ``blocks`` equal blocks, in order.  ``sizes``: the blocks' sizes when unequal (a Mamba-2
+    ``in_proj``'s z, x, B, C, dt); ``replicas``: per block, how many consecutive parts hold the same range (a
+    block of k replicas is cut into parts // k ranges and part ``index`` holds range ``index // k``).
 
-    >>> part_ranges(8, 1, 2), part_ranges(12, 1, 2, blocks=3)
-    ([(4, 8)], [(2, 4), (6, 8), (10, 12)])
+    >>> part_ranges(8, 1, 2), part_ranges(12, 1, 2, blocks=3), part_ranges(10, 1, 2, 2, (8, 2), (1, 2))
+    ([(4, 8)], [(2, 4), (6, 8), (10, 12)], [(4, 8), (8, 10)])
     """
-    block = size // blocks
-    step = block // parts
-    return [(b * block + index * step, b * block + (index + 1) * step) for b in range(blocks)]
+    out, start = [], 0
+    for b, block in enumerate(sizes or (size // blocks,) * blocks):
+        k = replicas[b] if replicas else 1
+        step = block * k // parts
+        out.append((start + index // k * step, start + (index // k + 1) * step))
+        start += block
+    return out
 
 
 @dataclass(frozen=True)
 class SliceSpec:
     """Which part of a source tensor one rank holds: the manifest's record of a local tensor.
 
-    ``index`` of ``parts`` along ``dim``, inside each of ``blocks`` equal blocks.
-    ``parts == 1`` means the whole tensor.
+    ``index`` of ``parts`` along ``dim``, inside each of ``blocks`` blocks (equal, or of ``sizes``), each
+    block's part held by ``replicas`` consecutive ranks (:func:`part_ranges`).  ``parts == 1`` means the whole
+    tensor.
     """
 
     dim: int = 0
     index: int = 0
     parts: int = 1
     blocks: int = 1
+    sizes: tuple[int, ...] = ()
+    replicas: tuple[int, ...] = ()
 
     def ranges(self, size: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` along ``dim`` of a source dimension of ``size``."""
-        return part_ranges(size, self.index, self.parts, self.blocks)
+        return part_ranges(size, self.index, self.parts, self.blocks, self.sizes, self.replicas)
 
     def to_json(self) -> dict:
-        return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks}
+        return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks} \
+            | ({"sizes": list(self.sizes)} if self.sizes else {}) | ({"replicas": list(self.replicas)} if self.replicas else {})
 
     @classmethod
     def from_json(cls, data: dict) -> SliceSpec:
-        return cls(**data)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 def take(full: torch.Tensor, sl: SliceSpec) -> torch.Tensor:
@@ -84,8 +95,10 @@ def place(full: torch.Tensor, local: torch.Tensor, sl: SliceSpec) -> None:
     if sl.parts == 1:
         full.copy_(local)
         return
-    for k, (a, b) in enumerate(sl.ranges(full.shape[sl.dim])):
-        full.narrow(sl.dim, a, b - a).copy_(local.narrow(sl.dim, k * (b - a), b - a))
+    at = 0
+    for a, b in sl.ranges(full.shape[sl.dim]):
+        full.narrow(sl.dim, a, b - a).copy_(local.narrow(sl.dim, at, b - a))
+        at += b - a
 
 
 def assemble(pieces, shape) -> torch.Tensor:

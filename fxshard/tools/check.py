@@ -220,10 +220,11 @@ def _check_sizes(manifest: Manifest, layout) -> list[str]:
                                 f"per mesh axis ({', '.join((*MESH_AXES, EP))}), split over one of them at most")
                 continue
             placement, n = t.placement, layout.size(t.axis)
-            if isinstance(placement, Shard) and t.global_shape[placement.dim] % (n * placement.blocks):
+            if isinstance(placement, Shard) and not placement.divides(t.global_shape[placement.dim], n):
                 problems.append(f"{entry.file}: {t.source} has size {t.global_shape[placement.dim]} in dim "
                                 f"{placement.dim}, which does not split over {t.axis}={n}"
-                                + (f" in {placement.blocks} blocks" if placement.blocks > 1 else ""))
+                                + (f" as {placement}" if placement.general else
+                                   f" in {placement.blocks} blocks" if placement.blocks > 1 else ""))
             elif list(local_shape(t.global_shape, placement, n)) != list(t.shape):
                 problems.append(f"manifest.json: {entry.file} {key} ({t.source}, {placement}) has shape "
                                 f"{list(t.shape)}, expected {list(local_shape(t.global_shape, placement, n))}")

@@ -73,6 +73,7 @@ class CostReport:
     bubble: Cost | None = None
     bubble_formula: str = ""
     notes: list[str] = field(default_factory=list)
+    unsplit: dict | None = None  # what tp leaves whole on every rank, and why (fxshard.plan.unsplit)
 
     def to_json(self) -> dict:
         def conv(v):
@@ -85,7 +86,7 @@ class CostReport:
                 "at": {str(k): v for k, v in self.at.items()}, "recompute": self.recompute_summary(),
                 "ranks": [{k: conv(v) for k, v in r.items()} for r in self.ranks],
                 "bubble": conv(self.bubble) if self.bubble else None, "bubble_formula": self.bubble_formula,
-                "notes": self.notes}
+                "notes": self.notes, "unsplit": self.unsplit}
 
 
     def recompute_summary(self) -> dict:
@@ -165,7 +166,10 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     layout = dataclasses.replace(layout, recompute=chosen)
     if layout.ep > 1:
         notes.append(EP_NOTE.format(n=layout.ep))
-    report = CostReport(layout, at, notes=notes, recompute=chosen, recompute_auto=asked == "auto")
+    if ctx.unsplit is not None and ctx.unsplit.warns:
+        notes.append(ctx.unsplit.note())
+    report = CostReport(layout, at, notes=notes, recompute=chosen, recompute_auto=asked == "auto",
+                        unsplit=ctx.unsplit.to_json() if ctx.unsplit is not None else None)
     for by_mode in modes:
         report.ranks.append(by_mode[chosen])
         if device_memory is not None:

@@ -128,6 +128,30 @@ class _OnGrad(torch.autograd.Function):
         return grad, None
 
 
+class _NoteOnce(torch.autograd.Function):
+    """Identity on several tensors whose backward calls ``note`` once, with a flat buffer of ``elements``."""
+
+    @staticmethod
+    def forward(ctx, note, elements, *tensors):
+        ctx.note, ctx.elements = note, elements
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = next(g for g in grads if g is not None)
+        ctx.note(g.new_empty((ctx.elements,)))
+        return None, None, *grads
+
+
+def _slot_elements(tensors, layouts) -> int:
+    """The elements ``rt.sum_replicas`` all-reduces: each replicated part in its slots."""
+    total = 0
+    for t, (dim, pieces) in zip(tensors, layouts, strict=True):
+        row = t.numel() // t.shape[dim]
+        total += sum(length * slots * row for _start, length, _slot, slots in pieces)
+    return total
+
+
 class Recorder:
     """Replaces ``fxshard.runtime`` (the ``rt`` of a rank file): collectives are recorded, not run.
 
@@ -170,6 +194,8 @@ class Recorder:
 
         if kind.backward and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
+        if kind.name == "sum_replicas":  # several tensors, one all-reduce of their replicated parts' slots
+            return _NoteOnce.apply(note, _slot_elements(x, kwargs.get("layouts", ())), *x)
         y = kind.fake(x, size, **kwargs)
         if kind.backward:
             y = _OnGrad.apply(y, note)

@@ -66,7 +66,9 @@ class CheckpointConfig:
 
 
 def _key(fqn: str, kind: str, sl: SliceSpec) -> str:
-    return f"{fqn}|{kind}|{sl.dim}.{sl.index}.{sl.parts}.{sl.blocks}"
+    uneven = (f".{'-'.join(map(str, sl.sizes))}" if sl.sizes else "") + \
+        (f".r{'-'.join(map(str, sl.replicas))}" if sl.replicas else "")  # a packed split of unequal blocks
+    return f"{fqn}|{kind}|{sl.dim}.{sl.index}.{sl.parts}.{sl.blocks}{uneven}"
 
 
 def _shard_name(coords: dict, ep_rank: int | None = None) -> str:
@@ -454,7 +456,7 @@ class CheckpointReader:
     def has_state(self, fqn: str) -> bool:
         fqn = self.canonical(fqn)
         piece = self._record(fqn)["pieces"][0]
-        return _key(fqn, "exp_avg", SliceSpec(**piece["slice"])) in self._open(piece["file"]).keys()
+        return _key(fqn, "exp_avg", SliceSpec.from_json(piece["slice"])) in self._open(piece["file"]).keys()
 
     def canonical(self, fqn: str) -> str:
         """The name ``fqn`` is saved under (itself, or the source of the tied weight it is an alias of)."""
@@ -467,7 +469,7 @@ class CheckpointReader:
         return self.sources[fqn]
 
     def _piece(self, fqn: str, kind: str, piece: dict) -> torch.Tensor:
-        key = _key(fqn, kind, SliceSpec(**piece["slice"]))
+        key = _key(fqn, kind, SliceSpec.from_json(piece["slice"]))
         f = self._open(piece["file"])
         if key not in f.keys():
             raise CheckpointError(f"{self.path / piece['file']}: tensor {fqn} ({kind}, key {key!r}) is missing; "
@@ -482,9 +484,9 @@ class CheckpointReader:
             return self._piece(fqn, kind, rec["pieces"][0])
         sl = sl or SliceSpec()
         for piece in rec["pieces"]:
-            if SliceSpec(**piece["slice"]) == sl:  # the same slice as saved: read it as it is
+            if SliceSpec.from_json(piece["slice"]) == sl:  # the same slice as saved: read it as it is
                 return self._piece(fqn, kind, piece)
-        full = assemble([(SliceSpec(**p["slice"]), self._piece(fqn, kind, p)) for p in rec["pieces"]],
+        full = assemble([(SliceSpec.from_json(p["slice"]), self._piece(fqn, kind, p)) for p in rec["pieces"]],
                         rec["global_shape"])
         return take(full, sl).contiguous()
 

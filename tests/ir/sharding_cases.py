@@ -194,7 +194,11 @@ case("unbind-keyword", lambda a: a.unbind(0), [x(2, 4, 8)], [S(2)], aten.unbind,
 case("cat", lambda a, b: torch.cat([a, b], dim=0), [x(4, 8), x(2, 8)], [S(1), S(1)], aten.cat)
 case("cat-negative", lambda a, b: torch.cat([a, b], dim=-2), [x(2, 4, 8), x(2, 4, 8)], [S(0), S(0)], aten.cat)
 case("cat-keyword", lambda a, b: torch.cat([a, b], dim=0), [x(4, 8), x(2, 8)], [S(1), S(1)], aten.cat, keywords=True)
-case("cat-split-dim", lambda a, b: torch.cat([a, b], dim=1), [x(4, 8), x(4, 4)], [S(1), S(1)], aten.cat, "declined")
+# along the split: the parts packed as unequal blocks, each rank [a_r, b_r] (Gated DeltaNet's q, k, v before its conv)
+case("cat-split-dim", lambda a, b: torch.cat([a, b], dim=1), [x(4, 8), x(4, 4)], [S(1), S(1)], aten.cat)
+case("cat-split-dim-then-whole", lambda a, b: torch.cat([a, b], dim=1) * 1, [x(4, 8), x(4, 4)], [S(1), S(1)], aten.cat)
+case("cat-split-and-other-dim", lambda a, b: torch.cat([a, b], dim=1), [x(4, 8), x(4, 4)], [S(1), S(0)], aten.cat,
+     "declined")
 case("cat-mixed", lambda a, b: torch.cat([a, b], dim=0), [x(4, 8), x(2, 8)], [S(1), R], aten.cat, "declined")
 
 # ---------------------------------------------------------------- softmax, norms, reductions
@@ -223,7 +227,9 @@ for name, f in [("sum", torch.sum), ("mean", torch.mean), ("amax", torch.amax), 
     case(f"{name}-keepdim", lambda a, f=f: f(a, -1, keepdim=True), [x(4, 8)], [S(0)], op)
     case(f"{name}-dims", lambda a, f=f: f(a, dim=(0, 2)), [x(2, 4, 8)], [S(1)], op)
     case(f"{name}-before-split", lambda a, f=f: f(a, dim=0), [x(2, 4, 8)], [S(2)], op)
-    case(f"{name}-split-dim", lambda a, f=f: f(a, dim=1), [x(4, 8)], [S(1)], op, "declined")
+    # a sum over the split is a partial sum (a mean, one divided by tp); a max is not
+    case(f"{name}-split-dim", lambda a, f=f: f(a, dim=1), [x(4, 8)], [S(1)], op,
+         "split" if name in ("sum", "mean") else "declined")
     case(f"{name}-keyword", lambda a, f=f: f(a, dim=0, keepdim=True), [x(2, 4, 8)], [S(2)], op, keywords=True)
 case("sum-all", lambda a: a.sum(), [x(4, 8)], [S(0)], aten.sum, "declined")
 case("sum-empty-dims", lambda a: a.sum(dim=[]), [x(4, 8)], [S(0)], aten.sum, "declined")
@@ -384,9 +390,116 @@ for name, f, op in [("zeros-like", torch.zeros_like, aten.zeros_like), ("ones-li
                     ("full-like", lambda a: torch.full_like(a, 3.0), aten.full_like)]:
     case(f"{name}-partial", lambda a, w, f=f: f(_psum(a, w)), [x(4, 8), x(8, 8)], [S(1), S(0)], op)
 
+# ---------------------------------------------------------------- splits of unequal blocks, parts held by several ranks
+
+U = S(0, 3, sizes=(8, 8, 4))  # a packed projection of unequal blocks (a Mamba-2 in_proj's z, x, dt)
+UW = S(0, 3, sizes=(8, 8, 4), parts=(0, 0, 1))  # its last block whole on every rank (B and C under fewer groups)
+case("linear-colwise-uneven", F.linear, [x(4, 8), x(20, 8), x(20)], [R, U, U], aten.linear)
+case("linear-colwise-whole-block", F.linear, [x(4, 8), x(20, 8), x(20)], [R, UW, UW], aten.linear)
+case("linear-colwise-parts", F.linear, [x(2, 4, 8), x(8, 8)], [R, S(0, parts=(1,))], aten.linear)
+case("linear-colwise-two-parts", F.linear, [x(2, 4, 8), x(8, 8)], [R, S(0, parts=(2,))], aten.linear)
+case("split-uneven-blocks", lambda a: a.split([16, 4], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))], aten.split_with_sizes)
+case("split-uneven-each", lambda a: a.split([8, 8, 4], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4), parts=(0, 0, 1))],
+     aten.split_with_sizes)
+case("split-uneven-cuts-a-block", lambda a: a.split([4, 16], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))],
+     aten.split_with_sizes, "declined")
+case("mul-uneven-beside-whole", lambda a, b: a * b, [x(4, 20), x(4, 20)], [S(1, 3, sizes=(8, 8, 4)), R], aten.mul)
+case("mul-uneven-beside-buffer", lambda a, b: a * b, [x(4, 20), x(1, 20)], [S(1, 3, sizes=(8, 8, 4), parts=(0, 0, 1)), R],
+     aten.mul, frozen=frozenset({1}))
+case("mul-parts-beside-split", lambda a, b: a * b, [x(4, 8), x(4, 8)], [S(1), S(1, parts=(1,))], aten.mul)
+case("view-parts-one-group", lambda a: a.view(4, 1, 8), [x(4, 8)], [S(1, parts=(1,))], aten.view)
+case("view-parts-groups", lambda a: a.view(4, 2, 4), [x(4, 8)], [S(1, parts=(2,))], aten.view)
+case("view-uneven-kept", lambda a: a.view(2, 2, 20), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))], aten.view)
+case("softmax-uneven-declined", lambda a: torch.softmax(a, 0), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))], aten.softmax,
+     "declined")  # a rule written for ordinary splits sees the split gathered
+Q4, KV1 = x(2, 4, 8, 4), [x(2, 1, 8, 4), x(2, 1, 8, 4)]  # one key/value head for four query heads (MQA)
+KV = S(1, parts=(1,))
+case("sdpa-gqa-whole-kv", sdpa(enable_gqa=True), [Q4, *KV1], [S(1), KV, KV], SDPA)
+case("sdpa-repeated-kv", lambda q, k, v: F.scaled_dot_product_attention(
+    q, k[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4), v[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4)),
+    [Q4, *KV1], [S(1), KV, KV], SDPA)
+KV2 = [x(2, 2, 8, 4), x(2, 2, 8, 4)]  # two key/value heads: over tp=4, each held by two ranks
+case("sdpa-gqa-two-kv-heads", sdpa(enable_gqa=True), [Q4, *KV2], [S(1), S(1, parts=(2,)), S(1, parts=(2,))], SDPA)
+
+# ---------------------------------------------------------------- the ops of state-space and linear-attention mixers
+
+
+def conv(groups, padding=2):
+    return lambda a, w, *b: F.conv1d(a, w, *b, padding=padding, groups=groups)
+
+
+C1 = aten.conv1d
+case("conv1d-depthwise", conv(8), [x(2, 8, 6), x(8, 1, 3), x(8)], [S(1), S(0), S(0)], C1)
+case("conv1d-depthwise-whole-weight", conv(8), [x(2, 8, 6), x(8, 1, 3)], [S(1), R], C1)
+case("conv1d-grouped", conv(4), [x(2, 8, 6), x(8, 2, 3), x(8)], [S(1), S(0), S(0)], C1)
+case("conv1d-depthwise-uneven", conv(12), [x(2, 12, 6), x(12, 1, 3), x(12)],
+     [S(1, 2, sizes=(8, 4))] + [S(0, 2, sizes=(8, 4))] * 2, C1)
+case("conv1d-depthwise-whole-block", conv(12), [x(2, 12, 6), x(12, 1, 3), x(12)],
+     [S(1, 2, sizes=(8, 4), parts=(0, 1))] + [S(0, 2, sizes=(8, 4), parts=(0, 1))] * 2, C1)
+case("conv1d-ungrouped", conv(1), [x(2, 8, 6), x(8, 8, 3)], [S(1), R], C1, "declined")
+case("conv1d-split-length", conv(8), [x(2, 8, 8), x(8, 1, 3)], [S(2), R], C1, "declined")
+# Mamba-1's dt_proj read through a product (``dt_proj.weight @ time_step``): the weight's rows split, the batch broadcast
+case("matmul-broadcast-weight-rows", torch.matmul, [x(8, 4), x(2, 4, 5)], [S(0), R], aten.matmul)
+case("softplus", F.softplus, [x(2, 8, 4)], [S(1)], aten.softplus)
+case("stack-new-dim-after", lambda a, b: torch.stack([a, b], dim=-1), [x(2, 8), x(2, 8)], [S(1), S(1)], aten.stack)
+case("stack-new-dim-before", lambda a, b: torch.stack([a, b], dim=0), [x(2, 8), x(2, 8)], [S(1), S(1)], aten.stack)
+case("stack-mixed", lambda a, b: torch.stack([a, b], dim=0), [x(2, 8), x(2, 8)], [S(1), R], aten.stack, "declined")
+case("cumsum", lambda a: a.cumsum(1), [x(4, 8)], [S(0)], aten.cumsum)
+case("cumsum-split-dim", lambda a: a.cumsum(1), [x(4, 8)], [S(1)], aten.cumsum, "declined")
+case("cumprod", lambda a: a.cumprod(-1) * 1, [x(4, 4, 4)], [S(1)], aten.cumprod)
+case("pad-other-dims", lambda a: F.pad(a, (0, 0, 1, 3)), [x(4, 4, 8)], [S(0)], aten.pad)
+case("pad-split-dim", lambda a: F.pad(a, (0, 0, 1, 3)), [x(2, 4, 8)], [S(1)], aten.pad, "declined")
+case("tril", lambda a: a.tril(-1) * 1, [x(4, 4, 4)], [S(0)], aten.tril)
+case("triu-split-dim", lambda a: a.triu(1) * 1, [x(4, 4, 4)], [S(2)], aten.triu, "declined")
+RI = aten.repeat_interleave
+case("repeat-interleave-heads", lambda a: a.repeat_interleave(2, dim=1, output_size=8), [x(2, 4, 8)], [S(1)], RI)
+case("repeat-interleave-other-dim", lambda a: a.repeat_interleave(2, dim=1), [x(2, 4, 8)], [S(2)], RI)
+case("repeat-interleave-one-group", lambda a: a.repeat_interleave(4, dim=1, output_size=4), [x(2, 1, 8)],
+     [S(1, parts=(1,))], RI)
+case("repeat-interleave-two-groups", lambda a: a.repeat_interleave(2, dim=1, output_size=4), [x(2, 2, 8)],
+     [S(1, parts=(2,))], RI)
+EI = aten.einsum
+case("einsum-heads", lambda a, b: torch.einsum("blhn,bshn->blsh", a, b), [x(2, 4, 4, 3), x(2, 4, 4, 3)],
+     [S(2), S(2)], EI)
+case("einsum-heads-whole-operand", lambda a, b: torch.einsum("blhn,bshn->blsh", a, b), [x(2, 4, 4, 3), x(2, 4, 4, 3)],
+     [S(2), R], EI)
+case("einsum-broadcast-operand", lambda a, b: torch.einsum("bhls,bsp->bhlp", a, b), [x(2, 4, 3, 3), x(2, 3, 5)],
+     [S(1), R], EI)
+case("einsum-summed-letter", lambda a, b: torch.einsum("bhn,bhm->bnm", a, b), [x(2, 4, 3), x(2, 4, 5)], [S(1), S(1)], EI)
+case("einsum-crossed-letters", lambda a, b: torch.einsum("bhn,bhm->bhnm", a, b), [x(2, 4, 4), x(2, 4, 4)],
+     [S(1), S(2)], EI, "declined")
+case("einsum-parts-summed", lambda a, b: torch.einsum("bhn,bhm->bnm", a, b), [x(2, 4, 3), x(2, 4, 5)],
+     [S(1, parts=(1,)), S(1, parts=(1,))], EI, "declined")
+case("baddbmm-heads", lambda b, a, w: torch.baddbmm(b, a, w), [x(4, 1, 3), x(4, 5, 3), x(4, 3, 3)],
+     [S(0), S(0), S(0)], aten.baddbmm)
+case("baddbmm-whole-bias", lambda b, a, w: torch.baddbmm(b, a, w), [x(4, 1, 3), x(4, 5, 3), x(4, 3, 3)],
+     [R, S(0), S(0)], aten.baddbmm)
+
+
+def grouped_norm(groups):  # a gated RMSNorm's variance over groups of channels (Mamba-2's MambaRMSNormGated)
+    def f(a):
+        g = a.view(2, 4, groups, 8 // groups)
+        return (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6)).view(2, 4, 8)
+    return f
+
+
+case("grouped-norm-local", grouped_norm(4), [x(2, 4, 8)], [S(2)], aten.mean)
+case("grouped-norm-one-group", grouped_norm(1), [x(2, 4, 8)], [S(2)], aten.mean)
+
 # ---------------------------------------------------------------- tp=4: a few of the above over four ranks
 
 CASES_4 = [c for c in CASES if c.key in {
     "gelu-packed", "view-heads", "unflatten-split-dim", "split-packed", "linear-colwise", "linear-rowwise",
     "addmm-rowwise-full-bias", "mm-packed-both-contracted", "sdpa-heads", "embedding-vocab-padding-first-half",
-    "embedding-columns-padding-second-half", "ce-vocab-ignore-class", "ce-vocab-none", "squeeze-dims"}]
+    "embedding-columns-padding-second-half", "ce-vocab-ignore-class", "ce-vocab-none", "squeeze-dims",
+    "sum-split-dim", "mean-split-dim", "cat-split-dim",
+    # every rule and split of the mixers at tp=4 (two-part cases cut parts over pairs of ranks here)
+    "linear-colwise-uneven", "linear-colwise-whole-block", "linear-colwise-parts", "linear-colwise-two-parts",
+    "split-uneven-blocks", "split-uneven-each", "mul-uneven-beside-whole", "mul-uneven-beside-buffer",
+    "mul-parts-beside-split", "view-parts-one-group", "view-parts-groups", "view-uneven-kept", "sdpa-gqa-whole-kv",
+    "sdpa-repeated-kv", "sdpa-gqa-two-kv-heads", "conv1d-depthwise", "conv1d-depthwise-whole-weight", "conv1d-grouped",
+    "conv1d-depthwise-uneven", "conv1d-depthwise-whole-block", "matmul-broadcast-weight-rows", "softplus",
+    "stack-new-dim-after", "stack-new-dim-before", "cumsum", "cumprod", "pad-other-dims", "tril",
+    "repeat-interleave-heads", "repeat-interleave-other-dim", "repeat-interleave-one-group",
+    "repeat-interleave-two-groups", "einsum-heads", "einsum-heads-whole-operand", "einsum-broadcast-operand",
+    "einsum-summed-letter", "baddbmm-heads", "baddbmm-whole-bias", "grouped-norm-local", "grouped-norm-one-group"}]

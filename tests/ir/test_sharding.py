@@ -59,10 +59,11 @@ def test_argument_reads_an_argument_however_it_was_passed(args, kwargs):
 @pytest.mark.parametrize("build,expected", [
     (lambda g, a: g.call_function(aten.transpose.int, (a,), {"dim0": 0, "dim1": 2}), Shard(0)),
     (lambda g, a: g.call_function(aten.sum.dim_IntList, (a,), {"dim": [0], "keepdim": True}), Shard(2)),
-    (lambda g, a: g.call_function(aten.sum.dim_IntList, (a,), {"dim": [-1]}), None),
+    (lambda g, a: g.call_function(aten.sum.dim_IntList, (a,), {"dim": [-1]}), Partial()),
+    (lambda g, a: g.call_function(aten.amax.default, (a,), {"dim": [-1]}), None),
     (lambda g, a: g.call_function(aten.softmax.int, (a,), {"dim": 2}), None),
     (lambda g, a: g.call_function(aten.softmax.int, (a,), {"dim": 0}), Shard(2)),
-], ids=["transpose", "sum-keepdim", "sum-split-dim", "softmax-split-dim", "softmax"])
+], ids=["transpose", "sum-keepdim", "sum-split-dim", "amax-split-dim", "softmax-split-dim", "softmax"])
 def test_rules_honor_keyword_arguments(build, expected):
     gm, node = _graph(build)
     x_node = next(iter(gm.graph.nodes))

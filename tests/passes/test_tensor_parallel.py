@@ -122,13 +122,15 @@ def _suggested_degrees(path, tp: int) -> list[int]:
 
 @pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
 def test_every_suggested_tp_degree_compiles_and_the_others_fail(samples, sample):
-    # gpt: 4 heads of hidden 64 (tp=3 used to suggest {1, 2, 4, 8, ..., 64}: 8 fails on the heads);
-    # llama: 8 heads, 4 key/value heads, vocab 256; gpt2: fused q/k/v, 3 packed blocks of 64, 4 heads
+    # gpt: 4 heads of hidden 64; llama: 8 heads, 4 key/value heads, vocab 256: at tp=8 the heads fewer than tp are
+    # each held by tp/heads ranks (issue 31 section 2), so 8 is offered and compiles (the headline --tp 8);
+    # gpt2: fused q/k/v, 3 packed blocks of 64, 4 heads: 8 fails on the packed heads
     suggested = _suggested_degrees(samples / sample, 3)
-    assert suggested == [1, 2, 4]
-    for tp in suggested:
+    assert suggested[:3] == [1, 2, 4] and (8 in suggested) == (sample != "gpt2.py"), suggested
+    for tp in suggested[:4]:
         compile_program(samples / sample, Layout(tp=tp))
-    assert _suggested_degrees(samples / sample, 8) == suggested  # 8 divides hidden and vocab, not the heads
+    if sample == "gpt2.py":
+        assert _suggested_degrees(samples / sample, 8) == suggested  # 8 divides hidden and vocab, not the heads
 
 
 def test_plan_key_matching_nothing_warns_with_its_name(models):
