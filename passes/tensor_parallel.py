@@ -28,7 +28,6 @@ from fxshard.graph import node_fqn
 from fxshard.ir.context import TP, CompileContext, NodeSpec, RankValue, spec, update_spec
 from fxshard.ir.contracts import PLACED, contract
 from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
-from fxshard.ir.sharding_mixers import local_groups, local_repeats
 from fxshard.ir.sharding import (
     Propagation,
     argument,
@@ -40,6 +39,7 @@ from fxshard.ir.sharding import (
     vocab_parallel_loss,
     written_inputs,
 )
+from fxshard.ir.sharding_mixers import local_groups, local_repeats
 from fxshard.plan.auto import auto_plan
 from fxshard.plan.demand import demanded_placements
 from fxshard.plan.experts import expert_split

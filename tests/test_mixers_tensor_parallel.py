@@ -97,9 +97,10 @@ def test_key_value_heads_held_by_several_ranks_say_so(trained, case, held):
 def test_weight_shards_hold_each_key_value_head_once_assembled(tmp_path):
     """The compile's weight shards are the manifest's slices of the model's tensors: rank r of tp=4 holds the k/v
     rows of head r // 2, and the slices assembled (what export and a reshard read) give each head once."""
+    from safetensors.torch import load_file
+
     from fxshard.driver import compile as compile_model
     from fxshard.runtime.slices import assemble
-    from safetensors.torch import load_file
 
     compile_model(KV2, Layout(tp=4), out=tmp_path)
     manifest = read_manifest(tmp_path)

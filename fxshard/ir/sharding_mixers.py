@@ -128,7 +128,7 @@ def _einsum(node, args, placements):
     if letter not in output and (split.general or split.blocks > 1):
         return None  # a part several ranks hold alike must not be summed over them
     need = tuple(split.moved(t.index(letter)) if letter in t else R for t in terms)
-    for t, a, p in zip(terms, args, need, strict=True):
+    for a, p in zip(args, need, strict=True):
         if isinstance(p, Shard) and shape(a)[p.dim] != _letter_size(letter, terms, args):
             return None  # broadcast along the letter
     out = split.moved(output.index(letter)) if letter in output else Partial()
