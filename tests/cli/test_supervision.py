@@ -129,17 +129,19 @@ def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
 
 
 def _ranks(pid: int) -> dict[int, int]:
-    """Rank -> pid of the launcher ``pid``'s workers (a child still between fork and exec has no RANK yet)."""
-    found = {}
+    """Rank -> pid of the launcher ``pid``'s workers (a child still between fork and exec has no RANK yet; a rank's
+    DataLoader workers inherit its RANK, and are passed over as children of a process that has one)."""
+    ranked = {}
     for child in _children(pid):
         try:
             environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            parent = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
         rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"RANK=")), None)
         if rank is not None:
-            found[int(rank)] = child
-    return found
+            ranked[child] = (int(rank), parent)
+    return {rank: child for child, (rank, parent) in ranked.items() if parent not in ranked}
 
 
 @pytest.mark.e2e
