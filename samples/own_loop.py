@@ -13,8 +13,10 @@ formula of ``fxshard run --lr-schedule cosine`` (docs/training.md), so this loop
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -48,12 +50,12 @@ def warmup_cosine(warmup: int, steps: int, floor: float = 0.0):
 
 
 def main(out: str, steps: int = 20, lr: float = 3e-3, warmup: int = 2, checkpoint: str | None = None,
-         log=print) -> list[float]:
+         metrics: str | None = None, log=print) -> list[float]:
     program = fxshard.load(out, lr=lr, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(program.optimizer, warmup_cosine(warmup, steps))
     loader = DataLoader(RandomTokens(), batch_size=ROWS, shuffle=False, drop_last=True)
     first = torch.distributed.get_rank() == 0
-    losses = []
+    losses, records = [], []
     for step, ids in zip(range(1, steps + 1), loader, strict=False):
         start = time.perf_counter()
         batch = program.local_batch({"input_ids": ids, "labels": ids, "use_cache": False})
@@ -68,6 +70,9 @@ def main(out: str, steps: int = 20, lr: float = 3e-3, warmup: int = 2, checkpoin
             seconds = time.perf_counter() - start
             log(f"step {step}/{steps}  loss {loss:.6f}  lr {lr_now:.2e}  grad norm {norm:.3f}  "
                 f"{ROWS * SEQ / seconds:,.0f} tokens/s")
+            records.append({"step": step, "loss": loss, "lr": lr_now, "seconds": seconds})
+    if metrics and first:  # JSON lines, as fxshard run --metrics writes
+        Path(metrics).write_text("".join(json.dumps(r) + "\n" for r in records))
     if checkpoint is not None:  # the checkpoints of fxshard run --checkpoint: `fxshard run --resume` continues it
         program.save(checkpoint, scheduler=scheduler)
     return losses
@@ -79,6 +84,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint", help="save a checkpoint here after the last step")
+    parser.add_argument("--metrics", help="write one JSON line per step here: step, loss, lr, seconds")
     args = parser.parse_args()
-    main(args.out, args.steps, args.lr, checkpoint=args.checkpoint)
+    main(args.out, args.steps, args.lr, checkpoint=args.checkpoint, metrics=args.metrics)
     torch.distributed.destroy_process_group()

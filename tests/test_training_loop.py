@@ -6,16 +6,19 @@
 - resume: an uninterrupted 12-step run saves at step 7; resumed from there in the same layout it repeats steps
   8-12 bit for bit, at pp2·dp2 within 1e-6, and from the same checkpoint stripped to the format before the data
   position was recorded it still resumes, with a note, replaying the stream;
-- samples/own_loop.py (``fxshard.load``, a DataLoader, torch's LambdaLR) gives ``fxshard run``'s losses.
+- samples/own_loop.py (``fxshard.load``, a DataLoader, torch's LambdaLR) gives ``fxshard run``'s losses, in a
+  spawned rank and launched by torchrun as its docstring says.
 
-Two spawns of 4 processes in all; the model (tests/models/llama_stream.py) reads a map-style dataset of 30 rows
-through fxshard.train.data (each dp rank its rows, shuffled anew each epoch).
+Two spawns of 4 processes, and a torchrun and an `fxshard run` of 2; the model (tests/models/llama_stream.py) reads
+a map-style dataset of 30 rows through fxshard.train.data (each dp rank its rows, shuffled anew each epoch).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,9 @@ from fxshard.train.reference import reference_losses
 from fxshard.train.schedule import lr_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "cli"))
+from test_checkpoint_cli import fxshard  # noqa: E402
+
 MODEL = ROOT / "tests" / "models" / "llama_stream.py"
 STEPS, EVERY, EVAL_BATCHES = 4, 2, 2
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, clip_grad_norm=1.0, grad_accum=2, lr_schedule="cosine", warmup_steps=1,
@@ -172,3 +178,21 @@ def test_samples_own_loop_gives_fxshard_runs_losses(trained):
     for rank in range(4):
         assert own[rank] == run[rank][0], f"rank {rank}"
     assert len(set(map(tuple, own))) == 1  # the same whole-batch loss on every rank
+
+
+@pytest.mark.e2e
+def test_samples_own_loop_under_torchrun_gives_fxshard_runs_losses(tmp_path):
+    """The sample as its docstring launches it, by torchrun (2 ranks at dp2), against `fxshard run` of the same
+    folder with the sample's recipe: the same losses and learning rates, bit for bit."""
+    out = _compiled(tmp_path, "dp2", Layout(dp=2))
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *map(str, (ROOT / "samples" / "own_loop.py", out, "--steps", 6, "--metrics",
+                                          tmp_path / "own.jsonl"))], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
+    assert "step 6/6" in torchrun.stdout  # the sample's metrics print
+    fxshard("run", out, "--steps", 6, "--lr", OWN.lr, "--weight-decay", OWN.weight_decay, "--clip-grad-norm",
+            OWN.clip_grad_norm, "--lr-schedule", OWN.lr_schedule, "--warmup-steps", OWN.warmup_steps, "--no-shuffle",
+            "--data-workers", 0, "--metrics", tmp_path / "run.jsonl")
+    own, run = ([json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()] for name in ("own", "run"))
+    assert [(x["step"], x["loss"], x["lr"]) for x in own] == [(x["step"], x["loss"], x["lr"]) for x in run]
+    print(f"samples/own_loop.py under torchrun: {len(own)} losses bit for bit fxshard run's")
