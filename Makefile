@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup browser demo test test-fast test-compat lint bench zoo clean
+.PHONY: setup browser demo test test-fast test-compat lint bench zoo soak clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,12 @@ test-compat: $(COMPAT_STAMP)
 # The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md
 zoo: setup
 	$(PY) -m zoo.run
+
+# The soak test (docs/trust.md#soak): 2,000 steps of samples/gpt.py at tp2·dp2, a rank killed with kill -9 ten
+# times and resumed; bit-identical to an uninterrupted run, no orphan, no stray file, no memory growth.  Its own
+# target, not part of `make test` (about half an hour on 2 cores); the short version is tests/scripts/test_soak.py.
+soak: setup
+	nice -n 10 $(PY) scripts/soak.py --steps 2000 --kills 10 --save-every 50 --seed 0 --results benchmarks/results/soak-cpu.md
 
 bench: setup
 	$(PY) -m pytest -q benchmarks/test_benchmarks.py
