@@ -172,13 +172,13 @@ class Soak:
 
     def segment(self, name: str, argv: list, metrics: Path, kill: Kill | None) -> tuple[Segment, int]:
         """Run one ``fxshard run`` to its end, or until ``kill`` is done and the launcher has ended."""
-        seg, t0, offset = Segment(name), time.monotonic(), metrics.stat().st_size if metrics.exists() else 0
+        seg, t0, tail = Segment(name), time.monotonic(), _Tail(metrics)
         proc = self.fxshard(*argv, log=self.work / f"{name}.log")
         ranks: dict[int, int] = {}  # pid -> rank
         last_sample = due = killed_at = 0.0
         try:
             while proc.poll() is None:
-                steps = _read_metrics(metrics, offset)
+                steps = tail.read()
                 for pid, start in _descendants(os.getpid()).items():
                     self.seen.setdefault(pid, start)
                     if pid not in ranks and _stat(pid) and _stat(pid)[0] == proc.pid and (r := _rank_of(pid)) is not None:
@@ -196,14 +196,14 @@ class Soak:
                     due = due or time.monotonic() + kill.fraction * step_s
                     if time.monotonic() >= due:
                         killed_at = self._kill(kill, ranks, seg.last_step)
-                time.sleep(0.1)
+                time.sleep(0.2)
             if kill and kill.pid:
                 kill.down_s, kill.launcher_rc = round(time.monotonic() - killed_at, 1), proc.returncode
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
             raise
-        steps = _read_metrics(metrics, offset)
+        steps = tail.read()
         seg.last_step = steps[-1][0] if steps else seg.last_step
         seg.wall_s = round(time.monotonic() - t0, 1)
         self._settle()
@@ -267,8 +267,8 @@ class Soak:
     def report(self, ref, segments, ref_ckpt, ref_metrics, metrics, compiled_before, soak_s, total_s) -> dict:
         a = self.args
         differ, compared = compare_checkpoints(ref_ckpt, self.soak_ckpt)
-        ref_loss = {s: loss for s, loss, _ in _read_metrics(ref_metrics, 0)}
-        trained = _read_metrics(metrics, 0)
+        ref_loss = {s: loss for s, loss, _ in _Tail(ref_metrics, 0).read()}
+        trained = _Tail(metrics, 0).read()
         loss_differ = [s for s, loss, _ in trained if ref_loss.get(s) != loss]
         _reap()
         orphans = sorted(p for p, s in self.seen.items() if _alive(p, s))
@@ -294,15 +294,25 @@ class Soak:
         }
 
 
-def _read_metrics(path: Path, offset: int) -> list[tuple[int, float, float]]:
-    """(step, loss, seconds) of the whole lines of ``path`` after byte ``offset``."""
-    if not path.exists():
-        return []
-    with open(path, "rb") as f:
-        f.seek(offset)
-        text = f.read().decode()
-    lines = text.split("\n")[:-1]  # the last piece is empty or a line being written
-    return [(int(x["step"]), x["loss"], x.get("seconds", 0.0)) for x in map(json.loads, lines) if "loss" in x]
+class _Tail:
+    """(step, loss, seconds) of the whole lines a metrics file gains after byte ``offset`` (default: its present
+    end), read a piece at a time."""
+
+    def __init__(self, path: Path, offset: int | None = None):
+        self.path, self.steps, self.partial = path, [], b""
+        self.offset = offset if offset is not None else (path.stat().st_size if path.exists() else 0)
+
+    def read(self) -> list[tuple[int, float, float]]:
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = self.partial + f.read()
+            self.offset += len(data) - len(self.partial)
+            *lines, self.partial = data.split(b"\n")  # the last piece is empty or a line being written
+            for x in map(json.loads, lines):
+                if "loss" in x:
+                    self.steps.append((int(x["step"]), x["loss"], x.get("seconds", 0.0)))
+        return self.steps
 
 
 def _latest(ckpt: Path) -> int:
