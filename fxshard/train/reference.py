@@ -119,9 +119,11 @@ def _token_counter(mf: ModelFile, seed: int):
         return None
 
     def count(batch) -> tuple[int, ...]:  # one count per counted mean of the loss
-        leaves = [leaf for _, leaf in pytree.tree_flatten_with_path(
-            (tuple(batch), {}) if not isinstance(batch, dict) else ((), dict(batch)))[0]]
-        return tuple(int(c) for c in torch.as_tensor(graph(*leaves)).reshape(-1))
+        # by path, in the captured inputs' order: a batch of the data path may order its dict's keys otherwise
+        # (use_cache first), and the count then read the input ids as labels (no -100 ever counted out)
+        leaves = {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(
+            (tuple(batch), {}) if not isinstance(batch, dict) else ((), dict(batch)))[0]}
+        return tuple(int(c) for c in torch.as_tensor(graph(*(leaves[i.path] for i in program.inputs))).reshape(-1))
 
     return count
 
