@@ -23,8 +23,8 @@ moments within a step depend on the machine's load).  At the end it checks, and 
   sample after its first save to its last, grows by at most ``--rss-growth`` in every segment that trained at least
   two saves' worth of steps (shorter segments are listed, not judged).
 
-It prints a Markdown summary (each kill: the rank, the step, whether a save was under way, the step resumed from,
-the steps lost, the seconds down; wall times; RSS first and last per rank and segment), writes it to ``--results``
+It prints a Markdown summary (each kill: the rank, the step, whether the save of the last step trained was lost, the
+step resumed from, the steps lost, the seconds down; wall times; RSS first and last per rank and segment), writes it to ``--results``
 when given, and the figures as JSON to ``WORK/soak.json`` (tests/scripts/test_soak.py reads them).
 """
 
@@ -58,7 +58,8 @@ class Kill:
     rank: int
     pid: int = 0
     after_step: int = 0  # the last step the run had trained when the signal went
-    during_save: bool = False
+    last_trained: int = 0  # the last step it finished (its metrics line written) before the launcher ended
+    during_save: bool = False  # the save of last_trained did not complete (the kill came before or during it)
     resumed_from: int = 0
     steps_lost: int = 0
     down_s: float = 0.0  # from the signal to the launcher's exit
@@ -215,8 +216,6 @@ class Soak:
         os.kill(pid, signal.SIGKILL)
         at = time.monotonic()
         kill.pid, kill.after_step = pid, step
-        kill.during_save = any(p.name.startswith(f"step-{step:08d}.tmp") for p in self.soak_ckpt.iterdir()) or (
-            step % self.args.save_every == 0 and _latest(self.soak_ckpt) < step)
         return at
 
     def _settle(self, wait_s: float = 60.0) -> None:
@@ -258,8 +257,9 @@ class Soak:
             if kill is not None:
                 if not kill.pid:
                     raise SystemExit(f"{seg.name} ended (exit {rc}) before its kill at step {kill.target}")
-                kill.resumed_from = _latest(self.soak_ckpt)
-                kill.steps_lost = kill.after_step - kill.resumed_from
+                kill.resumed_from, kill.last_trained = _latest(self.soak_ckpt), seg.last_step
+                kill.steps_lost = kill.last_trained - kill.resumed_from
+                kill.during_save = kill.last_trained % a.save_every == 0 and kill.resumed_from < kill.last_trained
         soak_s = time.monotonic() - t_soak
         return self.report(ref, segments, ref_ckpt, ref_metrics, metrics, compiled_before, soak_s,
                            time.monotonic() - t_start)
@@ -402,12 +402,16 @@ def summary(r: dict) -> str:
         f"({r['resumes']} resumes, {r['steps_trained']} steps trained for {r['steps']}), all "
         f"{r['wall_s']['total']} s with the compile.",
         "",
-        "| kill | rank (pid) | after step | during a save | resumed from | steps lost | launcher ended after |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        *[f"| {i + 1} | {k['rank']} ({k['pid']}) | {k['after_step']} | {'yes' if k['during_save'] else 'no'} | "
-          f"{k['resumed_from']} | {k['steps_lost']} | {k['down_s']} s (exit {k['launcher_rc']}) |"
-          for i, k in enumerate(kills)],
-        f"| all | | | | | {sum(k['steps_lost'] for k in kills)} | |",
+        "Each kill: the step the run had trained when the signal went, the last step it finished, whether that step's "
+        "save was lost with it, the step resumed from, the steps trained again, and the seconds from the signal to the "
+        "launcher's exit.",
+        "",
+        "| kill | rank (pid) | at step | last step | its save lost | resumed from | steps lost | launcher ended after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *[f"| {i + 1} | {k['rank']} ({k['pid']}) | {k['after_step']} | {k['last_trained']} | "
+          f"{'yes' if k['during_save'] else 'no'} | {k['resumed_from']} | {k['steps_lost']} | {k['down_s']} s "
+          f"(exit {k['launcher_rc']}) |" for i, k in enumerate(kills)],
+        f"| all | | | | | | {sum(k['steps_lost'] for k in kills)} | |",
         "",
         "Each rank's RSS (MiB, `/proc/PID/status` VmRSS), first after the segment's first save and last:",
         "",
