@@ -78,7 +78,7 @@ _compile = compile  # for verify, whose ``compile`` is the run's --compile
 def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
            plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
            out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
-           cpu_matmul: str = "onednn", weights: str | Path | None = None) -> Verification:
+           cpu_matmul: str = "auto", weights: str | Path | None = None) -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
     The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as

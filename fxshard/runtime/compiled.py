@@ -32,7 +32,7 @@ from fxshard.runtime import matmul
 BACKEND = "inductor"
 
 
-def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: str = "onednn") -> torch.nn.Module:
+def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: str = "auto") -> torch.nn.Module:
     """Compile ``module``'s forward (a generated ``RankModule`` or pipeline stage) in place; return it.
     ``regional``: one graph per repeated block class, and the module's forward broken at the block calls.
     ``cpu_matmul``: the kernel of the graphs' fp32 CPU matrix products, one of
@@ -91,6 +91,6 @@ def inductor_options(cpu_matmul: str) -> dict:
     """
     if cpu_matmul not in matmul.CPU_MATMULS:
         raise ValueError(f"cpu_matmul {cpu_matmul!r}: expected one of {', '.join(matmul.CPU_MATMULS)}")
-    if cpu_matmul == "onednn" and matmul.onednn_available():
+    if matmul.chosen_kernel(cpu_matmul) == "onednn" and matmul.onednn_available():
         return {"post_grad_custom_post_pass": OneDNNMatmuls(matmul.MIN_MULTIPLY_ADDS)}
     return {}

@@ -31,9 +31,10 @@ class RunOptions:
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
     compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "
                                   "(inductor), collectives as functional collectives; the first step compiles")
-    cpu_matmul: str = option("onednn", "with --compile on CPU: the kernel of the static fp32 matrix products of 4M "
-                                       "multiply-adds and more: onednn (twice MKL's speed on AMD CPUs, where MKL "
-                                       "takes its AVX2 path) or torch (torch's MKL, as eager runs)")
+    cpu_matmul: str = option("auto", "with --compile on CPU: the kernel of the static fp32 matrix products of 4M "
+                                     "multiply-adds and more: onednn (twice MKL's speed on AMD CPUs with AVX-512, "
+                                     "where MKL takes its AVX2 path; slower than MKL on AVX2-only CPUs), torch "
+                                     "(torch's MKL, as eager runs), or auto: onednn on AMD with AVX-512, else torch")
     trace: Path | None = option(None, "write per-rank Chrome trace JSON of every pipeline action and collective to "
                                       "DIR (rank<R>.json, joined in trace.json: open it in ui.perfetto.dev, or read it "
                                       "with `fxshard report`)")

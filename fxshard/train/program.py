@@ -52,6 +52,7 @@ from fxshard.runtime.data_parallel import local
 from fxshard.runtime.distributed_optimizer import finish_param_sync
 from fxshard.runtime.guard import named_phase, set_context
 from fxshard.runtime.loss import step_tokens
+from fxshard.runtime.matmul import agreed_kernel
 from fxshard.runtime.random import begin_batch
 from fxshard.train.modules import (
     build_groups,
@@ -112,7 +113,7 @@ class Program:
         self.coords = layout.coords(dist.get_rank())
         self.entry = manifest.rank(self.coords)
         code = import_rank_file(out / self.entry.file)
-        self._compiled = options.cpu_matmul if options.compile else None
+        self._compiled = agreed_kernel(options.cpu_matmul) if options.compile else None  # auto: one kernel for all
         self._rank = build_rank(code, out, manifest, self.entry, self.groups, dp_mesh, device, self._compiled)
         self._opt = build_optimizer(self._rank, self.entry, layout, self.groups, options.optim)
         if self._sharded and options.optim.overlap_param_gather:

@@ -86,7 +86,7 @@ def _eager_and_compiled(out: str) -> dict:
     launch._Loop._step, experts._dispatch = counted_step, counted_dispatch
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            compiled = launch.train(Path(out), RunOptions(STEPS, compile=True), **quiet)
+            compiled = launch.train(Path(out), RunOptions(STEPS, compile=True, cpu_matmul="onednn"), **quiet)
     finally:
         launch._Loop._step, experts._dispatch = step, dispatch
     return {"eager": eager, "compiled": compiled, "compile_s": compile_seconds(), "graphs": graphs,

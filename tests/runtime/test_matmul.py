@@ -93,8 +93,22 @@ def test_torch_kernel_and_other_dtypes_are_left_alone():
 def test_cpu_matmul_option_reaches_every_rank_and_refuses_unknown_kernels(tmp_path):
     argv = RunOptions(cpu_matmul="torch").argv(tmp_path)
     assert argv[argv.index("--cpu-matmul") + 1] == "torch"
-    with pytest.raises(OptionError, match=r"--cpu-matmul mkl: expected one of onednn, torch"):
+    with pytest.raises(OptionError, match=r"--cpu-matmul mkl: expected one of auto, onednn, torch"):
         check_run_options(tmp_path, RunOptions(cpu_matmul="mkl"), say=lambda *_: None)
     model = Path(__file__).resolve().parents[1] / "models" / "tiny_gpt.py"
     verify = fxshard("verify", model, "--tp", "2", "--compile", "--cpu-matmul", "mkl")  # refused before it compiles
-    assert verify.returncode != 0 and "--cpu-matmul mkl: expected one of onednn, torch" in verify.stdout + verify.stderr
+    assert verify.returncode != 0 and "--cpu-matmul mkl: expected one of auto, onednn, torch" in verify.stdout + verify.stderr
+
+
+def _vote(rank: int, world: int) -> str:
+    from fxshard.runtime import matmul
+
+    matmul.chosen_kernel = lambda cpu_matmul: "onednn" if rank == 0 else "torch"  # rank 1 stands on another CPU
+    return matmul.agreed_kernel("auto")
+
+
+@pytest.mark.distributed
+def test_auto_takes_onednn_only_where_every_rank_chose_it():
+    from fxshard.testing import spawn
+
+    assert spawn(_vote, 2) == ["torch", "torch"]  # one kernel everywhere: replicated products round alike
