@@ -1,8 +1,8 @@
 """Training on real data equals one device at every layout: each dp rank loads only its rows of each global batch
-(from a packed token file written by `fxshard data tokenize`, or the model file's make_dataset through DataLoader
-workers), and the losses, the trained parameters and an evaluation of the validation split after the last step
-(``--eval-every``; pipelines run it forward only) match single-device training on the same global batches (torch's
-AdamW and LambdaLR; one case with ``--weight-decay-all``).
+(from a token file written by `fxshard data tokenize`, packed or in windows, or the model file's make_dataset
+through DataLoader workers), and the losses, the trained parameters and an evaluation of the validation split after
+the last step (``--eval-every``; pipelines run it forward only) match single-device training on the same global
+batches (torch's AdamW and LambdaLR; one case with ``--weight-decay-all``).
 
 Each case is compiled here and trained 5 steps on real gloo process groups (one spawn per world size)."""
 
@@ -30,16 +30,17 @@ PACKED, DATASET = MODELS / "packed_llama.py", MODELS / "dataset_llama.py"
 STEPS, REL = 5, 1e-5
 EVAL_BATCHES = 2  # validation batches of the evaluation after step STEPS
 OPTIM = OptimConfig(lr=3e-3)
-CASES = {  # id -> (model file, layout, optimizer settings, data from the token file?)
-    "packed-tp2": (PACKED, Layout(tp=2), OPTIM, True),
-    "packed-pp2": (PACKED, Layout(pp=2), OPTIM, True),
+CASES = {  # id -> (model file, layout, optimizer settings, the token file's sequences: "packed", "tokens" or None)
+    "packed-tp2": (PACKED, Layout(tp=2), OPTIM, "packed"),
+    "packed-pp2": (PACKED, Layout(pp=2), OPTIM, "packed"),
     # --weight-decay-all: norms decayed too (without it, step 5's loss moves 4.5e-5 and the norms 0.18 of the update)
     "packed-dp2-zero1": (PACKED, Layout(dp=2, zero=1), OptimConfig(lr=3e-3, weight_decay=0.1, weight_decay_all=True),
-                         True),
-    "packed-dp2-zero3": (PACKED, Layout(dp=2, zero=3), OPTIM, True),
-    "packed-tp2-pp2-dp2": (PACKED, Layout(tp=2, pp=2, dp=2), OPTIM, True),
+                         "packed"),
+    "packed-dp2-zero3": (PACKED, Layout(dp=2, zero=3), OPTIM, "packed"),
+    "packed-tp2-pp2-dp2": (PACKED, Layout(tp=2, pp=2, dp=2), OPTIM, "packed"),
+    "tokens-dp2": (PACKED, Layout(dp=2), OPTIM, "tokens"),  # the file read in windows of the sequence length
     # make_dataset through 2 workers per rank; 10 batches of a 22-row dataset cross an epoch
-    "dataset-dp2-accum2": (DATASET, Layout(dp=2), OptimConfig(lr=3e-3, grad_accum=2), False),
+    "dataset-dp2-accum2": (DATASET, Layout(dp=2), OptimConfig(lr=3e-3, grad_accum=2), None),
 }
 
 
@@ -58,7 +59,8 @@ def train_on(out: str, steps: int, optim: OptimConfig, data: DataOptions):
 
 def _data(case: str, corpus) -> DataOptions:
     root, _ = corpus
-    return DataOptions(data=root / "t.bin", pack=True) if CASES[case][3] else DataOptions()
+    kind = CASES[case][3]
+    return DataOptions(data=root / "t.bin", pack=kind == "packed") if kind else DataOptions()
 
 
 @pytest.fixture(scope="module")
