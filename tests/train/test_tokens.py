@@ -201,3 +201,16 @@ def test_data_wins_over_make_dataset_and_says_so(corpus):
     check_model_data(load_model_file(ROOT / "tests" / "models" / "dataset_llama.py"),
                      options=DataOptions(data=root / "t.bin"), say=said.append)
     assert said == [f"data: --data {root / 't.bin'} is used; the model file's make_dataset() is not"]
+
+
+def test_the_references_token_count_of_a_packed_batch_counts_its_targets(corpus):
+    """The single-device reference weighs accumulated and evaluated batches by their counted targets; a packed batch's
+    dict holds use_cache first, and the count once took its values in that order (every target counted)."""
+    from fxshard.train.reference import _token_counter
+
+    root, _ = corpus
+    batch = next(global_batches(PACKED, "validation", DataOptions(data=root / "t.bin", pack=True)))
+    assert list(batch)[0] != "input_ids"  # not make_inputs()'s order
+    count = _token_counter(load_model_file(PACKED), 0)
+    assert count(batch) == (int((batch["labels"][:, 1:] != IGNORE).sum()),)  # the shifted labels that are not -100
+    assert count(batch)[0] < batch["labels"][:, 1:].numel()
