@@ -216,6 +216,7 @@ def verify_report(console: Console, result) -> None:
 
 _PLAN_ROWS = [  # key, label, unit
     ("psi", "parameters Ψ (this rank, before dp sharding)", "count"),
+    ("frozen_psi", "frozen parameters (requires_grad=False; in Ψ: no gradient, no optimizer state)", "count"),
     ("params", "parameter bytes", "bytes"),
     ("grads", "gradient bytes", "bytes"),
     ("optimizer", "optimizer state bytes (Adam moments; + fp32 masters under bf16)", "bytes"),

@@ -19,9 +19,12 @@ from harness import assert_matches_single_device, compile_and_train, single_devi
 from fxshard.capture.modelfile import load_model_file
 from fxshard.driver import compile as compile_model
 from fxshard.ir.layout import Layout
-from fxshard.testing import case_result
+from fxshard.testing import case_result, measure_on_rank
+from fxshard.tools.costs import plan_costs
 from fxshard.tools.verify import gather_parameters
+from fxshard.tools.zero_memory import formula, frozen_formula
 from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
+from fxshard.train.memory import report_rows
 from fxshard.train.optim import OptimConfig
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -110,3 +113,47 @@ def test_frozen_parameters_are_saved_without_optimizer_state_resumed_and_exporte
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for name in frozen:
         assert torch.equal(exported[name].float(), reader.tensor(name)), name
+
+
+def _counts(path: Path) -> tuple[int, int]:
+    """(trained, frozen): elements of the model's parameters that train and that do not."""
+    params = list(load_model_file(path).build_model(0).parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad)
+
+
+def test_the_plan_holds_no_gradient_or_optimizer_state_for_a_frozen_parameter():
+    """``fxshard plan``'s model state: a frozen parameter is held (whole in the compute dtype; under FSDP2 as its
+    fp32 shard), and has no gradient and no Adam state at any ZeRO stage; the peak counts neither."""
+    trained, frozen = _counts(LLAMA)
+    assert frozen > 0.2 * (trained + frozen)  # the embedding: a plan that counted it as trained would be far off
+    for dtype in ("fp32", "bf16"):
+        for zero in (0, 1, 2, 3):
+            mixed = dtype == "bf16"
+            (rank,) = plan_costs(LLAMA, Layout(dp=2, zero=zero, dtype=dtype)).ranks
+            want, still = formula(zero, 2, mixed, trained), frozen_formula(zero, 2, mixed, frozen)
+            assert (rank["psi"].value, rank["frozen_psi"].value) == (trained + frozen, frozen)
+            assert (rank["grads"].value, rank["optimizer"].value) == (want["grads"], want["optimizer"]), (dtype, zero)
+            assert rank["params"].value == want["params"] + still["params"], (dtype, zero)
+            assert rank["model_state"].value == rank["params_peak"].value + want["grads"] + want["optimizer"]
+
+
+MEMORY_CASES = {"fp32-zero0": Layout(dp=2), "fp32-zero1": Layout(dp=2, zero=1), "fp32-zero3": Layout(dp=2, zero=3),
+                "bf16-zero1": Layout(dp=2, zero=1, dtype="bf16")}
+
+
+@pytest.mark.distributed
+def test_measured_model_state_of_frozen_parameters_is_what_the_plan_says(tmp_path):
+    """One step on two gloo ranks: the bytes each rank holds (``fxshard run --memory-report``'s walk of its tensors)
+    are the plan's, category by category (Adam's step counters and ZeRO 1's whole-tensor imbalance aside)."""
+    outs = {name: str(compile_model(LLAMA, layout, out=tmp_path / name).out) for name, layout in MEMORY_CASES.items()}
+    per_rank = spawn(measure_on_rank, 2, outs, timeout=600)
+    params = [p for p in load_model_file(LLAMA).build_model(0).parameters() if p.requires_grad]
+    for name, layout in MEMORY_CASES.items():
+        (plan,) = plan_costs(LLAMA, layout).ranks
+        slack = 8 * len(params) + ((4 if layout.mixed else 0) + 8) * max(p.numel() for p in params) * (layout.zero == 1)
+        for row in report_rows([r[name] for r in per_rank], layout):
+            assert row["frozen"] == plan["frozen_psi"].value
+            for key in ("params", "grads", "optimizer"):
+                assert abs(row[key] - plan[key].value) <= (slack if key == "optimizer" else 0), (
+                    f"{name} rank {row['rank']} {key}: measured {row[key]} bytes, plan {plan[key].value:.0f}")
+                assert plan[key].value == row["formula"][key], (name, key)

@@ -4,6 +4,7 @@ within 1e-3 of the update), in its own process with a time limit so one case can
 
     python -m zoo.run                      # the whole matrix -> zoo/RESULTS.md
     python -m zoo.run --only llama t5      # some architectures
+    python -m zoo.run --only mamba2 --layouts tp=2 --out /tmp/zoo.md   # some layouts
 """
 
 from __future__ import annotations
@@ -42,28 +43,31 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="architectures (file names without .py)")
+    parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="layouts (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "RESULTS.md")
     args = parser.parse_args(argv)
+    layouts = {name: flags for name, flags in LAYOUTS.items() if not args.layouts or name in args.layouts}
     models = sorted(p for p in MODELS.glob("*.py") if not args.only or p.stem in args.only)
     results, start = {}, time.monotonic()
     for model in models:
-        for name, flags in LAYOUTS.items():
+        for name, flags in layouts.items():
             verdict, detail = run_case(model, flags)
             print(f"{model.stem:12s} {name}: {verdict} ({detail})", flush=True)
             results[model.stem, name] = verdict, detail
     minutes = (time.monotonic() - start) / 60
-    args.out.write_text(results_page(results, len(models), minutes))
+    args.out.write_text(results_page(results, len(models), minutes, tuple(layouts)))
     print(f"wrote {args.out}")
     return 0 if all(verdict != "FAILED" for verdict, _ in results.values()) else 1
 
 
-def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, minutes: float) -> str:
+def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, minutes: float,
+                 layouts: tuple[str, ...] = tuple(LAYOUTS)) -> str:
     """The table (architecture x layout), each refusal's reason once, as a numbered note under the table."""
     reasons: list[str] = []
     rows = []
     for arch in sorted({a for a, _ in results}):
         cells = []
-        for layout in LAYOUTS:
+        for layout in layouts:
             verdict, detail = results[arch, layout]
             if verdict == "refused":
                 if detail not in reasons:
@@ -72,7 +76,7 @@ def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, mi
             else:
                 cells.append(f"{verdict}: {detail}")
         rows.append(f"| {arch} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    table = ["| architecture | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS), *rows]
+    table = ["| architecture | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts), *rows]
     notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, 1)]
     return ("# Model zoo\n\n`make zoo` (`python -m zoo.run`): each architecture of `zoo/models` trained 3 AdamW "
             "steps under each layout and compared with single-device training by `fxshard verify` (losses "

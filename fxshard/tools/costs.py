@@ -42,7 +42,7 @@ from fxshard.ir.placement import Shard, local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.saved import trace_saved
-from fxshard.tools.zero_memory import formula, peak_params
+from fxshard.tools.zero_memory import formula, frozen_formula, peak_params
 from fxshard.units import human_bytes
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -373,9 +373,13 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
     experts = _expert_psi(state, ctx, layout)  # this rank's E/ep experts: state of their own (none without --ep)
-    mem = formula(layout.zero, layout.replicas, layout.mixed, psi - experts)  # ZeRO shards over dp x cp
+    frozen = _frozen_psi(state, ctx, layout)  # requires_grad=False: the parameter alone, no gradient or Adam state
+    mem = formula(layout.zero, layout.replicas, layout.mixed, psi - experts - frozen)  # ZeRO shards over dp x cp
+    still = frozen_formula(layout.zero, layout.replicas, layout.mixed, frozen)
     for key in ("params", "grads", "optimizer"):
-        row[key] = Cost(sympy.nsimplify(mem[key] + expert_state(layout, experts)[key]), at)
+        row[key] = Cost(sympy.nsimplify(mem[key] + still[key] + expert_state(layout, experts)[key]), at)
+    if frozen:
+        row["frozen_psi"] = Cost(sympy.Integer(frozen), at)
     row["params_peak"] = Cost(sympy.nsimplify(peak_params(layout.zero, layout.replicas, layout.mixed, psi - experts,
                                                           _block_params(state, ctx, layout))
                                               + expert_state(layout, experts)["params"]), at)
@@ -395,7 +399,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     row["tp_sent"] = Cost(sympy.nsimplify(sum((sympy.nsimplify(WIRE[op](layout.tp)) * moved[op] * m for op in moved),
                                               sympy.Integer(0))) if layout.tp > 1 else sympy.Integer(0), at)
     row["pp_send"] = Cost(_pipeline_elements(gm, stages, numel, ctx, m, layout), at)
-    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi - experts, m if ctx.pipeline is not None else 1)
+    row["dp_bytes"] = Cost(sympy.nsimplify(_dp_bytes(layout, psi - experts - frozen, m if ctx.pipeline is not None
+                                                     else 1, frozen=frozen)
                                            + _expert_dp_bytes(layout, experts)), at)
     if layout.cp > 1:
         row["cp_sent"] = Cost(sympy.expand(_cp_bytes(nodes, numel, layout) * m), at)
@@ -485,6 +490,13 @@ def _expert_psi(state, ctx, layout: Layout) -> int:
                for n in state if n in ctx.params and fqns[n.name].fqn in ctx.expert_params)
 
 
+def _frozen_psi(state, ctx, layout: Layout) -> int:
+    """Parameters of this rank that do not train (``requires_grad=False``; not the experts, counted on their own)."""
+    fqns, trainable = ctx.program.state_by_name(), ctx.trainable
+    return sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
+               for n in state if n in ctx.params and n not in trainable and fqns[n.name].fqn not in ctx.expert_params)
+
+
 def expert_state(layout: Layout, experts: int) -> dict[str, float]:
     """Bytes of the experts' model state on one rank (``experts``: their parameters on it, E/ep of each layer's).
     They are data-parallel over edp (dp/ep ranks holding the same experts), not dp: ZeRO 1 shards their Adam state
@@ -565,8 +577,10 @@ def _pipeline_elements(gm, stages, numel, ctx, m: int, layout: Layout) -> sympy.
     return sympy.expand(total * m)
 
 
-def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
-    """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass).
+def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1, frozen: int = 0) -> float:
+    """Bytes a rank sends per step over dp (ring collectives: each moves (N-1)/N of the buffer per pass), for
+    ``psi`` trained parameters and ``frozen`` ones, which have no gradient and are not updated: only FSDP2's
+    all-gathers (ZeRO 2/3) move them.
 
     ZeRO 3 under a pipeline schedule all-gathers each stage's parameters m + 1 times per step (measured
     for GPipe, 1F1B, interleaved 1F1B per stage: benchmarks/comm_axes.py); 2 without a pipeline.  FSDP2
@@ -579,6 +593,6 @@ def _dp_bytes(layout: Layout, psi: int, microbatches: int = 1) -> float:
     low = 2 if layout.mixed else 4
     if layout.zero <= 1:  # ZeRO 0: all-reduce of the gradients (2 passes); ZeRO 1: reduce-scatter of the gradient
         return 2 * ring * low * psi  # buckets and all-gather of the parameter buckets (both in the compute dtype)
-    gather = ring * low * psi  # all-gather of the parameters (compute dtype)
+    gather = ring * low * (psi + frozen)  # all-gather of the parameters (compute dtype)
     reduce = ring * 4 * psi if layout.mixed else ring * low * psi  # reduce-scatter of gradients (fp32 under bf16)
     return reduce + gather * (1 if layout.zero == 2 else microbatches + 1)

@@ -35,6 +35,21 @@ def formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
     return out
 
 
+def frozen_formula(zero: int, dp: int, mixed: bool, psi: int) -> dict[str, float]:
+    """Bytes per category for ``psi`` frozen parameters (``requires_grad=False``): no gradient, no optimizer state
+    (``fxshard.train.modules.trained_parameters``), only the parameter itself.  Outside FSDP2 it is held whole in
+    the compute dtype, without an fp32 master; FSDP2 (ZeRO 2/3) shards it in fp32 as any parameter, and at ZeRO 2
+    keeps it gathered in the compute dtype after forward.
+
+    >>> frozen_formula(1, 4, True, 100)["total"], frozen_formula(3, 4, True, 100)["total"]
+    (200, 100.0)
+    """
+    zero = zero if dp > 1 else 0
+    low = 2 if mixed else 4
+    held = {0: low * psi, 1: low * psi, 2: low * psi + 4 * psi / dp, 3: 4 * psi / dp}[zero]
+    return {"params": held, "grads": 0, "optimizer": 0, "total": held}
+
+
 def peak_params(zero: int, dp: int, mixed: bool, psi: int, blocks=()) -> float:
     """Parameter bytes a rank holds at once during forward, the transient the ZeRO formulas leave out.
 

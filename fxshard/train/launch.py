@@ -198,7 +198,7 @@ class _Loop:
             if self.sink:
                 self.sink.close()
         if memory is not None:
-            memory |= probe.sample | {"psi": program.parameter_count()}
+            memory |= probe.sample | {"psi": program.parameter_count(), "frozen": program.frozen_count()}
         if final_state is not None:
             final_state |= program.trained_state()
         return losses

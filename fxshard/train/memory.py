@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 import torch
 
 from fxshard.runtime.recompute import watching_kept
-from fxshard.tools.zero_memory import FSDP2_ZERO2_EXTRA, formula, formula_text, peak_params  # noqa: F401
+from fxshard.tools.zero_memory import (  # noqa: F401
+    FSDP2_ZERO2_EXTRA,
+    formula,
+    formula_text,
+    frozen_formula,
+    peak_params,
+)
 
 
 def storage_bytes(tensors) -> int:
@@ -217,13 +223,17 @@ def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> 
     rows = []
     zero = layout.zero if layout.dp > 1 else 0
     for rank, m in enumerate(samples):
-        want = formula(zero, layout.dp, layout.mixed, m["psi"])
+        frozen = m.get("frozen", 0)  # requires_grad=False: the parameter alone, no gradient or optimizer state
+        trained = formula(zero, layout.dp, layout.mixed, m["psi"] - frozen)
+        still = frozen_formula(zero, layout.dp, layout.mixed, frozen)
+        want = {key: trained[key] + still[key] for key in trained}
         total = m["params"] + m["grads"] + m["optimizer"]
         note = ""
         if zero == 2:
-            extra = FSDP2_ZERO2_EXTRA[layout.mixed] * m["psi"] / layout.dp
+            extra = FSDP2_ZERO2_EXTRA[layout.mixed] * (m["psi"] - frozen) / layout.dp
             note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.train.memory"
-        rows.append({"rank": rank, "coords": layout.coords(rank).to_json(), "psi": m["psi"], "params": m["params"],
+        rows.append({"rank": rank, "coords": layout.coords(rank).to_json(), "psi": m["psi"], "frozen": frozen,
+                     "params": m["params"],
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],
                      "live": m["live"],
                      "formula": want, "formula_text": formula_text(zero, layout.dp, layout.mixed),

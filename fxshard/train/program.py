@@ -351,6 +351,11 @@ class Program:
         """Ψ of this rank: elements of its (tp- and pp-local) parameters, before any dp sharding."""
         return local_parameter_count(self.held, self.entry)
 
+    def frozen_count(self) -> int:
+        """Of :meth:`parameter_count`, the elements of the parameters that do not train (``requires_grad=False``)."""
+        return sum(math.prod(self.entry.tensors[prefix + name].shape) for prefix, module in self.held.items()
+                   for name, p in module.named_parameters() if not p.requires_grad)
+
     # ------------------------------------------------------------ batches
 
     def _leaves(self, batch, what: str) -> list:
