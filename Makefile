@@ -63,7 +63,7 @@ bench: setup
 	$(PY) -m benchmarks.run
 
 lint: setup
-	$(VENV)/bin/ruff check fxshard passes cli tests samples scripts benchmarks zoo
+	$(PY) -m ruff check fxshard passes cli tests samples scripts benchmarks zoo
 
 clean:
 	rm -rf out $(VENV) $(COMPAT_VENV) .pytest_cache
