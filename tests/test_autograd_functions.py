@@ -155,6 +155,7 @@ def test_capture_wraps_the_function_as_a_pointwise_op():
     assert not any(n.target is torch.ops.aten.round.default for n in program.gm.graph.nodes)
 
 
+@pytest.mark.slow
 def test_rank_files_define_the_op_and_keep_the_mlp_split(tmp_path):
     result = compile_model(MODELS / "straight_through_fn.py", Layout(tp=2), out=tmp_path,
                            plan={"blocks.*.fc_in": "colwise", "blocks.*.fc_out": "rowwise"})

@@ -100,6 +100,7 @@ def test_constants_made_in_forward_reach_the_rank_files(tmp_path):
 
 # Phimoe's router multiplies through its own autograd.Function (kept as an fxshard_fn op, tests/test_autograd_functions.py)
 # and draws random numbers in training: per pipeline microbatch or dp rank refused, the drawing op named
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
 def test_phimoe_router_randomness_is_refused_naming_the_op(layout):
     with pytest.raises(RandomnessError, match=r"^model\.layers\.0\.mlp\.router: exponential_ = "

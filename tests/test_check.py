@@ -64,6 +64,7 @@ def check_error(out: Path) -> str:
     return str(info.value)
 
 
+@pytest.mark.slow
 def test_generated_files_pass_and_compile_time_scan_agrees_with_the_meta_run(compiled):
     for result in (gpt_tp2(compiled), gpt_pipeline(compiled)):
         report = check_output(result.out)

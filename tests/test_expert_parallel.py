@@ -191,6 +191,7 @@ def test_global_gradient_norm_counts_each_expert_gradient_once(tmp_path):
                 assert abs(g - w) <= 1e-5 * w, f"{name} rank {rank}: the norm of {what} is {g}, single device {w}"
 
 
+@pytest.mark.slow
 def test_generated_code_has_the_exchange_as_lines(tmp_path):
     result = compile_model(QWEN, Layout(dp=4, ep=2), out=tmp_path / "out")
     source = result.sources["rank_pp0_tp0.py"]
@@ -224,6 +225,7 @@ def test_unsupported_layouts_are_refused(layout, message):
         Layout(**layout)
 
 
+@pytest.mark.slow
 def test_ep_on_a_model_without_experts_is_refused():
     with pytest.raises(LayoutError, match="LlamaForCausalLM: expected mixture-of-experts layers.*found no mixture"):
         compile_model(ROOT / "samples" / "llama.py", Layout(dp=2, ep=2))
@@ -267,6 +269,7 @@ def test_load_balancing_loss_under_dp_trains_as_one_device(tmp_path):
         assert share <= DEFAULT_PARAM_RTOL["fp32"], f"{case}: parameters differ by {share:.2e} of the update"
 
 
+@pytest.mark.slow
 def test_load_balancing_loss_under_pipeline_microbatches_is_refused():
     with pytest.raises(LayoutError, match="load-balancing loss .* product of two whole-batch means, which pipeline "
                                           "microbatches"):
@@ -274,6 +277,7 @@ def test_load_balancing_loss_under_pipeline_microbatches_is_refused():
     compile_model(AUX, Layout())  # one device, one batch: exact, allowed
 
 
+@pytest.mark.slow
 def test_load_balancing_loss_under_grad_accumulation_is_refused(tmp_path):
     # --grad-accum k is one step over k batches; each batch would compute the two means on its own (two different
     # batches of this model: 4.4e-5 relative in the loss), so fxshard run and verify refuse it before launching
@@ -315,6 +319,7 @@ def test_clipping_changes_the_reference_so_the_clip_cases_test_something(path):
     assert _reference(path, CLIP)[0] != _reference(path, OptimConfig())[0]
 
 
+@pytest.mark.slow
 def test_a_mixtral_8x22b_shape_compiles_on_meta_at_ep8_tp2_pp4(tmp_path):
     """samples/mixtral8x22b.py (141B parameters, 56 layers of 8 experts) on meta tensors, code and manifest only;
     the README gives its compile time (not asserted here: the machine is shared)."""

@@ -121,6 +121,7 @@ def _counts(path: Path) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad)
 
 
+@pytest.mark.slow
 def test_the_plan_holds_no_gradient_or_optimizer_state_for_a_frozen_parameter():
     """``fxshard plan``'s model state: a frozen parameter is held (whole in the compute dtype; under FSDP2 as its
     fp32 shard), and has no gradient and no Adam state at any ZeRO stage; the peak counts neither."""

@@ -157,6 +157,7 @@ def _combine_sizes(path: Path) -> tuple[int, int, int, int]:
     return batch["input_ids"].numel(), model.config.hidden_size, model.config.num_experts_per_tok, layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", [QWEN, MIXTRAL, DEEPSEEK], ids=lambda p: p.stem)
 def test_the_experts_reduce_once_on_the_tokens_after_the_combine(tmp_path, path):
     """The partial sums of the routed rows ``[T*k, H]`` pass through the combine (times the routing weights, back
@@ -200,6 +201,7 @@ def test_under_sp_the_experts_input_enters_through_gather_to(tmp_path):
     assert (tokens * k, hidden) not in copies and (tokens, hidden) not in copies, copies
 
 
+@pytest.mark.slow
 def test_plan_counts_one_token_sized_reduce_per_moe_layer():
     """``fxshard plan``'s tp all-reduce elements: splitting the experts adds, per MoE layer, the tokens' forward
     all-reduce ``T*H`` (not the rows' ``T*k*H``), the tokens' gradient ``T*H`` (the ``copy_to`` before the rows are
@@ -253,6 +255,7 @@ def test_with_ep_the_models_plan_is_a_note_and_a_users_plan_an_error():
         compile_program(QWEN, Layout(tp=2, dp=2, ep=2), plan={EXPERTS: "moe_tp_experts"})
 
 
+@pytest.mark.slow
 def test_plan_counts_the_experts_split():
     from fxshard.tools.costs import plan_costs
 

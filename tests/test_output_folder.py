@@ -87,6 +87,7 @@ def test_a_users_file_the_new_program_would_overwrite_is_refused(tmp_path):
     assert _snapshot(out) == before
 
 
+@pytest.mark.slow
 def test_recompiling_from_the_folders_own_model_copy(tmp_path):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)
@@ -95,6 +96,7 @@ def test_recompiling_from_the_folders_own_model_copy(tmp_path):
     assert (out / "model.py").read_bytes() == GPT.read_bytes()
 
 
+@pytest.mark.slow
 def test_a_failed_compile_leaves_the_old_folder_untouched(tmp_path, monkeypatch):
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)
@@ -169,6 +171,7 @@ def test_out_dot_from_inside_the_folder_recompiles_it(tmp_path, monkeypatch):
     assert [p.name for p in out.iterdir() if "fxshard-" in p.name] == [] and _siblings(out) == []
 
 
+@pytest.mark.slow
 def test_out_naming_a_symlink_replaces_the_folder_it_points_at(tmp_path):
     real, link = tmp_path / "real", tmp_path / "link"
     compile_model(GPT, Layout(tp=2), out=real)
@@ -180,6 +183,7 @@ def test_out_naming_a_symlink_replaces_the_folder_it_points_at(tmp_path):
     assert _siblings(real) == [] and _siblings(link) == []
 
 
+@pytest.mark.slow
 def test_a_compiled_folder_keeps_ordinary_permissions(tmp_path):
     mask = os.umask(0o022)
     try:
@@ -192,6 +196,7 @@ def test_a_compiled_folder_keeps_ordinary_permissions(tmp_path):
         os.umask(mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, value", [("file", "../../../../etc/passwd"), ("weights", "/etc/hostname"),
                                         ("model_file", "/etc/passwd"), ("model_file", "../o.py")])
 def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path, key, value):

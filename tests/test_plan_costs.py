@@ -21,6 +21,7 @@ GPT = ROOT / "samples" / "gpt.py"
 L, H, V = 8, 64, 256
 
 
+@pytest.mark.slow
 def test_tensor_parallel_traffic_is_four_all_reduces_of_bsh_per_layer():
     report = plan_costs(GPT, Layout(tp=2))
     (rank,) = report.ranks
@@ -34,6 +35,7 @@ def test_tensor_parallel_traffic_is_four_all_reduces_of_bsh_per_layer():
     assert rank["tp_allreduce"].value == (4 * L + 2) * 8 * 16 * H  # evaluated at the example's B, S
 
 
+@pytest.mark.slow
 def test_pipeline_traffic_is_bsh_per_boundary_and_direction():
     report = plan_costs(GPT, Layout(pp=2, microbatches=4))
     first, last = report.ranks
@@ -43,6 +45,7 @@ def test_pipeline_traffic_is_bsh_per_boundary_and_direction():
     assert first["tp_allreduce"].expr == 0
 
 
+@pytest.mark.slow
 def test_zero_model_state_bytes_follow_the_formulas():
     for dtype in ("fp32", "bf16"):
         for zero in (0, 1, 2, 3):
@@ -61,6 +64,7 @@ def test_zero_model_state_bytes_follow_the_formulas():
             assert rank["params_peak"].value == low * gathered + (4 * psi / 4 if zero >= 2 else 0)
 
 
+@pytest.mark.slow
 def test_bubble_fraction_and_evaluation_at_other_sizes():
     report = plan_costs(GPT, Layout(pp=4, microbatches=8), batch=64, seq=2048)
     assert report.bubble.expr == sympy.Rational(3, 11)  # (p-1)/(m+p-1)
@@ -70,6 +74,7 @@ def test_bubble_fraction_and_evaluation_at_other_sizes():
     assert interleaved.bubble.expr == sympy.Rational(1, 2 * 4 + 1)  # (p-1)/(v*m+p-1), v = 2
 
 
+@pytest.mark.slow
 def test_forward_values_grow_with_batch_and_sequence():
     (rank,) = plan_costs(GPT, Layout(tp=2)).ranks
     expr = rank["forward_values"].expr
@@ -79,6 +84,7 @@ def test_forward_values_grow_with_batch_and_sequence():
     assert expr.subs({B: 0, S: 0}) == 8
 
 
+@pytest.mark.slow
 def test_saved_bytes_are_what_autograd_keeps_not_every_forward_value():
     (rank,) = plan_costs(GPT, Layout()).ranks
     # issue 16: every forward value is 6.85 MiB, the tensors saved for backward measure 4.22 MiB
@@ -108,6 +114,7 @@ def test_microbatches_alive_come_from_the_schedule_order(schedule, pp, m, want):
         assert all(set(c) == {r, r + pp} for r in range(pp) for c in counts[r])  # the rank's two chunks
 
 
+@pytest.mark.slow
 def test_plan_peak_multiplies_saved_bytes_by_the_alive_microbatches():
     first, last = plan_costs(GPT, Layout(pp=2, microbatches=4)).ranks
     assert first["alive_by_stage"] == {0: 2} and last["alive_by_stage"] == {1: 1}
@@ -116,6 +123,7 @@ def test_plan_peak_multiplies_saved_bytes_by_the_alive_microbatches():
     assert gpipe["activations"].expr == sympy.expand(4 * gpipe["saved"].expr)
 
 
+@pytest.mark.slow
 def test_device_memory_verdict_and_bad_sizes():
     assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
     assert parse_size("16GiB") == 16 * 2**30 and parse_size("512 MiB") == 512 * 2**20
@@ -128,6 +136,7 @@ def test_device_memory_verdict_and_bad_sizes():
     assert not rank["verdict"]["fits"] and rank["verdict"]["headroom"] < 0
 
 
+@pytest.mark.slow
 def test_plan_command_prints_tables_and_json():
     run = fxshard("plan", GPT, "--tp", 2, "--pp", 2, "--json", cwd=ROOT)
     assert run.returncode == 0, run.stderr
@@ -142,6 +151,7 @@ def test_plan_command_prints_tables_and_json():
     assert bad.returncode == 2 and "--device-memory '80 GiBs': expected a positive size" in bad.stderr
 
 
+@pytest.mark.slow
 def test_zero3_under_a_pipeline_counts_a_gather_per_microbatch_forward():
     # FSDP2 reshards after each microbatch's forward and keeps the parameters for all the backwards:
     # m + 1 all-gathers and one reduce-scatter of the stage's parameters per step (measured in
@@ -159,6 +169,7 @@ def gpt_by_recompute():
     return plan_costs(GPT, Layout(tp=2))
 
 
+@pytest.mark.slow
 def test_each_recompute_mode_has_its_peak(gpt_by_recompute):
     """Full keeps less than selective, which keeps less than none; the rows are the asked mode's."""
     row = gpt_by_recompute.ranks[0]
@@ -174,6 +185,7 @@ def test_each_recompute_mode_has_its_peak(gpt_by_recompute):
     assert summary["mode"] == "none" and not summary["auto"] and set(summary["peaks"]) == {"none", "selective", "full"}
 
 
+@pytest.mark.slow
 def test_auto_picks_the_least_recompute_that_fits(gpt_by_recompute):
     peaks = {m: c.value for m, c in gpt_by_recompute.ranks[0]["recompute_peaks"].items()}
     for device, want in ((peaks["none"] + 1, "none"), (peaks["none"] - 1, "selective"),
@@ -193,6 +205,7 @@ def test_auto_refuses_a_device_nothing_fits_and_a_missing_size():
         plan_costs(GPT, Layout(recompute="auto"))
 
 
+@pytest.mark.slow
 def test_compile_auto_writes_the_chosen_mode():
     from fxshard.driver import compile as compile_model
 
@@ -207,6 +220,7 @@ QWEN_MOE = ROOT / "tests" / "models" / "hf_qwen3_moe.py"  # 2 MoE layers, hidden
 MOE_L, MOE_H, MOE_E, MOE_I, MOE_K = 2, 32, 4, 16, 2
 
 
+@pytest.mark.slow
 def test_a_meta_compile_of_a_moe_model_writes_what_a_real_compile_writes():
     # transformers' grouped-matmul experts histogram the expert ids as floats on cpu and as int32 elsewhere (CPU
     # kernels refuse int32); captured on meta, fxshard plan (which compiles on meta) took the int32 branch and
@@ -221,6 +235,7 @@ def test_a_meta_compile_of_a_moe_model_writes_what_a_real_compile_writes():
         assert "aten.histc.default(to_9, 4, 0, 3)" in real["rank_pp0_tp0.py"]
 
 
+@pytest.mark.slow
 def test_plan_of_a_moe_model_without_and_with_ep():
     (tp,) = plan_costs(QWEN_MOE, Layout(tp=2)).ranks
     assert tp["tp_allreduce"].value > 0 and "ep_alltoall" not in tp

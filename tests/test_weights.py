@@ -105,6 +105,7 @@ def _load_rank(out: Path, entry: RankEntry, monkeypatch) -> tuple[torch.nn.Modul
     return module, reads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "llama_sharded", "gpt2", "gpt"])
 def test_each_rank_holds_its_slices_and_reads_only_them(folders, name, tmp_path, monkeypatch):
     folder = folders[name]
@@ -227,6 +228,7 @@ def test_checkpoint_of_a_different_model_is_rejected(folders):
         compile_model(ROOT / "samples" / "llama.py", Layout(tp=2), weights=folders["gpt2"])
 
 
+@pytest.mark.slow
 def test_70b_shaped_llama_compiles_on_meta_without_allocating(tmp_path):
     """4 layers of the 70B shape at tp=8 pp=4: ~19 GB of fp32 parameters if they were allocated."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.compile_scaling", "4", "8", "4", str(tmp_path)],

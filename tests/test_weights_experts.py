@@ -147,6 +147,7 @@ def _load_ranks(out: Path, monkeypatch):
         yield entry, dict(module.named_parameters()) | dict(module.named_buffers()), list(reads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["qwen-tp2", "qwen-dp2-ep2", "mixtral-tp2", "mixtral-dp2-ep2", "mixtral_sharded-tp2",
                                   "qwen_stacked-tp2", "deepseek-tp2", "deepseek-dp2-ep2"])
 def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkeypatch):

@@ -86,7 +86,7 @@ def _trace_args(group, tensor, site, number: int) -> dict:
     """What a traced collective's event says: its group, buffer, the generated line that issued it."""
     args = {"number": number, "step": _current_step["step"]}
     try:
-        args["ranks"] = dist.get_process_group_ranks(group) if group is not None else []
+        args["ranks"] = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     except Exception:  # the default group, or one already torn down: the ranks are not what matters here
         pass
     if tensor is not None:
@@ -100,7 +100,8 @@ def _trace_args(group, tensor, site, number: int) -> dict:
 def _message(what: str, group, tensor, site, number: int | None, e: Exception, unknown: str = HINT) -> str:
     rank = dist.get_rank() if dist.is_initialized() else -1
     try:
-        ranks = dist.get_process_group_ranks(group) if group is not None and dist.is_initialized() else []
+        ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+                 ) if dist.is_initialized() else []  # group None: the default group, every rank
     except Exception:  # a group this rank has already torn down
         ranks = []
     if tensor is not None:

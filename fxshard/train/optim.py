@@ -129,7 +129,7 @@ def clip_grad_norm_(grads: list[tuple[torch.Tensor, float]], max_norm: float, gr
     for g, w in grads:
         sq += w * g.detach().to(torch.float64).pow(2).sum()
     if group is not None or dist.is_initialized():
-        with guarded("all_reduce of the squared gradient norm (--clip-grad-norm)", group):
+        with guarded("all_reduce of the squared gradient norm (read before every update)", group):
             dist.all_reduce(sq, group=group)
     norm = float(sq.sqrt())
     coef = min(1.0, max_norm / (norm + 1e-6))

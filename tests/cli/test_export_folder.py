@@ -57,6 +57,7 @@ def _hidden(parent: Path) -> list[str]:
 # ---------------------------------------------------------------- item 5
 
 
+@pytest.mark.slow
 def test_export_into_a_folder_that_is_not_an_exports_is_refused_and_left_alone(tmp_path):
     ckpt = tmp_path / "ckpt"
     _checkpoint(ckpt)
@@ -113,6 +114,7 @@ def test_export_again_replaces_its_own_files_and_keeps_the_users(tmp_path):
 # ---------------------------------------------------------------- item 13
 
 
+@pytest.mark.slow
 def test_a_weights_index_leading_out_of_its_folder_is_refused(tmp_path):
     from transformers import LlamaForCausalLM
 

@@ -78,6 +78,7 @@ def test_a_causal_lm_captured_with_the_cache_off_trains_as_on_one_device(tmp_pat
 # ---------------------------------------------------------------- item 14
 
 
+@pytest.mark.slow
 def test_the_commands_compile_prints_paste_into_a_shell(tmp_path):
     out = tmp_path / "my out's [new] folder"
     proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "compile", str(MLP), "--tp", "2", "--out",

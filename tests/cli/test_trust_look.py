@@ -72,6 +72,7 @@ def _plant_code(out: Path, marker: Path) -> None:
 # ---------------------------------------------------------------- item 1: a look never runs the folder's code
 
 
+@pytest.mark.slow
 def test_report_and_show_run_no_code_of_the_folder(compiled, tmp_path):
     out = _copy(compiled, tmp_path)
     marker = tmp_path / "ran"

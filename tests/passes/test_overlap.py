@@ -94,6 +94,7 @@ def test_a_fused_node_read_other_than_by_index_breaks_the_contract(models):
         compile_program(models / "mlp.py", Layout(tp=2))
 
 
+@pytest.mark.slow
 def test_the_plan_reads_the_fused_node(samples):
     """fxshard plan compiles in memory and costs that graph: it holds the fused nodes, their backward all-reduces
     are counted as the copy_to's were, and no value is counted for the copy_to output the fused op does not make."""

@@ -101,6 +101,7 @@ def test_pipeline_boundaries_send_the_token_split():
     assert hidden and all(spec(v).placement == Shard(1) for v in hidden)
 
 
+@pytest.mark.slow
 def test_the_same_elements_go_over_the_wire_as_the_all_reduces_replaced():
     tp, sp = (plan_costs(SAMPLES / "llama.py", Layout(tp=2, sp=s)).ranks[0] for s in (False, True))
     B, S = sympy.symbols("B S", positive=True)

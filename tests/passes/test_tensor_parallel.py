@@ -120,6 +120,7 @@ def _suggested_degrees(path, tp: int) -> list[int]:
     return [int(d) for d in re.search(r"use tp in \{([\d, ]+)\}", str(e.value)).group(1).split(", ")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
 def test_every_suggested_tp_degree_compiles_and_the_others_fail(samples, sample):
     # gpt: 4 heads of hidden 64; llama: 8 heads, 4 key/value heads, vocab 256: at tp=8 the heads fewer than tp are

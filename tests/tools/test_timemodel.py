@@ -57,6 +57,7 @@ def test_forward_flops_are_torch_flop_counters(h100):
     assert model_flops(h100, 32) == counter.get_total_flops()  # symbolic in S: attention grows as S**2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [Layout(pp=2, microbatches=4), Layout(dp=2, zero=1), Layout(tp=2, recompute="full")])
 def test_the_memory_is_the_plans_verdict(h100, layout):
     setting = Setting(16, 4, 8)
