@@ -65,6 +65,21 @@ def out(tmp_path):
     return folder
 
 
+@contextlib.contextmanager
+def _frozen(pids):
+    """Every process of ``pids`` stopped (SIGSTOP) inside the block and let go on (SIGCONT) after it, so that what
+    the block reads (a checkpoint folder) cannot change under it; one killed inside the block stays dead."""
+    pids = list(pids)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def _gone_within(pids: set[int], seconds: float) -> set[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
@@ -178,14 +193,10 @@ def test_kill_9_of_a_worker_in_the_middle_of_a_save_then_resume(tmp_path, victim
             saves = [p for p in ckpt.glob("step-*.tmp-*") if int(p.name[5:13]) >= 2]  # latest names a step
             if not saves:
                 continue
-            for pid in workers.values():
-                os.kill(pid, signal.SIGSTOP)
-            caught = [p for p in ckpt.glob("step-*.tmp-*") if p.is_dir()]
-            if caught:
-                os.kill(workers[victim], signal.SIGKILL)
-            for pid in workers.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+            with _frozen(workers.values()):
+                caught = [p for p in ckpt.glob("step-*.tmp-*") if p.is_dir()]
+                if caught:
+                    os.kill(workers[victim], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         for pid in _gone_within(set(workers.values()), 20):

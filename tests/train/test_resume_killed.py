@@ -29,7 +29,7 @@ from fxshard.ir.context import Layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
 from test_checkpoint_cli import fxshard  # noqa: E402
-from test_supervision import _gone_within, _ranks  # noqa: E402
+from test_supervision import _frozen, _gone_within, _ranks  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
@@ -60,13 +60,9 @@ def _kill_after_save(out: Path, ckpt: Path, args: list) -> tuple[int, str]:
                     break
             time.sleep(0.002)
         assert proc.poll() is None and len(workers) == 2, "the run ended (or never started) before step 7 was saved"
-        for pid in workers.values():
-            os.kill(pid, signal.SIGSTOP)
-        saved = int(latest.read_text().strip()[5:])  # the workers are frozen: this is the last complete save
-        os.kill(workers[1], signal.SIGKILL)
-        for pid in workers.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        with _frozen(workers.values()):
+            saved = int(latest.read_text().strip()[5:])  # the workers are frozen: this is the last complete save
+            os.kill(workers[1], signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
     finally:
         for pid in _gone_within(set(workers.values()), 20):
