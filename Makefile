@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup browser demo test test-fast test-compat lint bench zoo soak clean
+.PHONY: setup browser demo test test-matrix test-fast test-compat lint bench zoo soak clean
 
 setup: $(STAMP)
 
@@ -18,8 +18,13 @@ browser:
 demo: setup
 	$(PY) scripts/demo.py
 
-# Two workers (pytest-xdist), a test file each at a time: spawned ranks run one thread each.
+# Two workers (pytest-xdist), a test file each at a time: spawned ranks run one thread each.  The cases of broad
+# layout and model matrices are marked `matrix` and left to make test-matrix; a representative case of each stays.
 test: setup browser
+	$(PY) -m pytest -q -m "not matrix" -n 2 --dist loadfile --durations=25
+
+# Everything make test runs, and every case of the broad matrices (about an hour on 2 cores).
+test-matrix: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself),
