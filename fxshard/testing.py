@@ -189,6 +189,20 @@ def selected_cases(request, cases, fixture: str = "trained") -> list[str]:
     return [c for c in cases if c in chosen]
 
 
+def matrix(cases, keep) -> list:
+    """The values for ``@pytest.mark.parametrize`` over a broad matrix of ``cases``: those in ``keep`` run in
+    ``make test``, a representative of each feature; every other case is marked ``matrix``, which ``make test``
+    deselects and ``make test-matrix`` runs.  ``selected_cases`` then leaves the module fixture's spawn the kept
+    cases alone."""
+    import pytest
+
+    cases = list(cases)
+    unknown = sorted(set(keep) - set(cases))
+    if unknown:
+        raise ValueError(f"matrix: kept cases {unknown} are not among the cases {cases}")
+    return [c if c in keep else pytest.param(c, marks=pytest.mark.matrix) for c in cases]
+
+
 def case_result(results: dict, key: str):
     """The per-rank results of one case of :func:`spawn_cases`; fails the calling test with the case's cause."""
     import pytest

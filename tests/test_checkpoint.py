@@ -19,6 +19,7 @@ from harness import spawn
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import matrix, selected_cases
 from fxshard.train.checkpoint import CRASH_ENV, CheckpointConfig, CheckpointError, CheckpointReader
 from fxshard.train.optim import OptimConfig
 
@@ -37,6 +38,7 @@ RESUMES = {  # id -> (model, layout): each resumes the tp=2·pp=2 run's step-2 c
     "llama-dp2-zero0": ("llama", Layout(dp=2)),
     "llama-pp2": ("llama", Layout(pp=2)),
 }
+KEEP = ("llama-tp4", "gpt2-dp2-zero3")  # make test's representatives; make test-matrix resumes every case
 
 
 def _train(rank: int, world: int, runs: list, crash_at: int | None = None):
@@ -74,11 +76,12 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed(saved, tmp_path_factory):
-    """Every case of RESUMES, resumed from step 2 and run to step 4: {case: losses of steps 3 and 4 (rank 0)}."""
+def resumed(saved, tmp_path_factory, request):
+    """The selected cases of RESUMES, resumed from step 2 and run to step 4: {case: losses of steps 3 and 4 (rank 0)}."""
     tmp = tmp_path_factory.mktemp("resumed")
     by_world: dict[int, list] = {}
-    for case, (model, layout) in RESUMES.items():
+    for case in selected_cases(request, RESUMES, "resumed"):
+        model, layout = RESUMES[case]
         out = _compile(tmp, model, layout, case)
         ckpt = CheckpointConfig(saved[model][1] / "step-00000002", resume=True)
         by_world.setdefault(layout.world_size, []).append((case, (str(out), STEPS, ckpt)))
@@ -109,7 +112,7 @@ def test_uninterrupted_run_saves_and_commits_latest(saved):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", list(RESUMES))
+@pytest.mark.parametrize("case", matrix(RESUMES, KEEP))
 def test_resume_under_any_layout_continues_the_losses(saved, resumed, case):
     model = RESUMES[case][0]
     _close(resumed[case], saved[model][2][0][2:], f"{case} resumed from {model} {SAVED}")

@@ -19,7 +19,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
-from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
+from fxshard.testing import CaseFailure, case_result, matrix, selected_cases, spawn_cases
 from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
@@ -123,6 +123,13 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "llama-padded-tp2-sp": (ROOT / "tests" / "models" / "llama_padded.py", Layout(tp=2, sp=True), None),
     "gpt-tp2-sp-bf16": (SAMPLES / "gpt.py", Layout(tp=2, sp=True, dtype="bf16"), None),
 }
+# make test's representatives (a schedule each, a split of the batch each, tp, sp, dp at ZeRO 1 and 3, the 3D mesh,
+# bf16, clipping, hybrid stacks, batch norm); make test-matrix runs every case
+KEEP = ("gpt-pp2-1f1b", "llama-pp2-interleaved-1f1b", "gpt2-pp2-zero-bubble", "gpt-pp4-gpipe", "marked-skip-pp3-1f1b",
+        "llama-tp2-pp2-1f1b", "llama-padded-pp2-4-microbatches", "llama-padded-dp2-accum2", "bert-qa-pp2-2-microbatches",
+        "resnet-bn-dp2-zero3", "zamba2-hybrid-pp2", "inplace-view-tp2", "gpt-dp2-zero1", "gpt-dp2-zero3",
+        "gpt-dp2-pp2-tp2-zero1", "gpt-dp2-pp2-zero1-zero-bubble", "gpt-tp2-pp2-clip", "llama-dp2-tp2-zero3-sp-clip",
+        "gpt-tp2-sp", "gpt-dp2-zero2-bf16")
 BF16_REL = 2e-2  # bf16 losses are rounded to 8 significant bits (~4e-3); sums over other ranks round differently
 
 
@@ -181,7 +188,7 @@ def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[floa
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", matrix(CASES, KEEP))
 def test_pipeline_training_matches_single_device(trained, case):
     path, layout, _, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
@@ -228,6 +235,7 @@ def test_tied_weights_are_held_by_first_and_last_stage():
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix
 def test_zero_bubble_bf16_trains_as_1f1b_does(trained):
     # same microbatches and dp reduction; only the order of the passes differs, which bf16 rounding does not see
     a, _ = case_result(trained, "gpt-dp2-pp2-zero1-zero-bubble-bf16-clip")
@@ -237,7 +245,7 @@ def test_zero_bubble_bf16_trains_as_1f1b_does(trained):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["inplace-view-tp2", "inplace-view-pp2-1f1b"])
+@pytest.mark.parametrize("case", matrix(["inplace-view-tp2", "inplace-view-pp2-1f1b"], ["inplace-view-tp2"]))
 def test_buffer_updated_in_place_counts_every_training_forward(trained, case):
     per_rank, manifest = case_result(trained, case)
     counters = [value for _, state in per_rank for key, value in state.items() if key.endswith("calls")]

@@ -12,6 +12,7 @@ import pytest
 from cli_in_process import fxshard as fxshard_in_process
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.testing import matrix
 from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def fxshard(*args, check=True, here=False):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sample", ["gpt.py", "llama.py"])
+@pytest.mark.parametrize("sample", matrix(["gpt.py", "llama.py"], ["gpt.py"]))
 def test_compile_and_run_matches_single_device_training(tmp_path, sample):
     out = tmp_path / "out"
     fxshard("compile", ROOT / "samples" / sample, "--tp", 2, "--out", out)
@@ -136,7 +137,14 @@ def test_plan_file_with_unmatched_key_warns(tmp_path, models):
 
 
 @pytest.mark.e2e
-def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples):
+@pytest.mark.parametrize("layout, names, plain", [
+    ((3, 0), {"all_reduce (DDP bucket 0)"}, ()),
+    pytest.param((2, 3), {"all_gather (FSDP2 issue)", "all_gather (FSDP2 wait, copy out)", "reduce_scatter (FSDP2)"},
+                 (), marks=pytest.mark.matrix),
+    pytest.param((2, 1), {"all_gather (ZeRO-1 bucket 0, issued by the step)"}, ("--no-overlap-param-gather",),
+                 marks=pytest.mark.matrix),
+], ids=["dp3-zero0", "dp2-zero3", "dp2-zero1"])
+def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples, layout, names, plain):
     """--trace times torch's own dp collectives (a DDP comm hook; FSDP2's gathers and reduce-scatters) and ZeRO 1's
     parameter all-gathers left in flight (issue to completion) on a second row per rank, and the traced run trains
     bitwise as the untraced one (dp=3, where dividing the bucket instead of multiplying by 1/3 as DDP's reducer does
@@ -147,30 +155,25 @@ def test_traced_dp_collectives_are_events_and_change_nothing(tmp_path, samples):
     assert model.read_text() != src
     from safetensors.torch import load_file
 
-    for layout, names, plain in (((3, 0), {"all_reduce (DDP bucket 0)"}, ()),
-                                 ((2, 3), {"all_gather (FSDP2 issue)", "all_gather (FSDP2 wait, copy out)",
-                                           "reduce_scatter (FSDP2)"}, ()),
-                                 ((2, 1), {"all_gather (ZeRO-1 bucket 0, issued by the step)"},
-                                  ("--no-overlap-param-gather",))):
-        dp, zero = layout
-        out = tmp_path / f"dp{dp}z{zero}"
-        fxshard("compile", model, "--dp", dp, "--zero", zero, "--out", out)
-        fxshard("run", out, "--steps", 2, "--final-state", out / "plain", *plain)
-        (out / "trace").mkdir()
-        fxshard("run", out, "--steps", 2, "--final-state", out / "traced", "--trace", out / "trace")
-        events = [e for e in json.loads((out / "trace" / "trace.json").read_text())["traceEvents"]
-                  if e.get("cat") == "dp"]
-        assert {e["name"] for e in events} == names, layout
-        assert {e["pid"] for e in events} == set(range(dp)) and all(e["tid"] == 1 for e in events)
-        assert all(e["args"]["bytes"] > 0 and e["args"]["ranks"] == list(range(dp)) for e in events)
-        for r in range(dp):
-            plain, traced = (load_file(out / f / f"rank{r}.safetensors") for f in ("plain", "traced"))
-            assert all(plain[k].equal(traced[k]) for k in plain), (layout, r)
+    dp, zero = layout
+    out = tmp_path / f"dp{dp}z{zero}"
+    fxshard("compile", model, "--dp", dp, "--zero", zero, "--out", out)
+    fxshard("run", out, "--steps", 2, "--final-state", out / "plain", *plain)
+    (out / "trace").mkdir()
+    fxshard("run", out, "--steps", 2, "--final-state", out / "traced", "--trace", out / "trace")
+    events = [e for e in json.loads((out / "trace" / "trace.json").read_text())["traceEvents"] if e.get("cat") == "dp"]
+    assert {e["name"] for e in events} == names, layout
+    assert {e["pid"] for e in events} == set(range(dp)) and all(e["tid"] == 1 for e in events)
+    assert all(e["args"]["bytes"] > 0 and e["args"]["ranks"] == list(range(dp)) for e in events)
+    for r in range(dp):
+        untraced, traced = (load_file(out / f / f"rank{r}.safetensors") for f in ("plain", "traced"))
+        assert all(untraced[k].equal(traced[k]) for k in untraced), (layout, r)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sample, flags", [("gpt.py", ["--tp", 2]),
-                                           ("llama.py", ["--tp", 2, "--dtype", "bf16", "--recompute", "selective"])])
+@pytest.mark.parametrize("sample, flags", [
+    pytest.param("gpt.py", ["--tp", 2], marks=pytest.mark.matrix),
+    ("llama.py", ["--tp", 2, "--dtype", "bf16", "--recompute", "selective"])])
 def test_overlapped_backward_trains_bitwise_as_the_plain_program(tmp_path, samples, sample, flags):
     """rt.copy_to_linears (the default) against --no-overlap (rt.copy_to and the linears): the same trained tensors
     to the bit, since its backward computes the gradients autograd computes, in autograd's order."""

@@ -63,8 +63,8 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("model, layout, waiting", [
-    (MLP, Layout(dp=2, zero=3),
-     r"rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp \(ZeRO 3\) in training step \d+ "),
+    pytest.param(MLP, Layout(dp=2, zero=3),
+     r"rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp \(ZeRO 3\) in training step \d+ ", marks=pytest.mark.matrix),
     # forward or backward, wherever the stop caught rank 1: the line and the collective's number
     (MLP, Layout(tp=2), r"rank 0: all_reduce (\(backward of copy_to(_linears, overlapped with the weight gradients)?\) )?"
                         r"float32 \[4, 16\] \(rank_pp0_tp0\.py:\d+, collective #\d+ over this group in training step \d+\)"),
@@ -72,11 +72,11 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
                         r"\(collective #\d+ over this group in training step \d+\)"),
     # ZeRO 1's bucket collectives are guarded like the rank files' (or the stop caught the step loss's all-reduce);
     # an all-gather left in flight by the step fails at its issue or where the next forward waits for it
-    (MLP, Layout(dp=2, zero=1), r"rank 0: (reduce_scatter of a ZeRO-1 gradient bucket over dp float32 \[\d+\] |"
+    pytest.param(MLP, Layout(dp=2, zero=1), r"rank 0: (reduce_scatter of a ZeRO-1 gradient bucket over dp float32 \[\d+\] |"
                                 r"(the wait for the )?all_gather of ZeRO-1 parameter bucket \d+ over dp( \(issue\))? "
                                 r"float32 \[\d+\] |"
                                 r"all_reduce of the step loss over dp )\(collective #\d+ over this group in "
-                                r"training step \d+\)"),
+                                r"training step \d+\)", marks=pytest.mark.matrix),
     # --compile: the tp all-reduces run inside the graph, with no Python around them to name the line; the step
     # names what was in flight and the whole mesh's heartbeats name the stopped rank
     (MLP, Layout(tp=2), r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "

@@ -24,7 +24,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.driver import compile as compile_model
 from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
-from fxshard.testing import case_result, spawn_cases
+from fxshard.testing import case_result, matrix, selected_cases, spawn_cases
 from fxshard.train.options import check_compile
 from fxshard.train.reference import reference_losses
 
@@ -99,11 +99,16 @@ def _model_and_layout(case: str) -> tuple[Path, Layout]:
     return entry if isinstance(entry, tuple) else (MODEL, entry)
 
 
+# make test's representatives (tp, ZeRO 3's per-block units, full recompute, the eager ep exchanges); make
+# test-matrix runs every case
+KEEP = ("tp2", "dp2-zero3", "tp2-recompute-full", "mixtral-dp2-ep2")
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("compiled")
     items = []
-    for name in LAYOUTS:
+    for name in selected_cases(request, LAYOUTS):
         model, layout = _model_and_layout(name)
         compile_model(model, layout, out=folder / name)
         items.append((name, (str(folder / name),)))
@@ -120,7 +125,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", list(LAYOUTS))
+@pytest.mark.parametrize("case", matrix(LAYOUTS, KEEP))
 def test_compiled_losses_equal_eager_and_single_device(trained, reference, case):
     ranks = case_result(trained, case)
     eager, compiled = ranks[0]["eager"], ranks[0]["compiled"]
@@ -154,6 +159,7 @@ def test_compiled_losses_equal_eager_and_single_device(trained, reference, case)
 
 
 @pytest.mark.e2e
+@pytest.mark.matrix
 def test_compiled_backward_recomputes(trained):
     """The compiled forward saves less for backward with selective recompute, and less again with full."""
     saved = {case: case_result(trained, case)[0]["saved"] for case in ("tp2", "tp2-recompute-selective",

@@ -34,6 +34,7 @@ def _started_by(tmpdir: Path) -> list[int]:
 
 
 @pytest.mark.e2e
+@pytest.mark.matrix  # make test-matrix and make soak; make test kills and resumes in tests/train/test_resume_killed.py
 def test_short_soak_kills_three_ranks_and_ends_bit_identical_with_no_orphans(tmp_path):
     work = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "scripts/soak.py", "--steps", "60", "--kills", "3", "--save-every", "10",

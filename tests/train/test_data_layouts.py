@@ -18,7 +18,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
-from fxshard.testing import CaseFailure, case_result, selected_cases, spawn_cases
+from fxshard.testing import CaseFailure, case_result, matrix, selected_cases, spawn_cases
 from fxshard.train.data import DataOptions
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
@@ -42,6 +42,9 @@ CASES = {  # id -> (model file, layout, optimizer settings, the token file's seq
     # make_dataset through 2 workers per rank; 10 batches of a 22-row dataset cross an epoch
     "dataset-dp2-accum2": (DATASET, Layout(dp=2), OptimConfig(lr=3e-3, grad_accum=2), None),
 }
+# make test's representatives (a pipeline's eval, ZeRO with --weight-decay-all, a dataset through workers across an
+# epoch with accumulation), one spawn of 2 ranks; make test-matrix runs every case
+KEEP = ("packed-pp2", "packed-dp2-zero1", "dataset-dp2-accum2")
 
 
 def train_on(out: str, steps: int, optim: OptimConfig, data: DataOptions):
@@ -84,7 +87,7 @@ def trained(request, tmp_path_factory, corpus):
     return results
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", matrix(CASES, KEEP))
 def test_training_on_data_matches_one_device(trained, corpus, case):
     per_rank, manifest, out = case_result(trained, case)
     path, layout, optim, _ = CASES[case]
