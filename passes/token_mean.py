@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.graph import node_fqn
+from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.context import CompileContext, NodeSpec
 from fxshard.ir.contracts import contract
 from fxshard.runtime import loss as rt_loss
@@ -48,9 +49,10 @@ _ELEMENT_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_l
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0]
-    terms = counted_terms(loss, ctx.user_inputs)
+    whole = whole_batch_region(cross_batch_products(gm, ctx.user_inputs))
+    terms = counted_terms(loss, ctx.user_inputs, whole)
     if not terms:
-        if ctx.layout.dp > 1 or ctx.layout.pp > 1:
+        if (ctx.layout.dp > 1 or ctx.layout.pp > 1) and loss not in whole:
             ctx.notes.append(f"the loss ({getattr(loss, 'target', loss)}) is not a token mean fxshard can prove: it "
                              "is averaged over microbatches and dp ranks, which equals single-device training only "
                              "when each part weighs its rows the same")
@@ -89,11 +91,13 @@ def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_in
     loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)  # the returned .loss too
 
 
-def counted_terms(loss, user_inputs: set[fx.Node]) -> list[tuple[fx.Node, fx.Node, int]]:
+def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozenset()
+                  ) -> list[tuple[fx.Node, fx.Node, int]]:
     """The means over counted targets the loss adds up, ``(node, target, ignore_index)`` each: ``loss`` itself, or
     an affine combination (sums, differences, constant factors) of such means and of means over fixed counts
     (a sentence-order loss beside a masked LM's; extractive QA's start and end losses, whose ignore index is the
-    sequence length).  [] when the loss is anything else: it keeps the layout's averaging."""
+    sequence length).  ``whole``: values computed on the whole batch (passes/batch_gather.py: a contrastive loss),
+    terms as they are.  [] when the loss is anything else: it keeps the layout's averaging."""
     terms: list[tuple[fx.Node, fx.Node, int]] = []
     stack, seen = [loss], set()
     while stack:
@@ -101,6 +105,8 @@ def counted_terms(loss, user_inputs: set[fx.Node]) -> list[tuple[fx.Node, fx.Nod
         if not isinstance(node, fx.Node) or node in seen:
             continue
         seen.add(node)
+        if node in whole:
+            continue
         counted = _token_mean_loss(node, user_inputs)
         if counted is not None:
             terms.append((node, *counted))
@@ -193,5 +199,5 @@ def token_counter(program) -> fx.GraphModule | None:
     state = program.state_by_name()
     user_inputs = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in state}
     loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
-    terms = counted_terms(loss, user_inputs)
+    terms = counted_terms(loss, user_inputs, whole_batch_region(cross_batch_products(gm, user_inputs)))
     return _count_graph(gm, user_inputs, [(t, i) for _, t, i in terms]) if terms else None

@@ -60,6 +60,11 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     # batch normalization in training under --dp: the statistics of every dp rank's rows gathered and combined
     **{f"resnet-bn-dp2-zero{z}": (ROOT / "tests" / "models" / "hf_resnet_bn.py", Layout(dp=2, zero=z), None)
        for z in (0, 3)},
+    # a contrastive loss (every image against every text of the batch): its features gathered over dp, the logits
+    # and the loss computed on the whole batch on every rank
+    "contrastive-dp2-zero1": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2, zero=1), None),
+    "contrastive-dp2-zero0": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2), None),
+    "contrastive-dp2-tp2-zero0": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2, tp=2), None),
     # heterogeneous stacks: a layer called several times (ALBERT) is a block per call; a list of two classes whose
     # layers share one block (Zamba2); the stages calling a shared block each hold it, gradients summed
     "albert-shared-layer-pp2": (ROOT / "tests" / "models" / "hf_albert_mlm.py", Layout(pp=2), None),
@@ -124,12 +129,12 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "gpt-tp2-sp-bf16": (SAMPLES / "gpt.py", Layout(tp=2, sp=True, dtype="bf16"), None),
 }
 # make test's representatives (a schedule each, a split of the batch each, tp, sp, dp at ZeRO 1 and 3, the 3D mesh,
-# bf16, clipping, hybrid stacks, batch norm); make test-matrix runs every case
+# bf16, clipping, hybrid stacks, batch norm, a contrastive loss); make test-matrix runs every case
 KEEP = ("gpt-pp2-1f1b", "llama-pp2-interleaved-1f1b", "gpt2-pp2-zero-bubble", "gpt-pp4-gpipe", "marked-skip-pp3-1f1b",
         "llama-tp2-pp2-1f1b", "llama-padded-pp2-4-microbatches", "llama-padded-dp2-accum2", "bert-qa-pp2-2-microbatches",
         "resnet-bn-dp2-zero3", "zamba2-hybrid-pp2", "inplace-view-tp2", "gpt-dp2-zero1", "gpt-dp2-zero3",
         "gpt-dp2-pp2-tp2-zero1", "gpt-dp2-pp2-zero1-zero-bubble", "gpt-tp2-pp2-clip", "llama-dp2-tp2-zero3-sp-clip",
-        "gpt-tp2-sp", "gpt-dp2-zero2-bf16")
+        "gpt-tp2-sp", "gpt-dp2-zero2-bf16", "contrastive-dp2-zero1")
 BF16_REL = 2e-2  # bf16 losses are rounded to 8 significant bits (~4e-3); sums over other ranks round differently
 
 

@@ -110,9 +110,10 @@ def check_accumulated_loss(out: Path, manifest: Manifest, grad_accum: int) -> No
     """Refuse ``--grad-accum K > 1`` for a model whose loss adds a load-balancing loss (two whole-batch means):
     each accumulated batch would compute it on its own batch (:func:`fxshard.compiler.check_router_loss`)."""
     if grad_accum > 1 and manifest.batch_couplings:
-        raise LayoutError(f"--grad-accum {grad_accum}: {'; '.join(manifest.batch_couplings)} normalizes by the "
-                          "statistics of the whole batch, which accumulated batches each compute on their own part; "
-                          "use --grad-accum 1 (a larger batch per step, over --dp, instead)")
+        raise LayoutError(f"--grad-accum {grad_accum}: {'; '.join(manifest.batch_couplings)} mixes the examples "
+                          "of the whole batch (its statistics, or every example against every other), which "
+                          "accumulated batches each compute on their own part; use --grad-accum 1 (a larger batch "
+                          "per step, over --dp, instead)")
     if grad_accum > 1:
         from fxshard.capture.modelfile import load_model_file
         from fxshard.compiler import check_router_loss
