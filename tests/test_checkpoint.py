@@ -124,6 +124,7 @@ def test_resume_at_the_saving_layout_is_exact(saved, resumed):
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix  # make test-matrix: make test kills mid-save through the command line (tests/cli/test_supervision.py)
 def test_killed_mid_save_leaves_the_previous_checkpoint_and_resume_reaches_the_same_losses(saved, tmp_path):
     out = saved["gpt2"][0]
     ckpt = tmp_path / "ckpt"
@@ -235,6 +236,7 @@ DP_RESUMES = {  # id -> (saved case, layout to resume under, relative tolerance)
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix  # make test-matrix: make test resumes the tp·pp checkpoint under other layouts (above)
 def test_saved_under_data_parallelism_resumes_under_other_layouts(tmp_path):
     saves = {c: (_compile(tmp_path, m, lay, c), tmp_path / f"{c}-ckpt") for c, (m, lay) in DP_SAVES.items()}
     first = spawn(_train, 2, [(str(o), STEPS, CheckpointConfig(ck, 2)) for o, ck in saves.values()], timeout=600)

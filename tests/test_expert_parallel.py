@@ -325,6 +325,7 @@ def test_clipping_changes_the_reference_so_the_clip_cases_test_something(path):
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # make test-matrix: a shape check of a large model; the small ones compile at ep in make test
 def test_a_mixtral_8x22b_shape_compiles_on_meta_at_ep8_tp2_pp4(tmp_path):
     """samples/mixtral8x22b.py (141B parameters, 56 layers of 8 experts) on meta tensors, code and manifest only;
     the README gives its compile time (not asserted here: the machine is shared)."""

@@ -148,6 +148,7 @@ MEMORY_CASES = {"fp32-zero0": Layout(dp=2), "fp32-zero1": Layout(dp=2, zero=1), 
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix  # make test-matrix: make test checks the plan's frozen bytes without a run (above)
 def test_measured_model_state_of_frozen_parameters_is_what_the_plan_says(tmp_path):
     """One step on two gloo ranks: the bytes each rank holds (``fxshard run --memory-report``'s walk of its tensors)
     are the plan's, category by category (Adam's step counters and ZeRO 1's whole-tensor imbalance aside)."""

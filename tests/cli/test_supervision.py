@@ -122,7 +122,7 @@ def test_kill_9_of_the_launcher_while_its_workers_start_leaves_none(out, tmp_pat
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.matrix)])
 def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
     ckpt = tmp_path / "ckpt"
     proc = _start(out, ckpt)
@@ -175,7 +175,7 @@ def test_kill_9_of_a_worker_ends_the_run_naming_it(out, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("victim", [0, 1])
+@pytest.mark.parametrize("victim", [0, pytest.param(1, marks=pytest.mark.matrix)])
 def test_kill_9_of_a_worker_in_the_middle_of_a_save_then_resume(tmp_path, victim):
     """The workers are frozen (SIGSTOP) the moment a save's temporary folder appears; if it is still there, the
     save is under way, and one worker is killed with SIGKILL, the other let go on (SIGCONT)."""

@@ -79,9 +79,9 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
                                 r"training step \d+\)", marks=pytest.mark.matrix),
     # --compile: the tp all-reduces run inside the graph, with no Python around them to name the line; the step
     # names what was in flight and the whole mesh's heartbeats name the stopped rank
-    (MLP, Layout(tp=2), r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "
+    pytest.param(MLP, Layout(tp=2), r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "
                         r"without it to have the failing one named with its line\) in training step \d+ "
-                        r"over process group ranks \[0, 1\]"),
+                        r"over process group ranks \[0, 1\]", marks=pytest.mark.matrix),
 ], ids=["dp2-zero3", "tp2", "pp2", "dp2-zero1", "tp2-compile"])
 def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting, request):
     # or the collectives every step issues at every layout, wherever the stop caught rank 1: the gradient norm read

@@ -14,6 +14,8 @@ import pytest
 import torch
 from harness import spawn
 
+from fxshard.testing import matrix
+
 SHAPES = [(3, 5), (7,), (2, 2, 3), (1,), (4, 4)]
 
 
@@ -199,7 +201,7 @@ OVERLAP_CASES = {  # id -> (sample, layout, optimizer settings)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+@pytest.mark.parametrize("case", matrix(sorted(OVERLAP_CASES), ["llama-dp2-tp2-buckets"]))
 def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case, tmp_path, samples):
     """fxshard run's training with each bucket's all-gather left in flight after the step (the default) and with
     it waited for in the step (--no-overlap-param-gather): the same losses and trained parameters, bit for bit.
