@@ -40,7 +40,7 @@ from fxshard.ir.sharding import (
     written_inputs,
 )
 from fxshard.ir.sharding_mixers import local_groups, local_repeats
-from fxshard.plan.auto import auto_plan
+from fxshard.plan.auto import auto_plan, complete_plan
 from fxshard.plan.demand import demanded_placements
 from fxshard.plan.experts import expert_split
 from fxshard.plan.layers import WeightOp, style_placements, weight_ops
@@ -64,8 +64,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     ops = weight_ops(gm, ctx.params)
     if tp == 1:  # nothing to split: every value stays replicated and no collective is inserted
         ctx.plan = ResolvedPlan(source="none (tp=1)")
-    elif ctx.plan.source == "auto":
-        ctx.plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
+    else:
+        ctx.plan = _planned(gm, ops, ctx, ctx.plan, tp)
     weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes, tp)
     experts = expert_split(gm, ctx)
     weights |= experts.weights
@@ -90,6 +90,26 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         ctx.notes.append(ctx.unsplit.note())
     gm.graph.lint()
     return gm
+
+
+def _planned(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, given: ResolvedPlan,
+             tp: int) -> ResolvedPlan:
+    """The plan at ``tp``: automatic pairing with no plan given, the model's own plan completed by it
+    (:func:`fxshard.plan.auto.complete_plan`), a user's or decorators' plan as it is."""
+    if given.source == "auto":
+        return auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
+    if given.source == "model":
+        return complete_plan(gm, ops, ctx.params, ctx.user_inputs, tp, given)
+    return dataclasses.replace(given, warnings=[])
+
+
+def _given(plan: ResolvedPlan) -> ResolvedPlan:
+    """The plan before automatic pairing was added to it (to plan again at another degree)."""
+    if plan.source == "auto" or "auto" not in plan.source.split("+"):
+        return plan
+    keep = [fqn for fqn, source in plan.sources.items() if source != "auto"]
+    return dataclasses.replace(plan, styles={k: plan.styles[k] for k in keep}, sources={k: plan.sources[k] for k in keep},
+                               source=plan.source.removesuffix("+auto"))
 
 
 def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext,
@@ -263,10 +283,7 @@ def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileCon
     heads, key/value heads, packed blocks, vocabulary — so a suggested degree never fails on the next size."""
     ok = []
     for d in (d for d in divisors(size) if d <= _LARGEST_TP):
-        if ctx.plan.source == "auto":
-            plan = auto_plan(gm, ops, ctx.params, ctx.user_inputs, d)
-        else:
-            plan = dataclasses.replace(ctx.plan, warnings=[])
+        plan = _planned(gm, ops, ctx, _given(ctx.plan), d)
         weights, forced, _ = _weight_placements(ops, plan, [], d)
         weights |= experts if d > 1 else {}
         if d == 1 or _unsplittable(gm, propagate(gm, weights, forced), d) is None:

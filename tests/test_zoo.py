@@ -20,6 +20,8 @@ CASES = {  # what each one covers that the others do not
     "bert-pp2": ("bert", Layout(pp=2)),  # an encoder, masked LM with a microbatch counting few tokens
     "t5-tp2": ("t5", Layout(tp=2)),  # encoder-decoder, constants made in forward
     "bloom-tp2": ("bloom", Layout(tp=2)),  # a custom autograd.Function (GeLU) kept as a pointwise custom op
+    # a shipped plan naming only the embedding, completed by automatic pairing (attention, Mamba-2 mixer, MLP)
+    "falcon_h1-tp2": ("falcon_h1", Layout(tp=2)),
 }
 
 

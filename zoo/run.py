@@ -1,10 +1,11 @@
-"""The model zoo: every architecture of ``zoo/models`` under tp=2, pp=2 and dp=2, each compared with
+"""The model zoo: every architecture of ``zoo/models`` under tp=2, pp=2, dp=2, tp=2 with sequence parallelism
+(``tp=2,sp``) and tp=2 x pp=2 (``tp=2,pp=2``), each compared with
 single-device training by ``fxshard verify`` (3 AdamW steps; losses within 1e-5 relative, trained parameters
 within 1e-3 of the update), in its own process with a time limit so one case cannot stall the matrix.
 
     python -m zoo.run                      # the whole matrix -> zoo/RESULTS.md
     python -m zoo.run --only llama t5      # some architectures
-    python -m zoo.run --only mamba2 --layouts tp=2 --out /tmp/zoo.md   # some layouts
+    python -m zoo.run --only mamba2 --layouts tp=2 tp=2,pp=2 --out /tmp/zoo.md   # some layouts
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 MODELS = ROOT / "models"
-LAYOUTS = {"tp=2": ["--tp", "2"], "pp=2": ["--pp", "2"], "dp=2": ["--dp", "2"]}
+LAYOUTS = {"tp=2": ["--tp", "2"], "pp=2": ["--pp", "2"], "dp=2": ["--dp", "2"], "tp=2,sp": ["--tp", "2", "--sp"],
+           "tp=2,pp=2": ["--tp", "2", "--pp", "2"]}
 LIMIT_S = 600
 
 

@@ -1,4 +1,5 @@
-"""Automatic Megatron pairing, used when no plan, decorator or shipped plan says anything.
+"""Automatic Megatron pairing, used when no plan or decorator says anything, and for the modules a model's own
+(shipped) plan does not name.
 
 Within one module (an MLP, an attention block) a Linear whose input is computed only from other
 Linears of the same module — through elementwise ops, reshapes, attention — is row-parallel, and
@@ -8,14 +9,22 @@ split; a fused projection split into equal parts afterwards is packed (GPT-2 ``c
 An unpaired Linear that feeds the loss is a column-parallel head with its output gathered, and an
 Embedding indexed by a user input is split over the vocabulary.  Every candidate is validated by
 propagating placements: a pair whose module would need a gather inside it is dropped.
+
+A shipped plan is often partial (Bamba and Falcon-H1 name only their embedding, Jamba only its experts), so
+:func:`complete_plan` pairs the modules it leaves out; its own entries win where they speak, and a pair any of whose
+Linears lies within a module the plan names is not made (half a pair would split where the plan chose not to).
+A user's plan or decorators are taken as the whole plan: no pairing is added to them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch.fx as fx
 
 from fxshard.graph import node_fqn
 from fxshard.ir.autograd import requires_grad
+from fxshard.ir.placement import Replicate
 from fxshard.ir.sharding import propagate
 from fxshard.plan.layers import WeightOp, style_placements
 from fxshard.plan.packing import pieces
@@ -88,11 +97,38 @@ def _from_user_input(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
     return False
 
 
+def complete_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], user_inputs: set[fx.Node],
+                  tp: int, given: ResolvedPlan) -> ResolvedPlan:
+    """``given`` (a model's own plan) with automatic pairing for the modules it does not name; ``source`` becomes
+    ``model+auto`` when pairing added any::
+
+        complete_plan(gm, ops, ctx.params, ctx.user_inputs, 2, ctx.plan).describe()
+        # ['model.embed_tokens: vocab()  [model]', 'model.layers.0.mlp.down_proj: rowwise()  [auto]', ...]
+    """
+    fixed = {op: given.styles[op.fqn] for op in ops if op.fqn in given.styles}
+    added = auto_plan(gm, ops, params, user_inputs, tp, named=set(given.styles), fixed=fixed)
+    if not added.styles:
+        return given
+    return dataclasses.replace(given, styles=given.styles | added.styles, sources=given.sources | added.sources,
+                               source=f"{given.source}+auto")
+
+
+def _named(fqn: str, named: set[str]) -> bool:
+    """Whether a plan names ``fqn`` or a module that holds it."""
+    parts = fqn.split(".")
+    return any(".".join(parts[:i]) in named for i in range(len(parts) + 1))
+
+
 def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], user_inputs: set[fx.Node],
-              tp: int) -> ResolvedPlan:
-    """Choose styles for every splittable module; see the module docstring for the rules."""
+              tp: int, named: set[str] = frozenset(), fixed: dict[WeightOp, Style] | None = None) -> ResolvedPlan:
+    """Choose styles for every splittable module; see the module docstring for the rules.  ``named``: modules a
+    plan styles (left to it, with every pair that has a Linear within them); ``fixed``: those styles, propagated
+    with the candidates when they are validated."""
     plan = ResolvedPlan(source="auto")
-    pairs = _row_candidates(gm, ops, params)
+    fixed = fixed or {}
+    gathered = {op.node: Replicate() for op, st in fixed.items() if st.gather_output}
+    pairs = [(row, cols) for row, cols in _row_candidates(gm, ops, params)
+             if not _named(row.fqn, named) and not any(_named(c.fqn, named) for c in cols)]
     role: dict[fx.Node, str] = {}
     chosen = []
     for row, cols in pairs:
@@ -113,9 +149,9 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
                 blocks = pieces(c.node)
                 styles[c] = colwise(packed=len(blocks) if len(set(blocks)) == 1 else 0)
         weights = {}
-        for op, st in styles.items():
+        for op, st in (fixed | styles).items():
             weights.update(style_placements(op, st, tp))
-        prop = propagate(gm, weights)
+        prop = propagate(gm, weights, gathered)
         bad = [(row, cols) for row, cols in chosen
                if any(_within(node_fqn(f), _parent(row.fqn)) for f in prop.fallbacks)]
         if not bad:
@@ -124,14 +160,14 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
 
     paired = {op.node for op in styles}
     weight_nodes = {op.node for op in ops}
-    heads = [op for op in ops if op.kind != "embedding" and op.node not in paired
+    heads = [op for op in ops if op.kind != "embedding" and op.node not in paired and not _named(op.fqn, named)
              and _reaches_output(gm, op, weight_nodes)
              and op.node.meta["val"].shape[-1] % tp == 0]
     for op in heads:
         styles[op] = colwise(gather_output=True)
-    head_weights = {op.weight for op in heads}
+    head_weights = {op.weight for op in heads} | {op.weight for op, st in fixed.items() if st.kind == "colwise"}
     for op in ops:
-        if op.kind != "embedding" or op.node in paired:
+        if op.kind != "embedding" or op.node in paired or _named(op.fqn, named):
             continue
         vocab = op.weight.meta["val"].shape[0]
         tied_elsewhere = any(o.weight is op.weight and o is not op for o in ops)

@@ -7,8 +7,9 @@ the compile says so instead of leaving the user to find it in the table.  For ea
 * the plan replicates it;
 * a size tp does not divide (a Linear's features, an Embedding's vocabulary, every dimension of a bare tensor);
 * fewer heads or groups than tp (one part held whole by every rank, its gradients summed);
-* no rule splits it: no column/row pair found within its module, or the ops that read it take it whole
-  (norm weights, biases after a reduction).
+* no rule splits it: automatic pairing found no column/row pair within its module, a plan given by ``--plan`` or
+  decorators (used as it is, without pairing) does not name it, or the ops that read it take it whole (norm
+  weights, biases after a reduction).
 
 Layers of a list are one line (``model.layers.*.norm.weight``)::
 
@@ -105,6 +106,17 @@ def unsplit_parameters(gm: fx.GraphModule, ctx: CompileContext, ops: list[Weight
     return Unsplit(tp, total, whole, tuple(UnsplitGroup(m, n, r) for (m, r), n in ordered))
 
 
+def _no_style(source: str) -> str:
+    """Why a weight no plan entry names stayed whole: pairing found nothing for it, or pairing did not run (a plan
+    the user gave is used as it is; :mod:`fxshard.plan.auto`)."""
+    given = [s for s in source.split("+") if s in ("user", "decorator")]
+    if given:
+        return (f"no rule: the {'+'.join(given)} plan does not name it (a plan given by --plan or decorators is used "
+                "as it is, without automatic pairing; name the module in it)")
+    shipped = "the model's own plan does not name it and " if "model" in source.split("+") else ""
+    return f"no rule: {shipped}automatic pairing found no column/row pair within its module"
+
+
 def _reason(node: fx.Node, fqn: str, op: WeightOp | None, ctx: CompileContext, tp: int, one_part: bool) -> str:
     if one_part:
         return f"fewer heads or groups than tp={tp}: each rank holds the whole (gradients summed over tp)"
@@ -117,8 +129,7 @@ def _reason(node: fx.Node, fqn: str, op: WeightOp | None, ctx: CompileContext, t
     if op is not None and op.kind != "embedding" and all(s % tp for s in shape):
         return f"a size ({' x '.join(map(str, shape))}) that tp={tp} does not divide"
     if op is not None and node is op.weight:
-        return ("no rule: no column/row pair found within its module (the automatic plan) and no plan names it"
-                if style is None else "no rule: its plan style reached no split")
+        return _no_style(ctx.plan.source) if style is None else "no rule: its plan style reached no split"
     if all(s % tp for s in shape):
         return f"a size ({' x '.join(map(str, shape))}) that tp={tp} does not divide"
     return "no rule splits it: the ops that read it take it whole (a norm over the whole width, a bias after a sum)"
