@@ -13,6 +13,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxshard.errors import ShardingError
 from fxshard.ir.comm import kind_of
@@ -24,8 +25,20 @@ from fxshard.ir.placement import local_shape
 
 def local_value_shapes(gm: fx.GraphModule, ctx: CompileContext, coords: Coords) -> dict[fx.Node, tuple]:
     """Run the rank graph on fake tensors; return each tensor node's local shape."""
-    env = _run_fake(gm, ctx, coords, FakeTensorMode(allow_non_fake_inputs=True))
+    env = _run_fake(gm, ctx, coords, fake_mode())
     return {node: tuple(v.shape) for node, v in env.items() if isinstance(v, torch.Tensor)}
+
+
+def fake_mode() -> FakeTensorMode:
+    """Fake tensors with a shape environment, so an op whose output size depends on the data (``aten.nonzero``
+    under a boolean index, ``logits[mask]``) gets a symbolic size instead of failing."""
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+
+def same_shape(a, b) -> bool:
+    """Shapes equal where both sizes are known; a size that depends on the data (a symbol) is not checked."""
+    return len(a) == len(b) and all(x == y for x, y in zip(a, b, strict=True)
+                                    if not isinstance(x, torch.SymInt) and not isinstance(y, torch.SymInt))
 
 
 def _run_fake(gm: fx.GraphModule, ctx: CompileContext, coords: Coords, mode: FakeTensorMode,
@@ -66,10 +79,14 @@ def _depends_on_rank(node: fx.Node, changed: set[fx.Node]) -> bool:
 
 def _same_fake(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        return _concrete(a) and _concrete(b) and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same_fake(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and not isinstance(a, torch.Tensor) and a == b
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    return not any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride()))
 
 
 def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
@@ -106,7 +123,7 @@ def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
 
 @contract(requires=(PLACED, COMMUNICATED))
 def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_mode()
     first = None
     for tp_rank in range(ctx.layout.tp):
         coords = Coords(tp=tp_rank)
@@ -119,7 +136,7 @@ def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             if not isinstance(val, torch.Tensor) or isinstance(placement, tuple):
                 continue
             expected = local_shape(tuple(val.shape), placement, ctx.layout.tp)
-            if found != expected:
+            if not same_shape(found, expected):
                 raise ShardingError(
                     f"{spec(node).fqn or 'model'}: {node.name} = {node.target} computes shape {list(found)} on "
                     f"tp rank {tp_rank}, expected {list(expected)} (global {list(val.shape)}, {placement}); "

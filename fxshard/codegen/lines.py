@@ -171,12 +171,21 @@ def _short(p) -> str:
     return f"({', '.join(map(str, p))})" if isinstance(p, tuple) else str(p if p is not None else Replicate())
 
 
+# Python's operators on sizes (torch.export's checks of a size that depends on the data, u0 >= 0), as operators
+_INFIX = {operator.ge: ">=", operator.le: "<=", operator.gt: ">", operator.lt: "<", operator.eq: "==",
+          operator.ne: "!=", operator.add: "+", operator.sub: "-", operator.mul: "*", operator.floordiv: "//",
+          operator.mod: "%"}
+
+
 def call_text(node: fx.Node, names, coords) -> str:
     """The call one line makes: ``aten.linear.default(x, self.w)``, ``rt.all_reduce(linear, self.tp)``, ``x[0]``;
     ``names``: node -> its name in the class."""
     if node.target is operator.getitem:
         return f"{names[node.args[0]]}[{node.args[1]}]"
     target = node.target
+    if target in _INFIX and len(node.args) == 2 and not node.kwargs:  # export's checks of a data-dependent size
+        left, right = (arg_text(a, names, coords) for a in node.args)
+        return f"{left} {_INFIX[target]} {right}"
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
         packet = target.overloadpacket.__name__.split(".")[-1]

@@ -188,7 +188,18 @@ def block_spans(compute: list[fx.Node], blocks: Blocks) -> tuple[dict[str, int],
 
 
 def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)
+    return math.prod(_size(s) for s in shape)
+
+
+def _size(s) -> int:
+    """A size for the cost of a cut; one that depends on the data (``logits[mask]``'s rows) at its upper bound."""
+    if not isinstance(s, torch.SymInt):
+        return int(s)
+    node = s.node
+    if node.hint is not None:
+        return int(node.hint)
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    return int(upper) if upper.is_finite else 1
 
 
 def node_flops(node: fx.Node) -> int:

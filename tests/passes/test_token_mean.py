@@ -81,3 +81,13 @@ def test_a_constant_over_a_token_mean_is_not_a_mean(tmp_path):
     assert loss in source
     model.write_text(source.replace(loss, f"1.0 / {loss}"))
     assert "count_tokens" not in compile_model(model, Layout(dp=2)).sources["rank_pp0_tp0.py"]
+
+
+def test_a_loss_over_boolean_indexed_tokens_is_counted_and_checked_with_a_symbolic_size():
+    # logits[mask]: the rows depend on the data (aten.nonzero); the per-rank shape check carries them as a symbol
+    result = compile_model(MODELS / "bool_index_loss.py", Layout(tp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert "# [u0, 32] f32" in code and "sym_size_int >= 0" in code  # export's check of the size, as Python
+    batch = load_model_file(MODELS / "bool_index_loss.py").build_inputs(0)
+    count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
+    assert int(count(batch["idx"], batch["labels"])) == 5 + 8 + 8 + 2
