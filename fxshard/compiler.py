@@ -71,6 +71,7 @@ from fxshard.ir.stages import pipeline_stages, tied_weights
 from fxshard.passes.batch_gather import batch_gather_pass
 from fxshard.passes.batch_norm_sync import batch_norm_sync_pass
 from fxshard.passes.blocks import blocks_pass
+from fxshard.passes.causal_attention import causal_attention_pass
 from fxshard.passes.checks import checks_pass
 from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.context_parallel import context_parallel_pass
@@ -84,8 +85,9 @@ from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
-PASSES = [token_mean_pass, context_parallel_pass, tensor_parallel_pass, collectives_pass, expert_parallel_pass, router_loss_pass,
-          batch_norm_sync_pass, batch_gather_pass, dropout_pass, pipeline_pass, blocks_pass, overlap_pass, checks_pass]
+PASSES = [token_mean_pass, causal_attention_pass, context_parallel_pass, tensor_parallel_pass, collectives_pass,
+          expert_parallel_pass, router_loss_pass, batch_norm_sync_pass, batch_gather_pass, dropout_pass, pipeline_pass,
+          blocks_pass, overlap_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
 

@@ -146,12 +146,16 @@ def test_cp_mode_without_cp_is_refused():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case, call, heads", [("llama-padded-cp2-tp2-ring", "ring_attention_step", {2}),
-                                               ("llama-padded-cp2-tp2-a2a", "seq_to_heads", {2, 1})])
+                                               ("llama-padded-cp2-tp2-a2a", "seq_to_heads", {2, 1}),
+                                               ("llama-padded-cp2-tp2", "gather_to", None)])
 def test_cp_attention_splits_its_heads_over_tp(trained, case, call, heads):
-    """Under tp the ring steps and the all-to-alls run on this tp rank's heads (the ring's blocks: 2 of the 4
-    key/value heads; the all-to-alls' outputs: 1/(cp*tp) of the 8 query and 4 key/value heads), not on every head
-    gathered over tp: no [B, H, S, D] value is gathered over tp."""
+    """Under tp the ring steps, the all-to-alls and the cp gathers run on this tp rank's heads (the ring's blocks: 2
+    of the 4 key/value heads; the all-to-alls' outputs: 1/(cp*tp) of the 8 query and 4 key/value heads; the
+    gathers: K and V of 2 key/value heads), not on every head gathered over tp: no K, Q or V is gathered over tp."""
     _, manifest = case_result(trained, case)
     collectives = manifest.ranks[0].collectives
-    assert {c.shape[1] for c in collectives if c.op == call} == heads
-    assert not [c.shape for c in collectives if c.group == "tp" and c.op == "all_gather" and len(c.shape) == 4]
+    if heads is not None:
+        assert {c.shape[1] for c in collectives if c.op == call} == heads
+    assert [c for c in collectives if c.op == call and c.group == "cp"]
+    # 8: a head's width (q, k, v in heads); 32: the key/value width (v gathered before its view into heads)
+    assert not [c.shape for c in collectives if c.group == "tp" and c.op == "all_gather" and c.shape[-1] in (8, 32)]

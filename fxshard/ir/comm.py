@@ -118,6 +118,18 @@ def _causal(q: torch.Tensor, size: int, keys: int, balanced: bool = True, block:
     return torch.empty((rows, rows if block is not None else keys), dtype=torch.bool, device=q.device)
 
 
+class _RankZero:
+    """A cp group's stand-in for the cost model: rank 0 of ``size`` (every rank saves the same shapes)."""
+
+    def __init__(self, size: int):
+        self.rank, self.size = 0, size
+
+
+def _causal_attention(q: torch.Tensor, size: int, key=None, value=None, scale: float = 1.0, balanced: bool = True):
+    # the function itself, on the plan's fake tensors: what it saves for backward is what the plan counts
+    return rcp.cp_causal_attention(q, _RankZero(size), key, value, scale, balanced)
+
+
 def _ring(k: torch.Tensor, size: int, value=None, query=None, mask=None, **_):
     out = query.new_empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float32)
     return out, query.new_empty(query.shape[:-1], dtype=torch.float32), k.clone(), value.clone()
@@ -194,6 +206,10 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rcp.cp_causal_mask, None, None,
                    "the causal mask of this cp rank's queries, from token positions in the cp order (no "
                    "communication)", _causal),
+    CollectiveKind(rcp.cp_causal_attention, None, None,
+                   "causal attention of this cp rank's queries over the gathered keys: each load-balanced chunk over "
+                   "the chunks before it (unmasked) and itself (is_causal), merged by log-sum-exp; no S x S mask (no "
+                   "communication)", _causal_attention),
     CollectiveKind(rcp.ring_attention_step, "send_recv", "send_recv",
                    "ring attention step: attend over the K/V block held now while it goes to the next cp rank and "
                    "the previous rank's arrives (send/recv); backward passes dK/dV back the same way", _ring,

@@ -4,7 +4,7 @@ Called by ``passes/context_parallel.py`` for each ``scaled_dot_product_attention
 split along their sequence; ``split`` is that pass's walk (its placements, and how it enters input-only values and
 gathers split ones).  Each function leaves the attention's output split along the sequence, as the tokens it feeds::
 
-    allgather(split, node)   # rt.gather_to(K), rt.gather_to(V); SDPA of this rank's queries; a causal mask made
+    allgather(split, node)   # rt.gather_to(K), rt.gather_to(V); SDPA of this rank's queries (causal: by chunks)
     ring(split, node)        # cp lines of rt.ring_attention_step / _last, then rt.merge_attention
     a2a(split, node)         # rt.seq_to_heads of q, k, v; SDPA of 1/cp of the heads; rt.heads_to_seq
 """
@@ -31,22 +31,24 @@ GROUP = Group("cp")
 
 
 def allgather(split, node: fx.Node) -> None:
-    """K and V all-gathered over cp (hoisted above ``repeat_kv``); this rank's queries attend over every key; a
-    causal attention gets the mask of its positions in the cp order."""
+    """K and V all-gathered over cp (hoisted above ``repeat_kv``); this rank's queries attend over every key.  A
+    causal attention (``is_causal``: passes/causal_attention.py proves a model's mask causal) becomes
+    ``rt.cp_causal_attention``: each load-balanced query chunk over the chunks before it unmasked and over itself with
+    ``is_causal``, merged by log-sum-exp, so no S x S mask is made or saved."""
     q, k, v = node.args[:3]
     n = len(shape(node))
     for i, x in ((1, k), (2, v)):
         new = split.gather(x)
         if new is not x:
             node.update_arg(i, new)
-    if argument(node, "is_causal"):
-        whole = q.meta["val"].new_empty((split.length, split.length), dtype=torch.bool)
-        mask = split._insert(rcp.cp_causal_mask, (q, GROUP), {"keys": split.length, "balanced": split.balanced},
-                             before=node, val=whole, placement=Shard(0), collective="cp_causal_mask", owner=node)
-        set_argument(node, "attn_mask", mask)
-        set_argument(node, "is_causal", False)
-    else:
-        _mask(split, node, [Shard(n - 2), R, R])
+    if argument(node, "is_causal") and argument(node, "attn_mask") is None:
+        attend = split._insert(rcp.cp_causal_attention, (q, GROUP), {
+            "key": node.args[1], "value": node.args[2], "scale": _scale(node), "balanced": split.balanced},
+            before=node, val=node.meta["val"], placement=Shard(n - 2), collective="cp_causal_attention", owner=node)
+        node.replace_all_uses_with(attend)
+        _erase(split, [node])
+        return
+    _mask(split, node, [Shard(n - 2), R, R])
     split.place[node] = Shard(n - 2)
 
 

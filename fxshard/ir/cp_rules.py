@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 from fxshard.ir.sharding import Decision, argument, rule, shape
+from fxshard.runtime import collectives as rtc
 from fxshard.runtime import context_parallel as rcp
 from fxshard.runtime import loss as rt_loss
 
@@ -166,7 +167,7 @@ def _sdpa_rows(node, args, placements) -> Decision | None:
 # heads like the attention they replace (every head attends on its own), so tp ranks do not each run every head.
 
 
-@rule(rcp.ring_attention_step, rcp.ring_attention_last, rcp.seq_to_heads, rcp.heads_to_seq)
+@rule(rcp.ring_attention_step, rcp.ring_attention_last, rcp.seq_to_heads, rcp.heads_to_seq, rcp.cp_causal_attention)
 def _cp_attention_heads(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> Decision | None:
     """Key, value and query (and a ring step's outputs) split alike along the heads (dimension 1 of
     ``[B, H, S, D]``); a mask split alike where it has heads, whole where it broadcasts over them (size 1)."""
@@ -180,8 +181,23 @@ def _cp_attention_heads(node: fx.Node, args: list[fx.Node], placements: list[Pla
         return Decision(head, (head,))
     mask = node.kwargs.get("mask")
     need = tuple(R if a is mask and shape(a)[1] == 1 else head for a in args)
+    if node.target is rcp.cp_causal_attention:
+        return Decision(head, need)
     outs = 4 if node.target is rcp.ring_attention_step else 2
     return Decision(tuple(head for _ in range(outs)), need)
+
+
+@rule(rtc.gather_to)
+def _cp_gather_keeps_heads(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> Decision | None:
+    """The cp all-gather of K or V along the sequence, under tp: this tp rank's heads (a split of another dimension)
+    are gathered alone, so the exchange moves 1/tp of the key/value width, not every head."""
+    p = placements[0]
+    group = node.args[1] if len(node.args) > 1 else None
+    if getattr(group, "axis", None) != "cp" or not isinstance(p, Shard) or p.blocks != 1:
+        return None
+    if p.dim % len(shape(args[0])) == node.kwargs.get("dim", 0) % len(shape(args[0])):
+        return None
+    return Decision(p, (p,))
 
 
 @rule(rcp.merge_attention)

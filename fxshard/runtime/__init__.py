@@ -15,6 +15,7 @@ from fxshard.runtime.collectives import (
     sum_replicas,
 )
 from fxshard.runtime.context_parallel import (
+    cp_causal_attention,
     cp_causal_mask,
     cp_enter,
     cp_leave,
@@ -40,6 +41,6 @@ __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
            "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets", "cp_enter",
-           "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
+           "cp_causal_attention", "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
            "seq_to_heads", "heads_to_seq", "batch_stats",
            "batch_norm_from_stats"]

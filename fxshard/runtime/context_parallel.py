@@ -104,6 +104,102 @@ def cp_causal_mask(query: torch.Tensor, group, keys: int, balanced: bool = True,
     return q[:, None] >= k[None, :]
 
 
+# ---------------------------------------------------------------- causal attention in blocks (allgather)
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    """SDPA's fused CPU kernel with its log-sum-exp (no S x S tensor): ``(out, lse)``; elsewhere ``_block`` (exact,
+    its scores made for the block and freed)."""
+    if q.device.type in ("cpu", "meta"):
+        return _FLASH(q, k, v, 0.0, causal, scale=scale)
+    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril() if causal else None
+    out, lse = _block(q, k, v, mask, scale, 1)
+    return out.to(q.dtype), lse
+
+
+def _pieces(starts: tuple, size: int):
+    """Per query chunk (``size`` rows from position ``start``): its row offset in the query and the key blocks it
+    sees: the keys before it, every one visible (none for the first chunk), and its own chunk, causally."""
+    for j, start in enumerate(starts):
+        blocks = ([(0, start, False)] if start else []) + [(start, size, True)]
+        yield j * size, blocks
+
+
+class _CausalChunks(torch.autograd.Function):
+    """Causal attention of query chunks at known positions over keys in the natural order, block by block, merged by
+    log-sum-exp; backward by the kernel's own backward of each block given the merged output and log-sum-exp (the
+    FlashAttention identity), so nothing of size S x S is made or saved."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, starts, size, scale):
+        outs, lses = [], []
+        for row, blocks in _pieces(starts, size):
+            qj = q.narrow(-2, row, size)
+            parts = [_flash(qj, k.narrow(-2, a, n), v.narrow(-2, a, n), causal, scale) for a, n, causal in blocks]
+            lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+            outs.append(sum(torch.exp(p[1] - lse).unsqueeze(-1) * p[0].float() for p in parts).to(q.dtype))
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.starts, ctx.size, ctx.scale = starts, size, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        if q.device.type not in ("cpu", "meta"):
+            return _recomputed_grads(ctx, q, k, v, dout) + (None, None, None)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dout = dout.contiguous()
+        for row, blocks in _pieces(ctx.starts, ctx.size):
+            rows = (row, ctx.size)
+            qj, oj, gj = q.narrow(-2, *rows), out.narrow(-2, *rows), dout.narrow(-2, *rows)
+            lj = lse.narrow(-1, *rows)
+            for a, n, causal in blocks:
+                g = _FLASH_BACKWARD(gj, qj, k.narrow(-2, a, n), v.narrow(-2, a, n), oj, lj, 0.0, causal,
+                                    scale=ctx.scale)
+                dq.narrow(-2, *rows).add_(g[0])
+                dk.narrow(-2, a, n).add_(g[1])
+                dv.narrow(-2, a, n).add_(g[2])
+        return dq, dk, dv, None, None, None
+
+
+def _recomputed_grads(ctx, q, k, v, dout):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = _CausalChunks.forward(_Scratch(), *leaves, ctx.starts, ctx.size, ctx.scale)
+        return torch.autograd.grad(out, leaves, dout)
+
+
+class _Scratch:
+    def save_for_backward(self, *_):
+        pass
+
+
+def cp_causal_attention(query: torch.Tensor, group, key: torch.Tensor, value: torch.Tensor, scale: float,
+                        balanced: bool = True) -> torch.Tensor:
+    """Causal attention of this cp rank's queries (``[.., S/N, d]``, in the cp order) over every key and value
+    (``[.., S, d]``, all-gathered, in the cp order), with no S x S mask: each of this rank's load-balanced chunks
+    attends over the chunks before it unmasked and over itself with ``is_causal``, merged by log-sum-exp.  Query
+    heads per key/value head (grouped-query attention) are repeated here."""
+    parts, index = _size(group), _index(group)
+    rows = query.shape[-2]
+    length = rows * parts
+    if key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    key, value = (_unpermuted(t, t.dim() - 2, parts, balanced) for t in (key, value))
+    if balanced:
+        size = length // (2 * parts)
+        starts = (index * size, (2 * parts - 1 - index) * size)
+    else:
+        size, starts = rows, (index * rows,)
+    return _CausalChunks.apply(query, key, value, starts, size, scale)
+
+
 # ---------------------------------------------------------------- ring
 
 
@@ -303,5 +399,5 @@ def cp_leave(x: torch.Tensor, group, dim: int, balanced: bool = True) -> torch.T
     return _Leave.apply(x, group, dim, balanced, _site())
 
 
-__all__ = ["cp_causal_mask", "cp_enter", "cp_leave", "heads_to_seq", "load_balanced_order", "merge_attention",
+__all__ = ["cp_causal_attention", "cp_causal_mask", "cp_enter", "cp_leave", "heads_to_seq", "load_balanced_order", "merge_attention",
            "ring_attention_last", "ring_attention_step", "seq_to_heads"]

@@ -239,7 +239,7 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.
         if not isinstance(val2, torch.Tensor) or val2.dim() != val.dim():
             val2 = _source_val(node, other)
         if val2 is None:  # inserted by a pass (a bias add after an all-reduce): its inputs' fitted sizes
-            dims = _dims_from_inputs(node, out)
+            dims = _collective_dims(node, out) or _dims_from_inputs(node, out)
             out[node.name] = dims
             unfitted += all(isinstance(d, sympy.Integer) for d in dims)
             continue
@@ -297,6 +297,20 @@ def _state_only(gm: fx.GraphModule, state: set[fx.Node]) -> set[fx.Node]:
         if node in state or (node.op == "call_function" and ins and all(a in fixed for a in ins)):
             fixed.add(node)
     return fixed
+
+
+def _collective_dims(node: fx.Node, fitted: dict) -> tuple | None:
+    """An inserted collective's dimensions from its input's (a gather over cp after a tp gather, both inserted): a
+    dimension it gathers or splits scales its input's expression by the ratio of their sizes (``S/4`` gathered over
+    cp=4 is ``S``), which matching sizes would take for another dimension of the same size (the microbatch)."""
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if not spec(node).collective or src is None or src.name not in fitted:
+        return None
+    mine, theirs = node.meta.get("val"), src.meta.get("val")
+    if not isinstance(mine, torch.Tensor) or not isinstance(theirs, torch.Tensor) or mine.dim() != theirs.dim():
+        return None
+    return tuple(e if a == d else e * sympy.Rational(a, d) for a, d, e in zip(mine.shape, theirs.shape,
+                                                                           fitted[src.name], strict=True))
 
 
 def _dims_from_inputs(node: fx.Node, fitted: dict) -> tuple:
