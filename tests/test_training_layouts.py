@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fxshard
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
@@ -69,6 +70,9 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     **{f"bool-index-loss-{name}": (ROOT / "tests" / "models" / "bool_index_loss.py", layout, None, *optim)
        for name, layout, *optim in [("tp2", Layout(tp=2)), ("pp2-2-microbatches", Layout(pp=2, microbatches=2)),
                                     ("dp2-accum2", Layout(dp=2), OptimConfig(grad_accum=2))]},
+    # a shared expert's output added in place onto row-parallel partial sums (out.add_(shared(x))): functionalized
+    "inplace-shared-expert-tp2": (ROOT / "tests" / "models" / "inplace_shared_expert.py", Layout(tp=2),
+                                  {"moe.up": fxshard.colwise(), "moe.down": fxshard.rowwise()}),
     # heterogeneous stacks: a layer called several times (ALBERT) is a block per call; a list of two classes whose
     # layers share one block (Zamba2); the stages calling a shared block each hold it, gradients summed
     "albert-shared-layer-pp2": (ROOT / "tests" / "models" / "hf_albert_mlm.py", Layout(pp=2), None),
@@ -133,13 +137,14 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "gpt-tp2-sp-bf16": (SAMPLES / "gpt.py", Layout(tp=2, sp=True, dtype="bf16"), None),
 }
 # make test's representatives (a schedule each, a split of the batch each, tp, sp, dp at ZeRO 1 and 3, the 3D mesh,
-# bf16, clipping, hybrid stacks, batch norm, a contrastive loss, a boolean-indexed loss); make test-matrix runs
-# every case
+# bf16, clipping, hybrid stacks, batch norm, a contrastive loss, a boolean-indexed loss, an in-place add
+# onto partial sums); make test-matrix runs every case
 KEEP = ("gpt-pp2-1f1b", "llama-pp2-interleaved-1f1b", "gpt2-pp2-zero-bubble", "gpt-pp4-gpipe", "marked-skip-pp3-1f1b",
         "llama-tp2-pp2-1f1b", "llama-padded-pp2-4-microbatches", "llama-padded-dp2-accum2", "bert-qa-pp2-2-microbatches",
         "resnet-bn-dp2-zero3", "zamba2-hybrid-pp2", "inplace-view-tp2", "gpt-dp2-zero1", "gpt-dp2-zero3",
         "gpt-dp2-pp2-tp2-zero1", "gpt-dp2-pp2-zero1-zero-bubble", "gpt-tp2-pp2-clip", "llama-dp2-tp2-zero3-sp-clip",
-        "gpt-tp2-sp", "gpt-dp2-zero2-bf16", "contrastive-dp2-zero1", "bool-index-loss-tp2")
+        "gpt-tp2-sp", "gpt-dp2-zero2-bf16", "contrastive-dp2-zero1", "bool-index-loss-tp2",
+        "inplace-shared-expert-tp2")
 BF16_REL = 2e-2  # bf16 losses are rounded to 8 significant bits (~4e-3); sums over other ranks round differently
 
 

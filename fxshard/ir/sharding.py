@@ -247,6 +247,10 @@ def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], d
         if any(isinstance(p, Shard) for p in placements) and node not in prop.fallbacks:
             prop.fallbacks.append(node)
         return Decision(_replicated_out(node), tuple(R for _ in args))
+    functional = functional_form(node)
+    if functional is not None:  # nothing reads the written value again but through this op: write a new value
+        node.target = functional
+        return decision
     from fxshard.graph import node_fqn
 
     a = moved[0]
@@ -258,6 +262,38 @@ def _in_place(node: fx.Node, args: list[fx.Node], placements: list[Placement], d
         f"({placements[args.index(a)]}); no sharding rule computes this op on the split, and gathering it would "
         f"update a copy, not the tensor{hint}. Replicate the weights this value is computed from, or make the "
         "update out of place")
+
+
+def functional_form(node: fx.Node):
+    """The out-of-place overload of an in-place op (``aten.add.Tensor`` for ``aten.add_.Tensor``) when nothing can
+    see the write but through the op's result: it writes one value computed in the forward (not an input, a
+    parameter or a buffer, nor a view of another value) that no op reads after it, directly or through a view.
+    ``x.add_(shared)`` onto a row-parallel output (P(sum)) then becomes ``x + shared``, which the rule table
+    computes on the split (its partial sums reduced first).  None otherwise."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    name = target.overloadpacket.__name__
+    written = written_inputs(node)
+    if not name.endswith("_") or name.startswith("_") or len(written) != 1 or written[0] is not node.args[0]:
+        return None
+    functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+    x = written[0]
+    if functional is None or x.op != "call_function" or _aliases(x):
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for user in x.users:
+        if user is not node and (order[user] > order[node] or _aliases(user)):
+            return None
+    return functional
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node``'s value may share memory with an input (a view, or an op writing in place)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.target is not operator.getitem
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _replicated_out(node: fx.Node):

@@ -115,10 +115,8 @@ def test_addmm_row_split_keeps_its_bias_after_the_reduction_only_at_beta_alpha_o
 
 
 @pytest.mark.parametrize("key,hint", [
-    ("add-in-place-crossed", "aten.add_.Tensor writes mul in place"),
-    ("add-in-place-on-partial", "aten.add_.Tensor writes matmul in place, which is split over tp (P(sum))"),
     ("embedding-vocab-max-norm", "nn.Embedding's max_norm renormalizes the looked-up rows"),
-], ids=["crossed", "partial", "max-norm"])
+], ids=["max-norm"])
 def test_an_in_place_write_on_a_split_tensor_is_refused_naming_the_op(key, hint):
     with pytest.raises(ShardingError, match="in place") as e:
         compile_case(BY_KEY[key], 2)
