@@ -15,6 +15,7 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 from __future__ import annotations
 
 import linecache
+import re
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,6 +348,15 @@ def _drop_noise(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _raises_after(frame) -> bool:
+    """Whether the statement after ``frame``'s line (an ``if``) raises: a check of the inputs."""
+    for k in range(1, 4):
+        line = (linecache.getline(frame.filename, frame.lineno + k) or "").strip()
+        if line:
+            return line.startswith("raise ")
+    return False
+
+
 def _explain_export_failure(e: Exception, model_path: Path) -> str:
     """Say which construct failed and where in the user's source."""
     frames = traceback.extract_tb(e.__traceback__)
@@ -359,12 +369,22 @@ def _explain_export_failure(e: Exception, model_path: Path) -> str:
         where = f" at {f.filename}:{f.lineno} in {f.name}(): `{line}`"
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     kind = type(e).__name__
+    lifted = re.search(r"model\.([\w.]+)\.lifted_tensor_\d+", str(e))
     if "data-dependent" in str(e) or "GuardOnDataDependent" in kind or "DataDependent" in kind:
         hint = (
             "Python control flow that depends on tensor values cannot be captured; "
             "use torch.where / torch.cond, or make the condition depend only on shapes or config"
         )
+        if user and _raises_after(user[-1]):  # a check of the inputs (a CTC head's labels.max() >= vocab_size)
+            hint += ("; this one only checks the inputs and raises: compute the loss in the model file's "
+                     "loss_fn(output, inputs) and call the model without the inputs it checks (its labels)")
         construct = "data-dependent control flow"
+    elif "Couldn't swap" in str(e) or lifted:
+        construct = f"{kind}: {text}"
+        module = f"{lifted.group(1)}: its" if lifted else "the"
+        hint = (f"{module} forward replaces its own parameters or buffers (self.float(), self.to(...), "
+                "weight.data = ...), which capture on fake tensors cannot do; compute with a converted copy instead "
+                "(F.linear(x.float(), self.weight.float())), or convert the model once in make_model()")
     else:
         hint = "make the forward traceable by torch.export (non-strict), or report the failing construct"
         construct = f"{kind}: {text}"
