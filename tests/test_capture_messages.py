@@ -4,6 +4,7 @@ file (a check of the inputs that raises, a forward that converts its own weights
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,15 @@ def test_a_forward_converting_its_own_weights_is_told_to_convert_a_copy(tmp_path
     message = _refusal(tmp_path, body)
     assert "replaces its own parameters or buffers" in message and "self.weight.float()" in message
     assert "head" in message.lower()  # the module (its line, or its FQN where torch names only the lifted constant)
+
+
+def test_an_eager_experts_moe_is_captured_with_its_own_grouped_experts():
+    # the eager experts loop over `expert_hit` (the experts that received tokens), a loop over data
+    from fxshard.capture.modelfile import load_model_file
+    from fxshard.capture.program import capture
+
+    mf = load_model_file(Path(__file__).resolve().parent / "models" / "hf_mixtral_eager.py")
+    model = mf.build_model(0)
+    program = capture(mf, 0, model)
+    assert any("grouped_mm" in str(n.target) for n in program.gm.graph.nodes)
+    assert model.config._experts_implementation == "eager"  # as the model file made it

@@ -14,6 +14,7 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import re
 import traceback
@@ -114,7 +115,7 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
     try:
-        with wrapped_functions(model) as (functions, refusals):
+        with wrapped_functions(model) as (functions, refusals), grouped_experts(model):
             ep = torch.export.export(wrapper, args, kwargs, strict=False)
     except ModelFileError:
         raise
@@ -129,6 +130,27 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
             if n.op == "call_function" and getattr(n.target, "namespace", None) == FUNCTION_NAMESPACE}
     program.functions = {name: functions[name] for name in sorted(used)}
     return program
+
+
+@contextlib.contextmanager
+def grouped_experts(model: torch.nn.Module):
+    """Capture a transformers MoE whose config asks for ``experts_implementation="eager"`` with the model's own
+    grouped-matmul experts (``"grouped_mm"``, transformers' default) for the duration of the capture: the eager
+    experts loop in Python over the experts that received tokens (``for expert in expert_hit``), which torch.export
+    cannot trace (a loop over data).  Both compute the same experts; the model is left as it was."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_experts_implementation", None) == "eager"}
+    can = getattr(model, "_can_set_experts_implementation", None)
+    if not configs or can is None or not can():
+        yield
+        return
+    for config in configs.values():
+        config._experts_implementation = "grouped_mm"
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._experts_implementation = "eager"
 
 
 def cache_off(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
