@@ -12,7 +12,8 @@ Attention sees the other ranks' keys and values in one of three ways (``--cp-mod
 =========  ======================================================  =============================================
 mode       forward                                                 backward
 =========  ======================================================  =============================================
-allgather  ``rt.gather_to`` K and V over cp (all-gather)           reduce-scatter of dK and dV (the same call)
+allgather  ``rt.gather_to`` K and V over cp (all-gather); causal:  reduce-scatter of dK and dV (the same call)
+           :func:`cp_causal_attention` (chunks, no S x S mask)
 ring       :func:`ring_attention_step`: K/V blocks passed to the    dK/dV passed back around the ring, each
            next rank while this block is computed (send/recv);     block's gradient recomputed while they travel
            :func:`merge_attention`: log-sum-exp merge of blocks
@@ -179,6 +180,7 @@ class _Scratch:
         pass
 
 
+@torch.compiler.disable  # as the ring's and the all-to-alls': the blocks' kernels run eagerly under --compile
 def cp_causal_attention(query: torch.Tensor, group, key: torch.Tensor, value: torch.Tensor, scale: float,
                         balanced: bool = True) -> torch.Tensor:
     """Causal attention of this cp rank's queries (``[.., S/N, d]``, in the cp order) over every key and value
