@@ -236,6 +236,22 @@ def test_pipeline_training_matches_single_device(trained, case):
                 assert torch.equal(value, mine[0][2]), f"{case}: {key} differs from {mine[0][1]} after training"
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", matrix(["resnet-bn-dp2-zero3", "resnet-bn-dp2-zero0"], ["resnet-bn-dp2-zero3"]))
+def test_batch_norm_running_statistics_match_one_device(trained, case):
+    # updated with the whole batch's statistics (SyncBatchNorm's), the same on every dp rank
+    path, _, _, optim = _case(case)
+    per_rank, manifest = case_result(trained, case)
+    single: dict = {}
+    reference_losses(load_model_file(path), STEPS, optim, final_buffers=single)
+    for rank, (_, state) in enumerate(per_rank):
+        entry = manifest.rank(manifest.layout.coords(rank))
+        stats = [(k, t.source) for k, t in entry.tensors.items() if t.source.endswith(("running_mean", "running_var"))]
+        assert len(stats) >= 10, stats
+        for key, source in stats:
+            torch.testing.assert_close(state[key], single[source], rtol=1e-5, atol=1e-6, msg=f"{case} {source}")
+
+
 @pytest.mark.parametrize("sample", ["gpt.py", "llama.py", "gpt2.py"])
 def test_clipping_changes_the_reference_so_the_clip_cases_test_something(sample):
     assert _reference(SAMPLES / sample, CLIP) != _reference(SAMPLES / sample, OptimConfig())

@@ -16,7 +16,8 @@ from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
                      dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions(),
-                     eval_every: int = 0, eval_batches: int = 4, evals: dict | None = None) -> list[float]:
+                     eval_every: int = 0, eval_batches: int = 4, evals: dict | None = None,
+                     final_buffers: dict | None = None) -> list[float]:
     """Losses of ``steps`` AdamW steps on one device, from the same initial weights and the same global batches
     (:func:`fxshard.train.data.global_batches` of ``data``), with the same weight-decay groups and learning-rate
     schedule (torch's LambdaLR of :func:`fxshard.train.schedule.lr_schedule`).
@@ -77,6 +78,9 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     if final_state is not None:  # the trained parameters by FQN (tied ones under every name)
         for name, p in model.named_parameters(remove_duplicate=False):
             final_state[name] = p.detach().clone()
+    if final_buffers is not None:  # the buffers by FQN (a batch norm's running statistics)
+        for name, b in model.named_buffers():
+            final_buffers[name] = b.detach().clone()
     return losses
 
 
