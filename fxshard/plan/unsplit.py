@@ -7,9 +7,9 @@ the compile says so instead of leaving the user to find it in the table.  For ea
 * the plan replicates it;
 * a size tp does not divide (a Linear's features, an Embedding's vocabulary, every dimension of a bare tensor);
 * fewer heads or groups than tp (one part held whole by every rank, its gradients summed);
-* no rule splits it: automatic pairing found no column/row pair within its module, a plan given by ``--plan`` or
-  decorators (used as it is, without pairing) does not name it, or the ops that read it take it whole (norm
-  weights, biases after a reduction).
+* no rule splits it: automatic pairing found no column/row pair within its module that splits without a
+  gather inside it, a plan given by ``--plan`` or decorators (used as it is, without pairing) does not name it,
+  or the ops that read it take it whole (norm weights, biases after a reduction).
 
 Layers of a list are one line (``model.layers.*.norm.weight``)::
 
@@ -114,7 +114,7 @@ def _no_style(source: str) -> str:
         return (f"no rule: the {'+'.join(given)} plan does not name it (a plan given by --plan or decorators is used "
                 "as it is, without automatic pairing; name the module in it)")
     shipped = "the model's own plan does not name it and " if "model" in source.split("+") else ""
-    return f"no rule: {shipped}automatic pairing found no column/row pair within its module"
+    return f"no rule: {shipped}automatic pairing found no column/row pair within its module that splits without a gather inside it"
 
 
 def _reason(node: fx.Node, fqn: str, op: WeightOp | None, ctx: CompileContext, tp: int, one_part: bool) -> str:

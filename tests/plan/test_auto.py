@@ -38,7 +38,7 @@ def test_a_users_plan_gets_no_pairing_and_the_not_split_list_says_why():
             "it is, without automatic pairing; name the module in it)") in reasons
     shipped = {(m["modules"], m["reason"]) for m in plan_costs(PARTIAL, Layout(tp=2)).to_json()["unsplit"]["modules"]}
     assert ("mlp_a.fc_out", "no rule: the model's own plan does not name it and automatic pairing found no column/row "
-            "pair within its module") in shipped
+            "pair within its module that splits without a gather inside it") in shipped
     assert ("mlp_a.fc_in", "the plan replicates it") in shipped
 
 
