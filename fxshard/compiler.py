@@ -204,6 +204,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
+    _check_scalar_parameters(program, layout)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
                                      virtual_stages=layout.stages_per_rank)
@@ -247,6 +248,20 @@ def _sequence(mf: ModelFile, seed: int, inputs, program: Program, layout: Layout
     dtype = layout.compute_dtype if layout.mixed else None
     return sequence_dims(lambda other: capture_at(mf, seed, other, dtype, meta=True).gm, inputs, program.gm,
                          f"{mf.path.name}: make_inputs()")
+
+
+def _check_scalar_parameters(program: Program, layout: Layout) -> None:
+    """FSDP2 (ZeRO 2 and 3) shards every parameter along its first dimension and refuses a 0-dim one (CLIP's
+    ``logit_scale``) when the run starts; say so at compile, naming it."""
+    if layout.zero < 2 or layout.dp == 1:
+        return
+    state = program.state_by_name()
+    scalars = [state[n.name].fqn for n in program.gm.graph.nodes if n.op == "placeholder" and n.name in state
+               and state[n.name].kind == "parameter" and getattr(n.meta.get("val"), "dim", lambda: 1)() == 0]
+    if scalars:
+        raise LayoutError(f"--zero {layout.zero}: {', '.join(scalars)} is a 0-dim parameter, which FSDP2 (ZeRO 2 and "
+                          "3) cannot shard; use --zero 1 (the optimizer state sharded) or --zero 0, or make it a "
+                          "1-element tensor in the model")
 
 
 def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:

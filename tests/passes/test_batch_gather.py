@@ -45,3 +45,9 @@ def test_grad_accum_is_refused_naming_op_and_module(tmp_path):
     check_accumulated_loss(tmp_path / "out", result.manifest, 1)
     with pytest.raises(LayoutError, match=rf"--grad-accum 2: {PRODUCT} mixes the examples"):
         check_accumulated_loss(tmp_path / "out", result.manifest, 2)
+
+
+def test_zero_3_refuses_the_scalar_logit_scale_at_compile_naming_it():
+    # FSDP2 refuses a 0-dim parameter when the run starts; the compile says so first
+    with pytest.raises(LayoutError, match=r"--zero 3: logit_scale is a 0-dim parameter, which FSDP2"):
+        compile_model(CONTRASTIVE, Layout(dp=2, zero=3))
