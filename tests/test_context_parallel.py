@@ -61,8 +61,10 @@ CASES = {  # id -> (model file, layout)
     # sliding-window and ALiBi models: their masks and biases are built from positions on the whole sequence
     "gemma2-sliding-cp2": (GEMMA2, Layout(cp=2)),
     "bloom-alibi-cp2": (BLOOM, Layout(cp=2)),
+    "llama-padded-cp2-recompute-full": (PADDED, Layout(cp=2, recompute="full")),
+    "llama-padded-cp2-dp2-zero2": (PADDED, Layout(cp=2, dp=2, zero=2)),
 }
-NEW = {"gemma2-sliding-cp2", "bloom-alibi-cp2"}  # make test-matrix only: make test keeps the cases before them
+NEW = {"gemma2-sliding-cp2", "bloom-alibi-cp2", "llama-padded-cp2-recompute-full", "llama-padded-cp2-dp2-zero2"}  # make test-matrix only: make test keeps the cases before them
 
 
 def _train_one(out: str):
