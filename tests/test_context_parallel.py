@@ -63,16 +63,20 @@ CASES = {  # id -> (model file, layout)
     "bloom-alibi-cp2": (BLOOM, Layout(cp=2)),
     "llama-padded-cp2-recompute-full": (PADDED, Layout(cp=2, recompute="full")),
     "llama-padded-cp2-dp2-zero2": (PADDED, Layout(cp=2, dp=2, zero=2)),
+    "llama-padded-cp2-compile": (PADDED, Layout(cp=2)),  # trained with --compile (COMPILED)
 }
-NEW = {"gemma2-sliding-cp2", "bloom-alibi-cp2", "llama-padded-cp2-recompute-full", "llama-padded-cp2-dp2-zero2"}  # make test-matrix only: make test keeps the cases before them
+COMPILED = {"llama-padded-cp2-compile"}
+NEW = {"gemma2-sliding-cp2", "bloom-alibi-cp2", "llama-padded-cp2-recompute-full", "llama-padded-cp2-dp2-zero2",
+       "llama-padded-cp2-compile"}  # make test-matrix only: make test keeps the cases before them
 
 
-def _train_one(out: str):
+def _train_one(out: str, compiled: bool = False):
     from fxshard.train.launch import train
     from fxshard.train.options import RunOptions
 
     state: dict = {}
-    losses = train(Path(out), RunOptions(STEPS, OptimConfig()), log=lambda *_: None, final_state=state)
+    options = RunOptions(STEPS, OptimConfig(), compile=compiled)
+    losses = train(Path(out), options, log=lambda *_: None, final_state=state)
     return losses, state
 
 
@@ -90,7 +94,7 @@ def trained(tmp_path_factory, request):
             continue
         folders.setdefault(layout.world_size, []).append((case, out))
     for world, items in folders.items():
-        found = spawn_cases(_train_one, world, [(case, (str(o),)) for case, o in items])
+        found = spawn_cases(_train_one, world, [(case, (str(o), case in COMPILED)) for case, o in items])
         for case, out in items:
             results[case] = found[case] if isinstance(found[case], CaseFailure) else (found[case], read_manifest(out))
     return results
