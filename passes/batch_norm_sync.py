@@ -46,8 +46,9 @@ def batch_norm_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     if not norms:
         return gm
     model = type(ctx.program.model).__name__
-    ctx.batch_couplings = [f"{node_fqn(n) or model}: {n.target} (batch statistics)" for n in norms]
-    listed = "; ".join(ctx.batch_couplings)
+    found = [f"{node_fqn(n) or model}: {n.target} (batch statistics)" for n in norms]
+    ctx.batch_couplings = [*ctx.batch_couplings, *found]  # as batch_gather_pass: each pass adds its own
+    listed = "; ".join(found)
     if ctx.microbatches > 1:
         raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} normalizes by the "
                           "statistics of the whole batch, which a pipeline schedule sees one microbatch at a time (it "
