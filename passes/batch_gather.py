@@ -31,7 +31,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxshard.errors import LayoutError
 from fxshard.graph import node_fqn
-from fxshard.ir.batch import cross_batch_products, describe, examples, local_batch, whole_batch_region
+from fxshard.ir.batch import (
+    cross_batch_products,
+    describe,
+    examples,
+    local_batch,
+    refuse_microbatches,
+    whole_batch_region,
+)
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Shard
@@ -47,11 +54,7 @@ def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     found = [describe(n, model) for n in products]
     ctx.batch_couplings = [*ctx.batch_couplings, *found]
     listed = "; ".join(found)
-    if ctx.microbatches > 1:
-        raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} pairs the examples "
-                          "of the whole batch, which a pipeline schedule sees one microbatch at a time (it runs "
-                          "microbatch 0 before the rest of the batch exists); train the batch over --dp instead "
-                          "(its features are gathered), or at --microbatches 1")
+    refuse_microbatches(ctx, listed, "pairs the examples of the whole batch", " (its features are gathered)")
     if ctx.layout.dp == 1:
         return gm
     b = local_batch(ctx.user_inputs)

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from fxshard.errors import LayoutError
 from fxshard.graph import node_fqn
+from fxshard.ir.batch import refuse_microbatches
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Replicate, Shard
@@ -49,11 +50,7 @@ def batch_norm_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     found = [f"{node_fqn(n) or model}: {n.target} (batch statistics)" for n in norms]
     ctx.batch_couplings = [*ctx.batch_couplings, *found]  # as batch_gather_pass: each pass adds its own
     listed = "; ".join(found)
-    if ctx.microbatches > 1:
-        raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} normalizes by the "
-                          "statistics of the whole batch, which a pipeline schedule sees one microbatch at a time (it "
-                          "runs microbatch 0 before the rest of the batch exists); train the batch over --dp instead, "
-                          "or at --microbatches 1")
+    refuse_microbatches(ctx, listed, "normalizes by the statistics of the whole batch")
     if ctx.layout.dp == 1:
         return gm
     for n in norms:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.errors import LayoutError
 from fxshard.graph import node_fqn
 
 aten = torch.ops.aten
@@ -87,3 +88,12 @@ def whole_batch_region(products: list[fx.Node]) -> set[fx.Node]:
 def describe(node: fx.Node, model: str) -> str:
     """``fqn: op (what it mixes)``, as the refusals and the manifest's batch couplings name it."""
     return f"{node_fqn(node) or model}: {node.target} (a product of every example with every other)"
+
+
+def refuse_microbatches(ctx, listed: str, what: str, over_dp: str = "") -> None:
+    """Refuse a layout whose pipeline splits the batch into microbatches when ``listed`` (the ops, named) needs the
+    whole batch at once (``what`` it does with it); ``over_dp``: what --dp does for it instead."""
+    if ctx.microbatches > 1:
+        raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} {what}, which a "
+                          "pipeline schedule sees one microbatch at a time (it runs microbatch 0 before the rest of "
+                          f"the batch exists); train the batch over --dp instead{over_dp}, or at --microbatches 1")
