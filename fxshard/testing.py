@@ -6,6 +6,12 @@ group and ``threads`` intra-op threads, calls ``fn(rank, world, *args)`` and ret
 results (pickled through files).  A worker exception raises here with that rank's traceback; a run
 over ``timeout`` seconds is killed and fails, so a broken run never hangs its caller.
 
+The ranks are forked from a forkserver that has imported torch and fxshard once (``PRELOAD``): a spawned
+rank spends about 4 s of CPU importing them, a forked one nothing, and a test suite starts hundreds.  The
+server only imports (no tensor op, no thread pool, no CUDA), so each rank still starts from clean state; it
+gets the caller's environment and working directory at the call, as a spawned one would.
+``FXSHARD_START_METHOD=spawn`` starts fresh interpreters instead.
+
 ``backend="nccl"`` (the benchmarks on a GPU) puts rank r on GPU r mod the GPUs visible.  With fewer GPUs
 than ranks, ranks share a GPU: NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"),
 so each rank then gets its own ``NCCL_HOSTID`` and NCCL takes them for separate hosts, joined by its socket
@@ -31,6 +37,21 @@ import torch.multiprocessing as mp
 RENDEZVOUS = timedelta(seconds=180)  # on a loaded 2-core machine a rank's torch import alone has taken over 60 s
 
 
+# imported once by the forkserver the ranks are forked from; what a rank imports beyond these it imports itself.
+# transformers' model base is most tests' and benchmarks' models (the forkserver skips a module not installed)
+PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fxshard.testing", "fxshard.runtime",
+           "fxshard.train.launch", "fxshard.compiler", "transformers.modeling_utils"]
+
+
+def _start_method() -> str:
+    method = os.environ.get("FXSHARD_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"FXSHARD_START_METHOD={method!r}: expected 'forkserver' or 'spawn'")
+    if method == "forkserver":
+        mp.set_forkserver_preload(PRELOAD)  # read when the server starts (this process's first forkserver rank)
+    return method
+
+
 def _store() -> dist.TCPStore:
     """The rendezvous store, held by the parent on a port the OS picks while it listens: a port found free and
     then bound by the ranks could be taken in between by another test's group (pytest-xdist runs two), whose
@@ -50,7 +71,11 @@ def _use_gpu(rank: int, world: int) -> None:
         pose_as_own_host(rank)
 
 
-def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, fn, args) -> None:
+def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, fn, args,
+            env: dict[str, str], cwd: str) -> None:
+    os.environ.clear()  # a forked rank has the forkserver's environment: give it the caller's, as spawn does
+    os.environ.update(env)
+    os.chdir(cwd)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     path = Path(folder) / f"rank{rank}.pkl"
@@ -71,9 +96,24 @@ def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend
     except BaseException:  # report any failure to the parent with its traceback
         result = ("error", traceback.format_exc())
     path.write_bytes(pickle.dumps(result))
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)  # a forked rank's count starts at its fork
+    (Path(folder) / f"rank{rank}.cpu").write_text(repr(used.ru_utime + used.ru_stime))
     from fxshard.train.supervise import exit_finished
 
     exit_finished()  # reported and torn down: skip the interpreter's teardown, where gloo has aborted ranks
+
+
+RANKS_CPU = [0.0]  # CPU seconds the ranks of this process's spawns used (their own count: forkserver ranks are
+# not this process's children, so its RUSAGE_CHILDREN misses them); the tests' FXSHARD_TEST_CPU report adds it
+
+
+def _count_cpu(folder: str, world: int) -> None:
+    for rank in range(world):
+        path = Path(folder) / f"rank{rank}.cpu"
+        if path.exists():
+            RANKS_CPU[0] += float(path.read_text())
 
 
 def _joined(ctx, folder: str, world: int) -> bool:
@@ -95,9 +135,11 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backe
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: expected 'gloo' or 'nccl'")
     store = _store()  # held until the ranks are done
+    method = _start_method()
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_worker, args=(world, store.port, folder, threads, backend, fn, args), nprocs=world,
-                                 join=False, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(world, store.port, folder, threads, backend, fn, args,
+                                                dict(os.environ), os.getcwd()),
+                                 nprocs=world, join=False, start_method=method)
         import time
 
         deadline = time.monotonic() + timeout
@@ -106,6 +148,8 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backe
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
+        if method == "forkserver":  # spawned ranks are this process's children: RUSAGE_CHILDREN has them
+            _count_cpu(folder, world)
         results = []
         for rank in range(world):
             status, value = pickle.loads((Path(folder) / f"rank{rank}.pkl").read_bytes())

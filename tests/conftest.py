@@ -48,9 +48,11 @@ if os.environ.get("FXSHARD_TEST_CPU") == "1":
 
     _cpu: dict[str, float] = {}
 
-    def _now() -> float:
+    from fxshard.testing import RANKS_CPU
+
+    def _now() -> float:  # the ranks of fxshard.testing.spawn count their own (forked from a forkserver)
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return time.process_time() + children.ru_utime + children.ru_stime
+        return time.process_time() + children.ru_utime + children.ru_stime + RANKS_CPU[0]
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):

@@ -40,3 +40,31 @@ def test_nccl_without_a_gpu_fails_naming_the_rank():
         pytest.skip("a GPU is here: the nccl backend would run")
     with pytest.raises(AssertionError, match="(?s)rank 0 failed:.*rank 0: backend nccl needs a GPU and torch sees none"):
         spawn(_case, 2, 1, backend="nccl", timeout=60)
+
+
+def _seen(rank: int, world: int) -> tuple:
+    import os
+
+    import torch
+
+    return os.environ.get("FXSHARD_HARNESS_PROBE"), os.getcwd(), torch.get_num_threads(), os.getpid()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_get_the_callers_environment_and_folder_at_the_call(method, monkeypatch, tmp_path):
+    """A forked rank starts from the forkserver, which began with an earlier environment and folder: the harness
+    hands each rank the caller's at the call, so a test's ``setenv`` and ``chdir`` reach it as they would a
+    spawned one's.  Each call gets new processes."""
+    from fxshard.testing import spawn
+
+    monkeypatch.setenv("FXSHARD_START_METHOD", method)
+    monkeypatch.setenv("FXSHARD_HARNESS_PROBE", "first")
+    first = spawn(_seen, 2, timeout=120)
+    monkeypatch.setenv("FXSHARD_HARNESS_PROBE", "second")
+    monkeypatch.chdir(tmp_path)
+    second = spawn(_seen, 2, timeout=120)
+    assert [row[0] for row in first] == ["first", "first"] and [row[0] for row in second] == ["second", "second"]
+    assert {row[1] for row in second} == {str(tmp_path)}
+    assert {row[2] for row in first + second} == {1}
+    assert len({row[3] for row in first + second}) == 4
