@@ -18,6 +18,8 @@
                                             # in bf16 at seq 2048 (results/single-cuda.*; on the CPU a tiny one)
     python -m benchmarks.run --only auto    # fxshard calibrate, then 12 layouts at world size 4 predicted and
                                             # measured: ratios, rank correlation (results/auto-cpu.*)
+    python -m benchmarks.run --only cp      # context parallelism: allgather, ring, a2a at cp=2 and cp=4 against cp=1
+                                            # (step time, bytes sent, the ring's hidden transfer: results/cp-cpu.*)
     python -m benchmarks.run --only data    # a 50M-token file at tp=2 dp=2: step time against the example
                                             # batch, peak RSS over 10 and 2,000 steps (results/data-cpu.*)
 """
@@ -43,6 +45,7 @@ from benchmarks import (  # noqa: E402
     comm_axes,
     comm_experts,
     compile_scaling,
+    context_parallel,
     cpu_matmul,
     data,
     memory,
@@ -57,7 +60,7 @@ from benchmarks.common import BACKEND_OF, cpu_line, environment, write_results  
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
-ALONE = ("single", "data", "auto")  # parts run only when --only names them, into results files of their own
+ALONE = ("single", "data", "auto", "cp")  # parts run only when --only names them, into results files of their own
 GPU_PARTS = ("tp", "single")  # what --device cuda runs
 
 
@@ -67,7 +70,8 @@ def plan(quick: bool, device: str = "cpu") -> dict:
         return {"tp_sizes": ["tiny"] if quick else ["small", "medium"], "tp_rounds": 2 if quick else 50,
                 "tp_warmup": 0 if quick else 3, "single_size": "tiny" if quick else "1b",
                 "single_rounds": 2 if quick else 10, "single_warmup": 0 if quick else 2}
-    single = {"single_size": "tiny", "single_rounds": 2 if quick else 6, "single_warmup": 0 if quick else 1}
+    single = {"single_size": "tiny", "single_rounds": 2 if quick else 6, "single_warmup": 0 if quick else 1,
+              "cp_rounds": 2 if quick else 8, "cp_warmup": 0 if quick else 1}
     if quick:
         return single | {"tp_sizes": ["tiny"], "tp_rounds": 2, "tp_warmup": 0,
                 "pipelines": [(2, 4)], "pipeline_rounds": 2, "pipeline_warmup": 0,
@@ -97,6 +101,8 @@ SECTIONS = {
                            single.markdown)]),
     "data": ("data", [("Training data: step time with a token file, host memory over steps", data.markdown)]),
     "auto": ("auto", [("The time model against measured steps (12 layouts at world size 4, gloo)", auto.markdown)]),
+    "cp": ("cp", [("Context parallelism: step time against cp=1, bytes sent, the ring's hidden transfer",
+                   context_parallel.markdown)]),
 }
 
 
@@ -125,6 +131,8 @@ def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "
         return data.run(work, quick)
     if part == "auto":
         return auto.run(work, quick)
+    if part == "cp":
+        return context_parallel.run(work, settings["cp_rounds"], settings["cp_warmup"], quick)
     if part == "single":
         return single.run(settings["single_size"], work, settings["single_rounds"], settings["single_warmup"], device)
     assert part == "compile"

@@ -185,6 +185,29 @@ def test_expert_all_to_all_bytes_equal_the_exact_figure_of_the_routing(tmp_path)
 
 
 @pytest.mark.distributed
+def test_cp_bytes_measured_at_the_dispatcher_equal_the_formula(tmp_path):
+    """``--only cp`` at cp=2, quick: in each mode the bytes each rank sends over cp, counted from the tensors the
+    collectives and sends got, equal the formula; the ring's transfers are timed in both directions."""
+    from benchmarks.context_parallel import MODES, markdown, run
+
+    result = run(tmp_path, rounds=1, warmup=0, quick=True, log=lambda *_: None, cps=(2,))
+    (row,) = result["rows"]
+    calls = {"allgather": {"all_gather": 4, "reduce_scatter": 4}, "ring": {"send": 8}, "a2a": {"all_to_all": 16}}
+    for mode in MODES:  # 2 layers: K and V (ring: one shift of both each way; a2a: q, k, v, out each way)
+        want = 2 * 2 * row["formula_per_layer_direction"][mode]
+        for rank in row["bytes"]:
+            cp = rank[mode]["cp"]
+            assert {kind: c["calls"] for kind, c in cp.items()} == calls[mode], (mode, cp)
+            assert sum(c["bytes"] for c in cp.values()) == want > 0, (mode, cp)
+            assert rank[mode]["dp_cp"]["all_reduce"]["bytes"] > 0  # the gradients, counted apart
+    for direction in ("forward", "backward"):
+        ring = row["ring"][direction]
+        assert ring["shifts_per_rank"] == 2 and 0 <= ring["hidden_share"] <= 1, ring
+    assert set(row["ratio_to_cp1"]) == set(MODES)
+    assert markdown(result).count("| 1.000 |") == len(MODES)
+
+
+@pytest.mark.distributed
 def test_single_device_fxshard_trains_as_the_transformers_model(tmp_path):
     """World size 1 (``--only single``) at the tiny size, eager: fxshard's rank file and the unmodified transformers
     model take the same bf16 steps from the same weights (the compiled twins are the GPU run's: their compiles take
