@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.manifest import read_manifest
@@ -173,3 +174,48 @@ def test_cp_attention_splits_its_heads_over_tp(trained, case, call, heads):
     assert [c for c in collectives if c.op == call and c.group == "cp"]
     # 8: a head's width (q, k, v in heads); 32: the key/value width (v gathered before its view into heads)
     assert not [c.shape for c in collectives if c.group == "tp" and c.op == "all_gather" and c.shape[-1] in (8, 32)]
+
+
+def _train_runs(rank: int, world: int, runs: list):
+    """Train each ``(out, steps, CheckpointConfig or None)`` in turn in these processes; {out: (losses, state)}."""
+    from harness import run_options
+
+    from fxshard.train.launch import train
+
+    results = {}
+    for out, steps, ckpt in runs:
+        state: dict = {}
+        results[out] = (train(Path(out), run_options(steps, OptimConfig(), ckpt), log=lambda *_: None,
+                              final_state=state), state)
+    return results
+
+
+@pytest.mark.distributed
+def test_a_cp_checkpoint_resumes_as_the_uninterrupted_run(tmp_path):
+    """cp2 at ZeRO 1 (the Adam state sharded over dp x cp) trains 4 steps saving at step 2; resumed from step 2 at the
+    same layout it repeats steps 3 and 4 to the bit with the same trained parameters, and resumed at cp2 ZeRO 0 and
+    at tp2 (the checkpoint's slices read by another layout) it continues the losses within 1e-5."""
+    from fxshard.testing import spawn
+    from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
+
+    layouts = {"saved": Layout(cp=2, zero=1), "same": Layout(cp=2, zero=1), "zero0": Layout(cp=2),
+               "tp2": Layout(tp=2)}
+    outs = {name: str(compile_model(PADDED, layout, out=tmp_path / name).out) for name, layout in layouts.items()}
+    ckpt = tmp_path / "ckpt"
+    runs = [(outs["saved"], 4, CheckpointConfig(ckpt, 2))]
+    runs += [(outs[n], 4, CheckpointConfig(ckpt / "step-00000002", resume=True)) for n in ("same", "zero0", "tp2")]
+    found = spawn(_train_runs, 2, runs, timeout=600)
+    assert CheckpointReader(ckpt / "step-00000002").index["layout"]["cp"] == 2
+    whole, whole_state = found[0][outs["saved"]]
+    assert len(whole) == 4
+    for rank in range(2):
+        losses, state = found[rank][outs["same"]]
+        assert losses == whole[2:], rank
+        want = found[rank][outs["saved"]][1]
+        assert want, rank
+        assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want), rank
+    for name in ("zero0", "tp2"):
+        losses = found[0][outs[name]][0]
+        assert len(losses) == 2, name
+        for got, ref in zip(losses, whole[2:], strict=True):
+            assert abs(got - ref) <= REL * abs(ref), f"{name}: {got} vs uninterrupted {ref}"

@@ -275,7 +275,9 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     data position), kept in the index as ``"trainer"``.  Once the step is complete, ``keep_last`` and ``replace``
     delete older steps (:func:`_prune`).
 
-    Each distinct slice is written once: the dense tensors by dp rank 0, and under --ep each ep rank's experts
+    Each distinct slice is written once (under --cp by cp rank 0: the cp ranks hold the same parameters, and their
+    optimizer state is sharded or replicated over dp x cp, the group ``dp_group`` names then): the dense tensors by
+    dp rank 0, and under --ep each ep rank's experts
     (its E/ep of the stacked expert weights, a dim-0 slice) by the first rank of its edp group (dp coordinate
     ``d < ep``), into that ep rank's file, so the global tensor is the concatenation of the ep slices.
 
@@ -300,7 +302,8 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
                 tensors |= {_key(t.source, k, t.slice): v.detach().cpu().contiguous() for k, v in got.items()}
     layout = manifest.layout
     failed = None
-    if coords["dp"] < layout.ep:  # dp rank 0; under --ep the first rank of each edp group
+    # dp rank 0 (under --ep the first rank of each edp group) of cp rank 0: the cp ranks hold the same parameters
+    if coords["dp"] < layout.ep and not _cp_index(coords):
         from safetensors.torch import save_file
 
         shard = tmp / _shard_name(coords, layout.ep_rank(coords["dp"]) if layout.ep > 1 else None)
@@ -316,6 +319,12 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     if rank == 0:
         _prune(folder, folder / f"step-{step:08d}", keep_last, replace)
     return folder / f"step-{step:08d}" if rank == 0 else None
+
+
+def _cp_index(coords) -> int:
+    """The cp coordinate of ``coords`` (a :class:`~fxshard.ir.layout.Coords` or its JSON), 0 without ``--cp``."""
+    cp = coords.get("cp") if isinstance(coords, dict) else coords.cp
+    return cp or 0
 
 
 def _attempt(write, path: Path) -> str | None:

@@ -101,11 +101,6 @@ def train(out: Path, options: RunOptions, *, device: torch.device | None = None,
         from fxshard.train.supervise import checkpoint_lock
 
         locked = checkpoint_lock(Path(checkpoint.folder))  # one run writes a checkpoint folder at a time
-    if checkpoint is not None:
-        from fxshard.codegen.manifest import read_manifest
-        from fxshard.train.program import refuse_cp_checkpoints
-
-        refuse_cp_checkpoints(Path(out), read_manifest(out).layout)
     with locked:
         program = Program(Path(out), options, device or torch.device("cpu"))
         data = open_stream(program, "train")

@@ -86,14 +86,6 @@ def load(out: str | Path, options: RunOptions | None = None, *, device: torch.de
     return Program(Path(out), options, device)
 
 
-def refuse_cp_checkpoints(out: Path, layout) -> None:
-    """Checkpoints do not yet save or load a context-parallel run: refused, naming the way on."""
-    if layout.cp > 1:
-        raise LayoutError(f"{out} was compiled with --cp {layout.cp}: checkpoints (--checkpoint, --resume) do not yet "
-                          "save or load a context-parallel run (its cp ranks hold the same shards); drop --checkpoint, "
-                          "or compile without --cp")
-
-
 class Program:
     """One rank's generated modules, data parallelism, pipeline schedule and optimizer (see the module docstring).
 
@@ -297,15 +289,14 @@ class Program:
         the newest N complete steps, and ``replace`` every other step of ``folder`` (an earlier run's)."""
         from fxshard.train.checkpoint import save_checkpoint
 
-        refuse_cp_checkpoints(self.out, self.layout)
-
         trainer = {"batches": self._batches,
                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
                    "data": _state_of(data)}
         with named_phase(f"the checkpoint save of step {self.step_count}", dist.group.WORLD):
             finish_param_sync(self._opt)  # the parameters of this step, not the gathers still in flight
             return save_checkpoint(folder, self.step_count, self.out, self.held, self.entry, self._opt, self.manifest,
-                                   self.coords, self.groups[DP], self.options.optim, self.groups.get(EDP),
+                                   self.coords, self.groups[self.layout.grad_axis], self.options.optim,
+                                   self.groups.get(EDP),
                                    trainer=_json_checked(trainer), keep_last=keep_last, replace=replace)
 
     def load(self, folder: str | Path, *, scheduler=None, data=None, say=print) -> dict | None:
@@ -314,8 +305,6 @@ class Program:
         or None for a checkpoint without one (saved before fxshard recorded it): ``say`` is told the position is
         unknown, and the data is left where it is."""
         from fxshard.train.checkpoint import CheckpointReader, load_trained
-
-        refuse_cp_checkpoints(self.out, self.layout)
 
         reader = CheckpointReader(folder)
         reader.check_model(self.manifest, self.out, self.options.allow_changed_model)
