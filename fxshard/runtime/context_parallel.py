@@ -219,6 +219,80 @@ def _block(q, k, v, mask, scale: float, kv_groups: int):
     return out, lse
 
 
+def _causal_pieces(index: int, source: int, parts: int, rows: int, balanced: bool):
+    """How this rank's query chunks see the key chunks cp rank ``source`` holds, under a causal mask: ``(size,
+    [(query row, [(key row, is_causal), ..]), ..])``.  A key chunk before a query chunk is seen whole, the chunk
+    itself causally (``is_causal``), a later one not at all: no mask is made."""
+    if balanced:
+        size, mine, theirs = rows // 2, (index, 2 * parts - 1 - index), (source, 2 * parts - 1 - source)
+    else:
+        size, mine, theirs = rows, (index,), (source,)
+    return size, [(a * size, [(b * size, kb == qa) for b, kb in enumerate(theirs) if kb <= qa])
+                  for a, qa in enumerate(mine)]
+
+
+def _repeat_kv(k, v, groups: int):
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+
+
+def _unrepeat(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of a key/value head repeated ``groups`` times (``repeat_interleave``): its repeats' summed."""
+    if groups == 1:
+        return grad
+    b, heads, length, width = grad.shape
+    return grad.view(b, heads // groups, groups, length, width).sum(2)
+
+
+def _causal_block(q, k, v, pieces, scale: float, kv_groups: int):
+    """:func:`_block` of a causal ring block, chunk by chunk with SDPA's fused kernel (``is_causal`` on the diagonal
+    chunk, nothing on the others): ``(out, lse)`` in fp32; a query chunk with no key to see has 0 and -inf."""
+    size, chunks = pieces
+    k, v = _repeat_kv(k, v, kv_groups)
+    outs, lses = [], []
+    for row, keys in chunks:
+        qj = q.narrow(-2, row, size)
+        parts = [_flash(qj, k.narrow(-2, col, size), v.narrow(-2, col, size), causal, scale) for col, causal in keys]
+        if not parts:
+            outs.append(torch.zeros(qj.shape, dtype=torch.float32, device=q.device))
+            lses.append(torch.full(qj.shape[:-1], float("-inf"), device=q.device))
+            continue
+        lse = torch.logsumexp(torch.stack([p[1].float() for p in parts]), dim=0)
+        outs.append(sum(torch.exp(p[1] - lse).unsqueeze(-1) * p[0].float() for p in parts))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _causal_block_grads(q, k, v, out, lse, dout, dlse, pieces, scale: float, kv_groups: int):
+    """The gradients of :func:`_causal_block` by the fused kernel's own backward, given the block's ``out`` and
+    ``lse``: the FlashAttention identity, with the gradient of ``lse`` carried by one more column (q, k and v get a
+    zero, ``dout`` a one and ``out`` ``-dlse``: the kernel's row sum of ``dout * out`` becomes ``D - dlse``)."""
+    size, chunks = pieces
+    kr, vr = _repeat_kv(k, v, kv_groups)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
+    dout = torch.zeros_like(out) if dout is None else dout
+    dlse = torch.zeros_like(lse) if dlse is None else dlse
+
+    def column(t, end):
+        return torch.cat([t, end.to(t.dtype).expand(*t.shape[:-1], 1)], dim=-1).contiguous()
+
+    zero = q.new_zeros(())
+    for row, keys in chunks:
+        rows = (row, size)
+        qj = column(q.narrow(-2, *rows), zero)
+        oj = column(out.narrow(-2, *rows).to(q.dtype), -dlse.narrow(-1, *rows).unsqueeze(-1))
+        gj = column(dout.narrow(-2, *rows).to(q.dtype), q.new_ones(()))
+        lj = lse.narrow(-1, *rows).contiguous()
+        for col, causal in keys:
+            kc, vc = (column(t.narrow(-2, col, size), zero) for t in (kr, vr))
+            g = _FLASH_BACKWARD(gj, qj, kc, vc, oj, lj, 0.0, causal, scale=scale)
+            dq.narrow(-2, *rows).add_(g[0][..., :-1])
+            dk.narrow(-2, col, size).add_(g[1][..., :-1])
+            dv.narrow(-2, col, size).add_(g[2][..., :-1])
+    return dq, _unrepeat(dk, kv_groups), _unrepeat(dv, kv_groups)
+
+
 def _block_mask(mask, query, group, step: int, causal: bool, balanced: bool):
     """The mask of the keys this rank holds at ring ``step`` (they came from cp rank index - step)."""
     parts, index = _size(group), _index(group)
@@ -257,36 +331,55 @@ class _RingStep(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, group, step, causal, scale, kv_groups, send, balanced, site):
         ctx.group, ctx.step, ctx.causal, ctx.scale, ctx.kv_groups = group, step, causal, scale, kv_groups
         ctx.send, ctx.balanced, ctx.site = send, balanced, site
-        block_mask = _block_mask(mask, q, group, step, causal, balanced)
+        # causal: the block's chunks seen whole, causally or not at all, no [S/N, S/N] mask (_causal_pieces)
+        parts, index = _size(group), _index(group)
+        ctx.pieces = _causal_pieces(index, (index - step) % parts, parts, q.shape[-2], balanced) if causal else None
+        block_mask = None if causal else _block_mask(mask, q, group, step, causal, balanced)
         with guarded("send/recv of K/V around the cp ring", group, k, site):
             pending = _start_shift([k, v], group, to_next=True) if send else None
-            out, lse = _block(q, k, v, block_mask, scale, kv_groups)
+            if causal:
+                out, lse = _causal_block(q, k, v, ctx.pieces, scale, kv_groups)
+            else:
+                out, lse = _block(q, k, v, block_mask, scale, kv_groups)
             if pending is not None:
                 for work in pending[1]:
                     work.wait()
-        ctx.save_for_backward(q, k, v, block_mask)
+        fused = causal and q.device.type == "cpu"  # backward by the fused kernel, given the block's out and lse
+        ctx.save_for_backward(q, k, v, block_mask, *((out, lse) if fused else ()))
         received = pending[0] if pending is not None else []
         return (out, lse, *received)
 
     @staticmethod
     def backward(ctx, dout, dlse, *dreceived):
-        q, k, v, block_mask = ctx.saved_tensors
+        q, k, v, block_mask, *block = ctx.saved_tensors
         pending = None
         with guarded("send/recv of dK/dV around the cp ring (backward)", ctx.group, k, ctx.site):
             if ctx.send:
                 grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(dreceived, (k, v), strict=True)]
                 pending = _start_shift(grads, ctx.group, to_next=False)
-            with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                out, lse = _block(*leaves, block_mask, ctx.scale, ctx.kv_groups)
-                outs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
-                dq, dk, dv = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs],
-                                                 allow_unused=True)
+            if block:
+                dq, dk, dv = _causal_block_grads(q, k, v, *block, dout, dlse, ctx.pieces, ctx.scale, ctx.kv_groups)
+            else:
+                dq, dk, dv = _recomputed_block_grads(ctx, q, k, v, block_mask, dout, dlse)
             if pending is not None:
                 for work in pending[1]:
                     work.wait()
                 dk, dv = dk + pending[0][0], dv + pending[0][1]
         return dq, dk, dv, *([None] * 9)
+
+
+def _recomputed_block_grads(ctx, q, k, v, block_mask, dout, dlse):
+    """The gradients of a ring block, its attention recomputed under autograd (zeros for an input it did not read)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        if ctx.pieces is not None:
+            out, lse = _causal_block(*leaves, ctx.pieces, ctx.scale, ctx.kv_groups)
+        else:
+            out, lse = _block(*leaves, block_mask, ctx.scale, ctx.kv_groups)
+        outs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None and o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs],
+                                    allow_unused=True) if outs else (None,) * 3
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v), strict=True))
 
 
 @torch.compiler.disable
