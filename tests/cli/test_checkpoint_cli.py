@@ -26,7 +26,11 @@ def fxshard(*args, check=True, env=None):
     return proc
 
 
+# make test-matrix: a crash mid-save resumed is make test's tests/cli/test_supervision.py (a worker killed -9 mid-save,
+# then resumed) and tests/train/test_resume_killed.py (the resumed losses bit for bit); an export to the transformers
+# class, tests/test_frozen.py's and tests/test_moe_tensor_parallel.py's
 @pytest.mark.e2e
+@pytest.mark.matrix
 def test_killed_mid_save_then_resume_then_export(tmp_path):
     from transformers import AutoModelForCausalLM
 
