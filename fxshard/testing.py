@@ -71,7 +71,7 @@ def _use_gpu(rank: int, world: int) -> None:
         pose_as_own_host(rank)
 
 
-def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, fn, args,
+def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend: str, call: bytes,
             env: dict[str, str], cwd: str) -> None:
     os.environ.clear()  # a forked rank has the forkserver's environment: give it the caller's, as spawn does
     os.environ.update(env)
@@ -86,6 +86,7 @@ def _worker(rank: int, world: int, port: int, folder: str, threads: int, backend
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=RENDEZVOUS)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=RENDEZVOUS)
         try:
+            fn, args = pickle.loads(call)
             result = ("ok", fn(rank, world, *args))
         finally:
             # the result goes to the parent before the group is torn down: gloo's teardown has been seen to
@@ -137,7 +138,10 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backe
     store = _store()  # held until the ranks are done
     method = _start_method()
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_worker, args=(world, store.port, folder, threads, backend, fn, args,
+        # the call by value (plain pickle): multiprocessing's own would send each tensor's storage as a file
+        # descriptor, and a forkserver takes at most about 250 of them per process ("too many fds")
+        call = pickle.dumps((fn, args))
+        ctx = mp.start_processes(_worker, args=(world, store.port, folder, threads, backend, call,
                                                 dict(os.environ), os.getcwd()),
                                  nprocs=world, join=False, start_method=method)
         import time
