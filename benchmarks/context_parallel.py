@@ -20,10 +20,11 @@ rotating every round; every contender trains the same global batch (the same glo
   4 all-to-alls, (N−1)/N² · B·S · (2·h_q + 2·h_kv); h_kv, h_q the key/value and query widths in bytes.
   All-reduces on the group (the gradients over dp×cp, the loss's token count: at dp=1 the dp×cp group is the cp
   group) are counted apart.
-- **The ring's hidden transfer**: during one more ring step, every K/V (forward) and dK/dV (backward) shift
-  records how long its wait for the transfer lasted after the block's compute (the exposed part); then the same
-  shifts, with the same shapes, between the same ranks, run alone (start, wait at once: the transfer's own time,
-  median of :data:`ALONE_ROUNDS`).  Hidden share = 1 − Σ exposed ÷ Σ alone (0 when nothing is hidden, 1 when all).
+- **The ring's hidden transfer**: during :data:`RING_STEPS` more ring steps, every K/V (forward) and dK/dV
+  (backward) shift records how long its wait for the transfer lasted after the block's compute (the exposed part);
+  then one step's shifts, with the same shapes, between the same ranks, run alone (start, wait at once: the
+  transfer's own time, median of :data:`ALONE_ROUNDS`), counted :data:`RING_STEPS` times.  Hidden share =
+  1 − Σ exposed ÷ Σ alone (0 when nothing is hidden, 1 when all).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CPS = (2, 4)
 SHAPE = {"vocab": 256, "hidden": 128, "ffn": 256, "layers": 2, "heads": 8, "kv_heads": 4, "batch": 1, "seq": 1024}
 QUICK_SHAPE = SHAPE | {"seq": 64}
 ALONE_ROUNDS = 5
+RING_STEPS = 4  # ring steps whose shifts are timed (one step's figure swings with the load on a shared machine)
 FLOAT = 4  # fp32
 
 MODEL = '''"""A small LlamaForCausalLM for the cp benchmark (benchmarks/context_parallel.py)."""
@@ -143,10 +145,11 @@ class RingTimer:
         self.shifts.append(record)
         return bufs, [_TimedWork(w, record) for w in works]
 
-    def alone(self, rounds: int) -> list[float]:
-        """Each recorded shift again, alone (start, wait at once): its median seconds; collective over the ring."""
+    def alone(self, rounds: int, steps: int) -> list[float]:
+        """The first of ``steps`` steps' shifts again, alone (start, wait at once): each one's median seconds, for
+        every step's shift alike; collective over the ring."""
         out = []
-        for s in self.shifts:
+        for s in self.shifts[:len(self.shifts) // steps]:
             tensors = [torch.randn(shape) for shape in s["shapes"]]
             times = []
             for _ in range(rounds):
@@ -156,7 +159,7 @@ class RingTimer:
                     w.wait()
                 times.append(time.perf_counter() - start)
             out.append(statistics.median(times))
-        return out
+        return out * steps
 
 
 class _TimedWork:
@@ -204,7 +207,7 @@ def _worker(rank: int, world: int, baseline: str, outs: dict[str, str], model: s
     from fxshard.train.options import RunOptions
     from fxshard.train.program import Program
 
-    total = rounds + warmup + 2  # and the counted step, and the ring's timed one
+    total = rounds + warmup + 1 + RING_STEPS  # and the counted step, and the ring's timed ones
     runs = {mode: Program(Path(out), RunOptions(total), torch.device("cpu")) for mode, out in outs.items()}
     data = {mode: open_stream(run, "train") for mode, run in runs.items()}
     steps = {"cp=1": _baseline(baseline, model)}
@@ -221,8 +224,9 @@ def _worker(rank: int, world: int, baseline: str, outs: dict[str, str], model: s
     if "ring" in runs:
         timer = RingTimer()
         with timer:
-            steps["ring"]()
-        alone = timer.alone(ALONE_ROUNDS)
+            for _ in range(RING_STEPS):
+                steps["ring"]()
+        alone = timer.alone(ALONE_ROUNDS, RING_STEPS)
         ring = [{"to_next": s["to_next"], "shapes": s["shapes"], "exposed_s": s["exposed_s"], "alone_s": a}
                 for s, a in zip(timer.shifts, alone, strict=True)]
     return {"times": times, "wire": wire, "ring": ring}
@@ -269,8 +273,8 @@ def _ring_summary(per_rank: list[list[dict]]) -> dict:
     for direction, to_next in (("forward", True), ("backward", False)):
         exposed = sum(s["exposed_s"] for r in per_rank for s in r if s["to_next"] is to_next)
         alone = sum(s["alone_s"] for r in per_rank for s in r if s["to_next"] is to_next)
-        shifts = sum(1 for s in per_rank[0] if s["to_next"] is to_next)
-        out[direction] = {"shifts_per_rank": shifts, "exposed_ms": round(exposed * 1e3, 3),
+        shifts = sum(1 for s in per_rank[0] if s["to_next"] is to_next) // RING_STEPS
+        out[direction] = {"shifts_per_rank": shifts, "steps": RING_STEPS, "exposed_ms": round(exposed * 1e3, 3),
                           "alone_ms": round(alone * 1e3, 3),
                           "hidden_share": round(max(0.0, 1 - exposed / alone), 3) if alone else None}
     return out
@@ -309,11 +313,12 @@ def markdown(result: dict) -> str:
     t2 = markdown_table(["cp", "mode", "calls on the cp group per step (rank 0)", "bytes sent per step, measured "
                          "(ranks min–max)", "formula (forward + backward, all layers)", "measured ÷ formula (max)",
                          "gradient all-reduce over dp×cp, bytes sent"], wires)
-    t3 = markdown_table(["cp", "direction", "shifts per rank", "waited after compute, ms (all ranks)",
+    t3 = markdown_table(["cp", "direction", "shifts per rank and step", "waited after compute, ms (all ranks)",
                          "the same transfers alone, ms (all ranks)", "share hidden behind compute"], rings)
     return "\n\n".join([head, t1, "Bytes one rank sends per training step over the cp group, measured at the "
                         "dispatcher (the tensors each call got, sent by the ring algorithm of its kind), against the "
                         "formula: allgather and ring 2·(cp−1)/cp·B·S·h_kv per layer and direction (ring in cp−1 "
                         "sends), a2a (cp−1)/cp²·B·S·(2·h_q + 2·h_kv).", t2,
-                        "The ring's K/V transfers: how long each shift's wait lasted after its block's compute, "
-                        "against the same transfers run alone.", t3])
+                        f"The ring's K/V transfers over {RING_STEPS} training steps: how long each shift's wait "
+                        "lasted after its block's compute, against the same transfers run alone. The wait also holds "
+                        "the time a peer takes to reach its own send.", t3])
