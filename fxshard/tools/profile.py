@@ -81,7 +81,8 @@ class Piece:
     comms: list[Comm] = field(default_factory=list)
     saved: dict[str, sympy.Expr] = field(default_factory=dict)  # recompute mode -> bytes kept for backward
     largest: list[sympy.Expr] = field(default_factory=list)  # candidate largest values (the transient)
-    params: sympy.Expr = sympy.Integer(0)  # parameters on one tp rank, the experts apart
+    params: sympy.Expr = sympy.Integer(0)  # trained parameters on one tp rank, the experts apart
+    frozen: sympy.Expr = sympy.Integer(0)  # parameters that do not train (requires_grad=False): held, never reduced
     experts: sympy.Expr = sympy.Integer(0)  # expert parameters (all E of each layer), on one tp rank
     dispatched: sympy.Expr = sympy.Integer(0)  # bytes of the rows a MoE layer sends its experts (ep all-to-all)
     kv: sympy.Expr = sympy.Integer(0)  # bytes of attention's keys and values (cp exchanges them)
@@ -134,7 +135,7 @@ def shorten(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str], list[st
     signature: dict[tuple, str] = {}
     kinds, keep, kept = [], [], []
     for block in container:
-        sig = tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()) + \
+        sig = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters()) + \
             tuple(type(m).__name__ for m in block.modules())
         if sig not in signature:
             signature[sig] = f"block{len(signature)}"
@@ -371,9 +372,10 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
 
 
 def _cost_state(gm, ctx, nodes, piece_of, pieces, dims, profile: ModelProfile, structure: str) -> None:
-    """Each parameter on the piece that first reads it; the experts' apart; weights read before and after the
-    blocks (tied) are counted once here and noted, as a pipeline holds them on two stages."""
-    experts = set()
+    """Each parameter on the piece that first reads it; the experts' apart, the frozen ones (``requires_grad=False``:
+    no gradient, no optimizer state) apart; weights read before and after the blocks (tied) are counted once here
+    and noted, as a pipeline holds them on two stages."""
+    experts, trainable = set(), ctx.trainable
     for n in nodes:
         if n.target in grouped_mm_ops():
             param, _ = weight_param(n.args[1], ctx.params)
@@ -389,6 +391,8 @@ def _cost_state(gm, ctx, nodes, piece_of, pieces, dims, profile: ModelProfile, s
         piece = pieces[piece_of[users[0]]]
         if p in experts:
             piece.experts += numel
+        elif p not in trainable:
+            piece.frozen += numel
         else:
             piece.params += numel
         if {"before", "after"} <= where:
@@ -429,7 +433,7 @@ def _average(piece: Piece, n: int) -> None:
     piece.saved = {k: sympy.expand(v / n) for k, v in piece.saved.items()}
     piece.comms = piece.comms[:len(piece.comms) // n]
     piece.ops = piece.ops[:len(piece.ops) // n]
-    for name in ("traffic", "params", "experts", "dispatched", "kv"):
+    for name in ("traffic", "params", "frozen", "experts", "dispatched", "kv"):
         setattr(piece, name, sympy.expand(getattr(piece, name) / n))
     piece.kernels //= n
 

@@ -69,7 +69,8 @@ class PieceCost:
     tp_redo: float  # forward collectives a recompute runs again
     saved: dict
     largest: float
-    params: float
+    params: float  # trained
+    frozen: float  # requires_grad=False: held (and gathered under FSDP2), no gradient, no optimizer state
     experts: float
     tied: float
     boundary: float
@@ -140,7 +141,7 @@ class Evaluator:
                 tp_bwd += max(0.0, t - overlap / (self.peak * eff["matmul"]))
         flops = sum(f for _, f, _ in ops)
         return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], {"none": 0.0, "selective": t_mem, "full": fwd},
-                         tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"],
+                         tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
                          values["experts"], values["tied"], values["boundary"], values["boundary_grad"], values["kv"],
                          values["dispatched"], flops, t_ops["attention"])
 
@@ -151,7 +152,7 @@ class Evaluator:
         pieces = self.profile.pieces("tp1")
         at = {b: 1, S: self.profile.example[S], T: 1}
         flops = {n: float(sum(p.flops.values(), sympy.Integer(0)).subs(at)) for n, p in pieces.items()}
-        params = {n: float(p.params + p.experts) for n, p in pieces.items()}
+        params = {n: float(p.params + p.frozen + p.experts) for n, p in pieces.items()}
         total_f = sum(flops[k] for k in kinds) + flops.get("before", 0) + flops.get("after", 0) or 1
         total_p = sum(params[k] for k in kinds) + params.get("before", 0) + params.get("after", 0) or 1
         cost = {n: flops[n] / total_f + params[n] / total_p for n in flops}
@@ -171,7 +172,7 @@ def _compile(piece: Piece):
     """The piece's expressions as one function of (b, S, T) per part: all of it, and its S**2 part (which grows with
     the whole sequence, not the local one, under cp: queries local, keys whole)."""
     exprs = {"traffic": piece.traffic, "kernels": sympy.Integer(piece.kernels), "params": piece.params,
-             "experts": piece.experts, "tied": piece.tied, "boundary": piece.boundary,
+             "frozen": piece.frozen,             "experts": piece.experts, "tied": piece.tied, "boundary": piece.boundary,
              "boundary_grad": piece.boundary_grad, "kv": piece.kv, "dispatched": piece.dispatched}
     exprs |= {f"largest:{i}": e for i, e in enumerate(piece.largest or [sympy.Integer(0)])}
     exprs |= {f"saved:{m}": e for m, e in piece.saved.items()}
@@ -338,7 +339,7 @@ def _zero3_per_microbatch(ev, layout, setting, stage, cost) -> float:
     t = 0.0
     for name, count in stage:
         c = cost[name]
-        gather = ev.hw.collective_seconds("all_gather", c.params * low, group, sp)
+        gather = ev.hw.collective_seconds("all_gather", (c.params + c.frozen) * low, group, sp)
         t += count * (max(0.0, gather - c.fwd) if name.startswith("block") else gather)
     return t
 
@@ -381,7 +382,13 @@ def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, dur
 
 
 def _dense(stage, cost, layout) -> float:
+    """Trained parameters of a stage (the experts apart): what gradients are reduced for and the optimizer steps."""
     return sum(n * cost[name].params for name, n in stage)
+
+
+def _frozen(stage, cost) -> float:
+    """Parameters of a stage that do not train: held, and gathered under FSDP2, but never reduced or stepped."""
+    return sum(n * cost[name].frozen for name, n in stage)
 
 
 def _dp_before(ev, layout, setting, stages, cost) -> float:
@@ -389,7 +396,7 @@ def _dp_before(ev, layout, setting, stages, cost) -> float:
     if layout.dp * getattr(layout, "cp", 1) == 1 or layout.zero != 2:
         return 0.0
     low = 2 if Layout(dtype=ev.dtype).mixed else 4
-    psi = sum(_dense(st, cost, layout) for st in stages)
+    psi = sum(_dense(st, cost, layout) + _frozen(st, cost) for st in stages)
     return ev.hw.collective_seconds("all_gather", psi * low, layout.dp * getattr(layout, "cp", 1),
                                     spread(layout, "dp", setting.gpus_per_node))
 
@@ -440,13 +447,14 @@ def _memory(ev: Evaluator, layout: Layout, stages, cost, pred: Prediction) -> No
     for r in range(layout.pp):
         own = {s: stages[s] for s in (layout.stages_of(r) if layout.pp > 1 else [0])}
         psi = sum(_dense(st, cost, layout) for st in own.values())
+        frozen = sum(_frozen(st, cost) for st in own.values())
         if layout.pp > 1 and r == layout.stage_rank(layout.num_stages - 1):
             psi += sum(n * cost[name].tied for name, n in own[layout.num_stages - 1])
         experts = sum(n * cost[name].experts for st in own.values() for name, n in st) / layout.ep
-        blocks = [cost[name].params for st in own.values() for name, n in st if name.startswith("block")
-                  for _ in range(n)]
-        state = formula(layout.zero, group, mixed, psi)
-        held = peak_params(layout.zero, group, mixed, psi, blocks) + state["grads"] + state["optimizer"]
+        blocks = [cost[name].params + cost[name].frozen for st in own.values() for name, n in st
+                  if name.startswith("block") for _ in range(n)]
+        state = formula(layout.zero, group, mixed, psi)  # gradients and optimizer state of the trained alone
+        held = peak_params(layout.zero, group, mixed, psi + frozen, blocks) + state["grads"] + state["optimizer"]
         held += formula(1 if layout.zero == 1 else 0, max(1, layout.dp // layout.ep), mixed, experts)["total"]
         saved = {s: sum(n * cost[name].saved[mode] for name, n in st) for s, st in own.items()}
         activations = max(sum(c * saved.get(s, 0.0) for s, c in combo.items()) for combo in counts[r])

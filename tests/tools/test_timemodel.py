@@ -126,3 +126,34 @@ def test_a_model_that_fits_no_layout_gets_its_smallest_overshoot_and_the_fixes(p
     text = str(e.value)
     assert "no layout of 2 devices fits" in text and "over" in text and "recompute full" in text
     assert "--gpus" in text or "--seq" in text
+
+
+def test_frozen_parameters_are_held_but_neither_reduced_nor_stepped():
+    """tests/models/hf_llama_frozen.py freezes the embedding, layer 0's gate projection and the final norm: the time
+    model holds them (the plan's peak) but gives them no gradient reduction and no optimizer step."""
+    from tests.models import hf_llama_frozen
+
+    path = hf_llama_frozen.__file__
+    params = list(load_model_file(path).build_model(0).parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    profile = model_profile(path, dtype="fp32")
+    assert profile.kinds == ["block0", "block1"]  # layer 0's frozen gate makes it a kind of its own
+    pieces = profile.pieces("tp1")
+    whole = {k: sum(float(getattr(pieces[n], k)) for n in ("before", "block0", "block1", "after")) for k in
+             ("params", "frozen")}
+    assert whole == {"params": trained, "frozen": frozen}
+    hw = load_hardware("cpu-gloo")
+    ev, setting = Evaluator(profile, hw), Setting(16, 4, 4)
+    for zero in (0, 1, 3):
+        layout = Layout(dp=2, zero=zero)
+        pred = predict(ev, layout, setting)
+        shard = trained / 2 if zero else trained
+        assert pred.terms["optimizer step"] == pytest.approx(
+            shard * 28 / (hw.memory_bandwidth * hw.efficiency["memory"]))
+        (rank,) = plan_costs(path, layout).ranks
+        assert pred.peaks == pytest.approx([rank["peak"].value], rel=0.02), zero
+    # ZeRO 2 (FSDP2): every parameter gathered before the first forward, the trained ones' gradients reduce-scattered
+    zero2 = predict(ev, Layout(dp=2, zero=2), setting)
+    assert zero2.exposed["dp"] == pytest.approx(hw.collective_seconds("all_gather", 4 * (trained + frozen), 2)
+                                                + hw.collective_seconds("reduce_scatter", 4 * trained, 2))
