@@ -92,8 +92,9 @@ def _loss_is_output(output, target):
     return output  # the last stage computes the loss inside the compiled graph
 
 
-def make_schedule(name: str, stages: list[PipelineStage], microbatches: int):
-    cls = SCHEDULE_CLASSES[name]
+def make_schedule(name: str, stages: list[PipelineStage], microbatches: int, cls: type | None = None):
+    """torch's schedule ``name`` over this rank's ``stages`` (``cls``: a subclass of its class to build instead)."""
+    cls = cls or SCHEDULE_CLASSES[name]
     # scale_grads=False: the schedule would divide the *accumulated* gradients by the microbatch count at
     # every step, which breaks gradient accumulation over steps; the training loop divides once instead
     return cls(stages if name in _MULTI else stages[0], n_microbatches=microbatches, loss_fn=_loss_is_output,

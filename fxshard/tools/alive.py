@@ -20,15 +20,25 @@ import types
 from functools import cache
 
 
+@cache
 def schedule_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list]:
-    """torch's ``pipeline_order`` (pp rank -> actions, ``None`` for an idle step) of ``schedule``."""
+    """torch's ``pipeline_order`` (pp rank -> actions, ``None`` for an idle step) of ``schedule``; cached, as the
+    search asks for the same orders many times (read it, never change it)."""
     from fxshard.runtime.pipeline import SCHEDULE_CLASSES, make_schedule
 
     num_stages = pp * stages_per_rank
     if schedule not in SCHEDULE_CLASSES:
         raise ValueError(f"unknown schedule {schedule!r}")
     stages = [_stand_in(s, num_stages, pp) for s in range(0, num_stages, pp)]  # pp rank 0's stages
-    return make_schedule(schedule, stages, microbatches).pipeline_order
+    return make_schedule(schedule, stages, microbatches, cls=_order_only(SCHEDULE_CLASSES[schedule])).pipeline_order
+
+
+@cache
+def _order_only(cls: type) -> type:
+    """``cls`` that computes its ``pipeline_order`` and stops there: the runtime's lowering of that order into
+    sends, receives, unshards and reshards (``_prepare_schedule_with_comms``, the last step of the multi-stage
+    schedules' constructors, most of their time at 64 stages) is not read here."""
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": lambda self, actions, format="compute_only": None})
 
 
 def _stand_in(index: int, num_stages: int, pp: int):
@@ -63,5 +73,12 @@ def alive_counts(schedule: str, pp: int, microbatches: int, stages_per_rank: int
 
 
 def _maximal(vectors: list[dict[int, int]]) -> list[dict[int, int]]:
+    """The vectors no other one dominates, in first-seen order.  A vector that dominates another has a larger sum,
+    so walking them by decreasing sum, each is checked against the maximal ones kept so far (few) only."""
     unique = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items())) for v in vectors)]
-    return [v for v in unique if not any(w != v and all(w[k] >= v[k] for k in v) for w in unique)]
+    kept: list[int] = []
+    for i in sorted(range(len(unique)), key=lambda i: -sum(unique[i].values())):
+        v = unique[i]
+        if not any(all(unique[j][k] >= v[k] for k in v) for j in kept):
+            kept.append(i)
+    return [unique[i] for i in sorted(kept)]

@@ -14,13 +14,10 @@ come out as torch runs them::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxshard.tools import alive
-
-schedule_order = functools.cache(alive.schedule_order)  # the search asks for the same orders many times
+from fxshard.tools.alive import schedule_order
 
 # beyond this many actions per rank the order is not built: the step is extrapolated from two smaller counts
 DIRECT_ACTIONS = 1024

@@ -3,9 +3,12 @@ transfers come out as the order runs them, and the extrapolation for long schedu
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from fxshard.tools import pipesim
+from fxshard.tools.alive import alive_counts
 from fxshard.tools.pipesim import pipeline_step, schedule_order, simulate
 
 
@@ -64,3 +67,31 @@ def test_long_schedules_extrapolate_to_what_simulation_gives(schedule, v, monkey
     monkeypatch.setattr(pipesim, "DIRECT_ACTIONS", 8)  # force the two-point extrapolation
     extrapolated = pipeline_step(schedule, pp, m, v, uneven, lambda a, fwd: 0.1)[0]
     assert max(extrapolated.values()) == pytest.approx(max(direct.values()), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2),
+                                              ("interleaved-1f1b", 2, 6, 3), ("zero-bubble", 4, 8, 2)])
+def test_the_order_read_is_torchs_own_without_its_lowering(schedule, pp, m, v):
+    """The tools build torch's schedule without lowering its order to sends and receives (most of the time at 64
+    stages): the compute order is the one the runtime's schedule holds."""
+    from fxshard.runtime.pipeline import make_schedule
+    from fxshard.tools.alive import _stand_in
+
+    stages = [_stand_in(s, pp * v, pp) for s in range(0, pp * v, pp)]
+    full = make_schedule(schedule, stages, m).pipeline_order
+    assert {r: [str(a) for a in acts] for r, acts in schedule_order(schedule, pp, m, v).items()} == \
+        {r: [str(a) for a in acts] for r, acts in full.items()}
+
+
+def test_the_microbatches_alive_are_the_maximal_combinations():
+    from fxshard.tools.alive import _maximal
+
+    seen = [{0: 1, 4: 0}, {0: 2, 4: 0}, {0: 2, 4: 1}, {0: 1, 4: 2}, {0: 0, 4: 2}, {0: 2, 4: 1}, {0: 1, 4: 1}]
+    assert _maximal(seen) == [{0: 2, 4: 1}, {0: 1, 4: 2}]
+    rng = random.Random(0)
+    for _ in range(20):  # the same as comparing every pair
+        seen = [{s: rng.randrange(4) for s in (0, 4, 8)} for _ in range(30)]
+        unique = [dict(t) for t in dict.fromkeys(tuple(sorted(v.items())) for v in seen)]
+        pairs = [v for v in unique if not any(w != v and all(w[k] >= v[k] for k in v) for w in unique)]
+        assert _maximal(seen) == pairs
+    assert alive_counts("1f1b", 4, 8, 1)[0] == [{0: 4}] and alive_counts("gpipe", 2, 6, 1)[1] == [{1: 6}]
