@@ -33,8 +33,10 @@ from fxshard.tools.verify import (
     DEFAULT_PARAM_RTOL,
     DEFAULT_RTOL,
     Verification,
+    adamw_reach,
     compare_parameters,
     gather_parameters,
+    quiet_parameters,
     with_weights,
 )
 from fxshard.train.optim import OptimConfig
@@ -84,7 +86,9 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as
     ``fxshard run`` does, every rank writing its trained tensors.  Losses must agree within ``rtol`` (relative); the
     trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
-    all parameters together (:data:`fxshard.tools.verify.DEFAULT_PARAM_RTOL`).  ``compile``: the distributed run is
+    all parameters together (:data:`fxshard.tools.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
+    zero up to rounding (:data:`~fxshard.tools.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
+    twice the farthest AdamW moves an element (:func:`~fxshard.tools.verify.adamw_reach`).  ``compile``: the distributed run is
     ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
     Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
     single-device model is ``make_model()`` with the folder's tensors loaded::
@@ -119,10 +123,13 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     if weights is not None:
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
-    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state)
-    rows = compare_parameters(trained, ref_state, initial)
+    grad_sq: dict = {}
+    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq)
+    quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, layout.dtype)
+    rows = compare_parameters(trained, ref_state, initial, quiet)
     if len(distributed) != steps:
         raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
     return Verification(result.ctx.layout, reference, distributed, rows,
                         rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
-                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype])
+                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype],
+                        2 * adamw_reach(optim, steps))

@@ -61,7 +61,7 @@ LIMIT_S = {"llama-tp2-compile": 240, "llama-tp2-pp2-dp2-zero1": 200}  # on a GPU
 DEFAULT_LIMIT_S = 150
 CPU_SLOWER = 4  # the limits' factor on --device cpu: a rehearsal on 2 shared cores runs 8 ranks and inductor there
 SUMMARY = re.compile(r"losses max abs (\S+) rel (\S+); parameters max abs (\S+), \|\|diff\|\| / \|\|update\|\|\s+(\S+) "
-                     r"\(most: (\S+)\); tolerance: losses (\S+) relative, parameters (\S+) of\s+the update:\s+(OK|FAILED)")
+                     r"\(most: (\S+)\); tolerance: losses (\S+) relative, parameters (\S+) of\s+the update[^:]*:\s+(OK|FAILED)")
 
 
 def built(case: str) -> bool:

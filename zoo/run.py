@@ -33,10 +33,13 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
         return "FAILED", f"no verdict within {LIMIT_S} s"
     text = " ".join((proc.stdout + proc.stderr).split())
     found = re.search(r"losses max abs \S+ rel (\S+); parameters max abs \S+, \|\|diff\|\| / \|\|update\|\| (\S+)", text)
+    quiet = re.search(r"and (\d+) quiet parameters .*? max abs (\S+) within (\S+),", text)
+    figures = f"loss {found[1]}, params {found[2]}" + (f", {quiet[1]} quiet {quiet[2]} within {quiet[3]}" if quiet
+                                                       else "") if found else ""
     if proc.returncode == 0 and found and " ".join(proc.stdout.split()).endswith(": OK"):
-        return "exact", f"loss {found[1]}, params {found[2]}"
+        return "exact", figures
     if found:
-        return "FAILED", f"loss {found[1]}, params {found[2]}"
+        return "FAILED", figures
     error = re.search(r"error: (.*)", proc.stderr)
     reason = error[1] if error else (proc.stderr.strip().splitlines() or ["no output"])[-1]
     return "refused", reason

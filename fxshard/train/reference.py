@@ -17,14 +17,16 @@ from fxshard.train.optim import OptimConfig, clip_grad_norm_
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
                      dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions(),
                      eval_every: int = 0, eval_batches: int = 4, evals: dict | None = None,
-                     final_buffers: dict | None = None) -> list[float]:
+                     final_buffers: dict | None = None, grad_sq: dict | None = None) -> list[float]:
     """Losses of ``steps`` AdamW steps on one device, from the same initial weights and the same global batches
     (:func:`fxshard.train.data.global_batches` of ``data``), with the same weight-decay groups and learning-rate
     schedule (torch's LambdaLR of :func:`fxshard.train.schedule.lr_schedule`).
 
     ``dtype="bf16"``: the same mixed-precision recipe as ``--dtype bf16`` (bf16 parameters and
     gradients, AdamW on fp32 master weights).  ``eval_every``: every that many steps, ``evals[step]`` gets the loss
-    of the first ``eval_batches`` validation batches in ``model.eval()`` mode, as ``fxshard run --eval-every``."""
+    of the first ``eval_batches`` validation batches in ``model.eval()`` mode, as ``fxshard run --eval-every``.
+    ``grad_sq``: every parameter's squared gradient norm at each step (before clipping), by FQN, as verify judges
+    a parameter whose gradient is zero up to rounding (:func:`fxshard.tools.verify.quiet_parameters`)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from fxshard.train.schedule import lr_schedule
@@ -64,6 +66,11 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
             share = counts[k] / sum(counts)
             (loss * share).backward()
             total += float(loss.detach()) * share
+        if grad_sq is not None:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if p.requires_grad:
+                    grad_sq.setdefault(name, []).append(None if p.grad is None
+                                                        else p.grad.detach().float().pow(2).sum().item())
         if optim.clip_grad_norm is not None and dtype != "fp32":
             clip_grad_norm_([(p.grad, 1.0) for p in params if p.grad is not None], optim.clip_grad_norm)
         elif optim.clip_grad_norm is not None:
