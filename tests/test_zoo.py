@@ -22,6 +22,11 @@ CASES = {  # what each one covers that the others do not
     "bloom-tp2": ("bloom", Layout(tp=2)),  # a custom autograd.Function (GeLU) kept as a pointwise custom op
     # a shipped plan naming only the embedding, completed by automatic pairing (attention, Mamba-2 mixer, MLP)
     "falcon_h1-tp2": ("falcon_h1", Layout(tp=2)),
+    "whisper-tp2": ("whisper", Layout(tp=2)),  # speech: a convolutional front end, frozen sinusoidal positions
+    # a contrastive loss over the whole batch (features gathered over dp) and key biases whose gradient is rounding
+    # noise, judged apart (fxshard.tools.verify QUIET_GRAD)
+    "clip-dp2": ("clip", Layout(dp=2)),
+    "olmoe-tp2-pp2": ("olmoe", Layout(tp=2, pp=2)),  # experts in every layer, split over tp, cut by pp
 }
 
 

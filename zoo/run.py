@@ -6,6 +6,7 @@ within 1e-3 of the update), in its own process with a time limit so one case can
     python -m zoo.run                      # the whole matrix -> zoo/RESULTS.md
     python -m zoo.run --only llama t5      # some architectures
     python -m zoo.run --only mamba2 --layouts tp=2 tp=2,pp=2 --out /tmp/zoo.md   # some layouts
+    python -m zoo.run --jobs 2             # two cases at once (the page is rewritten after every case)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -49,44 +51,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="architectures (file names without .py)")
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="layouts (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases run at once (each its own processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "RESULTS.md")
     args = parser.parse_args(argv)
     layouts = {name: flags for name, flags in LAYOUTS.items() if not args.layouts or name in args.layouts}
     models = sorted(p for p in MODELS.glob("*.py") if not args.only or p.stem in args.only)
+    cases = [(model, name) for model in models for name in layouts]
     results, start = {}, time.monotonic()
-    for model in models:
-        for name, flags in layouts.items():
-            verdict, detail = run_case(model, flags)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # threads: each case is a subprocess
+        running = {pool.submit(run_case, model, layouts[name]): (model, name) for model, name in cases}
+        for future in as_completed(running):
+            model, name = running[future]
+            verdict, detail = results[model.stem, name] = future.result()
             print(f"{model.stem:12s} {name}: {verdict} ({detail})", flush=True)
-            results[model.stem, name] = verdict, detail
-    minutes = (time.monotonic() - start) / 60
-    args.out.write_text(results_page(results, len(models), minutes, tuple(layouts)))
+            # the page so far after every case, so a run cut short still leaves what it measured
+            minutes = (time.monotonic() - start) / 60
+            args.out.write_text(results_page(results, len(models), minutes, tuple(layouts), len(cases)))
     print(f"wrote {args.out}")
     return 0 if all(verdict != "FAILED" for verdict, _ in results.values()) else 1
 
 
 def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, minutes: float,
-                 layouts: tuple[str, ...] = tuple(LAYOUTS)) -> str:
+                 layouts: tuple[str, ...] = tuple(LAYOUTS), total: int | None = None) -> str:
     """The table (architecture x layout), each refusal's reason once, as a numbered note under the table."""
     reasons: list[str] = []
     rows = []
     for arch in sorted({a for a, _ in results}):
         cells = []
         for layout in layouts:
-            verdict, detail = results[arch, layout]
+            verdict, detail = results.get((arch, layout), ("not run yet", ""))
             if verdict == "refused":
                 if detail not in reasons:
                     reasons.append(detail)
                 cells.append(f"refused [{reasons.index(detail) + 1}]")
             else:
-                cells.append(f"{verdict}: {detail}")
+                cells.append(f"{verdict}: {detail}" if detail else verdict)
         rows.append(f"| {arch} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     table = ["| architecture | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts), *rows]
     notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, 1)]
     return ("# Model zoo\n\n`make zoo` (`python -m zoo.run`): each architecture of `zoo/models` trained 3 AdamW "
             "steps under each layout and compared with single-device training by `fxshard verify` (losses "
             "relative, trained parameters as a share of the update; tolerances 1e-5 and 1e-3). "
-            f"{count} architectures in {minutes:.0f} min on this machine.\n\n" + "\n".join(table) + "\n"
+            f"{count} architectures in {minutes:.0f} min on this machine"
+            + (f" (a run in progress: {len(results)} of {total} cases so far)" if total and len(results) < total else "")
+            + ".\n\n" + "\n".join(table) + "\n"
             + ("\nRefusals (the compile's own message):\n\n" + "\n".join(notes) + "\n" if notes else ""))
 
 

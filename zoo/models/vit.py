@@ -9,9 +9,9 @@ from fxshard.testing import without_dropout
 
 def make_model():
     return ViTForImageClassification(without_dropout(ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        image_size=24, patch_size=8, num_channels=3, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_labels=10, attn_implementation="sdpa")))
 
 
 def make_inputs():
-    return {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 10, (4,))}
+    return {"pixel_values": torch.randn(4, 3, 24, 24), "labels": torch.randint(0, 10, (4,))}
