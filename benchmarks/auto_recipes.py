@@ -101,8 +101,8 @@ def run(names: list[str] | None = None, top: int = 3) -> list[dict]:
         started = time.perf_counter()
         try:
             found = search(profile, hw, recipe.gpus, setting, "bf16", top=top, evaluator=ev)
-            best, searched = found.ranked[0], {"seconds": found.seconds, "considered": found.considered,
-                                               "fitting": found.fitting}
+            best, searched = found.ranked[0], {"seconds": found.seconds, "cpu_seconds": found.cpu_seconds,
+                                               "considered": found.considered, "fitting": found.fitting}
         except Exception as e:  # a refusal is a result too
             best, searched = None, {"seconds": time.perf_counter() - started, "error": str(e)}
         rows.append({"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,
@@ -132,7 +132,8 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['predicted_layout']} | {r['predicted']:,.0f} | {r['ratio']:.2f} | {r['mfu']:.0%} | "
                      f"{'yes' if r['fits'] else 'no'} ({r['peak'] / 2**30:.0f} GiB) | {auto} | "
                      + (f"{r['auto_predicted']:,.0f}" if r["auto_predicted"] else "-")
-                     + f" | {r['search']['seconds']:.0f} s |")
+                     + f" | {r['search']['seconds']:.0f} s"
+                     + (f" ({r['search']['cpu_seconds']:.0f} s CPU)" if "cpu_seconds" in r["search"] else "") + " |")
     lines += ["", "Where each misses, and why:", ""]
     lines += [f"- **{r['recipe']}** ({r['source']}): {r['notes']}." for r in rows]
     return "\n".join(lines)

@@ -4,13 +4,18 @@ Every rank of the group (``fxshard calibrate --procs N`` starts N local processe
 torchrun's, on one node or many) measures at the same time, so a shared device or CPU is measured as the training
 run will share it:
 
-- matmul FLOP/s per dtype (a square product large enough to reach the kernel's rate), and attention's
+- matmul FLOP/s per dtype (a square product large enough to reach the kernel's rate; on a CPU a run of them, so the
+  rate is the one sustained while every rank computes, as in training), and attention's
   (``scaled_dot_product_attention``) as a share of it: the profile's ``peak_flops`` and ``efficiency.attention``;
-- memory bandwidth (a large copy: bytes read and written per second) and the time of a tiny op (``kernel_overhead``:
-  eager dispatch, a floor for small ops);
+- memory bandwidth (a large copy: bytes read and written per second) and the time of a small op under autograd,
+  its forward and its backward (``kernel_overhead``, a third of the two, as the time model charges an op once
+  forward and twice backward: eager dispatch, autograd's graph, a floor for small ops);
 - collectives per group size: all-reduce, all-gather, reduce-scatter over groups of consecutive ranks within a node
   (and, across nodes, of ranks one node apart), several sizes each; each link's bus bandwidth and latency are the
-  least-squares fit of ``time = steps x latency + wire bytes / bandwidth`` (the ring formulas the time model uses).
+  least-squares fit of ``time = steps x latency + wire bytes / bandwidth`` (the ring formulas the time model uses),
+  over all group sizes, and within a node once per group size (``groups``);
+- overlap: an all-reduce in flight during a run of matmuls, against the two apart; the share of the shorter one
+  that was hidden is the profile's ``overlap`` (on a CPU the collective's copies and sums share the cores).
 
 The measured points stay in the profile (``measured``), next to the fitted fields::
 
@@ -86,9 +91,11 @@ def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
         torch.cuda.set_device(device)
     dtypes = ["bf16", "fp16", "fp32"] if cuda else ["fp32", "bf16"]
     peaks = {d: _agreed(_matmul_rate(d, device, quick)) for d in dtypes}
+    contention = max(1.0, _agreed(_matmul_alone(device, quick)) / peaks["fp32"])
     attention = _agreed(_attention_rate(device, quick)) / peaks["fp32" if not cuda else "bf16"]
     bandwidth = _agreed(_copy_rate(device, quick))
     overhead = _agreed(_overhead(device))
+    overlap = _agreed(_overlap(device, quick))
     links = {"intra_node": _link(range(0, min(local, world)), device, quick)}
     nodes = world // local
     links["inter_node"] = _link(range(0, world, local), device, quick) if nodes > 1 else None
@@ -110,6 +117,9 @@ def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
                            {"bandwidth": bandwidth, "latency": 1e-6})),
         "efficiency": {"matmul": 1.0, "attention": round(min(1.0, attention), 3), "memory": 1.0},
         "kernel_overhead": overhead,
+        "groups": {str(g): fit for g, fit in intra["groups"].items()} if intra else {},
+        "overlap": round(overlap, 3),
+        "contention": round(contention, 3),
         "default_dtype": "bf16" if cuda else "fp32",
         "measured": {k: v for k, v in links.items() if v},
     }
@@ -142,12 +152,30 @@ def _timed(fn, device, repeats: int, group=None) -> float:
     return statistics.median(times)
 
 
-def _matmul_rate(dtype: str, device, quick: bool) -> float:
+def _matmul_rate(dtype: str, device, quick: bool, group=None) -> float:
     n = (4096 if not quick else 2048) if device.type == "cuda" else (512 if quick else 1024)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     a = torch.randn(n, n, device=device, dtype=torch_dtype)
     w = torch.randn(n, n, device=device, dtype=torch_dtype)
-    return 2 * n**3 / _timed(lambda: a @ w, device, 3 if quick else 7)
+    run = 1 if device.type == "cuda" else 8  # a CPU's rate over ~0.1 s, all ranks at once: what training sustains
+
+    def products():
+        for _ in range(run):
+            a @ w
+
+    return run * 2 * n**3 / _timed(products, device, 3 if quick else 7, group)
+
+
+def _matmul_alone(device, quick: bool) -> float:
+    """The fp32 rate of :func:`_matmul_rate` with this rank computing alone, the others waiting in turn."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective: every rank makes each
+    rate = 0.0
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if dist.get_rank() == turn:
+            rate = _matmul_rate("fp32", device, quick, group=groups[turn])
+        dist.barrier()
+    return rate
 
 
 def _attention_rate(device, quick: bool) -> float:
@@ -166,13 +194,44 @@ def _copy_rate(device, quick: bool) -> float:
 
 
 def _overhead(device) -> float:
-    x = torch.zeros(8, device=device)
+    """A third of a small op's forward and backward under autograd (the time model charges each op once forward,
+    twice backward)."""
+    x = torch.zeros(8, device=device, requires_grad=True)
 
     def many():
+        y = x
         for _ in range(200):
-            x.add_(1)
+            y = y * 1.5
+        y.sum().backward()
 
-    return _timed(many, device, 5) / 200
+    return _timed(many, device, 5) / 200 / 3
+
+
+def _overlap(device, quick: bool) -> float:
+    """The share of the shorter of an all-reduce and a run of matmuls hidden when the all-reduce is in flight
+    during the matmuls (1: all of it; 0: they take as long as one after the other)."""
+    if dist.get_world_size() < 2:
+        return 1.0
+    buf = torch.ones(2**20 if quick else 2**22, device=device)
+    n = 512 if device.type == "cpu" else 4096
+    a = torch.randn(n, n, device=device)
+    one = _timed(lambda: a @ a, device, 3)
+    talk = _timed(lambda: dist.all_reduce(buf), device, 3)
+    run = max(1, round(talk / max(one, 1e-9)))
+
+    def compute():
+        for _ in range(run):
+            a @ a
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    alone = _timed(compute, device, 3)
+    together = _timed(both, device, 3)
+    shorter = min(alone, talk)
+    return min(1.0, max(0.0, (alone + talk - together) / shorter)) if shorter > 0 else 1.0
 
 
 def _link(ranks, device, quick: bool) -> dict | None:
@@ -193,7 +252,10 @@ def _link(ranks, device, quick: bool) -> dict | None:
         dist.barrier()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, points)
-    return _fit(gathered[0])
+    fit = _fit(gathered[0])
+    fit["groups"] = {g: {k: v for k, v in _fit([p for p in gathered[0] if p[1] == g]).items() if k != "points"}
+                     for g in groups}
+    return fit
 
 
 def _collective_time(op: str, nbytes: int, g: int, group, device) -> float:

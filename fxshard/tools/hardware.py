@@ -11,7 +11,11 @@ A profile is a JSON file (the shipped ones in ``fxshard/hardware/``, or one ``fx
 *bus* bandwidth a ring collective reaches per device (what nccl-tests calls busbw), its ``latency`` the time of
 one step of a collective.  ``efficiency`` is the share of the peak each op class reaches (a matmul of the sizes a
 training step runs, attention kernels, memory-bound ops).  Optional: ``kernel_overhead`` (seconds per kernel, a
-floor for tiny ops), ``default_dtype``, ``collectives`` (what calibrate measured, kept for reference)::
+floor for tiny ops), ``default_dtype``, ``groups`` (a link fitted per group size within a node, as ``fxshard calibrate``
+measures it: on a CPU whose processes outnumber its cores a group of 4 is far slower per step than one of 2),
+``overlap`` (the share of a collective that runs hidden beside compute, 1.0 unless measured: calibrate times an
+all-reduce in flight during matmuls against the two apart), ``contention`` (a rank's matmul rate alone over its rate
+while every rank computes, 1.0 unless measured: above 1 where ranks outnumber cores), ``measured`` (calibrate's points, kept for reference)::
 
     hw = load_hardware("h100")
     hw.collective_seconds("all_reduce", 2**30, group=8, spread=1)     # 1 GiB over 8 GPUs of one node
@@ -57,6 +61,9 @@ class Hardware:
     inter_node: Link
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     kernel_overhead: float = 0.0
+    groups: dict[int, Link] = field(default_factory=dict)  # within a node, by group size (measured)
+    overlap: float = 1.0  # share of communication hidden beside compute where the runtime overlaps it
+    contention: float = 1.0  # one rank's compute rate alone over each one's when all compute (ranks > cores)
     default_dtype: str = "bf16"
     source: str = ""
     path: str = ""
@@ -71,9 +78,18 @@ class Hardware:
                                   d for d, k in DTYPE_PEAK.items() if k in self.peak_flops))
         return self.peak_flops[key]
 
-    def link(self, spread: int) -> Link:
-        """The link a group uses: within one node when its members sit on ``spread`` == 1 node, else across."""
-        return self.intra_node if spread <= 1 else self.inter_node
+    def link(self, spread: int, group: int = 0) -> Link:
+        """The link a group of ``group`` devices uses: within one node when its members sit on ``spread`` == 1 node
+        (the fit for that group size where the profile has one), else across."""
+        if spread > 1:
+            return self.inter_node
+        return self.groups.get(group, self.intra_node)
+
+    def exposed(self, seconds: float, beside: float) -> float:
+        """What is left of ``seconds`` of communication that runs beside ``beside`` seconds of compute: the
+        ``overlap`` share of the shorter one is hidden.  ``overlap`` 1 (a GPU's copy engines) hides all of it;
+        on a CPU whose cores every process shares, the collective's copies and sums compete with the compute."""
+        return seconds - self.overlap * min(seconds, max(beside, 0.0))
 
     def collective_seconds(self, op: str, nbytes: float, group: int, spread: int = 1) -> float:
         """Time of one collective over ``group`` devices on ``spread`` nodes, of a buffer of ``nbytes`` (the whole
@@ -81,7 +97,7 @@ class Hardware:
         a tree's latency term (NCCL picks by size)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        link = self.link(spread)
+        link = self.link(spread, group)
         passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}[op]
         wire = passes * (group - 1) / group * nbytes
         if op == "all_to_all" and spread > 1:  # every pair exchanges directly: the node's share crosses the network
@@ -93,7 +109,7 @@ class Hardware:
         """One pipeline send of ``nbytes`` between neighbouring stages (``spread`` > 1: across nodes)."""
         if nbytes <= 0:
             return 0.0
-        link = self.link(spread)
+        link = self.link(spread, 2)
         return nbytes / link.bandwidth + link.latency
 
 
@@ -137,6 +153,8 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     inter_node=Link(*(float(data["inter_node"][f]) for f in LINK_FIELDS)),
                     efficiency=DEFAULT_EFFICIENCY | {k: float(v) for k, v in data.get("efficiency", {}).items()},
                     kernel_overhead=float(data.get("kernel_overhead", 0.0)),
+                    groups={int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in data.get("groups", {}).items()},
+                    overlap=float(data.get("overlap", 1.0)), contention=float(data.get("contention", 1.0)),
                     default_dtype=str(data.get("default_dtype", "bf16")), source=str(data.get("source", "")),
                     path=str(path))
 
@@ -158,6 +176,17 @@ def _malformed(data: dict) -> list[str]:
             continue
         out += [f"{key}.{f} (expected a positive number)" for f in LINK_FIELDS
                 if not (_positive(link.get(f)) or (f == "latency" and link.get(f) == 0))]
+    groups = data.get("groups", {})
+    if not isinstance(groups, dict) or not all(
+            str(g).isdigit() and isinstance(v, dict) and _positive(v.get("bandwidth")) and
+            isinstance(v.get("latency"), (int, float)) and v["latency"] >= 0 for g, v in groups.items()):
+        out.append("groups (expected an object of group size -> {\"bandwidth\": bytes/s, \"latency\": seconds})")
+    overlap = data.get("overlap", 1.0)
+    if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+        out.append(f"overlap (expected a share in [0, 1], found {overlap!r})")
+    contention = data.get("contention", 1.0)
+    if not (isinstance(contention, (int, float)) and contention >= 1):
+        out.append(f"contention (expected a number >= 1, found {contention!r})")
     eff = data.get("efficiency", {})
     if not isinstance(eff, dict) or not all(_positive(v) and v <= 1 for v in eff.values()):
         out.append("efficiency (expected an object of op class -> share of the peak in (0, 1])")

@@ -24,7 +24,7 @@ from fxshard.ir.cut import schedule_accepts
 from fxshard.ir.layout import Layout
 from fxshard.tools.hardware import Hardware
 from fxshard.tools.profile import ModelProfile, S, b
-from fxshard.tools.timemodel import Evaluator, Prediction, Setting, lower_bound, peaks, predict
+from fxshard.tools.timemodel import Evaluator, Prediction, Setting, lower_bound, peaks_by_mode, predict
 from fxshard.units import human_bytes
 
 MAX_ROWS = 64  # microbatch sizes tried: 1, 2, 4, ... up to this (and a dp rank's whole batch)
@@ -47,14 +47,15 @@ class SearchResult:
     considered: int = 0  # layouts that divide
     fitting: int = 0
     simulated: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time (on a shared machine the wall clock also holds the others')
     notes: list[str] = field(default_factory=list)
 
 
 def search(profile: ModelProfile, hw: Hardware, gpus: int, setting: Setting, dtype: str | None = None,
            top: int = 5, evaluator: Evaluator | None = None) -> SearchResult:
     """The fitting layouts of ``gpus`` devices, best predicted step first; refusals say why none divides or fits."""
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     ev = evaluator or Evaluator(profile, hw, dtype)
     candidates = list(layouts(profile, gpus, setting, ev.dtype))
     if not candidates:
@@ -81,7 +82,7 @@ def search(profile: ModelProfile, hw: Hardware, gpus: int, setting: Setting, dty
             heapq.heappop(kept)
     ranked = [p for _, _, p in sorted(kept, key=lambda e: (-e[0], e[1]))][:top]
     return SearchResult(ranked, setting, gpus, len(candidates), len(fitting), simulated,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, time.process_time() - cpu)
 
 
 def layouts(profile: ModelProfile, gpus: int, setting: Setting, dtype: str):
@@ -153,9 +154,10 @@ def _least_recompute(ev, c: Candidate, setting: Setting):
     """(the candidate with the least recompute that fits, None) or (None, (overshoot, layout, peak))."""
     best = None
     modes = MODES if ev.profile.kinds else ("none",)
+    verdicts = peaks_by_mode(ev, c.layout, setting, c.accumulate, modes)
     for mode in modes:
         layout = dataclasses.replace(c.layout, recompute=mode)
-        peak = max(peaks(ev, layout, setting, c.accumulate))
+        peak = verdicts[mode]
         if peak <= ev.hw.memory:
             return Candidate(layout, c.accumulate), None
         if best is None or peak < best[2]:

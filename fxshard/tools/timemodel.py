@@ -11,7 +11,10 @@ and the devices per node): each collective by the ring formula (bandwidth) plus 
 (:meth:`Hardware.collective_seconds`).  What the runtime overlaps is subtracted where it overlaps:
 
 - tp: forward all-reduces block; a fused ``copy_to_linears`` backward all-reduces the input gradient while the
-  weight gradients compute (``max(0, all-reduce - weight-gradient matmuls)`` is exposed);
+  weight gradients compute (``all-reduce - overlap x min(all-reduce, weight-gradient matmuls)`` is exposed, the
+  profile's ``overlap`` the share of communication hidden beside compute: 1 on a GPU, measured on a CPU, whose
+  cores the collective's copies and sums share with the compute; :meth:`Hardware.exposed`, used for every
+  overlap below);
 - dp: DDP's bucketed all-reduce runs during the (last) backward, its last bucket after it; ZeRO 1 reduce-scatters
   once after backward and all-gathers the parameters during the next forward (``gather_before_use``); ZeRO 2
   (FSDP2, one unit per stage module) gathers before the first forward and reduce-scatters after the last
@@ -138,7 +141,7 @@ class Evaluator:
             if direction == "forward":
                 tp_fwd += t
             else:
-                tp_bwd += max(0.0, t - overlap / (self.peak * eff["matmul"]))
+                tp_bwd += hw.exposed(t, overlap / (self.peak * eff["matmul"]))
         flops = sum(f for _, f, _ in ops)
         return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], {"none": 0.0, "selective": t_mem, "full": fwd},
                          tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
@@ -233,6 +236,13 @@ def peaks(ev: Evaluator, layout: Layout, setting: Setting, accumulate: int = 1) 
     return pred.peaks
 
 
+def peaks_by_mode(ev: Evaluator, layout: Layout, setting: Setting, accumulate: int = 1, modes=("none",)
+                  ) -> dict[str, float]:
+    """The worst pp rank's predicted peak under each recompute mode of ``modes`` (the search's verdicts, at once)."""
+    m, _, stages, cost = _prepared(ev, layout, setting, accumulate)
+    return {mode: max(p) for mode, p in _peaks(ev, layout, stages, cost, m, modes).items()}
+
+
 def lower_bound(ev: Evaluator, layout: Layout, setting: Setting, accumulate: int = 1) -> float:
     """A step no schedule beats: the busiest pp rank's actions back to back, with its data-parallel work."""
     m, rows, stages, cost = _prepared(ev, layout, setting, accumulate)
@@ -308,8 +318,8 @@ def _stage_times(ev: Evaluator, layout: Layout, setting: Setting, stage, cost) -
         cp_f = cp_b = 0.0
         if cp > 1 and c.kv:
             if getattr(layout, "cp_mode", "allgather") == "ring":
-                cp_f = max(0.0, (cp - 1) * hw.p2p_seconds(c.kv, spread_cp) - c.attention)
-                cp_b = max(0.0, (cp - 1) * hw.p2p_seconds(2 * c.kv, spread_cp) - 2.5 * c.attention)
+                cp_f = hw.exposed((cp - 1) * hw.p2p_seconds(c.kv, spread_cp), c.attention)
+                cp_b = hw.exposed((cp - 1) * hw.p2p_seconds(2 * c.kv, spread_cp), 2.5 * c.attention)
             else:
                 cp_f = hw.collective_seconds("all_gather", c.kv * cp, cp, spread_cp)
                 cp_b = hw.collective_seconds("reduce_scatter", c.kv * cp, cp, spread_cp)
@@ -324,24 +334,27 @@ def _stage_times(ev: Evaluator, layout: Layout, setting: Setting, stage, cost) -
         exposed["tp"] += count * (c.tp_fwd + c.tp_bwd + tp_redo)
         exposed["cp"] += count * (cp_f + cp_b)
         exposed["ep"] += count * 2 * ep_t
-    zero3 = _zero3_per_microbatch(ev, layout, setting, stage, cost)
-    exposed["dp"] += zero3
-    return _StageTime(fwd + zero3, bwd, wgrad, busy, exposed, fc, bc, again)
+    zero3_f, zero3_b = _zero3_per_microbatch(ev, layout, setting, stage, cost)
+    exposed["dp"] += zero3_f + zero3_b
+    return _StageTime(fwd + zero3_f, bwd + zero3_b, wgrad, busy, exposed, fc, bc, again)
 
 
-def _zero3_per_microbatch(ev, layout, setting, stage, cost) -> float:
-    """ZeRO 3's gathers of one forward: each block's, prefetched during the block before (the exposed rest); the
-    stage's other parameters (embedding, head) gathered before it runs."""
+def _zero3_per_microbatch(ev, layout, setting, stage, cost) -> tuple[float, float]:
+    """ZeRO 3's gathers of one forward and one backward (FSDP2 reshards after each and gathers again): each block's,
+    prefetched during the block before (the exposed rest); the stage's other parameters (embedding, head) gathered
+    before it runs."""
     if layout.zero != 3 or layout.dp == 1:
-        return 0.0
+        return 0.0, 0.0
     low = 2 if Layout(dtype=ev.dtype).mixed else 4
     group, sp = layout.dp * getattr(layout, "cp", 1), spread(layout, "dp", setting.gpus_per_node)
-    t = 0.0
+    f = b = 0.0
     for name, count in stage:
         c = cost[name]
         gather = ev.hw.collective_seconds("all_gather", (c.params + c.frozen) * low, group, sp)
-        t += count * (max(0.0, gather - c.fwd) if name.startswith("block") else gather)
-    return t
+        block = name.startswith("block")
+        f += count * (ev.hw.exposed(gather, c.fwd) if block else gather)
+        b += count * (ev.hw.exposed(gather, c.bwd) if block else 0.0)  # the root stays gathered for backward
+    return f, b
 
 
 def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, durations, pred: Prediction) -> None:
@@ -366,6 +379,8 @@ def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, dur
             return hw.p2p_seconds(piece.boundary if forward else piece.boundary_grad, sp_pp)
 
         ends, busy = pipeline_step(layout.schedule, pp, m, v, duration, transfer, pre)
+        if hw.contention > 1:
+            ends = _shared_cores(hw, layout, m, v, duration, transfer, pre, busy)
     post = {r: _dp_after(ev, layout, setting, [stages[s] for s in layout.stages_of(r)], cost,
                          [durations[s] for s in layout.stages_of(r)]) for r in range(pp)}
     finish = {r: ends[r] + post[r][0] + post[r][1] for r in ends}
@@ -379,6 +394,16 @@ def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, dur
     pred.terms = {"compute": m * sum(d.fwd_compute + d.bwd_compute for d in own),
                   "recompute": m * sum(d.redo for d in own), **{f"{k} communication": t for k, t in pred.exposed.items()},
                   "pipeline bubble": pred.bubble, "optimizer step": post[crit][1]}
+
+
+def _shared_cores(hw, layout: Layout, m: int, v: int, duration, transfer, pre, busy) -> dict[int, float]:
+    """Each pp rank's end when the ranks share too few cores (a CPU profile's ``contention`` > 1: the rate one rank
+    computes at alone over the rate each reaches when all compute, as calibrate measures them).  The durations are
+    the rates with every rank busy; a rank waiting in the bubble gives its share to the others, so the schedule runs
+    no slower than at the rate alone, and no faster than the ranks' work at the shared rate, spread evenly."""
+    fast, _ = pipeline_step(layout.schedule, layout.pp, m, v, lambda a: duration(a) / hw.contention, transfer, pre)
+    shared = sum(busy.values()) / len(busy)
+    return {r: max(fast[r], pre[r] + shared) for r in fast}
 
 
 def _dense(stage, cost, layout) -> float:
@@ -415,15 +440,16 @@ def _dp_after(ev, layout, setting, stages, cost, durations) -> tuple[float, floa
     t = 0.0
     if group > 1:
         if layout.zero == 0:
-            ar = hw.collective_seconds("all_reduce", psi * low, group, sp)
-            t = max(0.0, ar - last_bwd) + hw.collective_seconds("all_reduce", min(DDP_BUCKET, psi * low), group, sp)
+            last = min(DDP_BUCKET, psi * low)  # the buckets before the last are reduced during backward
+            t = hw.exposed(hw.collective_seconds("all_reduce", psi * low - last, group, sp), last_bwd) + \
+                hw.collective_seconds("all_reduce", last, group, sp)
         elif layout.zero == 1:
-            t = hw.collective_seconds("reduce_scatter", psi * low, group, sp) + max(
-                0.0, hw.collective_seconds("all_gather", psi * low, group, sp) - first_fwd)
+            t = hw.collective_seconds("reduce_scatter", psi * low, group, sp) + hw.exposed(
+                hw.collective_seconds("all_gather", psi * low, group, sp), first_fwd)
         elif layout.zero == 2:
             t = hw.collective_seconds("reduce_scatter", psi * 4, group, sp)
         else:  # block by block during the last backward
-            t = max(0.0, hw.collective_seconds("reduce_scatter", psi * 4, group, sp) - last_bwd)
+            t = hw.exposed(hw.collective_seconds("reduce_scatter", psi * 4, group, sp), last_bwd)
     edp = group // layout.ep
     if experts and edp > 1:
         t += hw.collective_seconds("all_reduce", experts * low, edp, sp)
@@ -438,12 +464,18 @@ def _dp_after(ev, layout, setting, stages, cost, durations) -> tuple[float, floa
 def _memory(ev: Evaluator, layout: Layout, stages, cost, pred: Prediction) -> None:
     """Predicted peak per pp rank, as ``fxshard plan`` predicts it (model state + saved x alive + transient)."""
     mode = layout.recompute if layout.recompute in ("selective", "full") else "none"
+    pred.peaks = _peaks(ev, layout, stages, cost, pred.microbatches, (mode,))[mode]
+
+
+def _peaks(ev: Evaluator, layout: Layout, stages, cost, m: int, modes) -> dict[str, list[float]]:
+    """The peak of each pp rank under each recompute mode of ``modes`` (the model state and the microbatches alive
+    are the same for all: worked out once)."""
     mixed = Layout(dtype=ev.dtype).mixed
     group = layout.dp * getattr(layout, "cp", 1)
-    m = pred.microbatches
     counts = alive_counts(layout.schedule, layout.pp,
                           capped_microbatches(layout.schedule, layout.pp, m, layout.stages_per_rank),
                           layout.stages_per_rank) if layout.pp > 1 else {0: [{0: 1}]}
+    out: dict[str, list[float]] = {mode: [] for mode in modes}
     for r in range(layout.pp):
         own = {s: stages[s] for s in (layout.stages_of(r) if layout.pp > 1 else [0])}
         psi = sum(_dense(st, cost, layout) for st in own.values())
@@ -456,9 +488,12 @@ def _memory(ev: Evaluator, layout: Layout, stages, cost, pred: Prediction) -> No
         state = formula(layout.zero, group, mixed, psi)  # gradients and optimizer state of the trained alone
         held = peak_params(layout.zero, group, mixed, psi + frozen, blocks) + state["grads"] + state["optimizer"]
         held += formula(1 if layout.zero == 1 else 0, max(1, layout.dp // layout.ep), mixed, experts)["total"]
-        saved = {s: sum(n * cost[name].saved[mode] for name, n in st) for s, st in own.items()}
-        activations = max(sum(c * saved.get(s, 0.0) for s, c in combo.items()) for combo in counts[r])
-        largest = max(cost[name].largest for st in own.values() for name, _ in st)
-        extra = max((cost[name].saved["none"] - cost[name].saved[mode] for st in own.values() for name, _ in st
-                     if name.startswith("block")), default=0.0)
-        pred.peaks.append(held + activations + 2 * largest + extra)
+        held += 2 * max(cost[name].largest for st in own.values() for name, _ in st)
+        combos = [[(c, own[s]) for s, c in combo.items() if s in own] for combo in counts[r]]
+        for mode in modes:
+            saved = {id(st): sum(n * cost[name].saved[mode] for name, n in st) for st in own.values()}
+            activations = max(sum(c * saved[id(st)] for c, st in combo) for combo in combos)
+            extra = max((cost[name].saved["none"] - cost[name].saved[mode] for st in own.values() for name, _ in st
+                         if name.startswith("block")), default=0.0)
+            out[mode].append(held + activations + extra)
+    return out

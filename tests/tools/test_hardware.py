@@ -74,6 +74,24 @@ def test_collectives_are_the_ring_formulas_on_the_link_the_group_spans():
     assert hw.p2p_seconds(n, 2) == pytest.approx(n / inter.bandwidth + inter.latency)
 
 
+def test_a_measured_group_size_uses_its_own_fit_and_overlap_hides_its_share(tmp_path):
+    """calibrate fits each group size within a node apart (on a CPU with more ranks than cores a group of 4 is far
+    slower per step than a group of 2); ``overlap`` is the share of communication hidden beside compute."""
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(GOOD | {"groups": {"4": {"bandwidth": 1e8, "latency": 2e-3}}, "overlap": 0.25,
+                                       "contention": 2.0}))
+    hw = load_hardware(path)
+    assert hw.collective_seconds("all_gather", 1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e8 + 3 * 2e-3)
+    assert hw.collective_seconds("all_gather", 1e6, 8, 1) == pytest.approx(7 / 8 * 1e6 / 4e11 + 6 * 5e-6)
+    assert hw.collective_seconds("all_gather", 1e6, 4, 2) == pytest.approx(3 / 4 * 1e6 / 5e10 + 3 * 1e-5)
+    assert hw.exposed(1.0, 0.4) == pytest.approx(0.9) and hw.exposed(1.0, 3.0) == pytest.approx(0.75)
+    assert load_hardware("h100").exposed(1.0, 0.4) == pytest.approx(0.6) and hw.contention == 2.0
+    path.write_text(json.dumps(GOOD | {"groups": {"four": {}}, "overlap": 1.5, "contention": 0.5}))
+    with pytest.raises(OptionError) as e:
+        load_hardware(path)
+    assert "groups" in str(e.value) and "overlap" in str(e.value) and "contention" in str(e.value)
+
+
 def test_calibrate_fits_the_ring_formula_back_from_its_points():
     bandwidth, latency = 2e8, 1e-3
     points = []
@@ -97,6 +115,7 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency >= 0
     points = written["measured"]["intra_node"]["points"]
     assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
+    assert set(hw.groups) == {2} and 0 <= hw.overlap <= 1 and hw.contention >= 1 and hw.kernel_overhead > 0
 
 
 def test_calibrate_refuses_one_process_and_a_folder(tmp_path):

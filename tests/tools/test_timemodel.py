@@ -86,6 +86,22 @@ def test_each_term_moves_as_its_layout_says(h100):
         assert 0 < p.mfu < 1
 
 
+def test_a_cpu_profile_exposes_what_shares_its_cores(profile):
+    """Where the profile measured that communication does not hide beside compute (overlap 0), tp's backward
+    all-reduce is all exposed; where ranks outnumber cores (contention > 1), a rank idle in the bubble gives its
+    share to the others, so a pipeline step shrinks towards its ranks' work spread evenly."""
+    hw = load_hardware("h100")
+    setting = Setting(2048, 8, 8)
+    hidden = predict(Evaluator(profile, hw), Layout(tp=2), setting)
+    shown = predict(Evaluator(profile, dataclasses.replace(hw, overlap=0.0)), Layout(tp=2), setting)
+    assert shown.exposed["tp"] > hidden.exposed["tp"] and shown.terms["compute"] == hidden.terms["compute"]
+    layout = Layout(pp=2, microbatches=2)
+    plain = predict(Evaluator(profile, hw), layout, setting)
+    shared = predict(Evaluator(profile, dataclasses.replace(hw, contention=4.0)), layout, setting)
+    assert plain.bubble > 0 and shared.step < plain.step and shared.bubble < plain.bubble
+    assert shared.step >= plain.step / 4 and shared.step >= plain.compute / 2
+
+
 def test_across_nodes_a_group_is_slower(h100):
     setting = Setting(16, 8, 8)
     one_node = predict(h100, Layout(dp=8), setting)
