@@ -52,7 +52,7 @@ aten = torch.ops.aten
 
 _DEMAND_ROUNDS = 4  # a parameter read through another's split (Mamba-1's dt_proj bias after its weight) waits a round
 _SIZED = {aten.view.default: "size", aten.reshape.default: "shape", aten._unsafe_view.default: "size",
-          aten.expand.default: "size"}  # op -> its argument of global sizes
+          aten.expand.default: "size", aten.new_empty.default: "size"}  # op -> its argument of global sizes
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads",
                "num_kv_heads")
 

@@ -370,7 +370,7 @@ def _aligned(s: tuple[int, ...], p: Placement, out: Shard, n: int) -> Placement:
 
 @rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy, aten.type_as,
       aten.masked_fill, aten.where, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.relu, aten.tanh,
-      aten.sigmoid, general=True)
+      aten.sigmoid, aten.copy_, general=True)
 def _pointwise(node, args, placements):
     out_shape = shape(node)
     n = len(out_shape)
@@ -600,8 +600,10 @@ def _split_blocks(p: Shard, size: int, pieces: list[int]) -> tuple[Shard, ...] |
 def _cat(node, args, placements):
     n = len(shape(node))
     dim = _norm(argument(node, "dim"), n)
-    if any(len(shape(a)) != n for a in args) or not all(isinstance(p, Shard) for p in placements):
+    if any(len(shape(a)) != n for a in args):
         return None
+    if not all(isinstance(p, Shard) for p in placements):
+        return _cat_beside_whole(dim, placements)
     if placements[0].dim == dim:  # along the split: the pieces' parts packed as blocks, each rank [a_r, b_r, ..]
         if any(p.dim != dim for p in placements):
             return None
@@ -611,6 +613,19 @@ def _cat(node, args, placements):
     if len(set(placements)) != 1:
         return None
     return Decision(placements[0], tuple(placements))
+
+
+def _cat_beside_whole(dim: int, placements: list[Placement]) -> Decision | None:
+    """Whole pieces beside pieces split alike along another dimension than the concatenated one: each rank takes
+    its part of the whole ones (a slice; their gradient's parts are gathered back).  GPT-OSS's attention sinks, one
+    learned logit per head expanded over the queries, concatenated to the heads' scores before the softmax."""
+    shards = {p for p in placements if isinstance(p, Shard)}
+    if len(shards) != 1 or any(not isinstance(p, Shard) and p != R for p in placements):
+        return None
+    split = shards.pop()
+    if split.dim == dim or split.general or split.blocks != 1:
+        return None
+    return Decision(split, tuple(split for _ in placements))
 
 
 @rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
@@ -655,6 +670,23 @@ def _reduce(node, args, placements):
         return Decision(Partial(), (p,), "mean_of_parts" if packet is aten.mean else None)
     d = p.dim if keepdim else p.dim - sum(x < p.dim for x in dims)
     return Decision(p.moved(d), (p,))
+
+
+@rule(aten.max, aten.min, general=True)
+def _reduce_with_indices(node, args, placements):
+    """``x.max(dim)`` / ``x.min(dim)``: values and indices along a dimension other than the split keep the split
+    (GPT-OSS subtracts each row's max from its scores and sinks before the softmax).  The overloads over every
+    element, or along the split, decline."""
+    p = placements[0]
+    dim = argument(node, "dim")
+    if not isinstance(p, Shard) or not isinstance(dim, int) or len(args) != 1:
+        return None
+    n = len(shape(args[0]))
+    dim = _norm(dim, n)
+    if p.dim == dim:
+        return None
+    out = p if argument(node, "keepdim", False) else p.moved(p.dim - (dim < p.dim))
+    return Decision((out, out), (p,))
 
 
 @rule(aten.linear, general=True)
@@ -824,4 +856,18 @@ def _factory_like(node, args, placements):
     if node.target.overloadpacket in (aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like) \
             and isinstance(placements[0], Shard):
         return Decision(placements[0], tuple(placements))
+    if node.target.overloadpacket is aten.new_empty and _shaped_like_along(node, args[0], placements[0]):
+        return Decision(placements[0], tuple(placements))
     return Decision(R, tuple(placements))
+
+
+def _shaped_like_along(node, x, p) -> bool:
+    """``x.new_empty(size)`` whose size keeps ``x``'s rank and its size along the dimension ``x`` is split on: a
+    buffer the model fills by writes (DeepSeek-V3's MLA concatenates each head's key parts into
+    ``kv_nope.new_empty(B, H, S, d)`` by ``copy_`` into slices).  Its values are undefined until written, so it may
+    be split as ``x`` is (its size made this rank's); every write into it then meets the rules as any value
+    split by heads does, and a whole value written into a slice of it is sliced, not gathered."""
+    if not isinstance(p, Shard) or p.general or p.blocks != 1 or p.parts:
+        return False
+    size, full = list(argument(node, "size")), shape(x)
+    return len(size) == len(full) and size[p.dim] == full[p.dim]

@@ -113,6 +113,70 @@ def complete_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node],
                                source=f"{given.source}+auto")
 
 
+def _pair_styles(chosen: list[tuple[WeightOp, list[WeightOp]]]) -> dict[WeightOp, Style]:
+    styles: dict[WeightOp, Style] = {}
+    for row, cols in chosen:
+        styles[row] = rowwise()
+        for c in cols:
+            blocks = pieces(c.node)
+            styles[c] = colwise(packed=len(blocks) if len(set(blocks)) == 1 else 0)
+    return styles
+
+
+def _fallback_scopes(gm, chosen, fixed, gathered, tp) -> set[str]:
+    """The modules of ``chosen``'s rows whose pairs, propagated with ``fixed``, need a gather inside them."""
+    weights = {}
+    for op, st in (fixed | _pair_styles(chosen)).items():
+        weights.update(style_placements(op, st, tp))
+    prop = propagate(gm, weights, gathered)
+    scopes = {_parent(row.fqn) for row, _ in chosen}
+    return {s for s in scopes if any(_within(node_fqn(f), s) for f in prop.fallbacks)}
+
+
+def _valid(gm, chosen, fixed, gathered, tp) -> list[tuple[WeightOp, list[WeightOp]]]:
+    """``chosen`` less the pairs whose module would need a gather inside it, until none does."""
+    while chosen:
+        bad = _fallback_scopes(gm, chosen, fixed, gathered, tp)
+        if not bad:
+            break
+        chosen = [pc for pc in chosen if _parent(pc[0].fqn) not in bad]
+    return chosen
+
+
+def _outer_retry(gm, pairs, chosen, fixed, gathered, tp) -> list[tuple[WeightOp, list[WeightOp]]]:
+    """For modules left with no pair: the module's outermost row (one no other candidate reads as a column) with the
+    largest subset of its nearest columns that splits without a gather, the rest left whole (the greedy choice
+    above takes inner pairs first, and drops the outer row whose columns they made rows).  DeepSeek-V3's MLA:
+    o_proj with q_b_proj and kv_b_proj, while kv_a_proj_with_mqa (its latent and the rotary key all heads share) and
+    q_a_proj (read by a norm over its whole output) stay whole, as Megatron-Core splits MLA.  Modules of one shape
+    (the layers of a stack) try each subset together: one propagation per subset, not per layer."""
+    from itertools import combinations
+
+    kept = {_parent(row.fqn) for row, _ in chosen}
+    inner = {c.node for _, cols in pairs for c in cols}
+    outer = [(row, cols) for row, cols in pairs
+             if row.node not in inner and _parent(row.fqn) not in kept and len(cols) <= 5]
+    groups: dict[tuple, list] = {}
+    for row, cols in outer:
+        scope = _parent(row.fqn)
+        key = (row.fqn[len(scope):], tuple(c.fqn[len(scope):] for c in cols))
+        groups.setdefault(key, []).append((row, cols))
+    found = []
+    for members in groups.values():
+        count = len(members[0][1])
+        subsets = [s for k in range(count, 0, -1) for s in combinations(range(count), k)]
+        for subset in subsets:
+            trial = [(row, [cols[i] for i in subset]) for row, cols in members]
+            bad = _fallback_scopes(gm, chosen + found + trial, fixed, gathered, tp)
+            good = [pc for pc in trial if _parent(pc[0].fqn) not in bad]
+            if good:
+                found += good
+                members = [pc for pc in members if _parent(pc[0].fqn) in bad]
+            if not members:
+                break
+    return found
+
+
 def _named(fqn: str, named: set[str]) -> bool:
     """Whether a plan names ``fqn`` or a module that holds it."""
     parts = fqn.split(".")
@@ -141,22 +205,9 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
         role.update({c.node: "col" for c in cols})
         chosen.append((row, cols))
 
-    while True:
-        styles: dict[WeightOp, Style] = {}
-        for row, cols in chosen:
-            styles[row] = rowwise()
-            for c in cols:
-                blocks = pieces(c.node)
-                styles[c] = colwise(packed=len(blocks) if len(set(blocks)) == 1 else 0)
-        weights = {}
-        for op, st in (fixed | styles).items():
-            weights.update(style_placements(op, st, tp))
-        prop = propagate(gm, weights, gathered)
-        bad = [(row, cols) for row, cols in chosen
-               if any(_within(node_fqn(f), _parent(row.fqn)) for f in prop.fallbacks)]
-        if not bad:
-            break
-        chosen = [pc for pc in chosen if pc not in bad]
+    chosen = _valid(gm, chosen, fixed, gathered, tp)
+    chosen = _valid(gm, chosen + _outer_retry(gm, pairs, chosen, fixed, gathered, tp), fixed, gathered, tp)
+    styles = _pair_styles(chosen)
 
     paired = {op.node for op in styles}
     weight_nodes = {op.node for op in ops}

@@ -201,7 +201,7 @@ case("cat-split-dim", lambda a, b: torch.cat([a, b], dim=1), [x(4, 8), x(4, 4)],
 case("cat-split-dim-then-whole", lambda a, b: torch.cat([a, b], dim=1) * 1, [x(4, 8), x(4, 4)], [S(1), S(1)], aten.cat)
 case("cat-split-and-other-dim", lambda a, b: torch.cat([a, b], dim=1), [x(4, 8), x(4, 4)], [S(1), S(0)], aten.cat,
      "declined")
-case("cat-mixed", lambda a, b: torch.cat([a, b], dim=0), [x(4, 8), x(2, 8)], [S(1), R], aten.cat, "declined")
+case("cat-mixed", lambda a, b: torch.cat([a, b], dim=0), [x(4, 8), x(2, 8)], [S(1), R], aten.cat)  # b sliced
 
 # ---------------------------------------------------------------- softmax, norms, reductions
 
@@ -392,6 +392,29 @@ for name, f, op in [("zeros-like", torch.zeros_like, aten.zeros_like), ("ones-li
                     ("full-like", lambda a: torch.full_like(a, 3.0), aten.full_like)]:
     case(f"{name}-partial", lambda a, w, f=f: f(_psum(a, w)), [x(4, 8), x(8, 8)], [S(1), S(0)], op)
 
+
+
+def _filled(a, b):
+    """DeepSeek-V3's MLA keys: ``new_empty`` shaped like the heads' keys, filled by ``copy_`` into two slices, one from
+    the split heads, one from a key part every head shares (whole, expanded over the heads)."""
+    buf = a.new_empty(a.shape[0], a.shape[1], a.shape[2], 6)
+    buf[..., :4].copy_(a)
+    buf[..., 4:].copy_(b.expand(-1, a.shape[1], -1, -1))
+    return buf * 1
+
+
+# whole pieces beside split ones (GPT-OSS's attention sinks beside the heads' scores): the whole ones sliced
+case("cat-whole-beside-split", lambda a, b: torch.cat([a, b], dim=-1), [x(2, 8, 4), x(2, 8, 2)], [S(1), R], aten.cat)
+case("cat-whole-along-split", lambda a, b: torch.cat([a, b], dim=1), [x(2, 8, 4), x(2, 4, 4)], [S(1), R], aten.cat,
+     "declined")
+# a max along another dimension than the split, values and indices (GPT-OSS's softmax with sinks)
+case("max-dim-other", lambda a: a - a.max(dim=-1, keepdim=True).values, [x(2, 8, 4)], [S(1)], aten.max)
+case("max-dim-indices", lambda a: a.max(dim=2).values * 2 + a.min(dim=2).indices, [x(2, 8, 4)], [S(1)], aten.max)
+case("max-dim-split", lambda a: a.max(dim=1).values * 2, [x(2, 8, 4)], [S(1)], aten.max, "declined")
+case("new-empty-filled-by-copies", _filled, [x(2, 8, 4, 4), x(2, 1, 4, 2)], [S(1), R], aten.new_empty)
+case("copy-into-split-buffer", _filled, [x(2, 8, 4, 4), x(2, 1, 4, 2)], [S(1), R], aten.copy_)
+case("new-empty-own-size", lambda a: a.new_empty(3, 4).fill_(1.0) * 2, [x(4, 8)], [S(1)], aten.new_empty)
+
 # ---------------------------------------------------------------- splits of unequal blocks, parts held by several ranks
 
 U = S(0, 3, sizes=(8, 8, 4))  # a packed projection of unequal blocks (a Mamba-2 in_proj's z, x, dt)
@@ -491,6 +514,7 @@ case("grouped-norm-one-group", grouped_norm(1), [x(2, 4, 8)], [S(2)], aten.mean)
 # ---------------------------------------------------------------- tp=4: a few of the above over four ranks
 
 CASES_4 = [c for c in CASES if c.key in {
+    "new-empty-filled-by-copies", "cat-whole-beside-split", "max-dim-other",
     "gelu-packed", "view-heads", "unflatten-split-dim", "split-packed", "linear-colwise", "linear-rowwise",
     "addmm-rowwise-full-bias", "mm-packed-both-contracted", "sdpa-heads", "embedding-vocab-padding-first-half",
     "embedding-columns-padding-second-half", "ce-vocab-ignore-class", "ce-vocab-none", "squeeze-dims",

@@ -53,3 +53,31 @@ def test_hybrids_with_partial_shipped_plans_split_to_at_most_55_percent(model):
 def test_a_completed_plan_trains_like_one_device():
     result = verify(PARTIAL, Layout(tp=2), steps=3)
     assert result.ok, result.summary()
+
+
+# Attention whose pairs propagation used to drop (issue 31 item 4), split by heads now:
+# - DeepSeek-V3's MLA: the greedy choice took the inner pairs (q_a_proj -> q_b_proj through a norm over the whole
+#   latent; kv_a_proj_with_mqa -> kv_b_proj), which need a gather, and dropped o_proj whose columns they had made rows;
+#   the outer retry pairs o_proj with q_b_proj and kv_b_proj, the latents whole (as Megatron-Core splits MLA), and the
+#   keys' new_empty buffer filled by copy_ is split like the heads;
+# - GPT-OSS: the sinks (one logit per head, whole) concatenated beside the split scores, and a max along the keys.
+def test_deepseek_v3_mla_splits_by_heads_with_the_latents_whole():
+    ctx = compile_program(ROOT / "zoo" / "models" / "deepseek_v3.py", Layout(tp=2)).ctx
+    styles = {fqn.split("self_attn.")[1]: str(st) for fqn, st in ctx.plan.styles.items()
+              if fqn.startswith("model.layers.1.self_attn.")}
+    assert styles == {"q_b_proj": "colwise()", "kv_b_proj": "colwise()", "o_proj": "rowwise()"}, styles
+    assert not any("self_attn" in n and "all-gathered first" in n for n in ctx.notes), ctx.notes
+
+
+def test_gpt_oss_attention_splits_by_heads():
+    ctx = compile_program(ROOT / "tests" / "models" / "hf_gpt_oss.py", Layout(tp=2)).ctx
+    styles = {fqn.split("self_attn.")[1]: str(st) for fqn, st in ctx.plan.styles.items()
+              if fqn.startswith("model.layers.0.self_attn.")}
+    assert styles == {"q_proj": "colwise()", "k_proj": "colwise()", "v_proj": "colwise()", "o_proj": "rowwise()"}
+    assert not any("self_attn" in n and "all-gathered first" in n for n in ctx.notes), ctx.notes
+
+
+@pytest.mark.distributed
+def test_gpt_oss_attention_split_by_heads_trains_like_one_device():
+    result = verify(ROOT / "tests" / "models" / "hf_gpt_oss.py", Layout(tp=2), steps=3)
+    assert result.ok, result.summary()
