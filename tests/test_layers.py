@@ -41,6 +41,7 @@ LAYERS = (
     ("fxshard.passes",),
     ("fxshard.codegen",),
     ("fxshard.compiler",),
+    ("fxshard.train.schedule",),  # the learning-rate schedule's arithmetic (leaves only): verify bounds AdamW by it
     ("fxshard.tools",),
     ("fxshard.train",),
     ("fxshard.report",),
