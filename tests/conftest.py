@@ -67,3 +67,23 @@ if os.environ.get("FXSHARD_TEST_CPU") == "1":
         terminalreporter.write_sep("=", f"CPU time: {total:.1f} s in {len(_cpu)} tests; the 15 costliest")
         for nodeid, seconds in sorted(_cpu.items(), key=lambda kv: -kv[1])[:15]:
             terminalreporter.write_line(f"{seconds:8.2f}s  {nodeid}")
+
+
+# A torch dispatch mode (a FakeTensorMode of a capture or a plan) left active by a test: held by a generator that was
+# never closed, it stays on this thread's mode stack until the garbage collector closes it, and meanwhile the next
+# test's real tensors compute as fakes (a make test run failed a comparison of real tensors there, with "Could not
+# guard on data-dependent expression" from inside assert_close).  The mode is removed after the test that left it,
+# which a warning names, so it cannot reach the tests after it.
+@pytest.fixture(autouse=True)
+def _no_dispatch_mode_left_behind(request):
+    yield
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    left = [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
+    if not left:
+        return
+    while _get_current_dispatch_mode_stack():
+        _pop_mode()
+    import warnings
+
+    warnings.warn(f"{request.node.nodeid} left torch dispatch modes active: {left} (removed)", stacklevel=1)
