@@ -30,8 +30,18 @@ class _Group:
     size: int
 
 
+# In its own process: in make test and make test-fast, after some earlier test on the same pytest worker (not yet
+# identified; no torch dispatch mode is left on the stack), this file's first case has compared its real tensors as
+# fakes ("Could not guard on data-dependent expression" inside assert_close), and passed alone.
+@pytest.mark.distributed
 @pytest.mark.parametrize("parts", [2, 4])
 def test_causal_ring_blocks_match_the_masked_block(parts):
+    from fxshard.testing import spawn
+
+    spawn(_check, 1, parts, timeout=120)
+
+
+def _check(rank: int, world: int, parts: int) -> None:
     torch.manual_seed(0)
     b, heads, kv_heads, rows, width, scale = 2, 4, 2, 8, 8, 0.3
     for index in range(parts):
