@@ -71,9 +71,9 @@ if os.environ.get("FXSHARD_TEST_CPU") == "1":
 
 # A torch dispatch mode (a FakeTensorMode of a capture or a plan) left active by a test: held by a generator that was
 # never closed, it stays on this thread's mode stack until the garbage collector closes it, and meanwhile the next
-# test's real tensors compute as fakes (a make test run failed a comparison of real tensors there, with "Could not
-# guard on data-dependent expression" from inside assert_close).  The mode is removed after the test that left it,
-# which a warning names, so it cannot reach the tests after it.
+# tests' real tensors compute as fakes.  The mode is removed after the test that left it, which a warning names, so it
+# cannot reach the tests after it.  (Written for tests/runtime/test_cp_ring_causal.py's comparison of real tensors as
+# fakes after earlier tests on its worker; that failure persisted with this guard, so its cause is something else.)
 @pytest.fixture(autouse=True)
 def _no_dispatch_mode_left_behind(request):
     yield

@@ -1,4 +1,4 @@
-"""Tier 1: a causal ring block computed chunk by chunk, with no mask, is the masked block it replaces.
+"""A causal ring block computed chunk by chunk, with no mask, is the masked block it replaces.
 
 ``rt.ring_attention_step`` under a causal mask attends this rank's load-balanced query chunks over the key chunks
 another cp rank holds, each seen whole, causally (SDPA's ``is_causal`` on the fused CPU kernel) or not at all, and
