@@ -207,9 +207,10 @@ def verify_report(console: Console, result) -> None:
                          "(rel = ‖diff‖ / ‖update‖ of the tensor, update = single device trained − initial)")
     for col in ("parameter", "shape", "max abs diff", "rel"):
         params.add_column(col, justify="left" if col == "parameter" else "right")
-    for p in worst:  # a quiet one's gradient is rounding noise: judged by max abs alone (fxshard.tools.verify)
-        params.add_row(p["fqn"], str(p["shape"]), f"{p['max_abs']:.2e}",
-                       f"{p['rel']:.2e} (quiet)" if p.get("quiet") else f"{p['rel']:.2e}")
+    apart = result.apart  # quiet ones the update share cannot hold: judged by max abs alone (fxshard.tools.verify)
+    for p in worst:
+        mark = " (quiet, apart)" if p["fqn"] in apart else " (quiet)" if p.get("quiet") else ""
+        params.add_row(p["fqn"], str(p["shape"]), f"{p['max_abs']:.2e}", f"{p['rel']:.2e}{mark}")
     console.print(params)
     style = "green" if result.ok else "bold red"
     console.print(f"[{style}]{result.summary()}[/]", highlight=False)

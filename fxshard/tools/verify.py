@@ -4,8 +4,9 @@
 records into full tensors (:func:`gather_parameters`) and compared with the single-device model trained by
 :func:`fxshard.train.reference.reference_losses` (:func:`compare_parameters`, :class:`Verification`)::
 
-    rows = compare_parameters(gather_parameters(manifest, folder), single, initial)
+    rows = compare_parameters(gather_parameters(manifest, folder), single, initial, quiet)
     update_share(rows)          # ||distributed - single|| / ||single - initial||
+    judged_apart(rows, 1e-3)    # the quiet parameters that share cannot hold, judged by adamw_reach instead
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25}
 # keys share) gets rounding noise as its gradient, and AdamW divides a gradient by its own size: each run moves it by
 # up to lr per step, in directions the noise picks (CLIP's key biases: gradient RMS 4e-8 of the model's; their updates
 # made 1e-2 of all the updates' difference at tp2 with losses exact).  Its update is no measure, so such a "quiet"
-# parameter (gradient RMS at most QUIET_GRAD of the model's RMS gradient at every single-device step) leaves the update
-# share and is judged alone: it must lie within twice the farthest AdamW can move an element (:func:`adamw_reach`).
+# parameter (gradient RMS at most QUIET_GRAD of the model's RMS gradient at every single-device step) may leave the
+# update share and be judged alone: it must then lie within twice the farthest AdamW can move an element
+# (:func:`adamw_reach`).  Small true gradients are quiet too (Bamba's and Falcon-H1's A_log and dt_bias: 1e-8 to 2e-6
+# of the model's RMS), and they train alike on both sides (differences 1e-10), so only the quiet parameters the strict
+# share cannot hold leave it (:func:`judged_apart`); a quiet parameter that agrees stays under the strict check.
 QUIET_GRAD = {"fp32": 1e-5, "bf16": 1e-3}
 
 
@@ -48,8 +52,8 @@ class Verification:
     # per parameter: fqn, shape, max_abs, rel (||diff|| / ||update|| of the tensor), diff_sq, update_sq, quiet
     params: list[dict] = field(default_factory=list)
     rtol: float = 1e-5  # losses, relative
-    param_rtol: float = 1e-3  # parameters: ||diff|| / ||update|| over all of them but the quiet ones
-    quiet_atol: float = 0.0  # quiet parameters (QUIET_GRAD): the largest difference allowed, 2 * adamw_reach(...)
+    param_rtol: float = 1e-3  # parameters: ||diff|| / ||update|| over all of them but those judged apart
+    quiet_atol: float = 0.0  # quiet parameters judged apart (judged_apart): the largest difference, 2 * adamw_reach
 
     @property
     def loss_abs(self) -> float:
@@ -60,13 +64,21 @@ class Verification:
         return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(self.distributed, self.reference, strict=True))
 
     @property
+    def apart(self) -> set[str]:
+        """The quiet parameters judged apart (:func:`judged_apart`): those the strict update share cannot hold."""
+        return judged_apart(self.params, self.param_rtol)
+
+    @property
     def judged(self) -> list[dict]:
-        """The parameters judged by their share of the update: all but the quiet ones (or all, if all are)."""
-        return [p for p in self.params if not p.get("quiet")] or self.params
+        """The parameters judged by their share of the update: all but those judged apart (or all, if all are)."""
+        apart = self.apart
+        return [p for p in self.params if p["fqn"] not in apart] or self.params
 
     @property
     def quiet(self) -> list[dict]:
-        return [p for p in self.params if p.get("quiet")]
+        """The quiet parameters judged apart, largest difference first (the other quiet ones are in the share)."""
+        apart = self.apart
+        return sorted((p for p in self.params if p["fqn"] in apart), key=lambda p: -p["diff_sq"])
 
     @property
     def quiet_abs(self) -> float:
@@ -79,8 +91,9 @@ class Verification:
     @property
     def param_rel(self) -> float:
         """||distributed - single|| / ||single - initial|| over all parameters: the difference as a share of
-        what training changed (a gradient not synchronized, or applied twice, shows as a large share)."""
-        return update_share(self.params)
+        what training changed (a gradient not synchronized, or applied twice, shows as a large share), but those
+        judged apart."""
+        return update_share(self.params, self.apart)
 
     @property
     def worst(self) -> dict:
@@ -92,7 +105,8 @@ class Verification:
 
     def summary(self) -> str:
         quiet = self.quiet
-        apart = (f", and {len(quiet)} quiet parameters (gradient zero up to rounding, e.g. {quiet[0]['fqn']}) max abs "
+        names = ", ".join(p["fqn"] for p in quiet[:3]) + (f" and {len(quiet) - 3} more" if len(quiet) > 3 else "")
+        apart = (f", and {len(quiet)} quiet parameters (gradient zero up to rounding, judged apart: {names}) max abs "
                  f"{self.quiet_abs:.3e} within {self.quiet_atol:.3e}, twice the farthest AdamW moves an element"
                  if quiet else "")
         return (f"{self.layout.describe()}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
@@ -170,7 +184,8 @@ def compare_parameters(trained: dict[str, torch.Tensor], single: dict[str, torch
                        initial: dict[str, torch.Tensor], quiet: set[str] = frozenset()) -> list[dict]:
     """Per parameter: shape, largest absolute difference, ||diff|| / ||update|| of the tensor, the squared
     norms of the difference and of the single-device update (``Verification.param_rel`` sums these), and whether
-    it is quiet (in ``quiet``, from :func:`quiet_parameters`: left out of the update share)."""
+    it is quiet (in ``quiet``, from :func:`quiet_parameters`; :func:`judged_apart` picks those that leave the
+    update share)."""
     rows = []
     for fqn, got in sorted(trained.items()):
         want = single[fqn].float()
@@ -214,8 +229,25 @@ def adamw_reach(optim, steps: int) -> float:
     return reach
 
 
-def update_share(rows: list[dict]) -> float:
-    """||distributed - single|| / ||single - initial|| over the parameters of ``rows`` but the quiet ones."""
-    rows = [p for p in rows if not p.get("quiet")]
+def judged_apart(rows: list[dict], param_rtol: float) -> set[str]:
+    """The quiet parameters of ``rows`` that leave the update share: none if the share of all of them is within
+    ``param_rtol``; otherwise the quiet ones in order of their difference, largest first, only until the share of the
+    rest is within it (all of them if it never is).  A quiet parameter that trains alike on both sides (a small true
+    gradient, as Mamba's A_log) so stays under the strict check::
+
+        judged_apart([{"fqn": "w", "diff_sq": 1e-12, "update_sq": 1.0, "quiet": False},
+                      {"fqn": "k.bias", "diff_sq": 1e-4, "update_sq": 1e-4, "quiet": True}], 1e-3)   # {"k.bias"}
+    """
+    apart: set[str] = set()
+    for p in sorted((p for p in rows if p.get("quiet")), key=lambda p: -p["diff_sq"]):
+        if update_share(rows, apart) <= param_rtol:
+            break
+        apart.add(p["fqn"])
+    return apart
+
+
+def update_share(rows: list[dict], apart: set[str] = frozenset()) -> float:
+    """||distributed - single|| / ||single - initial|| over the parameters of ``rows`` but those in ``apart``."""
+    rows = [p for p in rows if p["fqn"] not in apart]
     update = sum(p["update_sq"] for p in rows) ** 0.5
     return (sum(p["diff_sq"] for p in rows) ** 0.5) / max(update, 1e-30)
