@@ -39,3 +39,16 @@ def test_zoo_architecture_trains_like_one_device(case):
     if model == "falcon_h1":  # its Mamba A_log and dt_bias are quiet (true gradients 1e-8 of the model's RMS) but
         # train alike on both sides: they stay under the strict update share, none is judged apart
         assert any(p["quiet"] for p in result.params) and not result.apart, result.summary()
+
+
+def test_resume_keeps_every_cell_of_the_page(tmp_path):
+    """``python -m zoo.run --resume`` reads back what the page says (a run cut short goes on where it stopped)."""
+    from zoo.run import read_page, results_page
+
+    results = {("bart", "tp=2"): ("exact", "loss 8.791e-08, params 5.867e-06, 6 quiet 8.793e-07 within 6.010e-03"),
+               ("clip", "pp=2"): ("refused", "--pp 2 with 2 microbatches: CLIPModel: aten.matmul.default pairs | rows"),
+               ("clip", "tp=2"): ("FAILED", "loss 1.0e-01, params 7.0e-01"), ("opt", "dp=2"): ("refused", "x: y")}
+    page = tmp_path / "RESULTS.md"
+    page.write_text(results_page(results, 3, 12.4, ("tp=2", "pp=2", "dp=2"), 9))
+    assert "not run yet" in page.read_text()  # bart pp=2, dp=2 and others: left out of what resume keeps
+    assert read_page(page) == (results, 12.0)

@@ -7,6 +7,7 @@ within 1e-3 of the update), in its own process with a time limit so one case can
     python -m zoo.run --only llama t5      # some architectures
     python -m zoo.run --only mamba2 --layouts tp=2 tp=2,pp=2 --out /tmp/zoo.md   # some layouts
     python -m zoo.run --jobs 2             # two cases at once (the page is rewritten after every case)
+    python -m zoo.run --jobs 2 --resume    # a run cut short: measure only the cases its page does not hold yet
 """
 
 from __future__ import annotations
@@ -53,11 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="layouts (default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (each its own processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "RESULTS.md")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cells the page at --out holds and measure only the rest (its minutes add up)")
     args = parser.parse_args(argv)
     layouts = {name: flags for name, flags in LAYOUTS.items() if not args.layouts or name in args.layouts}
     models = sorted(p for p in MODELS.glob("*.py") if not args.only or p.stem in args.only)
-    cases = [(model, name) for model in models for name in layouts]
-    results, start = {}, time.monotonic()
+    results, before = read_page(args.out) if args.resume and args.out.exists() else ({}, 0.0)
+    cases = [(model, name) for model in models for name in layouts if (model.stem, name) not in results]
+    columns = tuple(name for name in LAYOUTS if name in layouts or any(n == name for _, n in results))
+    total = len(results) + len(cases)
+    if results:
+        print(f"{args.out}: {len(results)} cases kept, {len(cases)} to measure", flush=True)
+    start = time.monotonic()
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # threads: each case is a subprocess
         running = {pool.submit(run_case, model, layouts[name]): (model, name) for model, name in cases}
         for future in as_completed(running):
@@ -65,10 +73,32 @@ def main(argv: list[str] | None = None) -> int:
             verdict, detail = results[model.stem, name] = future.result()
             print(f"{model.stem:12s} {name}: {verdict} ({detail})", flush=True)
             # the page so far after every case, so a run cut short still leaves what it measured
-            minutes = (time.monotonic() - start) / 60
-            args.out.write_text(results_page(results, len(models), minutes, tuple(layouts), len(cases)))
+            minutes = before + (time.monotonic() - start) / 60
+            count = len({arch for arch, _ in results} | {m.stem for m in models})
+            args.out.write_text(results_page(results, count, minutes, columns, total))
     print(f"wrote {args.out}")
     return 0 if all(verdict != "FAILED" for verdict, _ in results.values()) else 1
+
+
+def read_page(path: Path) -> tuple[dict[tuple[str, str], tuple[str, str]], float]:
+    """The cells of a page :func:`results_page` wrote, as ``{(arch, layout): (verdict, detail)}`` (cells ``not run
+    yet`` left out), and its minutes: what ``--resume`` keeps."""
+    text = path.read_text()
+    notes = dict(re.findall(r"^(\d+)\. (.*)$", text.partition("\nRefusals")[2], re.M))
+    rows = [line.strip().strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    if not rows or rows[0][0].strip() != "architecture":
+        return {}, 0.0
+    layouts, results = [c.strip() for c in rows[0][1:]], {}
+    for arch, *cells in rows[1:]:
+        for layout, cell in zip(layouts, (c.strip() for c in cells), strict=True):
+            refused = re.fullmatch(r"refused \[(\d+)\]", cell)
+            if refused:
+                results[arch.strip(), layout] = ("refused", notes[refused[1]])
+            elif cell != "not run yet":
+                verdict, _, detail = cell.partition(": ")
+                results[arch.strip(), layout] = (verdict, detail)
+    minutes = re.search(r"in (\d+) min", text)
+    return results, float(minutes[1]) if minutes else 0.0
 
 
 def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, minutes: float,
