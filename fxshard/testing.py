@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import traceback
 import warnings
@@ -161,6 +163,79 @@ def spawn(fn, world: int, *args, timeout: float = 240.0, threads: int = 1, backe
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def cli(*args, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+        timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """``fxshard ARGS`` in a process of its own, as ``subprocess.run([sys.executable, "-m", "fxshard.cli.app", *ARGS],
+    capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)`` returns it, forked from the ranks'
+    forkserver: the interpreter's start and torch's import (about 5 s of CPU a command) are done once.  The
+    process is the real command line: its own pid, its environment (``env``, else the caller's) and working
+    folder, stdin from /dev/null, its exit status (an escaping exception prints its traceback and exits 1, as the
+    interpreter does; atexit handlers run), and ``fxshard run``'s workers started as the launcher starts them.
+    ``FXSHARD_START_METHOD=spawn``: a fresh interpreter, by ``subprocess.run``.  Tests that signal or time the
+    process itself keep ``subprocess.Popen``::
+
+        done = cli("run", out, "--steps", 2)
+        assert done.returncode == 0, done.stdout + done.stderr
+    """
+    argv = [str(a) for a in args]
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd if cwd is not None else os.getcwd())
+    if _start_method() == "spawn":
+        return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *argv], capture_output=True, text=True,
+                              env=env, cwd=cwd, timeout=timeout)
+    with tempfile.TemporaryDirectory() as folder:
+        process = mp.get_context("forkserver").Process(target=_cli_main, args=(argv, env, cwd, folder),
+                                                       name="fxshard")
+        process.start()
+        process.join(timeout)
+        out, err = (Path(folder, name).read_text(errors="replace") if Path(folder, name).exists() else ""
+                    for name in ("stdout", "stderr"))
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired(["fxshard", *argv], timeout, out, err)
+        if (cpu := Path(folder, "cpu")).exists():
+            RANKS_CPU[0] += float(cpu.read_text())
+        code = process.exitcode
+        return subprocess.CompletedProcess(["fxshard", *argv], code, out, err)
+
+
+def _cli_main(argv: list[str], env: dict[str, str], cwd: str, folder: str) -> None:
+    """The forked command line: the caller's environment and folder, output to files, ``fxshard.cli.app``'s main."""
+    import atexit
+    import resource
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[0] = cwd  # as ``python -m`` puts it first
+    tempfile.tempdir = None  # read TMPDIR again, as a fresh interpreter would
+    for fd, path in ((0, os.devnull), (1, Path(folder, "stdout")), (2, Path(folder, "stderr"))):
+        opened = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.argv = ["fxshard", *argv]
+    code: int | str | None = 0
+    try:
+        from fxshard.cli.app import main
+
+        main()
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # a multiprocessing child skips them: the interpreter's exit runs them
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    self, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    Path(folder, "cpu").write_text(repr(self.ru_utime + self.ru_stime + children.ru_utime + children.ru_stime))
+    os._exit(code or 0)
 
 
 def measure_on_rank(rank: int, world: int, outs: dict[str, str], steps: int = 1) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import capture
 from fxshard.codegen.manifest import read_manifest
 from fxshard.errors import CaptureError
+from fxshard.testing import cli
 from fxshard.tools.check import AS_COMPILED, RECOMPILE, _fix_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,8 +22,7 @@ MODELS = ROOT / "tests" / "models"
 
 
 def fxshard(*args):
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    proc = cli(*args, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"fxshard {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -68,3 +68,25 @@ def test_ranks_get_the_callers_environment_and_folder_at_the_call(method, monkey
     assert {row[1] for row in second} == {str(tmp_path)}
     assert {row[2] for row in first + second} == {1}
     assert len({row[3] for row in first + second}) == 4
+
+
+def test_the_command_line_forked_shows_what_a_fresh_interpreter_shows(monkeypatch, tmp_path):
+    """``fxshard.testing.cli``: the command in a process of its own, forked (imports done) or, with
+    FXSHARD_START_METHOD=spawn, a fresh ``python -m fxshard.cli.app``: the same status, stdout and stderr either
+    way, with the caller's environment and working folder at the call."""
+    from fxshard.testing import cli
+
+    (tmp_path / "probe.py").write_text("import os\nraise RuntimeError('probe says ' + os.environ['PROBE'])\n")
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    for method in ("forkserver", "spawn"):
+        monkeypatch.setenv("FXSHARD_START_METHOD", method)
+        monkeypatch.setenv("PROBE", method)
+        failed = cli("compile", "probe.py", "--tp", 2, "--out", "o", timeout=300)
+        assert failed.returncode == 2 and f"probe says {method}" in failed.stderr, failed.stdout + failed.stderr
+        assert "Traceback" not in failed.stderr and not (tmp_path / "o").exists()
+        version = cli("--version", timeout=300)
+        seen[method] = (failed.returncode, failed.stdout, failed.stderr.replace(method, "METHOD"),
+                        version.returncode, version.stdout, version.stderr)
+    assert seen["forkserver"] == seen["spawn"]
+    assert seen["spawn"][3] == 0 and seen["spawn"][4].startswith("fxshard "), seen["spawn"]

@@ -30,6 +30,7 @@ from fxshard.errors import OutputFolderError, WeightsError
 from fxshard.ir.context import Layout
 from fxshard.ir.placement import take
 from fxshard.runtime import load_state
+from fxshard.testing import cli
 from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,8 +247,7 @@ def test_70b_shaped_llama_compiles_on_meta_without_allocating(tmp_path):
 @pytest.mark.e2e
 def test_command_line_compile_with_weights_and_run(folders, tmp_path):
     def fxshard(*args):
-        return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
+        return cli(*args, timeout=600, cwd=ROOT)
 
     model, out = _model_file(folders["gpt2"]), tmp_path / "out"
     done = fxshard("compile", model, "--tp", 2, "--weights", folders["gpt2"], "--out", out)

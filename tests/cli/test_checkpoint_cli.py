@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.testing import cli
 from fxshard.train.checkpoint import CRASH_ENV, CheckpointReader
 from fxshard.train.reference import reference_losses
 
@@ -19,8 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fxshard(*args, check=True, env=None):
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=os.environ | (env or {}))
+    proc = cli(*args, timeout=600, cwd=ROOT, env=os.environ | (env or {}))
     if check and proc.returncode != 0:
         raise AssertionError(f"fxshard {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 pytestmark = pytest.mark.e2e
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -29,8 +30,7 @@ MLP, NONFINITE, PLANTING = MODELS / "mlp.py", MODELS / "nonfinite.py", MODELS / 
 
 
 def _fxshard(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=None if env is None else os.environ | env)
+    return cli(*args, timeout=timeout, env=None if env is None else os.environ | env)
 
 
 def _steps(ckpt: Path) -> list[str]:

@@ -5,8 +5,6 @@ padding packing saves."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = ROOT / "samples" / "llama.py"
@@ -23,8 +22,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _fxshard(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return cli(*args, timeout=300, cwd=cwd)
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,13 @@ this process: ``cli_in_process``)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from cli_in_process import fxshard as fxshard_in_process
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.testing import matrix
+from fxshard.testing import cli, matrix
 from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,8 +21,7 @@ def fxshard(*args, check=True, here=False):
     if here:
         proc = fxshard_in_process(*args, cwd=ROOT)
     else:
-        proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT)
+        proc = cli(*args, timeout=600, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"fxshard {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc

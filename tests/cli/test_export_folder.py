@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from safetensors.torch import save_file
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.errors import OutputFolderError, WeightsError
+from fxshard.testing import cli
 from fxshard.train.checkpoint import FORMAT, INDEX, LATEST
 from fxshard.train.export import EXPORT_RECORD, export_hf
 
@@ -65,8 +64,7 @@ def test_export_into_a_folder_that_is_not_an_exports_is_refused_and_left_alone(t
     theirs.mkdir()
     (theirs / "model.safetensors").write_text("someone's pretrained weights")
     (theirs / "config.json").write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "export", str(ckpt), "--hf", str(theirs)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = cli("export", ckpt, "--hf", theirs, cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "is not an fxshard export folder (no fxshard-export.json)" in proc.stderr, \
         proc.stderr
     assert "Traceback" not in proc.stderr
@@ -128,8 +126,7 @@ def test_a_weights_index_leading_out_of_its_folder_is_refused(tmp_path):
         names = list(f.keys())
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: "../elsewhere.safetensors" for n in names}}))
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "compile", str(LLAMA), "--weights", str(folder),
-                           "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = cli("compile", LLAMA, "--weights", folder, "--out", tmp_path / "o", cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "weight_map names '../elsewhere.safetensors'" in proc.stderr, proc.stderr
     assert "not a file inside" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()

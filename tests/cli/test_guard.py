@@ -3,8 +3,6 @@ collective, instead of hanging (``fxshard.runtime.guard``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import pytest
 
 from fxshard.driver import compile
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,8 +34,7 @@ def test_run_refuses_a_rank_file_that_would_hang_before_launching(tmp_path):
     compile(ROOT / "samples" / "gpt.py", Layout(tp=2), out=out)
     _skip_an_all_reduce(out)
     # --allow-edited: without it the edit is refused by its digest, before the static check this test is about
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--allow-edited"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = cli("run", out, "--steps", 1, "--allow-edited", timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "error: rank_pp0_tp1.py:" in proc.stderr and "running this would hang" in proc.stderr
     assert "launching" not in proc.stdout and "Traceback" not in proc.stderr
@@ -56,8 +54,7 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     start = time.monotonic()
     # `fxshard run` refuses such a folder before launching (next test); --no-check --allow-edited launches it
     # anyway (without --allow-edited the edit is refused by its digest), so the run-time guard is what stops it
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "10",
-                           "--no-check", "--allow-edited"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = cli("run", out, "--steps", 1, "--timeout", 10, "--no-check", "--allow-edited", timeout=300, cwd=ROOT)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert elapsed < 150, f"took {elapsed:.0f} s with a 10 s collective timeout"

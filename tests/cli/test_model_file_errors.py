@@ -13,6 +13,7 @@ import pytest
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli as cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "tests" / "models" / "mlp.py"
@@ -81,8 +82,7 @@ def test_a_causal_lm_captured_with_the_cache_off_trains_as_on_one_device(tmp_pat
 @pytest.mark.slow
 def test_the_commands_compile_prints_paste_into_a_shell(tmp_path):
     out = tmp_path / "my out's [new] folder"
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "compile", str(MLP), "--tp", "2", "--out",
-                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = cli_process("compile", MLP, "--tp", 2, "--out", out, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     commands = re.findall(r"`(fxshard [^`]*)`", proc.stdout)
     assert [c.split()[1] for c in commands] == ["show", "run"], proc.stdout

@@ -14,13 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"
 
 
 def _fxshard(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+    return cli(*args, timeout=timeout)
 
 
 @pytest.mark.e2e

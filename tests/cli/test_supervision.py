@@ -18,6 +18,7 @@ import pytest
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 MLP = Path(__file__).resolve().parents[1] / "models" / "mlp.py"
 GPT = Path(__file__).resolve().parents[2] / "samples" / "gpt.py"
@@ -128,9 +129,8 @@ def test_a_signal_to_the_launcher_stops_the_run_in_one_line(out, tmp_path, sig):
     proc = _start(out, ckpt)
     workers = _children(proc.pid)
     # the second writer: a --resume run on the folder the first is saving into
-    second = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "100000",
-                             "--checkpoint", str(ckpt), "--save-every", "1", "--resume", "--no-check"],
-                            capture_output=True, text=True, timeout=120)
+    second = cli("run", out, "--steps", 100000, "--checkpoint", ckpt, "--save-every", 1, "--resume", "--no-check",
+                 timeout=120)
     assert second.returncode == 2 and "another run (pid" in second.stderr and "launching" not in second.stdout
     os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
@@ -205,9 +205,8 @@ def test_kill_9_of_a_worker_in_the_middle_of_a_save_then_resume(tmp_path, victim
     assert proc.returncode == 2 and f"rank {victim} was killed by SIGKILL" in err, err
     interrupted = int(caught[0].name[5:13])
     assert (ckpt / "latest").read_text().strip() == f"step-{interrupted - 1:08d}"  # the last complete save
-    resumed = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", str(interrupted),
-                              "--checkpoint", str(ckpt), "--save-every", "1", "--resume", "--no-check"],
-                             capture_output=True, text=True, timeout=300)
+    resumed = cli("run", out, "--steps", interrupted, "--checkpoint", ckpt, "--save-every", 1, "--resume", "--no-check",
+                  timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"step {interrupted}/{interrupted}" in resumed.stdout  # resumed after the last complete save
     assert f"step {interrupted - 1}/" not in resumed.stdout

@@ -29,6 +29,7 @@ from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.errors import FxshardWarning, OutputFolderError
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 pytestmark = pytest.mark.e2e  # each test runs fxshard compile as a process and signals it: make test, not test-fast
 
@@ -159,8 +160,7 @@ def test_kill_9_inside_the_swap_is_finished_by_the_next_compile(tmp_path, point,
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert _hidden(tmp_path) != []  # what the kill left: the next compile must deal with it
-    again = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "compile", str(MLP), "--tp", "2", "--out",
-                            str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    again = cli("compile", MLP, "--tp", 2, "--out", out, cwd=ROOT, timeout=300)
     assert again.returncode == 0, again.stderr
     said = [line for line in again.stderr.splitlines() if line.startswith("warning:")]
     assert len(said) == 1 and recovered in said[0], again.stderr
@@ -213,8 +213,7 @@ def test_a_symlinked_weights_folder_is_refused_and_its_target_untouched(tmp_path
         (out / "weights").rmdir()
         (out / "weights").symlink_to(target)
         before = sorted(p.name for p in target.iterdir())
-        proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "compile", str(MLP), "--tp", "4", "--out",
-                               str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        proc = cli("compile", MLP, "--tp", 4, "--out", out, cwd=ROOT, timeout=300)
         assert proc.returncode == 2 and "weights: is a symbolic link" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
         assert (out / "weights").is_symlink() and sorted(p.name for p in target.iterdir()) == before

@@ -19,6 +19,7 @@ import pytest
 
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
+from fxshard.testing import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_supervision import _alive, _ranks  # noqa: E402
@@ -39,8 +40,7 @@ def test_a_rank_that_never_starts_is_named_at_start_up(tmp_path):
     compile_model(MLP, Layout(tp=2), out=out)
     env = os.environ | {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(_port())}
-    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "5"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    run = cli("run", out, "--steps", 1, "--timeout", 5, timeout=120, env=env)
     assert run.returncode == 2
     assert "rank 0: start-up: 1 of 2 ranks did not join the process group within --timeout 5 s" in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
@@ -53,8 +53,7 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
     port = _port()
     env = os.environ | {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port)}
-    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "run", str(out), "--steps", "1", "--timeout", "5"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    run = cli("run", out, "--steps", 1, "--timeout", 5, timeout=120, env=env)
     assert run.returncode == 2
     assert (f"error: rank 1: start-up: rank 0, which hosts the store at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT), "
             "did not join the process group within --timeout 5 s") in run.stderr, run.stderr  # was 'some of the 2'

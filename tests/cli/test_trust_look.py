@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,15 +18,15 @@ import pytest
 from fxshard.driver import compile as compile_model
 from fxshard.files import UnsafePathError, open_no_follow, write_text
 from fxshard.ir.context import Layout
+from fxshard.testing import cli as cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = ROOT / "tests" / "models" / "mlp.py"
 
 
 def fxshard(*args):
-    """The command line in a subprocess, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    """The command line in a process of its own, as a user runs it."""
+    return cli_process(*args, timeout=300, cwd=ROOT)
 
 
 class _Result:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from fxshard.testing import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -19,8 +19,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 
 
 def fxshard(*args):
-    proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = cli(*args, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"fxshard {' '.join(map(str, args))}:\n{proc.stdout}\n{proc.stderr}"
     return proc
 

@@ -14,8 +14,6 @@ differ from step to step).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.driver import compile as compile_model
 from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
-from fxshard.testing import case_result, matrix, selected_cases, spawn_cases
+from fxshard.testing import case_result, cli, matrix, selected_cases, spawn_cases
 from fxshard.train.options import check_compile
 from fxshard.train.reference import reference_losses
 
@@ -170,8 +168,7 @@ def test_compiled_backward_recomputes(trained):
 @pytest.mark.e2e
 def test_verify_compile_matches_single_device_at_zero2(tmp_path):
     args = ["verify", MODEL, "--dp", 2, "--zero", 2, "--steps", 2, "--compile", "--out", tmp_path / "v"]
-    run = subprocess.run([sys.executable, "-m", "fxshard.cli.app", *map(str, args)], capture_output=True, text=True,
-                         timeout=600)
+    run = cli(*args, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "compiled in" in run.stdout and re.search(r"of\s+the\s+update[^:]*:\s+OK", run.stdout), run.stdout
 
