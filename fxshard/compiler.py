@@ -203,7 +203,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
-    _check_router_loss(program, microbatches, mf)  # under --dp: passes/router_loss.py makes its means whole-batch
+    _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
     _check_scalar_parameters(program, layout)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
@@ -264,14 +264,16 @@ def _check_scalar_parameters(program: Program, layout: Layout) -> None:
                           "1-element tensor in the model")
 
 
-def _check_router_loss(program: Program, split: int, mf: ModelFile) -> None:
+def _check_router_loss(program: Program, split: int, mf: ModelFile, cp: int) -> None:
     """A mixture-of-experts load-balancing loss (transformers' ``load_balancing_loss_func``) is E times the sum
     over experts of (fraction of the batch's tokens routed to e) x (mean router probability of e): a product of
     two means over the whole batch.  Computed per pipeline microbatch and averaged, it is another number (7.6e-4
     relative on a tiny Mixtral split in 2), so it is refused rather than trained inexactly; under --dp the means are
-    made whole-batch means (passes/router_loss.py)."""
+    made whole-batch means (passes/router_loss.py), not yet under --cp (each cp rank holds part of every sequence)."""
     check_router_loss(program.model, split, mf.path.name, "pipeline microbatches would compute per microbatch "
                       "and average", "or train without --pp (--dp makes both means whole-batch means)")
+    check_router_loss(program.model, cp, f"{mf.path.name} at --cp {cp}", "each cp rank would compute over its own "
+                      "tokens only (the means are made whole over dp, not yet over cp)", "or train without --cp")
 
 
 def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, fix: str) -> None:

@@ -39,6 +39,7 @@ from fxshard.graph import node_fqn
 from fxshard.ir import cp_attention
 from fxshard.ir.context import CP, CompileContext, Group, NodeSpec
 from fxshard.ir.contracts import contract
+from fxshard.ir.cp_experts import TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import MATMULS, cp_rule
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import Decision, argument, rule_decision, shape, tensor_args
@@ -90,6 +91,8 @@ class _Split:
         self.entered: dict[tuple, fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.erased: set[fx.Node] = set()
+        self.blocks = {n: b for b in token_local_blocks(gm, node_fqn) for n in b.nodes}
+        self.whole -= set(self.blocks)  # an experts module's arange of its pairs: this rank's pairs
         chunks = 2 * self.cp if self.balanced else self.cp
         if self.length % chunks:
             ok = [c for c in range(1, self.length + 1) if self.length % ((2 * c) if self.balanced else c) == 0]
@@ -113,6 +116,8 @@ class _Split:
             return
         if node.target is SDPA:
             return self.attention(node)
+        if node in self.blocks:
+            return self.token_block(self.blocks[node])
         _refuse_dropout(node, self.cp)
         has = [None if a in self.whole else self.place.get(a, R) for a in args]
         gathers = False
@@ -271,6 +276,36 @@ class _Split:
                                 f"along their sequence (dimension {n - 2}); --cp cannot split it")
         {"allgather": cp_attention.allgather, "ring": cp_attention.ring, "a2a": cp_attention.a2a}[self.mode](self, node)
 
+    # ---------------------------------------------------------------- mixture of experts
+
+    def token_block(self, block: TokenBlock) -> None:
+        """An experts module run as written on this rank's tokens (:mod:`fxshard.ir.cp_experts`): its token rows
+        split as its inputs are, what does not follow the sequence (the counts per expert, the weights) whole."""
+        why = block.not_token_local(self.seq.of)
+        rows = [a for a in block.inputs if self.seq.of(a)]
+        placed = {self.place.get(a, R) for a in rows}
+        p = next(iter(placed)) if len(placed) == 1 else None
+        if why is None and (not isinstance(p, Shard) or p.dim != 0 or any(a in self.whole for a in rows)):
+            why = (f"its token inputs ({', '.join(a.name for a in rows)}) are at "
+                   f"{', '.join(sorted(str(q) for q in placed))}; expected them split along their rows (dimension 0)")
+        tokens = {shape(a)[0] for a in rows + block.outputs}
+        if why is None and len(tokens) != 1:
+            why = f"its inputs and outputs hold {sorted(tokens)} rows; expected one row per token"
+        if why is not None:
+            raise ShardingError(f"{block.fqn}: the experts module under --cp {self.cp}: {why}; fxshard computes an "
+                                "experts module on a rank's own tokens only when it recognizes it as transformers' "
+                                "grouped-matmul experts (each token's result its own); drop --cp")
+        outputs = set(block.outputs)
+        for n in block.nodes:
+            rows_dim = 0 in self.seq.of(n.args[0] if isinstance(n.meta.get("val"), (tuple, list)) else n)
+            q = p if n in outputs else Shard(0) if rows_dim else R
+            val = n.meta.get("val")
+            self.place[n] = tuple(q for _ in val) if isinstance(val, (tuple, list)) else q
+            if n.target is aten.arange.default and rows_dim:
+                n.args = (n.args[0] // self.cp,)
+            if n.target is operator.getitem:
+                self.place[n] = self.place[n.args[0]][n.args[1]]
+
     # ---------------------------------------------------------------- finishing
 
     def outputs(self) -> None:
@@ -314,8 +349,8 @@ class _Split:
     def _mixes(self, node: fx.Node, placements: list) -> str:
         return (f"{node_fqn(node) or 'model'}: {_op(node)} ({node.name}) mixes tokens along the sequence, and no "
                 f"rule computes it on a sequence split over cp={self.cp} (its inputs: "
-                f"{', '.join(str(p) for p in placements)}): a cumulative scan, a convolution or pooling along the "
-                "sequence, or a slice of it; fxshard refuses rather than train wrongly; drop --cp, or compute it "
+                f"{', '.join(str(p) for p in placements)}): a cumulative scan, a top-k or sort, a convolution or "
+                "pooling along the sequence, or a slice of it; fxshard refuses rather than train wrongly; drop --cp, or compute it "
                 "from the inputs alone (position ids, masks and shifted labels are computed on the whole sequence)")
 
 

@@ -32,6 +32,8 @@ BERT = ROOT / "tests" / "models" / "bert_mlm.py"  # bidirectional: contiguous pa
 PACKED = ROOT / "tests" / "models" / "llama_packed_docs.py"  # documents masked apart by restarting position ids
 GEMMA2 = ROOT / "zoo" / "models" / "gemma2.py"  # sliding window 8 (eager attention), a right-padded batch
 BLOOM = ROOT / "zoo" / "models" / "bloom.py"  # ALiBi biases (eager baddbmm scores), a right-padded batch
+QWEN_MOE = ROOT / "tests" / "models" / "hf_qwen3_moe.py"  # 4 experts, top-2 (the expert-parallel tests' model)
+MIXTRAL = ROOT / "tests" / "models" / "hf_mixtral.py"
 STEPS = 3
 REL = 1e-5
 BF16_REL = 2e-2  # as tests/test_training_layouts.py: bf16 losses are rounded to 8 significant bits
@@ -65,12 +67,22 @@ CASES = {  # id -> (model file, layout)
     "llama-padded-cp2-recompute-full": (PADDED, Layout(cp=2, recompute="full")),
     "llama-padded-cp2-dp2-zero2": (PADDED, Layout(cp=2, dp=2, zero=2)),
     "llama-padded-cp2-compile": (PADDED, Layout(cp=2)),  # trained with --compile (COMPILED)
+    # mixture of experts: the router and the experts module run on each rank's own tokens (token-local); under --ep
+    # the experts split over ep of the dp ranks of one cp coordinate, the same experts on every cp rank (their
+    # gradients summed over edp x cp)
+    "qwen3moe-cp2": (QWEN_MOE, Layout(cp=2)),
+    "qwen3moe-cp2-dp2-ep2": (QWEN_MOE, Layout(cp=2, dp=2, ep=2)),
+    "qwen3moe-cp2-dp2-ep2-zero1": (QWEN_MOE, Layout(cp=2, dp=2, ep=2, zero=1)),
+    "qwen3moe-cp2-dp2-ep2-zero3": (QWEN_MOE, Layout(cp=2, dp=2, ep=2, zero=3)),
+    "mixtral-cp2-dp2-ep2-zero1-ring": (MIXTRAL, Layout(cp=2, dp=2, ep=2, zero=1, cp_mode="ring")),
+    "qwen3moe-cp2-tp2-dp2-ep2": (QWEN_MOE, Layout(cp=2, tp=2, dp=2, ep=2)),
 }
 COMPILED = {"llama-padded-cp2-compile"}
 # make test's representatives: each mode with tp (allgather also with sp), a pipeline, ZeRO 3, a bidirectional
 # encoder, absolute positions, packed documents over the ring; make test-matrix runs every case
 KEEP = ("llama-padded-cp2-tp2", "llama-padded-cp2-tp2-sp", "llama-padded-cp2-tp2-ring", "llama-padded-cp2-tp2-a2a",
-        "llama-cp2-pp2-1f1b", "llama-padded-cp2-dp2-zero3", "bert-mlm-cp2", "gpt2-cp2", "packed-llama-cp2-ring")
+        "llama-cp2-pp2-1f1b", "llama-padded-cp2-dp2-zero3", "bert-mlm-cp2", "gpt2-cp2", "packed-llama-cp2-ring",
+        "qwen3moe-cp2-dp2-ep2")
 
 
 def _train_one(out: str, compiled: bool = False):
@@ -152,6 +164,33 @@ def test_a_sequence_that_2cp_does_not_divide_is_refused():
 def test_a2a_refuses_heads_that_cp_times_tp_does_not_divide():
     with pytest.raises(FxshardError, match=r"self_attn: --cp-mode a2a splits the 8 attention heads over cp x tp = 16"):
         compile_model(LLAMA, Layout(cp=4, tp=4, cp_mode="a2a"))
+
+
+def test_cp_runs_the_experts_on_each_ranks_own_tokens():
+    """The router's top-k (over the experts) and the experts module (sort, grouped matmuls, combine) run on this
+    rank's 8 tokens (of its dp rank's 2 x 8), sizes that follow the sequence made this rank's; under --ep the rows
+    are exchanged within the ep group as without --cp, and nothing gathers the tokens over cp."""
+    source = compile_model(QWEN_MOE, Layout(cp=2, dp=2, ep=2)).sources["rank_pp0_tp0.py"]
+    assert "topk = aten.topk.default(softmax, 2)" in source
+    assert "aten.arange.default(16," in source  # 8 tokens x top-2 pairs
+    assert "aten.view.default(index_2, [8, 2, 32])" in source
+    assert "rt.all_to_all_dispatch(" in source and "rt.all_to_all_combine(" in source
+    assert source.count("rt.gather_to(") == 2  # K and V (in the class both layers share), nothing else
+
+
+def test_a_top_k_along_the_sequence_is_refused_naming_its_module():
+    """A top-k over the experts (the features) keeps each token's result its own; over the sequence it mixes
+    tokens, and the error names the module."""
+    with pytest.raises(FxshardError, match=r"^pool: aten.topk.default \(topk_1\) mixes tokens along the sequence"):
+        compile_model(ROOT / "tests" / "models" / "topk_tokens.py", Layout(cp=2))
+
+
+def test_a_load_balancing_loss_under_cp_is_refused():
+    """Its two whole-batch means would each be over one cp rank's tokens: refused, naming the flag and the fix."""
+    with pytest.raises(FxshardError, match=r"hf_mixtral_aux.py at --cp 2: MixtralForCausalLM adds its load-balancing "
+                                           r"loss .* set output_router_logits=False in the model file, or train "
+                                           r"without --cp"):
+        compile_model(ROOT / "tests" / "models" / "hf_mixtral_aux.py", Layout(cp=2, dp=2, ep=2))
 
 
 def test_cp_mode_without_cp_is_refused():

@@ -22,7 +22,7 @@ from fxshard.codegen.manifest import CollectiveEntry
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, spec
 from fxshard.ir.cut import find_blocks, under
-from fxshard.ir.layout import CP, DP, EP, PP, TP, Coords, Layout
+from fxshard.ir.layout import CP, DP, EDP, EP, PP, TP, Coords, Layout
 from fxshard.ir.placement import local_shape
 from fxshard.units import human_bytes
 
@@ -118,16 +118,16 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
     if zero == 1:
         if ctx.expert_params:
             doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) have a distributed "
-                       f"optimizer of their own over the {layout.dp // layout.ep} ranks holding the same experts "
-                       f"(gradients summed over those and divided by {layout.dp})")
+                       f"optimizer of their own over the {layout.size(EDP)} ranks holding the same experts "
+                       f"(gradients summed over those and divided by {layout.replicas})")
         if layout.mixed:
             doc.append(f"    mixed precision: {layout.dtype} parameters, gradients and buckets; the optimizer keeps "
                        "fp32 master weights of its shard")
         body = ["return module  # the optimizer, built after this, takes the parameters into its buckets"]
     elif zero == 0 and ctx.expert_params:
         doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
-                   f"gradients are summed over the {layout.dp // layout.ep} ranks holding the same experts and "
-                   f"divided by {layout.dp} after backward (fxshard.runtime.experts.sync_expert_grads)")
+                   f"gradients are summed over the {layout.size(EDP)} ranks holding the same experts and "
+                   f"divided by {layout.replicas} after backward (fxshard.runtime.experts.sync_expert_grads)")
         body = [f"return rt.ddp(module, dp_mesh, ignore={_expert_attrs(ctx, attrs)!r})"]
     elif zero == 0:
         body = ["return rt.ddp(module, dp_mesh)"]
@@ -140,8 +140,8 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
         ignore = ""
         if ctx.expert_params:
             doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not FSDP2's: "
-                       f"held whole on the {layout.dp // layout.ep} ranks holding the same experts, their gradients "
-                       f"summed over those and divided by {layout.dp} after backward "
+                       f"held whole on the {layout.size(EDP)} ranks holding the same experts, their gradients "
+                       f"summed over those and divided by {layout.replicas} after backward "
                        "(fxshard.runtime.experts.sync_expert_grads)")
             ignore = f", ignore={_expert_attrs(ctx, attrs)!r}"
         body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks}{ignore})"]

@@ -54,7 +54,30 @@ def cp_rule(node: fx.Node, args: list[fx.Node], placements: list[Placement]) -> 
         return _reduce_tokens(node, args, placements)
     if node.target is aten.scaled_dot_product_attention.default:
         return _sdpa_rows(node, args, placements)
+    if node.target in _ALONG:
+        return _along_other(node, args, placements)
     return None
+
+
+# ops that select, order or scan along one dimension, each slice along it on its own: the name of that argument
+_ALONG = {aten.topk.default: "dim", aten.sort.default: "dim", aten.sort.stable: "dim", aten.argsort.default: "dim",
+          aten.argsort.stable: "dim", aten.cumsum.default: "dim", aten.cumprod.default: "dim"}
+
+
+def _along_other(node, args, placements) -> Decision | None:
+    """A top-k, sort or cumulative scan along another dimension than the split one keeps the split: each token's
+    result is computed from that token alone (a router's top-k over the experts).  Along the split dimension it
+    mixes the tokens: no rule (the pass refuses it, naming the module)."""
+    p = placements[0]
+    n = len(shape(args[0]))
+    if not isinstance(p, Shard) or any(x != R for x in placements[1:]) or n == 0:
+        return None
+    dim = argument(node, _ALONG[node.target])
+    dim = -1 if dim is None else dim
+    if dim % n == p.dim % n:
+        return None
+    val = node.meta.get("val")
+    return Decision(tuple(p for _ in val) if isinstance(val, (tuple, list)) else p, tuple(placements))
 
 
 def _loss(node, args, placements) -> Decision | None:

@@ -169,9 +169,6 @@ class Layout:
             self._check_ep()
         if self.cp_mode not in CP_MODES:
             raise LayoutError(f"--cp-mode must be one of {', '.join(CP_MODES)}, got {self.cp_mode!r}")
-        if self.cp > 1 and self.ep > 1:
-            raise LayoutError(f"--cp {self.cp} with --ep {self.ep}: expert parallelism does not yet compose with context "
-                              "parallelism (the experts' gradients would need averaging over cp too); drop one of them")
         if self.cp == 1 and self.cp_mode != "allgather":
             raise LayoutError(f"--cp-mode {self.cp_mode} applies to context parallelism (--cp 2 or more); add --cp N "
                               "or drop --cp-mode")
@@ -219,10 +216,10 @@ class Layout:
         return DPCP if self.cp > 1 else DP
 
     def size(self, axis: str) -> int:
-        """The number of ranks along mesh ``axis`` (``edp``: the dp ranks holding the same experts; ``dp_cp``: dp
-        times cp)."""
+        """The number of ranks along mesh ``axis`` (``edp``: the ranks holding the same experts, dp/ep of them times cp
+        under ``--cp``; ``dp_cp``: dp times cp)."""
         if axis == EDP:
-            return self.dp // self.ep
+            return self.dp // self.ep * self.cp
         return self.dp * self.cp if axis == DPCP else getattr(self, axis)
 
     def ep_rank(self, dp_rank: int) -> int:
@@ -230,17 +227,19 @@ class Layout:
         return dp_rank % self.ep
 
     def expert_groups(self) -> dict[str, list[list[int]]]:
-        """The global ranks of every ep group (consecutive dp coordinates) and every edp group (the same
-        experts), per (pp, tp) coordinate: ``Layout(dp=4, ep=2).expert_groups()["ep"] == [[0, 1], [2, 3]]``."""
+        """The global ranks of every ep group (consecutive dp coordinates, one cp coordinate) and every edp group (the
+        same experts: over dp and, under ``--cp``, over cp), per (pp, tp) coordinate:
+        ``Layout(dp=4, ep=2).expert_groups()["ep"] == [[0, 1], [2, 3]]``."""
         groups: dict[str, list[list[int]]] = {EP: [], EDP: []}
-        for c in range(self.cp):
-            for p in range(self.pp):
-                for t in range(self.tp):
-                    at = {"pp": p, "tp": t} | ({"cp": c} if self.cp > 1 else {})
+        cps = [{"cp": c} for c in range(self.cp)] if self.cp > 1 else [{}]
+        for p in range(self.pp):
+            for t in range(self.tp):
+                for c in cps:
                     for g in range(self.dp // self.ep):
-                        groups[EP].append([self.rank_of(dp=g * self.ep + e, **at) for e in range(self.ep)])
-                    for e in range(self.ep):
-                        groups[EDP].append([self.rank_of(dp=g * self.ep + e, **at) for g in range(self.dp // self.ep)])
+                        groups[EP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t, **c) for e in range(self.ep)])
+                for e in range(self.ep):
+                    groups[EDP].append([self.rank_of(dp=g * self.ep + e, pp=p, tp=t, **c)
+                                        for g in range(self.dp // self.ep) for c in cps])
         return groups
 
     def process_groups(self, device_type: str, tied: Mapping[str, Sequence[int]] | None = None) -> ProcessGroups:
@@ -262,8 +261,11 @@ class Layout:
         meshes = {axis: mesh[axis] for axis in self.mesh_axes}
         if self.cp > 1:  # torchtitan's dp_shard_cp: the ranks that average gradients and shard ZeRO state
             meshes[DPCP] = mesh[DP, CP]._flatten(DPCP)
-        if self.ep > 1:  # torchtitan's ParallelDims carves ep out of its dp dimensions the same way
-            experts = mesh[DP]._unflatten(0, (self.size(EDP), self.ep), (EDP, EP))
+        if self.ep > 1 and self.cp > 1:  # the same experts on every cp rank: edp spans the dp/ep groups and cp
+            experts = mesh._unflatten(0, (self.dp // self.ep, self.ep), ("edp_dp", EP))
+            meshes |= {EP: experts[EP], EDP: experts["edp_dp", CP]._flatten(EDP)}
+        elif self.ep > 1:  # torchtitan's ParallelDims carves ep out of its dp dimensions the same way
+            experts = mesh[DP]._unflatten(0, (self.dp // self.ep, self.ep), (EDP, EP))
             meshes |= {axis: experts[axis] for axis in (EDP, EP)}
         groups = {axis: m.get_group() for axis, m in meshes.items()}
         rank = dist.get_rank()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import FxshardError, LayoutError
-from fxshard.ir.layout import DP, EDP, EP, PP, TP, Layout
+from fxshard.ir.layout import EDP, EP, PP, TP, Layout
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import load_state
 from fxshard.runtime.data_parallel import make_optimizer
@@ -69,7 +69,7 @@ def build_rank(code, out: Path, manifest: Manifest, entry: RankEntry, groups: di
         _check_experts_left_alone(rank.held, entry, layout)
         if layout.zero != 1:  # at ZeRO 1 the experts' distributed optimizer reduce-scatters them over edp
             rank.finish = _with_expert_sync(rank.finish, expert_parameters(rank.held, entry), groups[EDP],
-                                            layout.dp)
+                                            layout.replicas)
     return rank
 
 
@@ -89,9 +89,9 @@ def build_optimizer(rank: RankModules, entry: RankEntry, layout: Layout, groups:
         dense = [p for p in params if id(p) not in expert_ids]
         experts = [p for p in params if id(p) in expert_ids]
         edp_zero = 1 if layout.zero == 1 else 0  # FSDP2 (ZeRO 2/3) leaves experts whole
-        opt = ExpertSplitOptimizer(  # experts: summed over edp, divided by dp (as sync_expert_grads)
-            make(dense, layout.zero, groups[DP]),
-            make(experts, edp_zero, groups[EDP], average_over=layout.dp))
+        opt = ExpertSplitOptimizer(  # experts: summed over edp, divided by dp (x cp) as sync_expert_grads
+            make(dense, layout.zero, groups[layout.grad_axis]),
+            make(experts, edp_zero, groups[EDP], average_over=layout.replicas))
     else:
         opt = make(params, layout.zero if layout.replicas > 1 else 0, groups[layout.grad_axis])
     masters.clear()  # the optimizer keeps what it owns (at ZeRO 1 its dp share); free the rest

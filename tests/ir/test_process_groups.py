@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from fxshard.errors import LayoutError
 from fxshard.ir.layout import CP, DP, DPCP, EDP, EP, PP, TP, Layout
 from fxshard.testing import spawn
 
@@ -61,6 +60,12 @@ def test_cp_sits_between_dp_and_pp_and_flattens_with_dp():
     assert _expected(layout, 5, {})[DPCP] == [1, 3, 5, 7]
 
 
-def test_cp_with_ep_is_refused():
-    with pytest.raises(LayoutError, match="--cp 2 with --ep 2"):
-        Layout(dp=2, cp=2, ep=2)
+def test_cp_with_ep_spans_edp_over_cp():
+    """dp=2 cp=2 ep=2: ep groups within one cp coordinate (the tokens of one part of the sequence are exchanged);
+    the ranks holding the same experts (edp) are every cp rank of the same ep coordinate."""
+    layout = Layout(dp=2, cp=2, ep=2)
+    for rank, groups in enumerate(spawn(_members, layout.world_size, layout, {})):
+        assert groups == _expected(layout, rank, {}), rank
+        assert set(groups) == {DP, CP, PP, TP, DPCP, EDP, EP}
+    assert layout.expert_groups() == {EP: [[0, 2], [1, 3]], EDP: [[0, 1], [2, 3]]}
+    assert layout.size(EDP) == 2
