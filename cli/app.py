@@ -121,6 +121,7 @@ def compile(
     meta: bool = typer.Option(False, "--meta", help="capture on meta tensors and write no weights (code and "
                                                     "manifest only; implied by --weights)"),
     device_memory: DeviceMemory = None,
+    ctx: typer.Context = None,
     **flags,
 ):
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
@@ -132,8 +133,8 @@ def compile(
     auto = build(AutoOptions, flags)
     layout = build(Layout, flags)
     if auto.auto:  # search, print the ranking, then compile the first
-        layout = _plan_auto(model, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out)
-                            ).result.ranked[0].layout
+        layout = _plan_auto(model, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
+                            _given(ctx, "dtype")).result.ranked[0].layout
     elif auto.hardware is not None or auto.gpus is not None or seq is not None:
         _fail(OptionError("--hardware, --gpus and --seq are compile's --auto flags; found them without --auto: add "
                           "--auto, or use `fxshard plan --hardware` to predict a layout's step"))
@@ -168,6 +169,7 @@ def plan(
     data: Path = typer.Option(None, "--data", help="a token file to check against the model (as `fxshard run "
                                                    "--data`): its sequences, and with --pack the padding packing saves"),
     pack: bool = typer.Option(False, "--pack", help="with --data: pack whole documents (as `fxshard run --pack`)"),
+    ctx: typer.Context = None,
     **flags,
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
@@ -181,7 +183,8 @@ def plan(
 
     auto = build(AutoOptions, flags)
     if auto.auto:
-        return _plan_auto(model, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed, as_json)
+        return _plan_auto(model, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed, as_json,
+                          dtype_given=_given(ctx, "dtype"))
     try:
         _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
@@ -244,8 +247,16 @@ def _prediction_json(pred) -> dict:
             "accumulate": pred.accumulate}
 
 
-def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto"):
-    """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first."""
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the command line set option ``name`` (rather than leaving its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name != "DEFAULT"
+
+
+def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto",
+               dtype_given: bool = True):
+    """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first; without
+    ``--dtype`` (``dtype_given`` False) in the dtype the hardware profile trains in."""
     import json
 
     from fxshard.cli.auto import auto_report
@@ -254,13 +265,13 @@ def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, a
 
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
-            found = plan_auto(model, layout.dtype, auto, seq, layout, user_plan, seed)
+            found = plan_auto(model, layout.dtype if dtype_given else None, auto, seq, layout, user_plan, seed)
     except FxshardError as e:
         _fail(e)
     command = compile_command(model, found.result.ranked[0], out)
     if as_json:
         r = found.result
-        print(json.dumps({"gpus": r.gpus, "hardware": found.hardware.name, "seq": r.setting.seq,
+        print(json.dumps({"gpus": r.gpus, "hardware": found.hardware.name, "dtype": found.dtype, "seq": r.setting.seq,
                           "global_batch": r.setting.global_batch, "gpus_per_node": r.setting.gpus_per_node,
                           "considered": r.considered, "fitting": r.fitting, "search_s": r.seconds,
                           "capture_s": found.capture_seconds, "command": command,
@@ -292,6 +303,8 @@ def calibrate(
     out: Path = typer.Option(..., "--out", "-o", help="the hardware profile to write (JSON; pass it to --hardware)"),
     procs: int = typer.Option(4, "--procs", help="local processes to measure with (ignored under torchrun)"),
     quick: bool = typer.Option(False, "--quick", help="fewer and smaller measurements (seconds, noisier)"),
+    model: Path = typer.Option(None, "--model", help="a model file: time its forward and backward on every rank "
+                                                     "to set compute_scale (the step's op mix over the roofline)"),
 ):
     """Measure this machine (matmul FLOP/s per dtype, memory bandwidth, collective bandwidth and latency per group
     size, within a node and, under torchrun, across nodes) and write a hardware profile."""
@@ -299,7 +312,7 @@ def calibrate(
 
     try:
         with console.status(f"measuring with {procs} processes"):
-            profile = calibrate_(out, procs, quick)
+            profile = calibrate_(out, procs, quick, model)
     except FxshardError as e:
         _fail(e)
     if profile:

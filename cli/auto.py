@@ -45,6 +45,6 @@ def auto_report(console: Console, found, command: str) -> None:
     console.print(f"searched {result.considered} layouts that divide, {result.fitting} fit, {result.simulated} "
                   f"pipelines simulated: {result.seconds:.1f} s search + {found.capture_seconds:.1f} s capture",
                   highlight=False)
-    for note in result.notes + found.profile.notes:
+    for note in ([found.dtype_note] if getattr(found, "dtype_note", "") else []) + result.notes + found.profile.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"compile it: {command}", highlight=False, soft_wrap=True)

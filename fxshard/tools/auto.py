@@ -35,6 +35,8 @@ class AutoPlan:
     hardware: Hardware
     capture_seconds: float  # the one capture and the compiles of its pieces
     model: str
+    dtype: str = "fp32"  # the compute dtype searched
+    dtype_note: str = ""  # where it came from, when --dtype did not say
 
 
 def check_auto(options: AutoOptions, layout: Layout) -> Hardware:
@@ -80,19 +82,31 @@ def setting_for(profile, hw: Hardware, gpus_per_node: int | None, seq: int | Non
     return Setting(seq or int(example_seq), global_batch or profile.batch, gpus_per_node or hw.devices_per_node)
 
 
-def plan_auto(model: str | Path, dtype: str, options: AutoOptions, seq: int | None = None,
+def plan_auto(model: str | Path, dtype: str | None, options: AutoOptions, seq: int | None = None,
               layout: Layout | None = None, plan: dict | None = None, seed: int = 0) -> AutoPlan:
-    """Capture ``model`` once and search every layout of ``options.gpus`` devices on ``options.hardware``."""
+    """Capture ``model`` once and search every layout of ``options.gpus`` devices on ``options.hardware``, in compute
+    dtype ``dtype`` (None: the one the profile trains in, its ``default_dtype``: bf16 on the shipped GPUs)."""
     from fxshard.tools.profile import model_profile
     from fxshard.tools.search import search
 
-    hw = check_auto(options, layout or Layout(dtype=dtype))
+    hw = check_auto(options, layout or Layout(dtype=dtype or "fp32"))
+    dtype, note = search_dtype(dtype, hw)
     started = time.perf_counter()
     profile = model_profile(model, dtype=dtype, seed=seed, plan=plan)
     captured = time.perf_counter() - started
     setting = setting_for(profile, hw, options.gpus_per_node, seq, options.global_batch)
     result = search(profile, hw, options.gpus, setting, dtype, top=options.top)
-    return AutoPlan(result, profile, hw, captured, str(model))
+    return AutoPlan(result, profile, hw, captured, str(model), dtype, note)
+
+
+def search_dtype(dtype: str | None, hw: Hardware) -> tuple[str, str]:
+    """The compute dtype the search runs in, and a note when the user gave none: the profile's ``default_dtype``
+    (the dtype its devices train in: a search of an H100 in fp32 would rank layouts no one runs)."""
+    if dtype is not None:
+        return dtype, ""
+    chosen = hw.default_dtype if hw.default_dtype in ("fp32", "bf16") else "fp32"
+    return chosen, (f"searched in {chosen}, the dtype the hardware profile trains in (its default_dtype); "
+                    f"--dtype {'fp32' if chosen == 'bf16' else 'bf16'} searches that instead")
 
 
 def predict_layout(model: str | Path, layout: Layout, hardware: str, batch: int, seq: int,

@@ -15,11 +15,19 @@ run will share it:
   least-squares fit of ``time = steps x latency + wire bytes / bandwidth`` (the ring formulas the time model uses),
   over all group sizes, and within a node once per group size (``groups``);
 - overlap: an all-reduce in flight during a run of matmuls, against the two apart; the share of the shorter one
-  that was hidden is the profile's ``overlap`` (on a CPU the collective's copies and sums share the cores).
+  that was hidden is the profile's ``overlap`` (on a CPU the collective's copies and sums share the cores);
+- selective recompute's cost per op: a chain of small ops through ``rt.recompute(keep="matmuls")`` (torch's
+  selective checkpoint, whose policy runs in a Python dispatch mode for every op, forward and recompute) against
+  the same chain under plain autograd, less the op's own run again (``selective_overhead``);
+- with ``--model FILE``: the model's own forward and backward on every rank at once, at its example batch's rows
+  over the ranks (the op mix a step runs: small products, norms, elementwise ops), against the time model's
+  roofline for the same step on the profile measured so far; their ratio is ``compute_scale``, which the time model
+  multiplies into every compute term.
 
 The measured points stay in the profile (``measured``), next to the fitted fields::
 
     fxshard calibrate --procs 4 --out cpu.json          # this machine, 4 processes (as fxshard run at world size 4)
+    fxshard calibrate --procs 4 --out cpu.json --model benchmarks/models/auto_llama.py   # and that model's op mix
     torchrun --nnodes 2 --nproc-per-node 8 -m fxshard.cli.app calibrate --out h100-measured.json
 """
 
@@ -42,16 +50,19 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
-def calibrate(out: Path, procs: int = 1, quick: bool = False) -> dict:
+def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None = None) -> dict:
     """Measure this machine with ``procs`` local processes (gloo on CPUs, nccl on GPUs) and write the profile to
-    ``out``; under ``torchrun`` (``RANK`` set) the ranks are torchrun's and ``procs`` is not used."""
+    ``out``; under ``torchrun`` (``RANK`` set) the ranks are torchrun's and ``procs`` is not used; ``model``: a
+    model file whose forward and backward set the profile's ``compute_scale``."""
     out = Path(out)
+    if model is not None and not Path(model).is_file():
+        raise OptionError(f"--model {model}: expected a model file (make_model, make_inputs); found no such file")
     if out.exists() and out.is_dir():
         raise OptionError(f"--out {out}: expected a file to write the profile to; found a folder")
     if not out.parent.is_dir():
         raise OptionError(f"--out {out}: its folder {out.parent} does not exist; create it first")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        calibrate_rank(out, quick)
+        calibrate_rank(out, quick, model)
         return json.loads(out.read_text()) if out.exists() else {}
     if procs < 2:
         raise OptionError(f"--procs {procs}: expected at least 2 processes (collectives need a group); "
@@ -63,22 +74,22 @@ def calibrate(out: Path, procs: int = 1, quick: bool = False) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(procs, port, str(out), quick), nprocs=procs, start_method="spawn")
+    mp.start_processes(_spawned, args=(procs, port, str(out), quick, model and str(model)), nprocs=procs, start_method="spawn")
     return json.loads(out.read_text())
 
 
-def _spawned(rank: int, world: int, port: int, out: str, quick: bool) -> None:
+def _spawned(rank: int, world: int, port: int, out: str, quick: bool, model: str | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # a training rank's own setting: each process one thread, as fxshard run starts them
     try:
-        calibrate_rank(Path(out), quick)
+        calibrate_rank(Path(out), quick, model and Path(model))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
+def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) -> dict | None:
     """Measure as one rank of the job (initializing the process group from torchrun's environment if needed);
     rank 0 writes ``out`` and returns the profile, the others None."""
     cuda = torch.cuda.is_available()
@@ -95,6 +106,8 @@ def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
     attention = _agreed(_attention_rate(device, quick)) / peaks["fp32" if not cuda else "bf16"]
     bandwidth = _agreed(_copy_rate(device, quick))
     overhead = _agreed(_overhead(device))
+    selective = max(0.0, _agreed(_selective_overhead(device)) - overhead)  # less the op's own run again
+    step = _agreed(_model_step(model, world, device, quick)) if model is not None else None
     overlap = _agreed(_overlap(device, quick))
     links = {"intra_node": _link(range(0, min(local, world)), device, quick)}
     nodes = world // local
@@ -120,10 +133,13 @@ def calibrate_rank(out: Path, quick: bool = False) -> dict | None:
         "groups": {str(g): fit for g, fit in intra["groups"].items()} if intra else {},
         "overlap": round(overlap, 3),
         "contention": round(contention, 3),
+        "selective_overhead": selective,
         "default_dtype": "bf16" if cuda else "fp32",
         "measured": {k: v for k, v in links.items() if v},
     }
     out.write_text(json.dumps(profile, indent=2) + "\n")
+    if model is not None:
+        profile = _with_compute_scale(out, profile, model, world, step)
     return profile
 
 
@@ -205,6 +221,82 @@ def _overhead(device) -> float:
         y.sum().backward()
 
     return _timed(many, device, 5) / 200 / 3
+
+
+def _chain(y, n: int = 200):
+    for _ in range(n):
+        y = y * 1.5
+    return y
+
+
+def _selective_overhead(device) -> float:
+    """Seconds per op that a chain of small ops takes more through selective recompute (``rt.recompute``,
+    ``keep="matmuls"``) than under plain autograd, forward and backward: the policy's dispatch in forward and in the
+    recompute, and the op run again (the caller takes the latter, one ``kernel_overhead``, off)."""
+    from fxshard.runtime.recompute import recompute
+
+    x = torch.zeros(8, device=device, requires_grad=True)
+    block = _Chain()
+    plain = _timed(lambda: block(x).sum().backward(), device, 5)
+    selective = _timed(lambda: recompute(block, x, keep="matmuls").sum().backward(), device, 5)
+    return max(0.0, selective - plain) / 200
+
+
+class _Chain(torch.nn.Module):
+    def forward(self, y):
+        return _chain(y)
+
+
+def _model_step(model: Path, world: int, device, quick: bool) -> float:
+    """Median seconds of the model's forward and backward (its loss, as the capture takes it) at its example batch's
+    rows over the ranks, every rank at once."""
+    from fxshard.capture.modelfile import load_model_file
+
+    mf = load_model_file(model)
+    net, inputs = mf.build(0)
+    net.to(device).train()
+    inputs = _rows(inputs, max(1, _batch(inputs) // world), device)
+
+    def step():
+        out = net(*inputs) if isinstance(inputs, tuple) else net(**inputs)
+        loss = mf.loss_fn(out, inputs) if mf.loss_fn is not None else (out if isinstance(out, torch.Tensor) else out.loss)
+        loss.backward()
+        net.zero_grad(set_to_none=True)
+
+    return _timed(step, device, 3 if quick else 5)
+
+
+def _batch(inputs) -> int:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return next((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), 1)
+
+
+def _rows(inputs, rows: int, device):
+    """The first ``rows`` of every batched tensor of the example (what one dp rank of ``batch // rows`` holds)."""
+    batch = _batch(inputs)
+
+    def cut(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+            return v[:rows].to(device)
+        return v
+    return {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(cut(v) for v in inputs)
+
+
+def _with_compute_scale(out: Path, profile: dict, model: Path, world: int, measured: float) -> dict:
+    """The profile with ``compute_scale``: the model's measured step over the time model's roofline for it (one rank,
+    no communication, the profile's rates as measured), and what both were (``measured.model_step``)."""
+    from fxshard.tools.hardware import load_hardware
+    from fxshard.tools.profile import S, model_profile
+    from fxshard.tools.timemodel import Evaluator, single_step
+
+    ev = Evaluator(model_profile(model, dtype="fp32"), load_hardware(out), "fp32")
+    rows, seq = max(1, ev.profile.batch // world), int(ev.profile.example[S])
+    predicted = single_step(ev, rows, seq)
+    profile = profile | {"compute_scale": round(measured / predicted, 4)}
+    profile["measured"] = profile["measured"] | {"model_step": {"model": str(model), "rows": rows, "seq": seq,
+                                                                "seconds": measured, "roofline_seconds": predicted}}
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile
 
 
 def _overlap(device, quick: bool) -> float:

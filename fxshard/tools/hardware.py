@@ -15,7 +15,12 @@ floor for tiny ops), ``default_dtype``, ``groups`` (a link fitted per group size
 measures it: on a CPU whose processes outnumber its cores a group of 4 is far slower per step than one of 2),
 ``overlap`` (the share of a collective that runs hidden beside compute, 1.0 unless measured: calibrate times an
 all-reduce in flight during matmuls against the two apart), ``contention`` (a rank's matmul rate alone over its rate
-while every rank computes, 1.0 unless measured: above 1 where ranks outnumber cores), ``measured`` (calibrate's points, kept for reference)::
+while every rank computes, 1.0 unless measured: above 1 where ranks outnumber cores), ``compute_scale`` (a model's
+measured forward and backward over the time model's roofline for it, 1.0 unless ``fxshard calibrate --model``
+measured it: the op mix of a real step, small products and elementwise ops, against the square product the peak
+comes from), ``selective_overhead`` (seconds per op that selective recompute's policy adds, beside running the op
+again: torch's selective checkpoint dispatches every op of the block through a Python mode in forward and in the
+recompute; 0 unless measured), ``measured`` (calibrate's points, kept for reference)::
 
     hw = load_hardware("h100")
     hw.collective_seconds("all_reduce", 2**30, group=8, spread=1)     # 1 GiB over 8 GPUs of one node
@@ -64,6 +69,8 @@ class Hardware:
     groups: dict[int, Link] = field(default_factory=dict)  # within a node, by group size (measured)
     overlap: float = 1.0  # share of communication hidden beside compute where the runtime overlaps it
     contention: float = 1.0  # one rank's compute rate alone over each one's when all compute (ranks > cores)
+    compute_scale: float = 1.0  # a model's measured forward + backward over the roofline's (calibrate --model)
+    selective_overhead: float = 0.0  # seconds per op of a selectively recomputed block (its policy, twice)
     default_dtype: str = "bf16"
     source: str = ""
     path: str = ""
@@ -155,6 +162,8 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     kernel_overhead=float(data.get("kernel_overhead", 0.0)),
                     groups={int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in data.get("groups", {}).items()},
                     overlap=float(data.get("overlap", 1.0)), contention=float(data.get("contention", 1.0)),
+                    compute_scale=float(data.get("compute_scale", 1.0)),
+                    selective_overhead=float(data.get("selective_overhead", 0.0)),
                     default_dtype=str(data.get("default_dtype", "bf16")), source=str(data.get("source", "")),
                     path=str(path))
 
@@ -187,6 +196,12 @@ def _malformed(data: dict) -> list[str]:
     contention = data.get("contention", 1.0)
     if not (isinstance(contention, (int, float)) and contention >= 1):
         out.append(f"contention (expected a number >= 1, found {contention!r})")
+    scale = data.get("compute_scale", 1.0)
+    if not _positive(scale):
+        out.append(f"compute_scale (expected a positive number, found {scale!r})")
+    selective = data.get("selective_overhead", 0.0)
+    if not (isinstance(selective, (int, float)) and not isinstance(selective, bool) and 0 <= selective < 1):
+        out.append(f"selective_overhead (expected seconds per op in [0, 1), found {selective!r})")
     eff = data.get("efficiency", {})
     if not isinstance(eff, dict) or not all(_positive(v) and v <= 1 for v in eff.values()):
         out.append("efficiency (expected an object of op class -> share of the peak in (0, 1])")

@@ -2,9 +2,11 @@
 
 Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype times the op
 class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
-ops' bytes at the memory bandwidth; backward is twice the forward (attention 2.5 times: five matmuls to two, as
-:mod:`torch.utils.flop_counter` counts them); recompute runs a block's forward again (``full``) or its
-memory-bound ops (``selective``), with its tp collectives.
+ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1 on the shipped profiles;
+``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
+(attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
+block's forward again (``full``) or its memory-bound ops plus the selective policy's cost per op (``selective``,
+:func:`selective_redo`), with its tp collectives.
 
 Communication, at the link each axis lands on (within a node or across nodes, from the mesh order dp, cp, pp, tp
 and the devices per node): each collective by the ring formula (bandwidth) plus a ring or tree latency
@@ -127,10 +129,11 @@ class Evaluator:
         values = _values(self._fns[(structure, name)], rows, seq, tp, cp)
         hw, eff = self.hw, self.hw.efficiency
         ops = values["ops"]
-        t_ops = {c: sum(max(f / (self.peak * eff.get(c if c != "grouped" else "matmul", 0.7)),
-                            by / (hw.memory_bandwidth * eff["memory"])) for cc, f, by in ops if cc == c)
+        k = hw.compute_scale  # the op mix of a measured step over the roofline's prediction of it (calibrate --model)
+        t_ops = {c: k * sum(max(f / (self.peak * eff.get(c if c != "grouped" else "matmul", 0.7)),
+                                by / (hw.memory_bandwidth * eff["memory"])) for cc, f, by in ops if cc == c)
                  for c in ("matmul", "attention", "grouped")}
-        t_mem = values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead
+        t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
         fwd = sum(t_ops.values()) + t_mem
         bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem
         tp_fwd = tp_bwd = 0.0
@@ -141,9 +144,10 @@ class Evaluator:
             if direction == "forward":
                 tp_fwd += t
             else:
-                tp_bwd += hw.exposed(t, overlap / (self.peak * eff["matmul"]))
+                tp_bwd += hw.exposed(t, k * overlap / (self.peak * eff["matmul"]))
         flops = sum(f for _, f, _ in ops)
-        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], {"none": 0.0, "selective": t_mem, "full": fwd},
+        redo = {"none": 0.0, "selective": selective_redo(t_mem, values["kernels"], hw), "full": fwd}
+        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], redo,
                          tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
                          values["experts"], values["tied"], values["boundary"], values["boundary_grad"], values["kv"],
                          values["dispatched"], flops, t_ops["attention"])
@@ -169,6 +173,13 @@ class Evaluator:
             parts = ([("before", 1)] if s == 0 and "before" in pieces else []) + sorted(counts.items())
             out.append(tuple(parts + ([("after", 1)] if s == stages - 1 and "after" in pieces else [])))
         return tuple(out)
+
+
+def selective_redo(t_mem: float, kernels: float, hw: Hardware) -> float:
+    """What selective recompute adds to a block's backward: its memory-bound ops run again (``t_mem``), and every
+    op of the block pays the policy's dispatch (``hw.selective_overhead`` per op, calibrate's measure of torch's
+    selective checkpoint over plain autograd, forward and recompute together)."""
+    return t_mem + kernels * hw.selective_overhead
 
 
 def _compile(piece: Piece):
@@ -285,6 +296,12 @@ def _whole(profile: ModelProfile) -> tuple:
 def _model_flops(ev: Evaluator, seq: int) -> float:
     st = _whole(ev.profile)
     return sum(c * ev.piece("tp1", n, 1, seq, 1, 1, 1).flops for n, c in st)
+
+
+def single_step(ev: Evaluator, rows: int, seq: int) -> float:
+    """Seconds of the whole model's forward and backward on one device at ``rows`` x ``seq``: no communication, no
+    optimizer step (what ``fxshard calibrate --model`` measures, to set ``compute_scale``)."""
+    return sum(c * (p.fwd + p.bwd) for n, c in _whole(ev.profile) for p in [ev.piece("tp1", n, rows, seq, 1, 1, 1)])
 
 
 def model_flops(ev: Evaluator, seq: int) -> float:

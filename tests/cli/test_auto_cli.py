@@ -21,12 +21,22 @@ def test_plan_auto_ranks_layouts_and_prints_the_command_that_compiles_the_first(
     assert "MFU" in out and "searched" in out and "compile it: fxshard compile samples/llama.py" in out
 
 
+def test_plan_auto_searches_in_the_profiles_dtype_without_dtype_and_says_so():
+    done = fxshard("plan", MODEL, "--auto", "--gpus", "2", "--hardware", "h100", "--top", "2")
+    assert done.returncode == 0, done.stderr
+    assert "searched in bf16" in done.stdout and "--dtype bf16" in done.stdout  # the note, and the compile line
+    done = fxshard("plan", MODEL, "--auto", "--gpus", "2", "--hardware", "h100", "--dtype", "fp32", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dtype"] == "fp32"
+
+
 @pytest.mark.e2e
 def test_plan_auto_json_and_compile_auto_compiles_the_winner(tmp_path):
     done = fxshard("plan", MODEL, "--auto", "--gpus", "2", "--hardware", "h100", "--dtype", "bf16", "--json")
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     assert found["gpus"] == 2 and found["ranked"][0]["fits"] and found["ranked"][0]["step_s"] > 0
+    assert found["dtype"] == "bf16"
     assert [r["step_s"] for r in found["ranked"]] == sorted(r["step_s"] for r in found["ranked"])
     out = tmp_path / "auto"
     done = fxshard("compile", MODEL, "--auto", "--gpus", "2", "--hardware", "h100", "--dtype", "bf16", "--out", out)

@@ -92,6 +92,18 @@ def test_a_measured_group_size_uses_its_own_fit_and_overlap_hides_its_share(tmp_
     assert "groups" in str(e.value) and "overlap" in str(e.value) and "contention" in str(e.value)
 
 
+def test_compute_scale_and_selective_overhead_load_and_bad_values_are_named(tmp_path):
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(GOOD | {"compute_scale": 2.5, "selective_overhead": 3e-5}))
+    hw = load_hardware(path)
+    assert hw.compute_scale == 2.5 and hw.selective_overhead == 3e-5
+    assert load_hardware("h100").compute_scale == 1.0 and load_hardware("h100").selective_overhead == 0.0
+    path.write_text(json.dumps(GOOD | {"compute_scale": 0, "selective_overhead": -1}))
+    with pytest.raises(OptionError) as e:
+        load_hardware(path)
+    assert "compute_scale" in str(e.value) and "selective_overhead" in str(e.value)
+
+
 def test_calibrate_fits_the_ring_formula_back_from_its_points():
     bandwidth, latency = 2e8, 1e-3
     points = []
@@ -116,6 +128,7 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
     points = written["measured"]["intra_node"]["points"]
     assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
     assert set(hw.groups) == {2} and 0 <= hw.overlap <= 1 and hw.contention >= 1 and hw.kernel_overhead > 0
+    assert hw.selective_overhead >= 0 and hw.compute_scale == 1.0  # no --model: no step measured
 
 
 def test_calibrate_refuses_one_process_and_a_folder(tmp_path):

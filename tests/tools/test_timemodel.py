@@ -173,3 +173,62 @@ def test_frozen_parameters_are_held_but_neither_reduced_nor_stepped():
     zero2 = predict(ev, Layout(dp=2, zero=2), setting)
     assert zero2.exposed["dp"] == pytest.approx(hw.collective_seconds("all_gather", 4 * (trained + frozen), 2)
                                                 + hw.collective_seconds("reduce_scatter", 4 * trained, 2))
+
+
+def test_compute_scale_multiplies_every_compute_term_and_no_communication(profile):
+    """``compute_scale`` (calibrate --model: a model's measured step over the roofline) scales forward, backward and
+    recompute alike; with nothing hidden (overlap 0) the communication stays as it was."""
+    hw = dataclasses.replace(load_hardware("h100"), overlap=0.0)
+    setting = Setting(2048, 8, 8)
+    layout = Layout(tp=2, recompute="full")
+    one = predict(Evaluator(profile, hw), layout, setting)
+    two = predict(Evaluator(profile, dataclasses.replace(hw, compute_scale=2.0)), layout, setting)
+    assert two.terms["compute"] == pytest.approx(2 * one.terms["compute"])
+    assert two.terms["recompute"] == pytest.approx(2 * one.terms["recompute"])
+    assert two.exposed["tp"] == pytest.approx(one.exposed["tp"])
+
+
+def test_selective_recompute_pays_its_policy_per_op_of_every_block(profile):
+    """Selective recompute runs a block's memory-bound ops again and, through torch's selective checkpoint, sends
+    every op of the block through a Python policy: ``selective_overhead`` seconds per op, per block, per microbatch."""
+    hw = load_hardware("h100")
+    setting = Setting(16, 4, 8)
+    layout = Layout(recompute="selective")
+    plain = predict(Evaluator(profile, hw), layout, setting)
+    charged = predict(Evaluator(profile, dataclasses.replace(hw, selective_overhead=1e-3)), layout, setting)
+    kernels = profile.pieces("tp1")["block0"].kernels
+    assert kernels > 0
+    assert charged.terms["recompute"] - plain.terms["recompute"] == pytest.approx(4 * kernels * 1e-3)
+    assert charged.terms["compute"] == plain.terms["compute"]  # forward and backward themselves unchanged
+    full = predict(Evaluator(profile, dataclasses.replace(hw, selective_overhead=1e-3)), Layout(recompute="full"),
+                   setting)
+    assert full.terms["recompute"] == predict(Evaluator(profile, hw), Layout(recompute="full"), setting).terms[
+        "recompute"]  # full recompute runs the block plainly again: no policy
+
+
+def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(profile, tmp_path):
+    """``single_step`` is the whole model's forward and backward on one device (the sum over its pieces);
+    calibrate's ``compute_scale`` is a measured step over it, written into the profile, which then loads with it."""
+    from fxshard.tools.calibrate import _with_compute_scale
+    from fxshard.tools.timemodel import single_step
+    from tests.tools.test_hardware import GOOD
+
+    out = tmp_path / "p.json"
+    out.write_text(json.dumps(GOOD | {"measured": {}}))
+    ev = Evaluator(profile, load_hardware(out), "fp32")
+    expected = sum(c * (ev.piece("tp1", n, 2, 16, 1, 1, 1).fwd + ev.piece("tp1", n, 2, 16, 1, 1, 1).bwd)
+                   for n, c in [("before", 1), ("block0", 4), ("after", 1)])
+    assert single_step(ev, 2, 16) == pytest.approx(expected)
+    written = _with_compute_scale(out, GOOD | {"measured": {}}, MODEL, 2, 3 * expected)  # example: 4 rows, seq 16
+    assert written["compute_scale"] == pytest.approx(3.0, rel=1e-3)
+    assert written["measured"]["model_step"]["rows"] == 2 and written["measured"]["model_step"]["seq"] == 16
+    assert load_hardware(out).compute_scale == pytest.approx(3.0, rel=1e-3)
+
+
+def test_the_search_runs_in_the_dtype_the_profile_trains_in_unless_told():
+    from fxshard.tools.auto import search_dtype
+
+    dtype, note = search_dtype(None, load_hardware("h100"))
+    assert dtype == "bf16" and "default_dtype" in note and "--dtype fp32" in note
+    assert search_dtype(None, load_hardware("cpu-gloo"))[0] == "fp32"
+    assert search_dtype("fp32", load_hardware("h100")) == ("fp32", "")
