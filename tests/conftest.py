@@ -69,21 +69,34 @@ if os.environ.get("FXSHARD_TEST_CPU") == "1":
             terminalreporter.write_line(f"{seconds:8.2f}s  {nodeid}")
 
 
-# A torch dispatch mode (a FakeTensorMode of a capture or a plan) left active by a test: held by a generator that was
-# never closed, it stays on this thread's mode stack until the garbage collector closes it, and meanwhile the next
-# tests' real tensors compute as fakes.  The mode is removed after the test that left it, which a warning names, so it
-# cannot reach the tests after it.  (Written for tests/runtime/test_cp_ring_causal.py's comparison of real tensors as
-# fakes after earlier tests on its worker; that failure persisted with this guard, so its cause is something else.)
+# State a test can leave behind in torch that turns the next tests' real tensors into fakes: a dispatch mode (a
+# FakeTensorMode of a capture or a plan, held by a generator never closed), a torch function mode, or
+# torch.compile's frame callback (every later Python frame then traced by dynamo, with fake tensors).  Each is removed
+# after the test that left it, which a warning names, so it cannot reach the tests after it.  (Written for
+# tests/runtime/test_cp_ring_causal.py's comparison of real tensors as fakes, "Could not guard on data-dependent
+# expression" inside assert_close, after earlier tests on its worker; the dispatch-mode check alone did not stop it.)
 @pytest.fixture(autouse=True)
 def _no_dispatch_mode_left_behind(request):
     yield
+    import sys
+    import warnings
+
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.overrides import _pop_mode as _pop_function_mode
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
     left = [type(mode).__name__ for mode in _get_current_dispatch_mode_stack()]
-    if not left:
-        return
     while _get_current_dispatch_mode_stack():
         _pop_mode()
-    import warnings
+    functions = [type(mode).__name__ for mode in _get_current_function_mode_stack()]
+    while _get_current_function_mode_stack():
+        _pop_function_mode()
+    callback = None
+    if "torch._dynamo" in sys.modules:
+        from torch._C._dynamo import eval_frame
 
-    warnings.warn(f"{request.node.nodeid} left torch dispatch modes active: {left} (removed)", stacklevel=1)
+        if (callback := eval_frame.get_eval_frame_callback()) is not None:
+            eval_frame.set_eval_frame(None)
+    if left or functions or callback is not None:
+        warnings.warn(f"{request.node.nodeid} left torch state active (removed): dispatch modes {left}, function modes "
+                      f"{functions}, torch.compile frame callback {callback!r}", stacklevel=1)

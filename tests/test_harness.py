@@ -70,6 +70,7 @@ def test_ranks_get_the_callers_environment_and_folder_at_the_call(method, monkey
     assert len({row[3] for row in first + second}) == 4
 
 
+@pytest.mark.e2e  # four command-line processes, two of them fresh interpreters
 def test_the_command_line_forked_shows_what_a_fresh_interpreter_shows(monkeypatch, tmp_path):
     """``fxshard.testing.cli``: the command in a process of its own, forked (imports done) or, with
     FXSHARD_START_METHOD=spawn, a fresh ``python -m fxshard.cli.app``: the same status, stdout and stderr either

@@ -195,6 +195,7 @@ def test_auto_picks_the_least_recompute_that_fits(gpt_by_recompute):
         assert report.ranks[0]["peak"].value == peaks[want] and report.ranks[0]["verdict"]["fits"]
 
 
+@pytest.mark.slow  # a search over every layout: 4.4 s alone
 def test_auto_refuses_a_device_nothing_fits_and_a_missing_size():
     from fxshard.errors import LayoutError
 

@@ -144,6 +144,7 @@ def test_a_model_that_fits_no_layout_gets_its_smallest_overshoot_and_the_fixes(p
     assert "--gpus" in text or "--seq" in text
 
 
+@pytest.mark.slow  # a transformers Llama built and profiled: 20 s alone
 def test_frozen_parameters_are_held_but_neither_reduced_nor_stepped():
     """tests/models/hf_llama_frozen.py freezes the embedding, layer 0's gate projection and the final norm: the time
     model holds them (the plan's peak) but gives them no gradient reduction and no optimizer step."""
