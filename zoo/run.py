@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 def read_page(path: Path) -> tuple[dict[tuple[str, str], tuple[str, str]], float]:
     """The cells of a page :func:`results_page` wrote, as ``{(arch, layout): (verdict, detail)}`` (cells ``not run
     yet`` left out), and its minutes: what ``--resume`` keeps."""
-    text = path.read_text()
+    text = path.read_text().partition("\n## ")[0]  # the run's own table and notes (sections after are older runs')
     notes = dict(re.findall(r"^(\d+)\. (.*)$", text.partition("\nRefusals")[2], re.M))
-    rows = [line.strip().strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    table = text[text.find("\n| architecture |"):].split("\n\n")[0]
+    rows = [line.strip().strip("|").split(" | ") for line in table.splitlines() if line.startswith("| ")]
     if not rows or rows[0][0].strip() != "architecture":
         return {}, 0.0
     layouts, results = [c.strip() for c in rows[0][1:]], {}
