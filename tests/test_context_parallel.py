@@ -193,6 +193,22 @@ def test_a_load_balancing_loss_under_cp_is_refused():
         compile_model(ROOT / "tests" / "models" / "hf_mixtral_aux.py", Layout(cp=2, dp=2, ep=2))
 
 
+def test_the_plan_at_one_row_per_microbatch_stays_linear_in_the_batch():
+    """At --microbatches = the batch (one row per microbatch) and one token per rank (cp4 x tp4 with --sp over 16),
+    sizes of 1 and the tokens per rank (4) coincide with other dimensions (a kept dimension, the loss's tp parts).
+    The plan must not read those as more rows or tokens: the bytes saved and the transient grow linearly in B (it
+    read the embedding's [b, S, 1] as b x S x b and the vocab-parallel loss's [tokens, tp, 2] as tokens x tokens:
+    B**2*S**2 terms, 25 GiB of the 70B cp plan's 62 GiB at 128k tokens)."""
+    import sympy
+
+    from fxshard.tools.costs import B, plan_costs
+
+    report = plan_costs(LLAMA, Layout(tp=4, cp=4, pp=2, sp=True, microbatches=4, dtype="bf16", zero=1))
+    for row in report.ranks:
+        for key in ("saved", "transient", "peak"):
+            assert sympy.degree(row[key].expr, B) <= 1, (row["pp_rank"], key, row[key].expr)
+
+
 def test_cp_mode_without_cp_is_refused():
     with pytest.raises(FxshardError, match="--cp-mode ring applies to context parallelism"):
         Layout(cp_mode="ring")

@@ -316,13 +316,15 @@ def _collective_dims(node: fx.Node, fitted: dict) -> tuple | None:
 def _dims_from_inputs(node: fx.Node, fitted: dict) -> tuple:
     """Each dimension of ``node`` as the fitted expression of an input dimension of the same size: the one
     at the same position if there is one, else the first; a size no input has stays a number (e.g. the
-    vocab-parallel cross entropy's ``[tokens, tp, 2]`` from logits ``[tokens, vocab]``)."""
+    vocab-parallel cross entropy's ``[tokens, tp, 2]`` from logits ``[tokens, vocab]``).  From elsewhere, never a 1
+    nor an expression an earlier dimension took (:func:`fxshard.tools.saved._matched` says why)."""
     inputs = [(a.meta["val"].shape, fitted[a.name]) for a in node.all_input_nodes
               if a.name in fitted and isinstance(a.meta.get("val"), torch.Tensor)]
     dims = []
     for i, size in enumerate(node.meta["val"].shape):
         same_place = [e[i] for shp, e in inputs if i < len(shp) and shp[i] == size]
-        anywhere = [e[j] for shp, e in inputs for j, d in enumerate(shp) if d == size]
+        anywhere = [e[j] for shp, e in inputs for j, d in enumerate(shp)
+                    if d == size and size != 1 and e[j] not in dims]
         dims.append((same_place or anywhere or [sympy.Integer(size)])[0])
     return tuple(dims)
 

@@ -246,12 +246,17 @@ def _storage_expr(t: torch.Tensor, nbytes: int, owner: fx.Node | None, op: fx.No
 
 def _matched(shape: tuple, op: fx.Node, env: dict, dims) -> list:
     """Each dimension of a tensor ``op`` made for its backward, as the expression of a same-sized dimension of
-    ``op``'s inputs or output: at the same position if one has it, else anywhere, else the number."""
+    ``op``'s inputs or output: at the same position if one has it, else anywhere, else the number.  From elsewhere,
+    never a 1 (as likely a kept or broadcast dimension as a microbatch of one row) nor an expression an earlier
+    dimension of the tensor took (a value holds its tokens once): at a microbatch of one row, sizes coincide, and
+    the embedding's ``[b, S, 1]`` mask read as b x S x b, the vocab-parallel loss's ``[tokens, tp, 2]`` (8 tokens
+    per rank at tp=8) as tokens x tokens (25 GiB of the 70B cp plan's 62 GiB on pp rank 1)."""
     known = [(tuple(env[n].shape), dims(n)) for n in (*op.all_input_nodes, op)
              if isinstance(env.get(n), torch.Tensor) and not isinstance(n.meta.get("val"), (tuple, list))]
     out = []
     for i, size in enumerate(shape):
         same_place = [e[i] for shp, e in known if i < len(shp) and shp[i] == size]
-        anywhere = [e[j] for shp, e in known for j, d in enumerate(shp) if d == size]
+        anywhere = [e[j] for shp, e in known for j, d in enumerate(shp)
+                    if d == size and size != 1 and e[j] not in out]
         out.append((same_place or anywhere or [sympy.Integer(size)])[0])
     return out
