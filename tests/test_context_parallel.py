@@ -146,6 +146,7 @@ def test_context_parallel_training_matches_single_device(trained, case):
     assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
 
 
+@pytest.mark.slow  # three cp compiles of the sample Llama: 4.8 s alone
 def test_cp_writes_the_gathers_and_the_load_balanced_entry():
     result = compile_model(LLAMA, Layout(cp=2))
     source = result.sources["rank_pp0_tp0.py"]
@@ -166,6 +167,7 @@ def test_a2a_refuses_heads_that_cp_times_tp_does_not_divide():
         compile_model(LLAMA, Layout(cp=4, tp=4, cp_mode="a2a"))
 
 
+@pytest.mark.slow  # MoE compiles under cp and ep: 4.1 s alone
 def test_cp_runs_the_experts_on_each_ranks_own_tokens():
     """The router's top-k (over the experts) and the experts module (sort, grouped matmuls, combine) run on this
     rank's 8 tokens (of its dp rank's 2 x 8), sizes that follow the sequence made this rank's; under --ep the rows
@@ -193,6 +195,7 @@ def test_a_load_balancing_loss_under_cp_is_refused():
         compile_model(ROOT / "tests" / "models" / "hf_mixtral_aux.py", Layout(cp=2, dp=2, ep=2))
 
 
+@pytest.mark.slow  # a pp plan of the sample Llama: 8.1 s alone
 def test_the_plan_at_one_row_per_microbatch_stays_linear_in_the_batch():
     """At --microbatches = the batch (one row per microbatch) and one token per rank (cp4 x tp4 with --sp over 16),
     sizes of 1 and the tokens per rank (4) coincide with other dimensions (a kept dimension, the loss's tp parts).

@@ -21,6 +21,7 @@ def test_plan_auto_ranks_layouts_and_prints_the_command_that_compiles_the_first(
     assert "MFU" in out and "searched" in out and "compile it: fxshard compile samples/llama.py" in out
 
 
+@pytest.mark.slow  # two searches over every layout: 8.8 s alone
 def test_plan_auto_searches_in_the_profiles_dtype_without_dtype_and_says_so():
     done = fxshard("plan", MODEL, "--auto", "--gpus", "2", "--hardware", "h100", "--top", "2")
     assert done.returncode == 0, done.stderr

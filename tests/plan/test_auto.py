@@ -42,6 +42,7 @@ def test_a_users_plan_gets_no_pairing_and_the_not_split_list_says_why():
     assert ("mlp_a.fc_in", "the plan replicates it") in shipped
 
 
+@pytest.mark.slow  # a search over every split of a transformers hybrid: 4-7 s alone
 @pytest.mark.parametrize("model", matrix(["falcon_h1", "bamba", "jamba"], keep=["falcon_h1"]))
 def test_hybrids_with_partial_shipped_plans_split_to_at_most_55_percent(model):
     report = plan_costs(ROOT / "zoo" / "models" / f"{model}.py", Layout(tp=2)).to_json()["unsplit"]
