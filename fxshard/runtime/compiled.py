@@ -28,7 +28,6 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from fxshard.runtime import matmul
-from fxshard.runtime.eager import disable_marked
 
 BACKEND = "inductor"
 
@@ -41,7 +40,6 @@ def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: 
 
     >>> compile_module(code.RankModule(groups, device))   # first call compiles, later calls reuse
     """
-    disable_marked()  # the exchanges marked eager (fxshard.runtime.eager): graph breaks, run as they are
     options = inductor_options(cpu_matmul)
     for child in module.children() if regional else ():
         if type(child).__module__ == type(module).__module__:  # a repeated block of the same rank file

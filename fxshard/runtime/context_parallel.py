@@ -23,7 +23,7 @@ a2a        :func:`seq_to_heads` (all-to-all): whole sequence,      the inverse a
 
 Each function takes the cp process group and reads this rank's index from it, so one rank file serves every cp
 rank.  ``fxshard check`` runs them with a stand-in group that has ``rank`` and ``size`` attributes.  Under
-``torch.compile`` the ring's send/recv and the all-to-alls run eagerly (:func:`fxshard.runtime.eager.eager`).
+``torch.compile`` the ring's send/recv and the all-to-alls run eagerly (:func:`torch.compiler.disable`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fxshard.runtime.eager import eager
 from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
 
@@ -181,7 +180,7 @@ class _Scratch:
         pass
 
 
-@eager  # as the ring's and the all-to-alls': the blocks' kernels run eagerly under --compile
+@torch.compiler.disable  # as the ring's and the all-to-alls': the blocks' kernels run eagerly under --compile
 def cp_causal_attention(query: torch.Tensor, group, key: torch.Tensor, value: torch.Tensor, scale: float,
                         balanced: bool = True) -> torch.Tensor:
     """Causal attention of this cp rank's queries (``[.., S/N, d]``, in the cp order) over every key and value
@@ -383,7 +382,7 @@ def _recomputed_block_grads(ctx, q, k, v, block_mask, dout, dlse):
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v), strict=True))
 
 
-@eager
+@torch.compiler.disable
 def ring_attention_step(key: torch.Tensor, group, value: torch.Tensor, query: torch.Tensor,
                         mask: torch.Tensor | None = None, step: int = 0, causal: bool = False, scale: float = 1.0,
                         kv_groups: int = 1, balanced: bool = True) -> tuple[torch.Tensor, ...]:
@@ -397,7 +396,7 @@ def ring_attention_step(key: torch.Tensor, group, value: torch.Tensor, query: to
     return _RingStep.apply(query, key, value, mask, group, step, causal, scale, kv_groups, True, balanced, _site())
 
 
-@eager
+@torch.compiler.disable
 def ring_attention_last(key: torch.Tensor, group, value: torch.Tensor, query: torch.Tensor,
                         mask: torch.Tensor | None = None, step: int = 0, causal: bool = False, scale: float = 1.0,
                         kv_groups: int = 1, balanced: bool = True) -> tuple[torch.Tensor, ...]:
@@ -460,14 +459,14 @@ def _to_seq(x, group, head_dim, seq_dim, balanced, site):
     return _exchange(x, group, seq_dim, head_dim, "all_to_all (heads to sequence)", site)
 
 
-@eager
+@torch.compiler.disable
 def seq_to_heads(x: torch.Tensor, group, head_dim: int = 1, seq_dim: int = 2, balanced: bool = True) -> torch.Tensor:
     """Ulysses: ``[.., H, S/N, d]`` split over the sequence -> ``[.., H/N, S, d]``, the whole sequence in its natural
     order and 1/N of the heads (an all-to-all over cp); backward the inverse."""
     return _SeqToHeads.apply(x, group, head_dim, seq_dim, balanced, _site())
 
 
-@eager
+@torch.compiler.disable
 def heads_to_seq(x: torch.Tensor, group, head_dim: int = 1, seq_dim: int = 2, balanced: bool = True) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: ``[.., H/N, S, d]`` -> ``[.., H, S/N, d]`` in the cp order."""
     return _HeadsToSeq.apply(x, group, head_dim, seq_dim, balanced, _site())

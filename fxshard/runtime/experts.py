@@ -19,8 +19,8 @@ Expert parameters differ across the ranks of an ep group, so data parallelism do
 dp, the normalization DDP gives every other parameter.
 
 Under ``torch.compile`` (``fxshard run --compile``) the three exchanges are not traced: how many rows travel is
-data (the routing), which one static graph cannot hold, so each is marked :func:`fxshard.runtime.eager.eager`
-(``torch.compiler.disable`` once compiling) and runs eagerly, as here, between compiled regions (a graph break at each).  The rows a dispatch returns are marked
+data (the routing), which one static graph cannot hold, so each is marked :func:`torch.compiler.disable` and runs
+eagerly, as here, between compiled regions (a graph break at each).  The rows a dispatch returns are marked
 dynamic in their first dimension, so the region after it compiles once for any number of rows from 2 up instead
 of on every new routing (0 and 1 rows, which torch specializes, compile the region once more each, the first
 time a rank's experts get them).
@@ -28,12 +28,9 @@ time a rank's experts get them).
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
-from fxshard.runtime.eager import eager
 from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
 
@@ -106,7 +103,7 @@ class _Combine(torch.autograd.Function):
         return back, None, None, None, None
 
 
-@eager  # a graph break under --compile: see the module docstring
+@torch.compiler.disable  # a graph break under --compile: see the module docstring
 def exchange_counts(offsets: torch.Tensor, group) -> torch.Tensor:
     """``[ep, E/ep]`` int64: how many rows each rank of ``group`` sends to each of this rank's experts, from the
     model's cumulative rows per expert ``offsets`` (``[E]``) on every rank (an all-to-all of the counts)."""
@@ -118,17 +115,16 @@ def exchange_counts(offsets: torch.Tensor, group) -> torch.Tensor:
     return out.to(torch.int64).view(ep, -1)
 
 
-@eager
+@torch.compiler.disable
 def all_to_all_dispatch(x: torch.Tensor, group, offsets: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
     """Send each row of ``x`` (sorted by expert, ``offsets`` its cumulative counts) to the rank holding its expert;
     return the rows this rank's experts get, grouped by local expert.  Backward: the gradient's way back."""
     rows = _Dispatch.apply(x, offsets, recv_counts, group, _site())
-    if (dynamo := sys.modules.get("torch._dynamo")) is not None:  # loaded when compiling (runtime.eager)
-        dynamo.maybe_mark_dynamic(rows, 0)  # a compiled region reading it: any number of rows, one graph
+    torch._dynamo.maybe_mark_dynamic(rows, 0)  # a compiled region reading it: any number of rows, one graph
     return rows
 
 
-@eager
+@torch.compiler.disable
 def all_to_all_combine(y: torch.Tensor, group, offsets: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`all_to_all_dispatch`: this rank's expert outputs back to the ranks their rows came
     from, in each sender's original (sorted-by-expert) order.  Backward: the gradient dispatched again."""
