@@ -29,11 +29,11 @@ from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
+from fxshard.runtime.pipeline import sum_tied_grads
 from fxshard.runtime.random import dropout
 from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
-from fxshard.runtime.tied import sum_tied_grads
 
 __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "own_part", "sum_replicas",
            "vocab_embedding",

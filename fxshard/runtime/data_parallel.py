@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.distributed.fsdp import fully_shard as _fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 DDP_BUCKET_MB = 25
@@ -57,8 +58,6 @@ def fully_shard(module: torch.nn.Module, dp_mesh, reshard_after_forward: bool,
     precision), the fp32 shards are the master weights; parameters are gathered as ``param_dtype`` and
     gradients reduced in fp32.  ``ignore``: parameters (by name) FSDP2 leaves whole and alone, the experts of an
     expert-parallel layer, which differ between the dp ranks (:mod:`fxshard.runtime.experts`)."""
-    from torch.distributed.fsdp import fully_shard as _fully_shard  # here: with DTensor, about 1 s of imports
-
     from fxshard.runtime.mixed_precision import fsdp_policy
 
     policy = {"mp_policy": fsdp_policy(param_dtype)} if param_dtype is not None else {}

@@ -163,6 +163,26 @@ class _TracedWork:
         return getattr(self._work, name)
 
 
+def sum_tied_grads(copies: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of the copies of one weight (on this rank and, over ``group``, on other stages).
+
+    Under ZeRO 2/3 the parameters and gradients are dp shards (DTensors): the copies on the pp ranks
+    of one dp coordinate hold the same shard, so the local shards are summed."""
+    from fxshard.runtime.data_parallel import local
+
+    for c in copies:
+        if c.grad is None:
+            c.grad = torch.zeros_like(c)
+    total = local(copies[0].grad).clone()
+    for c in copies[1:]:
+        total += local(c.grad)
+    if group is not None:
+        with guarded("all_reduce of a tied weight's gradient between pipeline stages", group):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    for c in copies:
+        local(c.grad).copy_(total)
+
+
 def step_loss(losses: list[torch.Tensor], last_rank: int, group, device) -> float:
     """The step's loss (mean over microbatches), computed on the last stage and broadcast over ``group``."""
     value = torch.zeros((), device=device, dtype=torch.float64)
