@@ -42,8 +42,10 @@ from fxshard.errors import FxshardError
 from fxshard.runtime import trace
 from fxshard.runtime.guard import guarded
 
-# torch 2.13's name, which gloo runs too; older torch has only reduce_scatter_tensor (NCCL's; gloo refuses it)
+# torch 2.13's names, which gloo runs too; older torch has only reduce_scatter_tensor and all_gather_into_tensor
+# (NCCL's, same arguments; gloo refuses the first): torch 2.11 on the lent GPU machines failed every --zero 1 run
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def bucket_layout(numels: list[int], itemsize: int, bucket_bytes: int) -> list[list[int]]:
@@ -240,7 +242,7 @@ class DistributedOptimizer:
         what = f"all_gather of ZeRO-1 parameter bucket {k} over dp"
         start = time.perf_counter_ns()
         with guarded(what + (" (issue)" if self._deferred else ""), self.group, b.params):
-            work = dist.all_gather_single(b.params, b.params[b.lo:b.hi], group=self.group, async_op=self._deferred)
+            work = _all_gather(b.params, b.params[b.lo:b.hi], group=self.group, async_op=self._deferred)
         if not self._deferred:
             return
         self._pending[k] = work

@@ -47,7 +47,6 @@ def _compare(rank: int, world: int, dtype: str):
         for i, p in enumerate(ref):  # the average as the reduce-scatter sums it: each rank's part divided first
             p.grad = sum((grads[r][i] / world for r in range(1, world)), grads[0][i] / world).float()
         counted = {"reduce_scatter": 0, "all_gather": 0}
-        real = dist.reduce_scatter_single, dist.all_gather_single
 
         def count(kind, fn):
             def wrapped(*a, **k):
@@ -56,13 +55,14 @@ def _compare(rank: int, world: int, dtype: str):
             wrapped.__wrapped__ = fn
             return wrapped
 
-        dist.all_gather_single = count("all_gather", real[1])
-        module._reduce_scatter = count("reduce_scatter", module._reduce_scatter)  # torch's, chosen at import
+        module._all_gather = count("all_gather", module._all_gather)  # torch's, chosen at import
+        module._reduce_scatter = count("reduce_scatter", module._reduce_scatter)
         try:
             opt.reduce_gradients()
             opt.step()
         finally:
-            dist.all_gather_single, module._reduce_scatter = real[1], module._reduce_scatter.__wrapped__
+            module._all_gather, module._reduce_scatter = (module._all_gather.__wrapped__,
+                                                          module._reduce_scatter.__wrapped__)
         opt.zero_grad()
         ref_opt.step()
         calls.append(counted)
