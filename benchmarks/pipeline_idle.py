@@ -88,6 +88,7 @@ class PipelineRunner:
         self.schedule = make_schedule(layout.schedule, self.stages, self.microbatches)
         batch = load_model_file(out / manifest.model_file).build_inputs(manifest.seed)
         self.inputs = [v for v in flatten_batch(batch, manifest.inputs) if isinstance(v, torch.Tensor)]
+        self.names = [i.name for i in manifest.inputs if i.is_tensor]
         self.optimizer = OptimConfig().make([p for m in modules.values() for p in m.parameters()])
         self.samples: list[tuple[float, float]] = []  # (wall, busy) seconds per step
 
@@ -96,7 +97,7 @@ class PipelineRunner:
 
         self.clock.seconds = 0.0
         start = time.perf_counter()
-        run_schedule(self.schedule, self.stages, self.microbatches, self.inputs, self.groups["pp"])
+        run_schedule(self.schedule, self.stages, self.microbatches, self.inputs, self.groups["pp"], names=self.names)
         self.samples.append((time.perf_counter() - start, self.clock.seconds))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -73,7 +73,7 @@ def test_generated_files_pass_and_compile_time_scan_agrees_with_the_meta_run(com
         assert traced == [(g.label, g.scope, g.forward, g.backward) for g in result.checks.groups]
     assert traced[:2] == [("tp group [0, 1]", "Stage0", 9, 8), ("tp group [2, 3]", "Stage1", 9, 9)]
     assert ("tied-weight group [0, 2]", "sync_tied_grads", 0, 1) in traced
-    assert report.links == ["stage 0 -> stage 1: 2 tensors per microbatch"]
+    assert report.links == ["stage 0 -> stage 1: 1 tensor per microbatch"]  # the targets are taken from the batch
     plain = check_output(gpt_tp2(compiled).out)
     # 16 row-parallel all-reduces + the vocab-parallel embedding's + the vocab-parallel cross entropy's
     # all-gather + the returned logits' all-gather; backward: one all-reduce per column-parallel input (copy_to)
@@ -150,6 +150,13 @@ def test_pipeline_send_without_its_receive(compiled, tmp_path):
     assert msg.startswith(f"rank_pp0_tp0.py:{sent}: Stage0 sends tensor #1 as float32 [4, 16, 64] (with gradient) "
                           f"but rank_pp1_tp0.py:{line}: Stage1 receives float32 [4, 16, 64]; a send without its "
                           "matching receive hangs"), msg
+
+
+def test_stage_taking_a_user_input_the_batch_does_not_have(compiled, tmp_path):
+    out = copy(gpt_pipeline(compiled), tmp_path)
+    edit(out / "rank_pp1_tp0.py", "BATCH = ('targets',)", "BATCH = ('tgts',)")
+    assert "rank_pp1_tp0.py: Stage1.BATCH names the user input 'tgts', which manifest.json does not list" \
+        in check_error(out)
 
 
 def test_stale_rank_file_from_another_compile(compiled, tmp_path):

@@ -174,6 +174,8 @@ def _stage_classes(gm: fx.GraphModule, stages: list[Body], ctx: CompileContext, 
                f"one microbatch per call.")
         cls, names, attrs = _class_code(name, doc, comments, body, ctx, coords, out)
         cls.attributes = [f"INPUTS = {meta_tuple(in_meta)}", f"OUTPUTS = {meta_tuple(out_meta)}"]
+        if st.batch:
+            cls.attributes.append(f"BATCH = {tuple(names[v] for v in st.batch)!r}  # taken by keyword, not sent")
         outs = [names[n] for n in st.outputs]
         if s == S - 1:
             ret = outs[0]
@@ -259,9 +261,17 @@ def _class_code(name, doc, comments, body: Body, ctx: CompileContext, coords: Co
         attrs |= {f"{sub}.{key}": ph for key, ph in block.attrs.items()}
     recomputed = body.apart - set(body.outputs_only)  # a stage's values recomputed, not received
     lines = _body(steps, names, body.inputs, body.keep, recomputed, guard, ctx, coords, calls)
-    cls = _Class(name, doc, comments, [], init_lines, ", ".join(names[n] for n in body.inputs), lines,
+    cls = _Class(name, doc, comments, [], init_lines, _signature(body, names), lines,
                  blocks=list(calls.values()))
     return cls, names, attrs
+
+
+def _signature(body: Body, names: dict[fx.Node, str]) -> str:
+    """``forward``'s parameters: what the schedule passes positionally (stage 0's inputs, or what the previous stage
+    sends), then the user inputs a later stage takes by keyword from its microbatch."""
+    positional = [names[n] for n in body.inputs if n not in body.keyword]
+    by_name = [names[n] for n in body.keyword]
+    return ", ".join(positional + (["*", *by_name] if by_name else []))
 
 
 def _body(steps, names, inputs, keep, recomputed, guard, ctx, coords, calls=None, relative_to: str = "") -> list[str]:

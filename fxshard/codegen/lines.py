@@ -36,7 +36,7 @@ SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 
 
 # names a class gives none of its values: its own attributes and process groups
-RESERVED = {"device", TP, PP, DP, "forward", "training", "return_outputs", "INPUTS", "OUTPUTS"}
+RESERVED = {"device", TP, PP, DP, "forward", "training", "return_outputs", "INPUTS", "OUTPUTS", "BATCH"}
 
 
 def attr_name(fqn: str, taken: set[str]) -> str:

@@ -1,5 +1,6 @@
 """What a pipeline stage's class says of its boundary: what it receives and sends (comments and the
-``INPUTS`` / ``OUTPUTS`` the schedule allocates by), the names of the values that cross stages, and
+``INPUTS`` / ``OUTPUTS`` the schedule allocates by), the user inputs a later stage takes from its microbatch
+(``BATCH``), the names of the values that cross stages, and
 ``sync_tied_grads`` for the weights several stages hold::
 
     comments, inputs, outputs = io_comments(st, requires_grad(gm, ctx.trainable), ctx, coords)
@@ -48,7 +49,7 @@ def io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords):
 
     def origin(v) -> str:
         if v.op == "placeholder":
-            return "user input, taken from the batch by stage 0"
+            return "user input"
         return f"computed by {spec(v).fqn or 'the model'} in stage {spec(v).stage}"
 
     width = max([24] + [len(v.name) + 1 for v in (*st.inputs, *st.outputs)])
@@ -76,6 +77,9 @@ def io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords):
         line, meta = row(v, v in st.outputs)
         comments.append(line)
         in_meta.append(meta)
+    if st.batch:
+        comments.append("# takes from its own microbatch of the batch, by keyword (never sent between stages):")
+        comments += [row(v, False)[0] for v in st.batch]
     if s == S - 1:
         comments.append("# returns the microbatch loss to the schedule, which runs backward from it")
         v = st.outputs[0]
@@ -88,8 +92,10 @@ def io_comments(st: StageSpec, grad: set[fx.Node], ctx: CompileContext, coords):
             comments.append(line)
             out_meta.append(meta)
     if st.recomputed:
-        comments.append(f"# recomputes {len(st.recomputed)} op(s) from buffers and constants instead of receiving "
-                        "their results (marked below)")
+        read = {a for n in st.recomputed for a in n.all_input_nodes}
+        sources = "buffers, constants and user inputs" if read & set(st.batch) else "buffers and constants"
+        comments.append(f"# recomputes {len(st.recomputed)} op(s) from {sources} instead of receiving their results "
+                        "(marked below)")
     return comments, in_meta, out_meta
 
 

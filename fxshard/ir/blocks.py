@@ -36,12 +36,13 @@ class Body:
     stage: int | None
     nodes: list[fx.Node]  # compute, in graph order
     state: list[fx.Node]  # the parameter and buffer placeholders it holds
-    inputs: list[fx.Node]  # what it takes: the user inputs, or what the previous stage sends
+    inputs: list[fx.Node]  # what it takes: the user inputs, or what the previous stage sends, then ``keyword``
     keep: set[fx.Node]  # values read after it: the stage's outputs, or the graph's
     apart: set[fx.Node]  # nodes the class runs apart from any block: recomputed from an earlier stage, or
     # computing only the model's other outputs after the loss (``outputs_only``)
     outputs_only: list[fx.Node] = field(default_factory=list)  # without pipeline: trailing nodes training skips
     pipeline_stage: StageSpec | None = None
+    keyword: list[fx.Node] = field(default_factory=list)  # a later stage's user inputs, taken from its microbatch
 
 
 @dataclass(eq=False)  # hashed by identity: one unit per block
@@ -56,8 +57,8 @@ class BlockUnit:
 def bodies(gm: fx.GraphModule, ctx: CompileContext) -> list[Body]:
     """Every class the program's rank files hold: each pipeline stage in order, or the one of the whole rank."""
     if ctx.pipeline is not None:
-        return [Body(st.index, st.nodes, st.state, st.inputs, set(st.outputs), set(st.recomputed), [], st)
-                for st in pipeline_stages(gm, ctx)]
+        return [Body(st.index, st.nodes, st.state, st.inputs + st.batch, set(st.outputs), set(st.recomputed), [], st,
+                     st.batch) for st in pipeline_stages(gm, ctx)]
     state = ctx.program.state_by_name()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out_node = next(n for n in gm.graph.nodes if n.op == "output")

@@ -6,12 +6,19 @@ code generation or the cost model asks.  Nothing is kept between the two, so a p
 after the cut only has to give the nodes it inserts a stage.  For every value a stage uses but does not
 compute:
 
-* a **user input** (labels, attention mask) is taken by stage 0 and sent on to the stages that
-  need it;
-* a value computed from buffers and constants only (rotary tables, causal masks, position ids) is
-  **recomputed** in the stage that needs it — no communication, no gradient;
+* a **user input** (labels, attention mask, position ids) is taken **from the batch**: every rank has its
+  microbatch, so stage 0 takes the inputs positionally from the schedule and a later stage takes the ones it
+  reads by keyword (torch's schedules pass ``step``'s keyword arguments, split into microbatches, to every
+  stage); no user input crosses stages;
+* a value computed from buffers, constants and user inputs only (rotary tables, causal and padding masks,
+  position ids, shifted labels) is **recomputed** in the stage that needs it — no communication, no gradient;
 * anything else (activations, long skip connections) is **sent**, stage to stage, through every stage
   between producer and consumer.
+
+So what crosses stages is, but for rare cases, an activation a gradient flows back through: all that torch
+2.11's ``PipelineStage`` can receive, since it makes every received buffer require a gradient and sends one back
+for each.  The rare cases (a value computed from the inputs across a collective, or by a sub-graph larger than
+``_RECOMPUTE_LIMIT``, or from frozen weights alone) are sent as before, which torch 2.13 handles.
 
 A parameter used by several stages (a tied embedding and output head) lives in each of them
 (:func:`tied_weights`).
@@ -35,6 +42,7 @@ class StageSpec:
     nodes: list[fx.Node]  # compute nodes in graph order, own and recomputed
     recomputed: set[fx.Node]
     inputs: list[fx.Node]  # stage 0: the user inputs; later stages: values received from the previous one
+    batch: list[fx.Node]  # later stages: the user inputs it reads, taken by keyword from its microbatch
     outputs: list[fx.Node]  # values sent to the next stage; the last stage: [loss]
     state: list[fx.Node]  # parameter / buffer placeholders this stage holds
     label: str = ""
@@ -60,6 +68,7 @@ def pipeline_stages(gm: fx.GraphModule, ctx: CompileContext) -> list[StageSpec]:
     state: list[set[fx.Node]] = [set() for _ in range(S)]
     inputs: list[list[fx.Node]] = [[] for _ in range(S)]
     outputs: list[list[fx.Node]] = [[] for _ in range(S)]
+    batch: list[set[fx.Node]] = [set() for _ in range(S)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs[0] = [n for n in placeholders if n.name not in state_names and isinstance(n.meta.get("val"), torch.Tensor)]
 
@@ -72,19 +81,19 @@ def pipeline_stages(gm: fx.GraphModule, ctx: CompileContext) -> list[StageSpec]:
             add(outputs[s], v)
             add(inputs[s + 1], v)
 
+    def take(p: fx.Node, b: int) -> None:  # a placeholder stage b reads: a weight or buffer, or a user input
+        (state if p.name in state_names else batch)[b].add(p)
+
     def need(v: fx.Node, b: int) -> None:
         if v.op == "placeholder":
-            if v.name in state_names:
-                state[b].add(v)
-            elif b > 0:
-                route(v, 0, b)
+            take(v, b)
             return
         a = spec(v).stage
         if a == b or v in recomputed[b]:
             return
         if a > b:  # graph order is topological, so this cannot happen
             raise AssertionError(f"{v.name} computed in stage {a} but used in stage {b}")
-        cone = recomputable(v, state_names, cache)
+        cone = recomputable(v, state_names, cache, from_batch=True)
         if cone is None:
             route(v, a, b)
             return
@@ -92,7 +101,7 @@ def pipeline_stages(gm: fx.GraphModule, ctx: CompileContext) -> list[StageSpec]:
             recomputed[b].add(c)
             for p in c.all_input_nodes:
                 if p.op == "placeholder":
-                    state[b].add(p)
+                    take(p, b)
 
     for n in compute:
         for a in n.all_input_nodes:
@@ -101,11 +110,12 @@ def pipeline_stages(gm: fx.GraphModule, ctx: CompileContext) -> list[StageSpec]:
         for n in list(recomputed[b]):
             for a in n.all_input_nodes:
                 if a.op == "placeholder":
-                    state[b].add(a)
+                    take(a, b)
     need(loss, S - 1)
     outputs[S - 1] = [loss]
     return [StageSpec(s, sorted(set(own[s]) | recomputed[s], key=position.__getitem__), recomputed[s] - set(own[s]),
-                      inputs[s], outputs[s], [p for p in placeholders if p in state[s]], ctx.pipeline.labels[s])
+                      inputs[s], [p for p in placeholders if p in batch[s]] if s else [], outputs[s],
+                      [p for p in placeholders if p in state[s]], ctx.pipeline.labels[s])
             for s in range(S)]
 
 
@@ -121,8 +131,9 @@ def tied_weights(gm: fx.GraphModule, stages: list[StageSpec], params: set[fx.Nod
     return tied
 
 
-def recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:
-    """The compute nodes producing ``v`` if they depend on buffers and constants only, else None."""
+def recomputable(v: fx.Node, state_names, cache, from_batch: bool = False) -> list[fx.Node] | None:
+    """The compute nodes producing ``v`` if they depend on buffers and constants only (``from_batch``: and user
+    inputs, which every stage can take from its microbatch), else None."""
     if v in cache:
         return cache[v]
     cone, stack, seen = [], [v], set()
@@ -135,8 +146,8 @@ def recomputable(v: fx.Node, state_names, cache) -> list[fx.Node] | None:
         seen.add(n)
         if n.op == "placeholder":
             s = state_names.get(n.name)
-            if s is None or s.kind == "parameter":
-                ok = False  # a user input or a trainable weight: send the value instead
+            if (s is None and not from_batch) or (s is not None and s.kind == "parameter"):
+                ok = False  # a weight (or a user input, unless taken from the batch): send the value instead
             continue
         if n.op != "call_function" or spec(n).collective:
             ok = False

@@ -2,7 +2,11 @@
 
 Each generated ``StageN`` class declares what it receives and sends per microbatch (``INPUTS`` /
 ``OUTPUTS``: name, local shape, dtype, whether a gradient flows), so the ``PipelineStage`` is built
-with static metadata: no shape-inference round trip, and a mismatch is a compile-time fact.  The
+with static metadata: no shape-inference round trip, and a mismatch is a compile-time fact.  User inputs
+(labels, masks) never cross stages: every rank has the batch, stage 0 takes it positionally and a later
+stage takes the inputs it names in ``BATCH`` by keyword, from the microbatches torch's schedule splits
+``step``'s keyword arguments into.  So only activations a gradient flows back through are sent, which
+is what torch 2.11's ``PipelineStage`` requires (it makes every received buffer require a gradient).  The
 last stage returns the microbatch loss itself (the loss is part of the compiled graph); the training
 loop divides the summed gradients by the microbatch count once per optimizer step, so training matches
 the full batch.
@@ -43,12 +47,27 @@ class _Stage(PipelineStage):
     """A ``PipelineStage`` that tells dropout which microbatch it computes (``fxshard.runtime.random``).
 
     Every schedule runs a forward through ``forward_one_chunk`` with the microbatch's index, whatever
-    order it interleaves them in, so the mask of each sample is the one it has on one device."""
+    order it interleaves them in, so the mask of each sample is the one it has on one device.
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+    ``batch``: the user inputs this stage takes by keyword (its class's ``BATCH``).  The schedule gives every stage
+    the whole microbatch by keyword; the stage hands its forward those it takes, beside torch's keyword path rather
+    than through it, since torch counts that path's tensors among the stage's inputs in backward (torch 2.11's
+    split backward asks autograd for their gradients, which an integer tensor cannot have)."""
+
+    def __init__(self, *args, batch: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batch = batch
+        self._taken: dict[str, torch.Tensor] = {}  # this microbatch's user inputs, during its forward
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, *rest, **more):
         begin_microbatch(fwd_chunk_id)
-        with trace.span(f"F{fwd_chunk_id}", "pipeline", stage=self.stage_index, microbatch=fwd_chunk_id, action="F"):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self._taken = {name: kwargs[batch_key(name)] for name in self.batch} if self.batch else {}
+        try:
+            with trace.span(f"F{fwd_chunk_id}", "pipeline", stage=self.stage_index, microbatch=fwd_chunk_id,
+                            action="F"):
+                return super().forward_one_chunk(fwd_chunk_id, args, {}, *rest, **more)
+        finally:
+            self._taken = {}
 
     # the schedule's backward actions, timed under fxshard run --trace: B (full), or I then W (split backward)
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
@@ -65,7 +84,7 @@ class _Stage(PipelineStage):
     # gloo sends contiguous tensors only; a stage's output may be a strided view (T5 at pp=2 sends one:
     # "input tensor has to be contiguous") and an input's gradient may be strided the same way
     def forward_maybe_with_nosync(self, *args, **kwargs):
-        out = super().forward_maybe_with_nosync(*args, **kwargs)
+        out = super().forward_maybe_with_nosync(*args, **kwargs, **self._taken)
         return tuple(_contiguous(o) for o in out) if isinstance(out, tuple) else _contiguous(out)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int):
@@ -78,6 +97,12 @@ def _contiguous(x):
     return x.contiguous() if isinstance(x, torch.Tensor) else x
 
 
+def batch_key(name: str) -> str:
+    """The keyword under which ``run_schedule`` passes the user input ``name`` to the schedule's ``step``: not an
+    identifier, so an input named ``target`` or ``losses`` cannot collide with ``step``'s own keywords."""
+    return f"batch:{name}"
+
+
 def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device, group,
                    generated: torch.nn.Module | None = None) -> PipelineStage:
     """A ``PipelineStage`` for a generated stage module (possibly wrapped for data parallelism), with the
@@ -85,7 +110,8 @@ def pipeline_stage(module: torch.nn.Module, index: int, num_stages: int, device,
     generated = generated or module
     outputs = _metas(generated.OUTPUTS)
     return _Stage(module, index, num_stages, torch.device(device), input_args=_metas(generated.INPUTS),
-                  output_args=outputs[0] if index == num_stages - 1 else outputs, group=group)
+                  output_args=outputs[0] if index == num_stages - 1 else outputs, group=group,
+                  batch=tuple(getattr(generated, "BATCH", ())))
 
 
 def _loss_is_output(output, target):
@@ -102,21 +128,28 @@ def make_schedule(name: str, stages: list[PipelineStage], microbatches: int, cls
 
 
 def run_schedule(schedule, stages: list[PipelineStage], microbatches: int, inputs: list[torch.Tensor],
-                 group, train: bool = True) -> list[torch.Tensor]:
+                 group, train: bool = True, names: list[str] | None = None) -> list[torch.Tensor]:
     """One batch's forward and backward over all microbatches (``train=False``: forward only, without gradients,
-    through the schedule's ``eval``); the microbatch losses (last stage)."""
+    through the schedule's ``eval``); the microbatch losses (last stage).  ``inputs``: the batch's tensors, named
+    ``names`` (the manifest's inputs), which stage 0 takes positionally and later stages by keyword."""
     losses: list[torch.Tensor] = []
     # the schedule API wants a target per microbatch; the loss needs none, so a placeholder is split
     target = torch.zeros(microbatches, device=stages[0].device)
+    wanted = sorted({name for s in stages for name in getattr(s, "batch", ())})
+    by_name = dict(zip(names, inputs, strict=True)) if names is not None else {}
+    if any(name not in by_name for name in wanted):
+        raise ValueError(f"this rank's pipeline stages take the user inputs {wanted} from the batch, which has "
+                         f"{sorted(by_name)}; the rank file and manifest.json come from different compiles: recompile")
+    batch = {batch_key(name): by_name[name] for name in wanted}
     inputs = inputs if any(s.is_first for s in stages) else []
     what = "activations and gradients" if train else "activations, forward only"
     with guarded(f"pipeline schedule {type(schedule).__name__} (send/recv of {what})", group, cat="schedule"), \
             _traced_p2p():
         if train:
-            schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+            schedule.step(*inputs, target=target, losses=losses, return_outputs=False, **batch)
         else:
             with torch.no_grad():
-                schedule.eval(*inputs, target=target, losses=losses, return_outputs=False)
+                schedule.eval(*inputs, target=target, losses=losses, return_outputs=False, **batch)
     return losses
 
 

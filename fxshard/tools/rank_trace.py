@@ -249,8 +249,9 @@ def _leaves(value) -> list[torch.Tensor]:
 
 
 def trace_class(trace: RankTrace, recorder: Recorder, cls_name: str, groups: dict, inputs: list,
-                backward: str) -> ClassTrace:
-    """Build ``cls_name`` on meta, run forward on ``inputs`` and backward, recording collectives.
+                backward: str, keywords: dict | None = None) -> ClassTrace:
+    """Build ``cls_name`` on meta, run forward on ``inputs`` (and ``keywords``: the user inputs a later pipeline
+    stage takes from its microbatch) and backward, recording collectives.
 
     ``backward``: ``"first"`` (``RankModule``: the loss is output 0), ``"outputs"`` (a pipeline stage:
     every output that carries a gradient gets one, as the next stage would send)."""
@@ -265,7 +266,7 @@ def trace_class(trace: RankTrace, recorder: Recorder, cls_name: str, groups: dic
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             result.tensors[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
         start = len(recorder.events)
-        out = module(*inputs)
+        out = module(*inputs, **(keywords or {}))
         result.forward = recorder.events[start:]
         leaves = _leaves(out)
         result.outputs = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves]
@@ -334,8 +335,15 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
             scan.trace_class(trace, st.class_name, groups)
             continue
         inputs = [_meta(shape, dtype, rg) for _, shape, dtype, rg in declared]
+        batch = {i.name: i for i in manifest.inputs if i.is_tensor}
+        taken = {}
+        for name in getattr(cls, "BATCH", ()):
+            if name not in batch:
+                raise CheckError(f"{file}: {st.class_name}.BATCH names the user input {name!r}, which manifest.json "
+                                 "does not list; the rank file and manifest.json come from different compiles")
+            taken[name] = _meta(batch[name].microbatch_shape, batch[name].dtype, False)
         last = st.index == pipe.stages - 1
-        trace_class(trace, recorder, st.class_name, groups, inputs, "first" if last else "outputs")
+        trace_class(trace, recorder, st.class_name, groups, inputs, "first" if last else "outputs", taken)
     if scan:
         trace.tied = scan.calls(scan.function("sync_tied_grads"), "after backward")
     else:

@@ -276,8 +276,10 @@ def _pipeline(code, entry: RankEntry, manifest: Manifest, layout, groups: dict, 
     params = [p for m in runners.values() for p in trained_parameters(m)]  # stages never share a Parameter object
 
     def run(leaves, train: bool) -> float:
-        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-        losses = run_schedule(schedule, stages, microbatches, tensors, groups[PP], train=train)
+        # a rank loads only the inputs its stages read (fxshard.train.data.inputs_read): the others are None
+        named = [(i.name, v) for i, v in zip(manifest.inputs, leaves, strict=True) if isinstance(v, torch.Tensor)]
+        losses = run_schedule(schedule, stages, microbatches, [v for _, v in named], groups[PP], train=train,
+                              names=[n for n, _ in named])
         return step_loss(losses, last, groups[PP], device)
 
     # DDP cannot see the weight gradients of a split (zero-bubble) backward: average them here, once

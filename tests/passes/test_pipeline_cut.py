@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from fxshard.ir.autograd import requires_grad
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import Coords, Layout
 from fxshard.ir.stages import pipeline_stages
+from fxshard.tools.rank_trace import load_rank_source
 
 
 def _blocks(result) -> list[int]:
@@ -81,7 +84,8 @@ def test_rotary_tables_are_recomputed_not_sent(samples):
     result = compile_model(samples / "llama.py", Layout(pp=2))
     stage1 = pipeline_stages(result.gm, result.ctx)[1]
     assert stage1.recomputed, "stage 1 should rebuild rotary cos/sin and the causal mask from buffers"
-    assert [n.name for n in stage1.inputs] == ["model_layers_1_hidden_states", "labels"]  # hidden state, labels
+    assert [n.name for n in stage1.inputs] == ["model_layers_1_hidden_states"]  # received: the hidden state
+    assert [n.name for n in stage1.batch] == ["labels"]  # taken from its microbatch, not sent
     code = result.sources["rank_pp1_tp0.py"]
     assert "(recomputed here, not received)" in code
     assert "self.model_rotary_emb_inv_freq" in code  # the buffer lives in both stages
@@ -93,8 +97,12 @@ def test_stage_code_says_what_it_receives_and_sends(samples):
     assert "class Stage1(torch.nn.Module):" in code
     assert "# receives from stage 0 on pp rank 0 (global rank 1), per microbatch:" in code
     assert "# sends to stage 2 on pp rank 2 (global rank 5), per microbatch:" in code
-    assert "INPUTS = (('blocks_1_out', (2, 16, 64), torch.float32, True), ('targets', (2, 16), torch.int64, False))" in code
-    assert "return (blocks_3_out, targets)  # to stage 2" in code
+    assert "INPUTS = (('blocks_1_out', (2, 16, 64), torch.float32, True),)" in code
+    assert "return (blocks_3_out,)  # to stage 2" in code
+    assert "BATCH" not in code  # the targets: only the last stage takes them
+    last = result.sources["rank_pp3_tp1.py"]
+    assert "BATCH = ('targets',)  # taken by keyword, not sent" in last
+    assert "def forward(self, blocks_5_out, *, targets):" in last
     entry = result.manifest.rank(Coords(pp=1, tp=1))
     assert [s.index for s in entry.stages] == [1]
     assert result.manifest.inputs[0].shape == (8, 16)  # a step's batch; 4 microbatches of 2
@@ -191,3 +199,32 @@ def test_a_layer_called_several_times_is_a_block_per_call(models):
     query = "p_model_albert_encoder_albert_layer_groups_0_albert_layers_0_attention_query_weight"
     assert query in held[0] and query in held[1]  # both stages call the shared layer: both hold it
     assert [row["blocks"] for row in result.ctx.pipeline.table] == [2, 2]
+
+
+@pytest.mark.parametrize("model,layout", [
+    ("samples/llama.py", Layout(pp=2)),
+    ("samples/llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b")),
+    ("samples/llama.py", Layout(cp=2, pp=2)),
+    ("tests/models/llama_padded.py", Layout(pp=2, microbatches=4)),  # transformers: a padding mask, labels
+    ("tests/models/hf_bert_qa.py", Layout(pp=2, microbatches=2)),  # transformers: a mask, start/end positions
+])
+def test_only_activations_a_gradient_flows_through_cross_stages(model, layout):
+    # torch 2.11's PipelineStage makes every received buffer require a gradient (an integer one cannot) and sends
+    # a gradient back for each: user inputs, and values computed from them alone, are taken from the microbatch
+    root = Path(__file__).resolve().parents[2]
+    result = compile_model(root / model, layout)
+    names = {i.name for i in result.manifest.inputs if i.is_tensor}
+    for entry in result.manifest.ranks:
+        module = load_rank_source(result.sources[entry.file], entry.file)
+        for st in entry.stages:
+            sent = [*(st.inputs if st.index else ()), *st.outputs]
+            assert sent
+            for v in sent:
+                assert getattr(torch, v.dtype).is_floating_point and v.requires_grad, (entry.file, st.index, v)
+            cls = getattr(module, st.class_name)
+            assert [(n, tuple(s), d, g) for n, s, d, g in cls.INPUTS] == \
+                [(v.name, v.shape, getattr(torch, v.dtype), v.requires_grad) for v in st.inputs]
+            assert set(getattr(cls, "BATCH", ())) <= names
+    if "padded" in model:  # the last stage rebuilds the padding mask from the batch's attention_mask
+        last = load_rank_source(result.sources["rank_pp1_tp0.py"], "rank_pp1_tp0.py").Stage1
+        assert last.BATCH == ("attention_mask", "labels")

@@ -73,8 +73,9 @@ def global_batches(model_file, split: str = "train", options: DataOptions | None
 def inputs_read(out: Path, manifest, pp_rank: int) -> set | None:
     """The batch keys a rank at pipeline coordinate ``pp_rank`` loads (None: every input).
 
-    The first stage takes every tensor input (the schedule hands them to it); a later stage takes none, except the
-    targets a token-mean loss counts for the step's divisor, which the rank file's ``count_tokens`` reads."""
+    The first stage takes every tensor input (the schedule hands them to it); a later stage takes those its class
+    names in ``BATCH`` (labels, masks: taken from its microbatch, never sent between stages), and the targets a
+    token-mean loss counts for the step's divisor, which the rank file's ``count_tokens`` reads."""
     if manifest.layout.pp == 1:
         return None
     from fxshard.ir.layout import Coords
@@ -83,7 +84,7 @@ def inputs_read(out: Path, manifest, pp_rank: int) -> set | None:
     keys = {_key(i.path): i.name for i in manifest.inputs if i.is_tensor}
     if any(st.index == 0 for st in entry.stages or ()):
         return set(keys)
-    counted = _count_tokens_reads(Path(out) / entry.file)
+    counted = _count_tokens_reads(Path(out) / entry.file) | _stage_batch_reads(Path(out) / entry.file)
     return {k for k, name in keys.items() if name in counted}
 
 
@@ -93,6 +94,20 @@ def _key(path: str) -> Any:
 
     parts = path.strip("[]").split("][")
     return ast.literal_eval(parts[1])
+
+
+def _stage_batch_reads(rank_file: Path) -> set[str]:
+    """The user inputs the pipeline stages of a rank file take from their microbatch (each class's ``BATCH``)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.parse(rank_file.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "BATCH"
+                                                         for t in item.targets):
+                    found |= set(ast.literal_eval(item.value))
+    return found
 
 
 def _count_tokens_reads(rank_file: Path) -> set[str]:
