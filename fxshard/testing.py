@@ -172,7 +172,8 @@ def cli(*args, env: dict[str, str] | None = None, cwd: str | Path | None = None,
     forkserver: the interpreter's start and torch's import (about 5 s of CPU a command) are done once.  The
     process is the real command line: its own pid, its environment (``env``, else the caller's) and working
     folder, stdin from /dev/null, its exit status (an escaping exception prints its traceback and exits 1, as the
-    interpreter does; atexit handlers run), and ``fxshard run``'s workers started as the launcher starts them.
+    interpreter does; atexit handlers run), and ``fxshard run``'s workers started as the launcher starts them
+    (forked from it under ``FXSHARD_WORKERS=fork``, which tests/conftest.py sets: :mod:`fxshard.train.zygote`).
     ``FXSHARD_START_METHOD=spawn``: a fresh interpreter, by ``subprocess.run``.  Tests that signal or time the
     process itself keep ``subprocess.Popen``::
 

@@ -8,6 +8,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(2)
+# `fxshard run`'s workers forked from its launcher, not exec'd (fxshard.train.zygote; docs/testing.md), in every
+# launcher a test starts (`fxshard.testing.cli`'s and `subprocess`'s); FXSHARD_START_METHOD=spawn keeps them fresh
+# interpreters, as it does the harness's ranks
+if os.environ.get("FXSHARD_START_METHOD") != "spawn":
+    os.environ.setdefault("FXSHARD_WORKERS", "fork")
 
 
 @pytest.fixture

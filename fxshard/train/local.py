@@ -4,7 +4,8 @@ The launcher and its workers listen on 127.0.0.1 only; torch's per-run log folde
 removed after the run; the workers know the launcher's pid (:mod:`fxshard.train.supervise`); a worker
 stopped with SIGSTOP is woken to receive the signal that ends it; and a failed or interrupted run ends with
 fxshard's own summary (which rank failed first, which were stopped because of it) instead of the agent's
-log lines::
+log lines.  Under ``FXSHARD_WORKERS=fork`` (the tests) the workers are forked from this process, not exec'd
+(:mod:`fxshard.train.zygote`), and supervised the same way::
 
     launch_local(Path("out/gpt"), RunOptions(steps=3).argv("out/gpt"), world=2)
 """
@@ -55,6 +56,15 @@ def check_gpus(processes: int, world: int, who: str) -> None:
 def launch_local(out: Path, argv: list[str], world: int) -> None:
     """Run ``fxshard <argv>`` as ``world`` local processes under torch's elastic launcher."""
     check_gpus(world, world, f"the layout's {world} ranks would run as {world} processes on this machine")
+    zygotes = _zygotes(world)  # FXSHARD_WORKERS=fork (the tests): forked now, before the store's threads start
+    try:
+        _launch(argv, world, zygotes)
+    finally:
+        if zygotes is not None:
+            zygotes.close()
+
+
+def _launch(argv: list[str], world: int, zygotes) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -76,7 +86,7 @@ def launch_local(out: Path, argv: list[str], world: int) -> None:
 
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers' parent: one that finds another exits (supervise)
     try:
-        with _loopback_rendezvous(), _stopped_workers_woken(), _agent_quiet():
+        with _loopback_rendezvous(), _stopped_workers_woken(), _agent_quiet(), _forked_workers(zygotes):
             elastic_launch(config, sys.executable)("-m", "fxshard.cli.app", *argv)
     except (SignalException, KeyboardInterrupt) as e:  # the agent has stopped every worker before this
         name = signal.Signals(e.sigval).name if isinstance(e, SignalException) else "SIGINT"
@@ -118,6 +128,46 @@ def _loopback_rendezvous():
         yield
     finally:
         DynamicRendezvousHandler._create_tcp_store_server = original
+
+
+def _zygotes(world: int):
+    """The children the workers are forked from (:mod:`fxshard.train.zygote`), when ``FXSHARD_WORKERS=fork`` asks
+    for them, this torch's agent starts its workers through ``SubprocessHandler._popen``, and this process runs no
+    thread yet; else None: the workers are fresh interpreters."""
+    from fxshard.train.zygote import Zygotes, fork_requested
+
+    if not fork_requested():
+        return None
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+            SubprocessHandler,
+        )
+    except ImportError:  # another torch
+        return None
+    return Zygotes.start(world) if hasattr(SubprocessHandler, "_popen") else None
+
+
+@contextlib.contextmanager
+def _forked_workers(zygotes):
+    """While launching, torch's agent makes its workers of ``zygotes``' children: its ``SubprocessHandler`` holds a
+    :class:`~fxshard.train.zygote.ForkedWorker` where it would hold a ``Popen``, and supervises it the same way."""
+    if zygotes is None:
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
+        SubprocessHandler,
+    )
+
+    original = SubprocessHandler._popen
+
+    def _popen(self, args, env):
+        return zygotes.popen(args, env, self._stdout, self._stderr) or original(self, args, env)
+
+    SubprocessHandler._popen = _popen
+    try:
+        yield
+    finally:
+        SubprocessHandler._popen = original
 
 
 @contextlib.contextmanager

@@ -57,13 +57,13 @@ def exit_finished(code: int = 0) -> None:
     os._exit(code)
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """SIGKILL this process when its parent exits (Linux; elsewhere nothing happens).
 
     The request only covers a parent still alive when it is made; a worker whose launcher died while it was
     starting (importing torch takes seconds) has already been handed to init, so it compares its parent with
-    the launcher's pid it was given and exits."""
-    parent = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    the launcher's pid it was given (``parent``, else :data:`LAUNCHER_PID`'s) and exits."""
+    parent = parent or int(os.environ.get(LAUNCHER_PID) or os.getppid())
     libc_name = ctypes.util.find_library("c")
     if libc_name is not None:
         libc = ctypes.CDLL(libc_name, use_errno=True)
