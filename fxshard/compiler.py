@@ -51,6 +51,7 @@ from fxshard.codegen.manifest import (
 from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
+from fxshard.ir.autograd import requires_grad
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     BLOCKED,
@@ -67,7 +68,7 @@ from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.sequence import SequenceDims, sequence_dims
-from fxshard.ir.stages import pipeline_stages, tied_weights
+from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes.batch_gather import batch_gather_pass
 from fxshard.passes.batch_norm_sync import batch_norm_sync_pass
 from fxshard.passes.blocks import blocks_pass
@@ -335,7 +336,9 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
     ctx, layout = result.ctx, result.ctx.layout
     sources, ranks = {}, []
     if ctx.pipeline is not None:
-        name_stage_values(result.gm, pipeline_stages(result.gm, ctx))
+        stages = pipeline_stages(result.gm, ctx)
+        name_stage_values(result.gm, stages)
+        ctx.notes.extend(n for n in gradless_sends(stages, requires_grad(result.gm, ctx.trainable)) if n not in ctx.notes)
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
             coords = Coords(pp=pp_rank, tp=tp_rank)

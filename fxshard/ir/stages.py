@@ -119,6 +119,21 @@ def pipeline_stages(gm: fx.GraphModule, ctx: CompileContext) -> list[StageSpec]:
             for s in range(S)]
 
 
+def gradless_sends(stages: list[StageSpec], grad: set[fx.Node]) -> list[str]:
+    """A compile note for each value a stage sends that is not floating point or carries no gradient (``grad``: the
+    values a gradient flows back to): the rare cases the module docstring names, which torch 2.11 cannot run."""
+    notes = []
+    for st in stages[:-1]:
+        for v in st.outputs:
+            val = v.meta.get("val")
+            if isinstance(val, torch.Tensor) and (not val.dtype.is_floating_point or v not in grad):
+                what = "an integer tensor" if not val.dtype.is_floating_point else "a tensor no gradient flows back to"
+                notes.append(f"pipeline stage {st.index} sends {v.name} ({str(val.dtype).removeprefix('torch.')}), "
+                             f"{what}: torch >= 2.13 runs this, torch 2.11's PipelineStage fails on it (it makes every "
+                             "received buffer require a gradient)")
+    return notes
+
+
 def tied_weights(gm: fx.GraphModule, stages: list[StageSpec], params: set[fx.Node]) -> list[tuple[fx.Node, list[int]]]:
     """The parameters several stages hold, each with those stages: the generated ``sync_tied_grads`` sums
     their gradients over those stages after backward, so every copy takes the same optimizer step."""

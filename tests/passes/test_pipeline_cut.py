@@ -225,6 +225,28 @@ def test_only_activations_a_gradient_flows_through_cross_stages(model, layout):
             assert [(n, tuple(s), d, g) for n, s, d, g in cls.INPUTS] == \
                 [(v.name, v.shape, getattr(torch, v.dtype), v.requires_grad) for v in st.inputs]
             assert set(getattr(cls, "BATCH", ())) <= names
+    assert not [n for n in result.manifest.notes if "torch 2.11" in n], result.manifest.notes
     if "padded" in model:  # the last stage rebuilds the padding mask from the batch's attention_mask
         last = load_rank_source(result.sources["rank_pp1_tp0.py"], "rank_pp1_tp0.py").Stage1
         assert last.BATCH == ("attention_mask", "labels")
+
+
+def test_a_send_no_gradient_flows_back_to_is_noted(tmp_path):
+    # a frozen first stage sends activations without a gradient: torch 2.13 runs it, torch 2.11 cannot
+    model = tmp_path / "frozen_first.py"
+    model.write_text(
+        "import torch\nimport fxshard\n\n\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)\n"
+        "        self.a.requires_grad_(False)\n\n"
+        "    def forward(self, x):\n"
+        "        h = self.a(x)\n"
+        "        fxshard.pipeline_split()\n"
+        "        return self.b(h).mean()\n\n\n"
+        "def make_model():\n    return M()\n\n\n"
+        "def make_inputs():\n    return (torch.randn(4, 8),)\n")
+    notes = [n for n in compile_model(model, Layout(pp=2)).manifest.notes if "torch 2.11" in n]
+    assert len(notes) == 1 and notes[0].startswith("pipeline stage 0 sends ") \
+        and "a tensor no gradient flows back to" in notes[0], notes
