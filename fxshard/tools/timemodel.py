@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from fxshard.ir.cut import balance
-from fxshard.ir.layout import Layout
+from fxshard.ir.layout import EDP, Layout
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.hardware import Hardware
 from fxshard.tools.pipesim import capped_microbatches, pipeline_step
@@ -467,7 +467,7 @@ def _dp_after(ev, layout, setting, stages, cost, durations) -> tuple[float, floa
             t = hw.collective_seconds("reduce_scatter", psi * 4, group, sp)
         else:  # block by block during the last backward
             t = hw.exposed(hw.collective_seconds("reduce_scatter", psi * 4, group, sp), last_bwd)
-    edp = group // layout.ep
+    edp = layout.size(EDP)  # the ranks holding the same experts: dp/ep x cp
     if experts and edp > 1:
         t += hw.collective_seconds("all_reduce", experts * low, edp, sp)
     tied = sum(n * cost[name].tied for st in stages for name, n in st) if layout.pp > 1 else 0.0
@@ -504,7 +504,8 @@ def _peaks(ev: Evaluator, layout: Layout, stages, cost, m: int, modes) -> dict[s
                   if name.startswith("block") for _ in range(n)]
         state = formula(layout.zero, group, mixed, psi)  # gradients and optimizer state of the trained alone
         held = peak_params(layout.zero, group, mixed, psi + frozen, blocks) + state["grads"] + state["optimizer"]
-        held += formula(1 if layout.zero == 1 else 0, max(1, layout.dp // layout.ep), mixed, experts)["total"]
+        # the experts' own ZeRO 1 group: the ranks holding the same experts, dp/ep of them times cp (Layout.size)
+        held += formula(1 if layout.zero == 1 else 0, layout.size(EDP), mixed, experts)["total"]
         held += 2 * max(cost[name].largest for st in own.values() for name, _ in st)
         combos = [[(c, own[s]) for s, c in combo.items() if s in own] for combo in counts[r]]
         for mode in modes:

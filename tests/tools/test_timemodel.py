@@ -233,3 +233,23 @@ def test_the_search_runs_in_the_dtype_the_profile_trains_in_unless_told():
     assert dtype == "bf16" and "default_dtype" in note and "--dtype fp32" in note
     assert search_dtype(None, load_hardware("cpu-gloo"))[0] == "fp32"
     assert search_dtype("fp32", load_hardware("h100")) == ("fp32", "")
+
+
+@pytest.mark.slow  # a transformers Qwen3-MoE profiled and planned at cp2 dp2 ep2, ZeRO 0 and 1
+def test_the_experts_zero_group_spans_cp_as_the_runtime_does():
+    """Under --cp an ep group is the dp ranks of one cp coordinate, so the ranks holding the same experts (edp) are
+    dp/ep x cp of them (Layout.size): ZeRO 1 shards the experts' Adam state over those.  What ZeRO 1 saves is the
+    time model's as the plan's, to the byte (the activations, the same at both stages, drop out)."""
+    from tests.models import hf_qwen3_moe
+
+    path = hf_qwen3_moe.__file__
+    ev = Evaluator(model_profile(path, dtype="fp32"), load_hardware("cpu-gloo"))
+    saved = {}
+    for cp in (1, 2):
+        layouts = [Layout(dp=2, cp=cp, ep=2, zero=zero) for zero in (0, 1)]
+        assert layouts[0].size("edp") == cp
+        predicted = [predict(ev, layout, Setting(8, 4, 8)).peaks[0] for layout in layouts]
+        planned = [plan_costs(path, layout).ranks[0]["peak"].value for layout in layouts]
+        saved[cp] = predicted[0] - predicted[1]
+        assert saved[cp] == planned[0] - planned[1], cp
+    assert saved[2] > saved[1]  # at cp=2 the experts' Adam state is halved too
