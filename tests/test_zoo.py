@@ -18,6 +18,9 @@ CASES = {  # what each one covers that the others do not
     "gpt2-pp2": ("gpt2", Layout(pp=2)),  # a head tied to the embedding across stages
     "opt-tp2": ("opt", Layout(tp=2)),  # a vocab-parallel embedding with a padding row in the batch
     "bert-pp2": ("bert", Layout(pp=2)),  # an encoder, masked LM with a microbatch counting few tokens
+    # encoder-decoder cut by pp: the decoder's inputs are the labels shifted by writes into a slice of new_zeros
+    # (shift_tokens_right), which a later stage must not recompute without those writes
+    "bart-pp2": ("bart", Layout(pp=2)),
     "t5-tp2": ("t5", Layout(tp=2)),  # encoder-decoder, constants made in forward
     "bloom-tp2": ("bloom", Layout(tp=2)),  # a custom autograd.Function (GeLU) kept as a pointwise custom op
     # a shipped plan naming only the embedding, completed by automatic pairing (attention, Mamba-2 mixer, MLP)
@@ -31,7 +34,7 @@ CASES = {  # what each one covers that the others do not
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", matrix(CASES, ("gpt2-pp2", "bert-pp2", "t5-tp2")))
+@pytest.mark.parametrize("case", matrix(CASES, ("gpt2-pp2", "bert-pp2", "bart-pp2", "t5-tp2")))
 def test_zoo_architecture_trains_like_one_device(case):
     model, layout = CASES[case]
     result = verify(ZOO / f"{model}.py", layout, steps=3)

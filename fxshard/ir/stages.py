@@ -175,7 +175,28 @@ def recomputable(v: fx.Node, state_names, cache, from_batch: bool = False) -> li
         stack.extend(n.all_input_nodes)
         if len(cone) > _RECOMPUTE_LIMIT:
             ok = False
-    if ok:
+    if ok and not _written_elsewhere(set(cone)):
         result = cone
     cache[v] = result
     return result
+
+
+def _written_elsewhere(cone: set[fx.Node]) -> bool:
+    """Whether a node outside ``cone`` writes in place into a value of it, directly or through a view: the cone
+    alone would then recompute the value without that write.  transformers' ``shift_tokens_right`` (BART, T5,
+    Marian...) builds the decoder's inputs as ``new_zeros``, then ``shifted[:, 1:] = labels[:, :-1]`` (a ``copy_``
+    into a ``slice`` of it), then ``masked_fill_``: the cone of the last holds the first and itself, not the copy."""
+    stack, seen = list(cone), set()
+    while stack:
+        for user in stack.pop().users:
+            if user in cone or user in seen:
+                continue
+            seen.add(user)
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            if schema.is_mutable:
+                return True
+            if any(a.alias_info is not None for a in schema.arguments):  # a view: follow what it is used for
+                stack.append(user)
+    return False
