@@ -13,6 +13,7 @@ within 1e-3 of the update), in its own process with a time limit so one case can
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -30,8 +31,10 @@ LIMIT_S = 600
 def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
     """``(verdict, detail)``: exact / refused / FAILED, with the figures or the reason."""
     try:
+        # workers forked from the launcher, as the tests run them (docs/testing.md): half the CPU of a case
+        env = {**os.environ, "FXSHARD_WORKERS": os.environ.get("FXSHARD_WORKERS", "fork")}
         proc = subprocess.run([sys.executable, "-m", "fxshard.cli.app", "verify", str(model), *flags],
-                              capture_output=True, text=True, timeout=LIMIT_S)
+                              capture_output=True, text=True, timeout=LIMIT_S, env=env)
     except subprocess.TimeoutExpired:
         return "FAILED", f"no verdict within {LIMIT_S} s"
     text = " ".join((proc.stdout + proc.stderr).split())
