@@ -96,6 +96,7 @@ def compile_report(console: Console, result) -> None:
     if result.checks is not None:
         console.print(f"static checks: {check_summary(result.checks)}", highlight=False)
     if result.memory_plan is not None:
+        microbatch_line(console, result.memory_plan)
         recompute_lines(console, result.memory_plan)
     console.print(f"wrote {result.out}: {len(result.files)} rank file(s), manifest.json, weights/, model.py",
                   highlight=False, markup=False)
@@ -290,11 +291,21 @@ def plan_report(console: Console, report) -> None:
         if "verdict" in row:
             table.add_row(*_verdict_cells(row["verdict"]))
         console.print(table)
+    microbatch_line(console, report)
     recompute_lines(console, report)
     console.print(f"pipeline bubble {report.bubble_formula} = {report.bubble.expr} "
                   f"({report.bubble.value:.1%} of each pp rank's step idle)", highlight=False)
     for note in report.notes:
         console.print(f"note: {note}", highlight=False)
+
+
+def microbatch_line(console: Console, report) -> None:
+    """The pipeline's microbatch count when ``--device-memory`` chose it (``--microbatches`` not given): what, why,
+    and the worst rank's peak at each count tried (:mod:`fxshard.tools.microbatches`)."""
+    if report.microbatch_choice is not None:
+        from fxshard.tools.microbatches import describe
+
+        console.print(describe(report.microbatch_choice), highlight=False, soft_wrap=True)
 
 
 def recompute_lines(console: Console, report) -> None:

@@ -51,7 +51,8 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
     and each rank reads its slices from it at run time (no parameter shards are written).
     ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
     ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
-    ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first::
+    ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first, and a pipeline
+    without ``layout.microbatches`` gets the fewest microbatches that fit (:mod:`fxshard.tools.microbatches`)::
 
         compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
     """
@@ -63,6 +64,8 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
         memory_plan = plan_costs(model_file, layout, plan, seed, device_memory=device_memory)
         if layout.recompute == "auto":
             layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
+        if memory_plan.microbatch_choice is not None:  # --microbatches not given: the count the plan chose
+            layout = dataclasses.replace(layout, microbatches=memory_plan.microbatch_choice["chosen"])
     mf = load_model_file(model_file)
     result = compile_program(mf, layout, plan, seed, meta=meta or weights is not None)
     result.memory_plan = memory_plan

@@ -10,7 +10,7 @@ import pytest
 import sympy
 from cli_in_process import fxshard
 
-from fxshard.errors import OptionError
+from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.context import Layout
 from fxshard.tools.alive import alive_counts
 from fxshard.tools.costs import B, S, parse_size, plan_costs
@@ -39,8 +39,9 @@ def test_tensor_parallel_traffic_is_four_all_reduces_of_bsh_per_layer():
 def test_pipeline_traffic_is_bsh_per_boundary_and_direction():
     report = plan_costs(GPT, Layout(pp=2, microbatches=4))
     first, last = report.ranks
-    # forward: each microbatch's hidden state (B/M*S*H, M times) and the int targets passed to the loss
-    assert sympy.simplify(first["pp_send"].expr - (B * S * H + B * S)) == 0
+    # forward: each microbatch's hidden state (B/M*S*H, M times); the targets are not sent: the last stage takes
+    # them from its own microbatch of the batch (d86c91a)
+    assert sympy.simplify(first["pp_send"].expr - B * S * H) == 0
     assert sympy.simplify(last["pp_send"].expr - B * S * H) == 0  # backward: the hidden state's gradient
     assert first["tp_allreduce"].expr == 0
 
@@ -215,6 +216,79 @@ def test_compile_auto_writes_the_chosen_mode():
     assert result.ctx.layout.recompute == "full" and result.memory_plan.recompute_auto
     assert "rt.recompute(self.blocks_0" in result.sources["rank_pp0_tp0.py"]
     assert "recompute=full" in result.sources["rank_pp0_tp0.py"]
+
+
+@pytest.fixture(scope="module")
+def gpt_pp2_peaks():
+    """samples/gpt.py at pp=2 (batch 8: the default is 2 microbatches of 4): the worst rank's peak per count."""
+    return {m: plan_costs(GPT, Layout(pp=2, microbatches=m)) for m in (2, 4)}
+
+
+def _worst(report) -> float:
+    return max(r["peak"].value for r in report.ranks)
+
+
+@pytest.mark.slow
+def test_device_memory_raises_the_default_microbatches_to_the_fewest_that_fit(gpt_pp2_peaks):
+    """Where the default count (2) does not fit --device-memory and 4 does, the plan is the plan at 4, figure for
+    figure, and says what it chose and why; given explicitly, --microbatches 2 stays 2 and does not fit."""
+    device = int(_worst(gpt_pp2_peaks[4])) + 1
+    assert _worst(gpt_pp2_peaks[2]) > device
+    chosen = plan_costs(GPT, Layout(pp=2), device_memory=device)
+    assert chosen.layout.microbatches == 4 and chosen.fits
+    assert chosen.microbatch_choice == {"default": 2, "chosen": 4, "fits": True, "batch_per_dp": 8,
+                                        "schedule": "1f1b", "pp": 2, "device_memory": device,
+                                        "tried": {2: _worst(gpt_pp2_peaks[2]), 4: _worst(gpt_pp2_peaks[4])}}
+    for row, explicit in zip(chosen.ranks, gpt_pp2_peaks[4].ranks, strict=True):
+        for key in ("peak", "saved", "alive", "activations", "pp_send", "model_state"):
+            assert row[key].expr == explicit[key].expr, key
+    assert chosen.bubble.expr == gpt_pp2_peaks[4].bubble.expr == sympy.Rational(1, 5)
+    fixed = plan_costs(GPT, Layout(pp=2, microbatches=2), device_memory=device)
+    assert fixed.layout.microbatches == 2 and not fixed.fits and fixed.microbatch_choice is None
+    roomy = plan_costs(GPT, Layout(pp=2), device_memory=10 * 2**20)  # the default fits: kept, and said
+    assert roomy.layout.microbatches == 2 and roomy.microbatch_choice["tried"] == {2: _worst(gpt_pp2_peaks[2])}
+
+
+@pytest.mark.slow
+def test_plan_and_compile_print_and_use_the_same_chosen_microbatches(gpt_pp2_peaks, tmp_path):
+    device = str(int(_worst(gpt_pp2_peaks[4])) + 1)
+    plan = fxshard("plan", GPT, "--pp", 2, "--device-memory", device, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    line = next(ln for ln in plan.stdout.splitlines() if ln.startswith("microbatches:"))
+    assert line.startswith("microbatches: 4 of 2 row(s) per dp rank (chosen for --device-memory") and \
+        "the default 2, the fewest 1f1b runs at pp=2" in line and "does not fit every rank" in line, line
+    assert "does not fit" not in plan.stdout.replace(line, "")  # every rank's verdict fits
+    compiled = fxshard("compile", GPT, "--pp", 2, "--device-memory", device, "--meta", "--out", tmp_path / "out",
+                       cwd=ROOT)
+    assert compiled.returncode == 0, compiled.stderr
+    assert line in compiled.stdout and "microbatches=4" in compiled.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["layout"]["microbatches"] == manifest["pipeline"]["microbatches"] == 4
+    explicit = fxshard("plan", GPT, "--pp", 2, "--microbatches", 2, "--device-memory", device, cwd=ROOT)
+    assert "microbatches:" not in explicit.stdout and "microbatches=2" in explicit.stdout
+    assert "does not fit" in explicit.stdout
+
+
+@pytest.mark.slow
+def test_recompute_auto_raises_microbatches_only_where_no_mode_fits_and_refuses_when_none_does(gpt_pp2_peaks):
+    full = {m: max(r["recompute_peaks"]["full"].value for r in gpt_pp2_peaks[m].ranks) for m in (2, 4)}
+    at_default = plan_costs(GPT, Layout(pp=2, recompute="auto"), device_memory=int(full[2]) + 1)
+    assert (at_default.layout.microbatches, at_default.recompute) == (2, "full")  # fits at the default: kept
+    raised = plan_costs(GPT, Layout(pp=2, recompute="auto"), device_memory=int(full[4]) + 1)
+    assert (raised.layout.microbatches, raised.recompute, raised.fits) == (4, "full", True)
+    with pytest.raises(LayoutError, match=r"even under --recompute full at the default 2 microbatches, and no other "
+                                          r"count that divides the batch of 8 per dp rank fits .*2: .*8: "):
+        plan_costs(GPT, Layout(pp=2, recompute="auto"), device_memory=2**20)
+
+
+@pytest.mark.matrix  # the issue's target, a 70B shape at 128k tokens: several minutes of captures
+def test_the_70b_long_context_target_fits_at_one_sequence_per_microbatch():
+    run = fxshard("plan", "samples/llama70b.py", "--tp", 8, "--cp", 4, "--pp", 2, "--dp", 1, "--zero", 1, "--dtype",
+                  "bf16", "--seq", 131072, "--device-memory", "80GiB", "--recompute", "auto", cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "microbatches: 64 of 1 row(s) per dp rank (chosen for --device-memory 80.00 GiB" in run.stdout
+    assert run.stdout.count("fits a 80.00 GiB device") == 2 and "does not fit a" not in run.stdout
+    assert "recompute: full (chosen by --recompute auto" in run.stdout and "30720*B*S" in run.stdout
 
 
 QWEN_MOE = ROOT / "tests" / "models" / "hf_qwen3_moe.py"  # 2 MoE layers, hidden 32, 4 experts of 16, top-2

@@ -74,6 +74,14 @@ class CostReport:
     bubble_formula: str = ""
     notes: list[str] = field(default_factory=list)
     unsplit: dict | None = None  # what tp leaves whole on every rank, and why (fxshard.plan.unsplit)
+    batch_per_dp: int | None = None  # the example batch of one dp rank, which the microbatches divide
+    # the microbatch count chosen for --device-memory when --microbatches was not given (fxshard.tools.microbatches)
+    microbatch_choice: dict | None = None
+
+    @property
+    def fits(self) -> bool:
+        """Every rank's predicted peak fits ``--device-memory`` (True without it)."""
+        return all(r.get("verdict", {}).get("fits", True) for r in self.ranks)
 
     def to_json(self) -> dict:
         def conv(v):
@@ -86,7 +94,7 @@ class CostReport:
                 "at": {str(k): v for k, v in self.at.items()}, "recompute": self.recompute_summary(),
                 "ranks": [{k: conv(v) for k, v in r.items()} for r in self.ranks],
                 "bubble": conv(self.bubble) if self.bubble else None, "bubble_formula": self.bubble_formula,
-                "notes": self.notes, "unsplit": self.unsplit}
+                "notes": self.notes, "unsplit": self.unsplit, "microbatches": self.microbatch_choice}
 
 
     def recompute_summary(self) -> dict:
@@ -138,15 +146,38 @@ def bubble_fraction(layout: Layout) -> tuple[sympy.Expr, str]:
 def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None, seed: int = 0,
                batch: int | None = None, seq: int | None = None, device_memory: int | None = None) -> CostReport:
     """Compile in memory and cost the layout; evaluate at ``batch``/``seq`` (default: the example's); with
-    ``device_memory`` (bytes), each rank gets a ``verdict``: whether its predicted peak fits."""
+    ``device_memory`` (bytes), each rank gets a ``verdict``: whether its predicted peak fits.
+
+    With ``device_memory``, a pipeline whose ``--microbatches`` was not given gets the fewest microbatches that fit
+    (:func:`fxshard.tools.microbatches.fit_microbatches`): the default count when it fits, else the fewest larger
+    count that divides the batch and under which every rank fits (with ``--recompute auto``: under the least
+    recompute that fits at that count); ``report.microbatch_choice`` says what was tried."""
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.compiler import compile_program
+    from fxshard.tools.microbatches import fit_microbatches
 
     if layout.recompute == "auto" and device_memory is None:
         raise OptionError("--recompute auto: expected --device-memory SIZE (e.g. 80GiB) to choose the least "
                           "recompute that fits; found none; add --device-memory, or name a mode: "
                           "--recompute none|selective|full")
     mf = load_model_file(model_file)
+
+    def at_microbatches(m: int | None) -> CostReport:
+        return _plan_at(mf, dataclasses.replace(layout, microbatches=m), plan, seed, batch, seq, device_memory)
+
+    report = at_microbatches(layout.microbatches)
+    if device_memory is not None and layout.pp > 1 and layout.microbatches is None:
+        report = fit_microbatches(report, at_microbatches, device_memory)
+    if report.recompute_auto and not report.fits:
+        choose_recompute([{m: r | {"peak": c} for m, c in r["recompute_peaks"].items()} for r in report.ranks],
+                         device_memory, report.microbatch_choice)  # raises: no mode fits
+    return report
+
+
+def _plan_at(mf, layout: Layout, plan, seed, batch, seq, device_memory) -> CostReport:
+    """The plan of ``layout`` as given (its microbatches: the default count when None); under ``--recompute auto``
+    the least mode that fits, or ``full`` with ``report.fits`` False when none does (the caller refuses it)."""
+    from fxshard.compiler import compile_program
+
     asked = layout.recompute
     # recompute changes how the generated code calls the blocks, not the graph: compile once, trace each mode
     result = compile_program(mf, dataclasses.replace(layout, recompute="none"), plan, seed, meta=True)  # shapes only: a 70B shape costs in seconds
@@ -160,7 +191,7 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     per_step_b = layout.dp * ctx.microbatches
     at = {B: batch if batch is not None else b * per_step_b, S: seq if seq is not None else (s or 1)}
     modes = [_rank_costs(gm, ctx, pp_rank, sym, at, per_step_b) for pp_rank in range(layout.pp)]
-    chosen = choose_recompute(modes, device_memory) if asked == "auto" else asked
+    chosen = (fitting_recompute(modes, device_memory) or RECOMPUTE_ORDER[-1]) if asked == "auto" else asked
     if chosen not in modes[0]:
         chosen = "none"  # a model without repeated blocks: the compiler refuses recompute for it
     layout = dataclasses.replace(layout, recompute=chosen)
@@ -169,7 +200,8 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     if ctx.unsplit is not None and ctx.unsplit.warns:
         notes.append(ctx.unsplit.note())
     report = CostReport(layout, at, notes=notes, recompute=chosen, recompute_auto=asked == "auto",
-                        unsplit=ctx.unsplit.to_json() if ctx.unsplit is not None else None)
+                        unsplit=ctx.unsplit.to_json() if ctx.unsplit is not None else None,
+                        batch_per_dp=ctx.batch // layout.dp if ctx.batch else None)
     for by_mode in modes:
         report.ranks.append(by_mode[chosen])
         if device_memory is not None:
@@ -179,21 +211,38 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     return report
 
 
-def choose_recompute(ranks: list[dict[str, dict]], device_memory: int) -> str:
+def fitting_recompute(ranks: list[dict[str, dict]], device_memory: int | None) -> str | None:
     """The least recompute (none < selective < full) under which every rank's predicted peak fits
-    ``device_memory`` bytes; ``ranks``: per pp rank, mode -> that rank's costs under the mode."""
+    ``device_memory`` bytes, or None; ``ranks``: per pp rank, mode -> that rank's costs under the mode."""
     modes = [m for m in RECOMPUTE_ORDER if all(m in r for r in ranks)]
     for mode in modes:
-        if all(r[mode]["peak"].value <= device_memory for r in ranks):
+        if device_memory is not None and all(r[mode]["peak"].value <= device_memory for r in ranks):
             return mode
-    last = modes[-1]
+    return None
+
+
+def choose_recompute(ranks: list[dict[str, dict]], device_memory: int, microbatches: dict | None = None) -> str:
+    """:func:`fitting_recompute`, refused when no mode fits (``microbatches``: the counts tried, for the message)."""
+    mode = fitting_recompute(ranks, device_memory)
+    if mode is not None:
+        return mode
+    last = [m for m in RECOMPUTE_ORDER if all(m in r for r in ranks)][-1]
     worst = max(ranks, key=lambda r: r[last]["peak"].value)[last]
+    tried = ""
+    if microbatches:  # the default count did not fit, nor any other that divides the batch
+        tried = (f" at the default {microbatches['chosen']} microbatches, and no other count that divides the batch "
+                 f"of {microbatches['batch_per_dp']} per dp rank fits (worst rank's peak by count: "
+                 f"{_tried(microbatches)})")
     raise LayoutError(
         f"--recompute auto: expected a recompute mode under which every rank fits --device-memory "
         f"{_gib(device_memory)}; found none: pp rank {worst['pp_rank']} (global ranks "
         f"{', '.join(map(str, worst['global_ranks']))}) is predicted to peak at {_gib(worst['peak'].value)} even "
-        f"under --recompute {last}; use more --pp or --tp, more microbatches (a smaller --batch per step), ZeRO "
-        "stage 1-3 with --dp, or a larger device")
+        f"under --recompute {last}{tried}; use more --pp or --tp, more microbatches (a smaller --batch per step), "
+        "ZeRO stage 1-3 with --dp, or a larger device")
+
+
+def _tried(choice: dict) -> str:
+    return ", ".join(f"{m}: {human_bytes(p)}" for m, p in sorted(choice["tried"].items()))
 
 
 def _gib(n: float) -> str:
