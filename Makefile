@@ -31,7 +31,7 @@ test-matrix: setup
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself),
 # less those marked slow (over ~4 s alone: big meta models, plans over many layouts; make test runs them).
 # Two workers (pytest-xdist), a test file each at a time: the machine's 2 cores.
-FAST := -m "not distributed and not e2e and not browser and not slow"
+FAST := -m "not distributed and not e2e and not browser and not slow and not matrix"
 test-fast: setup
 	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) -n 2 --dist loadfile --durations=10
 
