@@ -1,17 +1,18 @@
 """The time model against measurement: ``fxshard calibrate``, then predict and measure 12 layouts at world size 4.
 
 This machine is measured first (``fxshard calibrate --procs 4 --model`` this benchmark's model: matmul FLOP/s,
-memory bandwidth, gloo collectives over 2 and 4 processes, selective recompute's cost per op, and the model's own
-forward and backward against the roofline, ``compute_scale``), then for each layout of :data:`LAYOUTS` (tp, pp, dp,
-ZeRO and recompute mixed) the time model predicts one step of :mod:`benchmarks.models.auto_llama` from that profile,
-and ``fxshard compile`` + ``fxshard run --steps N --metrics`` measure it, in :data:`ROUNDS` rounds over the layouts,
-each round in its own shuffled order (the machine is shared: its load moves within a round and between rounds, and
-a fixed order would give the same layouts the same neighbours).  A run's step is the median of its steps after the
-first two; a layout's measured step is the least of its rounds' (load only ever adds time), its median over rounds
-reported beside it.  Reported: each layout's predicted and measured step and their ratio, the Spearman rank
-correlation of the two orders (issue 33's target: at least 0.8), the measured step of the predicted best against
-the measured best (target: within 10%), and the rounds' agreement with each other (the Spearman of every pair of
-rounds: how well the measurement ranks itself, the ceiling for any model).
+memory bandwidth, each gloo collective over groups of 2 and 4 processes under load, selective recompute's cost per
+op, and the model's own forward and backward against the roofline, ``compute_scale``), then for each layout of
+:data:`LAYOUTS` (tp, pp, dp, ZeRO and recompute mixed) the time model predicts one step of
+:mod:`benchmarks.models.auto_llama` from that profile, and ``fxshard compile`` + ``fxshard run --steps N --metrics``
+measure it, in :data:`ROUNDS` rounds over the layouts, each round in its own shuffled order (the machine is shared:
+its load moves within a round and between rounds, and a fixed order would give the same layouts the same
+neighbours). A run's step is the median of its steps after the first two; a layout's measured step is the least of
+its rounds' (load only ever adds time), its median over rounds reported beside it. Reported: each layout's predicted
+and measured step and their ratio, the Spearman rank correlation of the two orders (issue 33's target: at least
+0.8), the measured step of the predicted best against the measured best (target: within 10%), and the rounds'
+agreement with each other (the Spearman of every pair of rounds: how well the measurement ranks itself, the ceiling
+for any model).
 
     python -m benchmarks.run --only auto           # results/auto-cpu.md and .json
 """
@@ -44,9 +45,10 @@ LAYOUTS = [
 ]
 
 
-def run(work: Path, quick: bool = False, profile: Path | None = None, quick_calibrate: bool = True) -> dict:
-    """Calibrate (unless ``profile`` names one; ``quick_calibrate``: fewer sizes, a minute rather than six on this
-    shared machine), predict and measure every layout; the table's rows and summary."""
+def run(work: Path, quick: bool = False, profile: Path | None = None, quick_calibrate: bool = False) -> dict:
+    """Calibrate (unless ``profile`` names one; ``quick_calibrate``: three sizes of each collective rather than five,
+    20 s rather than a minute on this machine, and noisier), predict and measure every layout; the table's rows and
+    summary."""
     from fxshard.tools.hardware import load_hardware
     from fxshard.tools.profile import model_profile
     from fxshard.tools.timemodel import Evaluator, Setting, predict

@@ -10,10 +10,15 @@ run will share it:
 - memory bandwidth (a large copy: bytes read and written per second) and the time of a small op under autograd,
   its forward and its backward (``kernel_overhead``, a third of the two, as the time model charges an op once
   forward and twice backward: eager dispatch, autograd's graph, a floor for small ops);
-- collectives per group size: all-reduce, all-gather, reduce-scatter over groups of consecutive ranks within a node
-  (and, across nodes, of ranks one node apart), several sizes each; each link's bus bandwidth and latency are the
-  least-squares fit of ``time = steps x latency + wire bytes / bandwidth`` (the ring formulas the time model uses),
-  over all group sizes, and within a node once per group size (``groups``);
+- collectives per group size, under load: all-reduce, all-gather, reduce-scatter over groups of consecutive ranks
+  within a node (and, across nodes, of ranks one node apart), several sizes each.  Every rank is in one group of
+  the size and all groups measure at once, each rank computing between its collectives as a training step does: a
+  collective's time is what a run of matmuls with one after each takes over the same run without.  On a CPU whose
+  ranks outnumber its cores a collective waits for its peers to be scheduled again: over 4 gloo ranks on 2 cores a
+  small all-reduce of 4 took ~0.5 ms alone and ~5 ms beside computing ranks (tp and ZeRO 3 issue tens a step).
+  Each link's bus bandwidth and latency are the least-squares fit of ``time = steps x latency + wire bytes /
+  bandwidth`` (the ring formulas the time model uses), over all group sizes, and within a node once per group size
+  (``groups``);
 - overlap: an all-reduce in flight during a run of matmuls, against the two apart; the share of the shorter one
   that was hidden is the profile's ``overlap`` (on a CPU the collective's copies and sums share the cores);
 - selective recompute's cost per op: a chain of small ops through ``rt.recompute(keep="matmuls")`` (torch's
@@ -109,9 +114,9 @@ def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) ->
     selective = max(0.0, _agreed(_selective_overhead(device)) - overhead)  # less the op's own run again
     step = _agreed(_model_step(model, world, device, quick)) if model is not None else None
     overlap = _agreed(_overlap(device, quick))
-    links = {"intra_node": _link(range(0, min(local, world)), device, quick)}
     nodes = world // local
-    links["inter_node"] = _link(range(0, world, local), device, quick) if nodes > 1 else None
+    links = {"intra_node": _link(_intra_groups, local, world, device, quick),
+             "inter_node": _link(_inter_groups, nodes, world, device, quick) if nodes > 1 else None}
     if rank != 0:
         return None
     intra = links["intra_node"]
@@ -131,6 +136,8 @@ def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) ->
         "efficiency": {"matmul": 1.0, "attention": round(min(1.0, attention), 3), "memory": 1.0},
         "kernel_overhead": overhead,
         "groups": {str(g): fit for g, fit in intra["groups"].items()} if intra else {},
+        "collectives": {op: {str(g): fit for g, fit in by_group.items()} for op, by_group in intra["collectives"].items()}
+        if intra else {},
         "overlap": round(overlap, 3),
         "contention": round(contention, 3),
         "selective_overhead": selective,
@@ -326,31 +333,60 @@ def _overlap(device, quick: bool) -> float:
     return min(1.0, max(0.0, (alone + talk - together) / shorter)) if shorter > 0 else 1.0
 
 
-def _link(ranks, device, quick: bool) -> dict | None:
-    """Bus bandwidth and latency of the link among ``ranks`` (fitted over group sizes, sizes and collectives)."""
-    ranks = list(ranks)
-    if len(ranks) < 2:
+def _intra_groups(g: int, local: int, world: int) -> list[list[int]]:
+    """Every rank in one group of ``g`` consecutive ranks of its node (as tp groups are laid out)."""
+    return [list(range(start, start + g)) for node in range(0, world, local) for start in range(node, node + local, g)]
+
+
+def _inter_groups(g: int, nodes: int, world: int) -> list[list[int]]:
+    """Every rank in one group of ``g`` ranks one node apart (the same local rank on ``g`` consecutive nodes)."""
+    local = world // nodes
+    return [[(first + j) * local + i for j in range(g)] for first in range(0, nodes, g) for i in range(local)]
+
+
+def _link(groups_of, span: int, world: int, device, quick: bool) -> dict | None:
+    """Bus bandwidth and latency of a link (fitted over group sizes, sizes and collectives): for each group size
+    ``g`` up to ``span`` (the ranks of a node, or the nodes), ``groups_of(g, span, world)`` puts every rank in one
+    group and all groups measure at once, under load (:func:`_loaded_collective`)."""
+    if span < 2:
         return None
     sizes = [2**16, 2**20, 2**22] if quick else [2**16, 2**18, 2**20, 2**22, 2**24]
-    groups = sorted({g for g in (2, 4, 8, len(ranks)) if g <= len(ranks)})
+    sizes_g = sorted({g for g in (2, 4, 8, span) if g <= span and span % g == 0})
+    load = _Load(device)
     points = []
-    for g in groups:
-        members = ranks[:g]
-        group = dist.new_group(members)  # collective over the world: every rank makes every group
-        if dist.get_rank() in members:
-            for op in OPS:
-                for nbytes in sizes:
-                    points.append((op, g, nbytes, _collective_time(op, nbytes, g, group, device)))
+    for g in sizes_g:
+        groups = groups_of(g, span, world)
+        handles = [dist.new_group(members) for members in groups]  # collective over the world: every rank makes each
+        mine = next(h for h, members in zip(handles, groups, strict=True) if dist.get_rank() in members)
+        for op in OPS:
+            for nbytes in sizes:
+                points.append((op, g, nbytes, _loaded_collective(op, nbytes, g, mine, device, load, quick)))
         dist.barrier()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, points)
-    fit = _fit(gathered[0])
-    fit["groups"] = {g: {k: v for k, v in _fit([p for p in gathered[0] if p[1] == g]).items() if k != "points"}
-                     for g in groups}
+    agreed = [(op, g, nbytes, _agreed(t)) for op, g, nbytes, t in points]  # the median of every rank's own group
+    fit = _fit(agreed)
+    fit["groups"] = {g: _fit([p for p in agreed if p[1] == g], keep=False) for g in sizes_g}
+    fit["collectives"] = {op: {g: _fit([p for p in agreed if p[:2] == (op, g)], keep=False) for g in sizes_g}
+                          for op in OPS}
     return fit
 
 
-def _collective_time(op: str, nbytes: int, g: int, group, device) -> float:
+class _Load:
+    """The compute a rank does between collectives while measuring them: a short run of matmuls (~1 ms alone on
+    this machine's core or device), the same on every rank."""
+
+    def __init__(self, device):
+        n = 256 if device.type == "cpu" else 2048
+        self.a = torch.randn(n, n, device=device)
+        self.count = 4
+
+    def __call__(self):
+        for _ in range(self.count):
+            self.a @ self.a
+
+
+def _loaded_collective(op: str, nbytes: int, g: int, group, device, load: _Load, quick: bool) -> float:
+    """Seconds one collective adds to a rank that computes between its collectives, every rank at once: ``runs`` x
+    (the load, then the collective) over ``runs`` x the load alone, per collective."""
     n = nbytes // 4
     n -= n % g
     buf = torch.ones(n, device=device)
@@ -358,7 +394,20 @@ def _collective_time(op: str, nbytes: int, g: int, group, device) -> float:
     fn = {"all_reduce": lambda: dist.all_reduce(buf, group=group),
           "all_gather": lambda: dist.all_gather_into_tensor(buf, part, group=group),
           "reduce_scatter": lambda: _reduce_scatter(part, buf, group)}[op]
-    return _timed(fn, device, 5, group)
+    runs = 8 if quick else 16
+
+    def loaded():
+        for _ in range(runs):
+            load()
+            fn()
+
+    def alone():
+        for _ in range(runs):
+            load()
+
+    repeats = 3 if quick else 5
+    with_collective, without = _timed(loaded, device, repeats), _timed(alone, device, repeats)
+    return max((with_collective - without) / runs, 1e-6)
 
 
 def _reduce_scatter(out, buf, group):
@@ -366,8 +415,9 @@ def _reduce_scatter(out, buf, group):
     return fn(out, buf, group=group)
 
 
-def _fit(points: list) -> dict:
-    """Least squares of ``t = steps x latency + wire / bandwidth`` (steps and wire of each point's ring collective)."""
+def _fit(points: list, keep: bool = True) -> dict:
+    """Least squares of ``t = steps x latency + wire / bandwidth`` (steps and wire of each point's ring collective);
+    ``keep``: with the points."""
     rows = []
     for op, g, nbytes, t in points:
         passes = PASSES[op]
@@ -383,8 +433,10 @@ def _fit(points: list) -> dict:
     inverse_bw = (sxx * syt - sxy * sxt) / det if det else 0.0
     if latency < 0 or inverse_bw <= 0:  # noise: bandwidth alone through the origin
         latency, inverse_bw = 1e-6, syt / syy if syy else 1e-9
-    return {"bandwidth": 1 / inverse_bw, "latency": latency,
-            "points": [{"op": op, "group": g, "bytes": nb, "seconds": t} for op, g, nb, t in points]}
+    fit = {"bandwidth": 1 / inverse_bw, "latency": latency}
+    if keep:
+        fit["points"] = [{"op": op, "group": g, "bytes": nb, "seconds": t} for op, g, nb, t in points]
+    return fit
 
 
 def _machine(device) -> str:

@@ -13,6 +13,8 @@ one step of a collective.  ``efficiency`` is the share of the peak each op class
 training step runs, attention kernels, memory-bound ops).  Optional: ``kernel_overhead`` (seconds per kernel, a
 floor for tiny ops), ``default_dtype``, ``groups`` (a link fitted per group size within a node, as ``fxshard calibrate``
 measures it: on a CPU whose processes outnumber its cores a group of 4 is far slower per step than one of 2),
+``collectives`` (a link fitted per collective and group size within a node, where a backend's collective departs
+from the ring formula: gloo's reduce-scatter takes longer than its all-reduce of the same buffer),
 ``overlap`` (the share of a collective that runs hidden beside compute, 1.0 unless measured: calibrate times an
 all-reduce in flight during matmuls against the two apart), ``contention`` (a rank's matmul rate alone over its rate
 while every rank computes, 1.0 unless measured: above 1 where ranks outnumber cores), ``compute_scale`` (a model's
@@ -46,6 +48,7 @@ REQUIRED = {
 }
 LINK_FIELDS = ("bandwidth", "latency")
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "memory": 0.7}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32"}  # Layout.dtype -> the peak_flops key its matmuls run at
 
 
@@ -67,6 +70,7 @@ class Hardware:
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     kernel_overhead: float = 0.0
     groups: dict[int, Link] = field(default_factory=dict)  # within a node, by group size (measured)
+    collectives: dict[str, dict[int, Link]] = field(default_factory=dict)  # within a node, by op and group size
     overlap: float = 1.0  # share of communication hidden beside compute where the runtime overlaps it
     contention: float = 1.0  # one rank's compute rate alone over each one's when all compute (ranks > cores)
     compute_scale: float = 1.0  # a model's measured forward + backward over the roofline's (calibrate --model)
@@ -85,12 +89,13 @@ class Hardware:
                                   d for d, k in DTYPE_PEAK.items() if k in self.peak_flops))
         return self.peak_flops[key]
 
-    def link(self, spread: int, group: int = 0) -> Link:
-        """The link a group of ``group`` devices uses: within one node when its members sit on ``spread`` == 1 node
-        (the fit for that group size where the profile has one), else across."""
+    def link(self, spread: int, group: int = 0, op: str = "") -> Link:
+        """The link a group of ``group`` devices uses for collective ``op``: within one node when its members sit on
+        ``spread`` == 1 node (the fit for that collective and group size, else for that group size, where the profile
+        has one), else across."""
         if spread > 1:
             return self.inter_node
-        return self.groups.get(group, self.intra_node)
+        return self.collectives.get(op, {}).get(group) or self.groups.get(group, self.intra_node)
 
     def exposed(self, seconds: float, beside: float) -> float:
         """What is left of ``seconds`` of communication that runs beside ``beside`` seconds of compute: the
@@ -104,7 +109,7 @@ class Hardware:
         a tree's latency term (NCCL picks by size)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        link = self.link(spread, group)
+        link = self.link(spread, group, op)
         passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}[op]
         wire = passes * (group - 1) / group * nbytes
         if op == "all_to_all" and spread > 1:  # every pair exchanges directly: the node's share crosses the network
@@ -161,6 +166,8 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     efficiency=DEFAULT_EFFICIENCY | {k: float(v) for k, v in data.get("efficiency", {}).items()},
                     kernel_overhead=float(data.get("kernel_overhead", 0.0)),
                     groups={int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in data.get("groups", {}).items()},
+                    collectives={op: {int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in by_group.items()}
+                                 for op, by_group in data.get("collectives", {}).items()},
                     overlap=float(data.get("overlap", 1.0)), contention=float(data.get("contention", 1.0)),
                     compute_scale=float(data.get("compute_scale", 1.0)),
                     selective_overhead=float(data.get("selective_overhead", 0.0)),
@@ -186,10 +193,14 @@ def _malformed(data: dict) -> list[str]:
         out += [f"{key}.{f} (expected a positive number)" for f in LINK_FIELDS
                 if not (_positive(link.get(f)) or (f == "latency" and link.get(f) == 0))]
     groups = data.get("groups", {})
-    if not isinstance(groups, dict) or not all(
-            str(g).isdigit() and isinstance(v, dict) and _positive(v.get("bandwidth")) and
-            isinstance(v.get("latency"), (int, float)) and v["latency"] >= 0 for g, v in groups.items()):
+    if not isinstance(groups, dict) or not all(_link_ok(g, v) for g, v in groups.items()):
         out.append("groups (expected an object of group size -> {\"bandwidth\": bytes/s, \"latency\": seconds})")
+    collectives = data.get("collectives", {})
+    if not isinstance(collectives, dict) or not all(
+            op in COLLECTIVES and isinstance(by_group, dict) and all(_link_ok(g, v) for g, v in by_group.items())
+            for op, by_group in collectives.items()):
+        out.append("collectives (expected an object of collective (" + ", ".join(COLLECTIVES) + ") -> group size -> "
+                   "{\"bandwidth\": bytes/s, \"latency\": seconds})")
     overlap = data.get("overlap", 1.0)
     if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
         out.append(f"overlap (expected a share in [0, 1], found {overlap!r})")
@@ -206,6 +217,11 @@ def _malformed(data: dict) -> list[str]:
     if not isinstance(eff, dict) or not all(_positive(v) and v <= 1 for v in eff.values()):
         out.append("efficiency (expected an object of op class -> share of the peak in (0, 1])")
     return out
+
+
+def _link_ok(group, link) -> bool:
+    return str(group).isdigit() and isinstance(link, dict) and _positive(link.get("bandwidth")) and \
+        isinstance(link.get("latency"), (int, float)) and link["latency"] >= 0
 
 
 def _positive(v) -> bool:

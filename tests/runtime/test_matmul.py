@@ -51,6 +51,7 @@ def _compiled_step(cpu_matmul: str, dtype=torch.float32):
     return _step(eager, x), got, onednn_products() - before
 
 
+@pytest.mark.slow  # inductor compiles the step twice: 12 to 18 s
 def test_onednn_takes_the_large_fp32_products_and_matches_eager():
     from torch._dynamo.utils import counters
 
@@ -83,6 +84,7 @@ def test_onednn_mm_equals_addmm_on_every_stride():
             assert _rel(onednn_mm(a, b, bias), want) <= RTOL, (name, kind)
 
 
+@pytest.mark.slow  # two inductor compiles
 def test_torch_kernel_and_other_dtypes_are_left_alone():
     (loss, _), (c_loss, _), rewritten = _compiled_step("torch")
     assert rewritten == 0 and _rel(c_loss, loss) <= RTOL

@@ -92,6 +92,37 @@ def test_a_measured_group_size_uses_its_own_fit_and_overlap_hides_its_share(tmp_
     assert "groups" in str(e.value) and "overlap" in str(e.value) and "contention" in str(e.value)
 
 
+def test_a_collective_measured_apart_uses_its_own_fit_before_its_group_sizes(tmp_path):
+    """calibrate fits each collective and group size apart too (gloo's reduce-scatter takes longer than the ring
+    formula's half of its all-reduce); a collective or group size without its own fit takes the group size's, then
+    the node's link; a malformed entry is named."""
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(GOOD | {"groups": {"2": {"bandwidth": 1e9, "latency": 1e-3}},
+                                       "collectives": {"reduce_scatter": {"2": {"bandwidth": 2e8, "latency": 3e-3}}}}))
+    hw = load_hardware(path)
+    assert hw.collective_seconds("reduce_scatter", 1e6, 2, 1) == pytest.approx(1 / 2 * 1e6 / 2e8 + 1 * 3e-3)
+    assert hw.collective_seconds("all_reduce", 1e6, 2, 1) == pytest.approx(2 * 1 / 2 * 1e6 / 1e9 + 2 * 1e-3)
+    assert hw.collective_seconds("reduce_scatter", 1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 4e11 + 3 * 5e-6)
+    assert hw.collective_seconds("reduce_scatter", 1e6, 2, 2) == pytest.approx(1 / 2 * 1e6 / 5e10 + 1e-5)
+    path.write_text(json.dumps(GOOD | {"collectives": {"all_reduce": {"2": {"bandwidth": -1, "latency": 0}},
+                                                       "gossip": {}}}))
+    with pytest.raises(OptionError, match="collectives .expected an object of collective .all_reduce"):
+        load_hardware(path)
+
+
+def test_calibrate_puts_every_rank_in_one_group_of_each_size_measured_at_once():
+    """Collectives are measured under load, all groups of a size at once: every rank in exactly one group, within
+    a node of consecutive ranks (as tp's), across nodes of the same local rank (as dp's over nodes)."""
+    from fxshard.tools.calibrate import _inter_groups, _intra_groups
+
+    assert _intra_groups(2, 4, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert _intra_groups(4, 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _inter_groups(2, 2, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _inter_groups(2, 4, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for groups in (_intra_groups(2, 8, 16), _inter_groups(4, 4, 16), _inter_groups(2, 4, 16)):
+        assert sorted(r for g in groups for r in g) == list(range(16))
+
+
 def test_compute_scale_and_selective_overhead_load_and_bad_values_are_named(tmp_path):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(GOOD | {"compute_scale": 2.5, "selective_overhead": 3e-5}))
@@ -127,7 +158,10 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency >= 0
     points = written["measured"]["intra_node"]["points"]
     assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
-    assert set(hw.groups) == {2} and 0 <= hw.overlap <= 1 and hw.contention >= 1 and hw.kernel_overhead > 0
+    assert set(hw.groups) == {2} and set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(set(by_group) == {2} for by_group in hw.collectives.values())
+    assert all(p["seconds"] > 0 for p in points)  # what a collective adds beside computing ranks
+    assert 0 <= hw.overlap <= 1 and hw.contention >= 1 and hw.kernel_overhead > 0
     assert hw.selective_overhead >= 0 and hw.compute_scale == 1.0  # no --model: no step measured
 
 
