@@ -18,7 +18,8 @@ run will share it:
   small all-reduce of 4 took ~0.5 ms alone and ~5 ms beside computing ranks (tp and ZeRO 3 issue tens a step).
   Each link's bus bandwidth and latency are the least-squares fit of ``time = steps x latency + wire bytes /
   bandwidth`` (the ring formulas the time model uses), over all group sizes, and within a node once per group size
-  (``groups``);
+  (``groups``) and once per collective and group size (``collectives``: on gloo a large reduce-scatter takes longer
+  than an all-reduce of the same buffer, the ring formula's double);
 - overlap: an all-reduce in flight during a run of matmuls, against the two apart; the share of the shorter one
   that was hidden is the profile's ``overlap`` (on a CPU the collective's copies and sums share the cores);
 - selective recompute's cost per op: a chain of small ops through ``rt.recompute(keep="matmuls")`` (torch's
@@ -101,7 +102,11 @@ def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) ->
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world)
+    if world % local:
+        raise OptionError(f"calibrate: expected WORLD_SIZE ({world}) to be a multiple of LOCAL_WORLD_SIZE ({local}), "
+                          "the ranks of each node; found otherwise: start it with torchrun --nproc-per-node, or "
+                          "fxshard calibrate --procs N on one machine")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -351,7 +356,7 @@ def _link(groups_of, span: int, world: int, device, quick: bool) -> dict | None:
     if span < 2:
         return None
     sizes = [2**16, 2**20, 2**22] if quick else [2**16, 2**18, 2**20, 2**22, 2**24]
-    sizes_g = sorted({g for g in (2, 4, 8, span) if g <= span and span % g == 0})
+    sizes_g = sorted({g for g in range(2, min(span, 8) + 1) if span % g == 0} | {span})  # tp's sizes, and all
     load = _Load(device)
     points = []
     for g in sizes_g:
@@ -362,7 +367,10 @@ def _link(groups_of, span: int, world: int, device, quick: bool) -> dict | None:
             for nbytes in sizes:
                 points.append((op, g, nbytes, _loaded_collective(op, nbytes, g, mine, device, load, quick)))
         dist.barrier()
-    agreed = [(op, g, nbytes, _agreed(t)) for op, g, nbytes, t in points]  # the median of every rank's own group
+    seconds = [None] * world  # the median over the ranks (each measured its own group) of each point, at once
+    dist.all_gather_object(seconds, [t for *_, t in points])
+    by_point = zip(*seconds, strict=True)  # every rank measured the same points, in the same order
+    agreed = [(op, g, nbytes, statistics.median(ts)) for (op, g, nbytes, _), ts in zip(points, by_point, strict=True)]
     fit = _fit(agreed)
     fit["groups"] = {g: _fit([p for p in agreed if p[1] == g], keep=False) for g in sizes_g}
     fit["collectives"] = {op: {g: _fit([p for p in agreed if p[:2] == (op, g)], keep=False) for g in sizes_g}
@@ -431,8 +439,10 @@ def _fit(points: list, keep: bool = True) -> dict:
     det = sxx * syy - sxy * sxy
     latency = (sxt * syy - syt * sxy) / det if det else 0.0
     inverse_bw = (sxx * syt - sxy * sxt) / det if det else 0.0
-    if latency < 0 or inverse_bw <= 0:  # noise: bandwidth alone through the origin
-        latency, inverse_bw = 1e-6, syt / syy if syy else 1e-9
+    if inverse_bw <= 0:  # no slower with size (latency-bound, or noise): latency alone
+        latency, inverse_bw = max(sxt / sxx if sxx else 0.0, 0.0), 1e-15
+    elif latency < 0:  # bandwidth alone, through the origin
+        latency, inverse_bw = 0.0, syt / syy if syy else 1e-15
     fit = {"bandwidth": 1 / inverse_bw, "latency": latency}
     if keep:
         fit["points"] = [{"op": op, "group": g, "bytes": nb, "seconds": t} for op, g, nb, t in points]

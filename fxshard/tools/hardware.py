@@ -14,7 +14,7 @@ training step runs, attention kernels, memory-bound ops).  Optional: ``kernel_ov
 floor for tiny ops), ``default_dtype``, ``groups`` (a link fitted per group size within a node, as ``fxshard calibrate``
 measures it: on a CPU whose processes outnumber its cores a group of 4 is far slower per step than one of 2),
 ``collectives`` (a link fitted per collective and group size within a node, where a backend's collective departs
-from the ring formula: gloo's reduce-scatter takes longer than its all-reduce of the same buffer),
+from the ring formula: gloo's reduce-scatter of a large buffer takes longer than its all-reduce of it),
 ``overlap`` (the share of a collective that runs hidden beside compute, 1.0 unless measured: calibrate times an
 all-reduce in flight during matmuls against the two apart), ``contention`` (a rank's matmul rate alone over its rate
 while every rank computes, 1.0 unless measured: above 1 where ranks outnumber cores), ``compute_scale`` (a model's

@@ -4,6 +4,7 @@ every field, and the collective times are the ring formulas at the link each gro
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -104,10 +105,10 @@ def test_a_collective_measured_apart_uses_its_own_fit_before_its_group_sizes(tmp
     assert hw.collective_seconds("all_reduce", 1e6, 2, 1) == pytest.approx(2 * 1 / 2 * 1e6 / 1e9 + 2 * 1e-3)
     assert hw.collective_seconds("reduce_scatter", 1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 4e11 + 3 * 5e-6)
     assert hw.collective_seconds("reduce_scatter", 1e6, 2, 2) == pytest.approx(1 / 2 * 1e6 / 5e10 + 1e-5)
-    path.write_text(json.dumps(GOOD | {"collectives": {"all_reduce": {"2": {"bandwidth": -1, "latency": 0}},
-                                                       "gossip": {}}}))
-    with pytest.raises(OptionError, match="collectives .expected an object of collective .all_reduce"):
-        load_hardware(path)
+    for bad in ({"all_reduce": {"2": {"bandwidth": -1, "latency": 0}}}, {"gossip": {}}):
+        path.write_text(json.dumps(GOOD | {"collectives": bad}))
+        with pytest.raises(OptionError, match="collectives .expected an object of collective .all_reduce"):
+            load_hardware(path)
 
 
 def test_calibrate_puts_every_rank_in_one_group_of_each_size_measured_at_once():
@@ -119,6 +120,7 @@ def test_calibrate_puts_every_rank_in_one_group_of_each_size_measured_at_once():
     assert _intra_groups(4, 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert _inter_groups(2, 2, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert _inter_groups(2, 4, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert _inter_groups(3, 3, 6) == [[0, 2, 4], [1, 3, 5]] and _inter_groups(3, 3, 3) == [[0, 1, 2]]
     for groups in (_intra_groups(2, 8, 16), _inter_groups(4, 4, 16), _inter_groups(2, 4, 16)):
         assert sorted(r for g in groups for r in g) == list(range(16))
 
@@ -133,6 +135,18 @@ def test_compute_scale_and_selective_overhead_load_and_bad_values_are_named(tmp_
     with pytest.raises(OptionError) as e:
         load_hardware(path)
     assert "compute_scale" in str(e.value) and "selective_overhead" in str(e.value)
+
+
+def test_a_fit_that_noise_bends_keeps_what_it_measured():
+    """Latency-bound points (no slower with size, as small collectives beside computing ranks are) keep their
+    latency, not a bandwidth through the origin that would predict a small collective 50 times too fast; points
+    whose fit has a negative latency keep their bandwidth."""
+    flat = _fit([("all_reduce", 4, 2**16, 5.3e-3), ("all_reduce", 4, 2**20, 4.9e-3), ("all_reduce", 4, 2**22, 4.8e-3)])
+    assert flat["latency"] == pytest.approx((5.3e-3 + 4.9e-3 + 4.8e-3) / 3 / 6) and flat["bandwidth"] > 1e14
+    steep = _fit([("all_gather", 2, 2**16, 1e-5), ("all_gather", 2, 2**20, 2e-3), ("all_gather", 2, 2**22, 8e-3)])
+    assert steep["latency"] == 0 and 1e8 < steep["bandwidth"] < 1e9
+    for fit in (flat, steep):
+        assert math.isfinite(fit["bandwidth"]) and fit["bandwidth"] > 0
 
 
 def test_calibrate_fits_the_ring_formula_back_from_its_points():
@@ -160,7 +174,8 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
     assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
     assert set(hw.groups) == {2} and set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(set(by_group) == {2} for by_group in hw.collectives.values())
-    assert all(p["seconds"] > 0 for p in points)  # what a collective adds beside computing ranks
+    largest = max(p["bytes"] for p in points)  # 4 MiB all-reduced beside computing ranks: milliseconds, not the floor
+    assert all(p["seconds"] > 1e-4 for p in points if p["bytes"] == largest and p["op"] == "all_reduce")
     assert 0 <= hw.overlap <= 1 and hw.contention >= 1 and hw.kernel_overhead > 0
     assert hw.selective_overhead >= 0 and hw.compute_scale == 1.0  # no --model: no step measured
 
