@@ -40,7 +40,6 @@ The measured points stay in the profile (``measured``), next to the fitted field
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time
@@ -51,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from fxshard.errors import OptionError
+from fxshard.tools.hardware import ring_terms
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
 def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None = None) -> dict:
@@ -426,11 +425,7 @@ def _reduce_scatter(out, buf, group):
 def _fit(points: list, keep: bool = True) -> dict:
     """Least squares of ``t = steps x latency + wire / bandwidth`` (steps and wire of each point's ring collective);
     ``keep``: with the points."""
-    rows = []
-    for op, g, nbytes, t in points:
-        passes = PASSES[op]
-        steps = passes * min(g - 1, 2 * math.ceil(math.log2(g)))
-        rows.append((steps, passes * (g - 1) / g * nbytes, t))
+    rows = [(*ring_terms(op, g, nbytes), t) for op, g, nbytes, t in points]
     sxx = sum(s * s for s, _, _ in rows)
     sxy = sum(s * w for s, w, _ in rows)
     syy = sum(w * w for _, w, _ in rows)

@@ -48,7 +48,7 @@ REQUIRED = {
 }
 LINK_FIELDS = ("bandwidth", "latency")
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "memory": 0.7}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}  # over the buffer
 DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32"}  # Layout.dtype -> the peak_flops key its matmuls run at
 
 
@@ -110,11 +110,9 @@ class Hardware:
         if group <= 1 or nbytes <= 0:
             return 0.0
         link = self.link(spread, group, op)
-        passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}[op]
-        wire = passes * (group - 1) / group * nbytes
+        steps, wire = ring_terms(op, group, nbytes)
         if op == "all_to_all" and spread > 1:  # every pair exchanges directly: the node's share crosses the network
             wire = nbytes * (group - group / spread) / group
-        steps = passes * min(group - 1, 2 * math.ceil(math.log2(group)))
         return wire / link.bandwidth + steps * link.latency
 
     def p2p_seconds(self, nbytes: float, spread: int) -> float:
@@ -123,6 +121,14 @@ class Hardware:
             return 0.0
         link = self.link(spread, 2)
         return nbytes / link.bandwidth + link.latency
+
+
+def ring_terms(op: str, group: int, nbytes: float) -> tuple[int, float]:
+    """(latency steps, wire bytes per device) of collective ``op`` over ``group`` devices on a buffer of ``nbytes``:
+    the ring's bandwidth term, and the smaller of the ring's and a tree's step count (NCCL picks by size).  What
+    :meth:`Hardware.collective_seconds` charges, and what ``fxshard calibrate`` fits links to."""
+    passes = PASSES[op]
+    return passes * min(group - 1, 2 * math.ceil(math.log2(group))), passes * (group - 1) / group * nbytes
 
 
 def hardware_names() -> list[str]:
@@ -197,9 +203,9 @@ def _malformed(data: dict) -> list[str]:
         out.append("groups (expected an object of group size -> {\"bandwidth\": bytes/s, \"latency\": seconds})")
     collectives = data.get("collectives", {})
     if not isinstance(collectives, dict) or not all(
-            op in COLLECTIVES and isinstance(by_group, dict) and all(_link_ok(g, v) for g, v in by_group.items())
+            op in PASSES and isinstance(by_group, dict) and all(_link_ok(g, v) for g, v in by_group.items())
             for op, by_group in collectives.items()):
-        out.append("collectives (expected an object of collective (" + ", ".join(COLLECTIVES) + ") -> group size -> "
+        out.append("collectives (expected an object of collective (" + ", ".join(PASSES) + ") -> group size -> "
                    "{\"bandwidth\": bytes/s, \"latency\": seconds})")
     overlap = data.get("overlap", 1.0)
     if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
