@@ -57,6 +57,8 @@ class InputSpec:
     is_tensor: bool
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    counted_by: str = ""  # the boolean input whose True positions its entries follow (fxshard.capture.rows)
+    whole: bool = False  # its first dimension is neither the batch nor counted: never split
 
 
 @dataclass

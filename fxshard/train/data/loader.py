@@ -103,7 +103,7 @@ class Batches:
     def _sliced(self):
         batches, rows = self.source.batches, self.spec.rows
         for n in itertools.count(self.position // rows):
-            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size)
+            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size, self.spec.row_layout)
             yield _without(batch, self.unread, self.spec)
 
     def _order(self) -> EpochOrder:
