@@ -185,7 +185,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "found auto; compile through fxshard.driver.compile or `fxshard compile` with "
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
-    mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
+    mf = (model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)).for_layout(layout)
     microbatches, batch, inputs = 1, None, None
     if program is None:
         inputs = mf.build_inputs(seed)
