@@ -29,6 +29,7 @@ from fxshard.capture.modelfile import (
     ModelFile,
     load_model_file,
 )
+from fxshard.capture.lora import lora_modules
 from fxshard.capture.precision import capture_at
 from fxshard.capture.program import Program
 from fxshard.codegen import emit_rank, rank_file_name
@@ -400,7 +401,8 @@ def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int,
         plan_source=ctx.plan.source, plan=tuple(ctx.plan.describe()), notes=tuple(ctx.notes), inputs=inputs,
         outputs=tuple(program.output_paths), tied=dict(sorted(program.tied.items())),
         custom_ops={**program.custom_ops, **{f"fxshard_fn::{name}": f.module for name, f in program.functions.items()}},
-        ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx), batch_couplings=tuple(ctx.batch_couplings))
+        ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx), batch_couplings=tuple(ctx.batch_couplings),
+        lora=tuple(lora_modules(program.model)))
 
 
 def _pipeline_info(gm: fx.GraphModule, ctx: CompileContext) -> PipelineInfo | None:

@@ -131,11 +131,12 @@ def _config(model: torch.nn.Module, options: LoraOptions, where: str):
                             f"type, and peft has none for {model_type or type(model).__name__}; give --lora-targets "
                             f"(its linears and embeddings are named {', '.join(leaves) or '(none)'})")
         targets = tuple(default)
-    matched_modules(model, targets, where)
+    modules = dict(model.named_modules())
+    conv1d = any(type(modules[n]).__name__ == "Conv1D" for n in matched_modules(model, targets, where))
     globbed = any(c in t for t in targets for c in "*?")
     target_modules = "|".join(f"(?:{target_pattern(t)})" for t in targets) if globbed else list(targets)
     return peft.LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=options.dropout,
-                           target_modules=target_modules, bias="none")
+                           target_modules=target_modules, bias="none", fan_in_fan_out=conv1d)
 
 
 def apply_lora(model: torch.nn.Module, options: LoraOptions, seed: int, where: str) -> torch.nn.Module:
