@@ -25,11 +25,11 @@ import torch.fx as fx
 from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
+from fxshard.capture.lora import lora_modules
 from fxshard.capture.modelfile import (
     ModelFile,
     load_model_file,
 )
-from fxshard.capture.lora import lora_modules
 from fxshard.capture.precision import capture_at
 from fxshard.capture.program import Program
 from fxshard.codegen import emit_rank, rank_file_name

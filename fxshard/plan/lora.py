@@ -39,7 +39,7 @@ from fxshard.errors import PlanError
 from fxshard.graph import node_fqn
 from fxshard.ir.placement import Placement, Replicate, Shard
 from fxshard.plan.layers import WeightOp
-from fxshard.plan.styles import ResolvedPlan, Style, colwise, replicate, rowwise
+from fxshard.plan.styles import Style, colwise, replicate, rowwise
 
 aten = torch.ops.aten
 R = Replicate()
