@@ -17,7 +17,7 @@ from harness import assert_matches_single_device, compile_and_train, single_devi
 from fxshard.capture.modelfile import load_model_file
 from fxshard.ir.layout import Layout
 from fxshard.testing import case_result, matrix, selected_cases
-from fxshard.tools.verify import gather_parameters
+from fxshard.check.verify import gather_parameters
 from fxshard.train.optim import OptimConfig
 
 MODELS = Path(__file__).resolve().parent / "models"

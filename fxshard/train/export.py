@@ -67,7 +67,7 @@ def trained_model(checkpoint: str | Path, model_file: str | Path | None = None,
     mf = load_model_file(model_file).for_layout(Layout.from_json(reader.index.get("layout", {})))
     base_weights = (reader.index.get(FROZEN) or {}).get("weights")
     if base_weights is not None and not meta_base:
-        from fxshard.tools.verify import with_weights
+        from fxshard.check.verify import with_weights
 
         mf = with_weights(mf, Path(base_weights))
     model = mf.build_model(int(reader.index.get("seed", 0)), meta=meta_base)
