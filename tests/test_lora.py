@@ -15,9 +15,9 @@ import torch
 from harness import assert_matches_single_device, compile_and_train, single_device
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import gather_parameters
 from fxshard.ir.layout import Layout
 from fxshard.testing import case_result, matrix, selected_cases
-from fxshard.check.verify import gather_parameters
 from fxshard.train.optim import OptimConfig
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -39,6 +39,7 @@ CASES = {
     "llama-tp2-dp2-zero1": (LLAMA, lora(tp=2, dp=2, zero=1)),
     "llama-pp2-dp2-zero3": (LLAMA, lora(pp=2, dp=2, zero=3)),
     "llama-tp2-sp": (LLAMA, lora(tp=2, sp=True)),
+    "llama-tp2-dropout": (LLAMA, lora("q_proj,o_proj,gate_proj,down_proj", tp=2, lora_dropout=0.1)),
     "llama-dp2-zero2-bf16": (LLAMA, lora(dp=2, zero=2, dtype="bf16")),
     "gpt2-tp2": (GPT2, lora("c_attn,c_proj,c_fc", tp=2)),
     "peft-llama-tp2": (PEFT_LLAMA, Layout(tp=2)),

@@ -43,6 +43,7 @@ def test_adapters_follow_their_bases_split():
     assert plan[f"{LAYER}.self_attn.o_proj.base_layer"] == "rowwise()  [model]"
 
 
+@pytest.mark.slow  # GPT-2's 4 layers
 def test_a_packed_conv1d_base_splits_its_adapter_by_the_same_blocks():
     got = _placements(compile_program(GPT2, Layout(tp=2, lora=4, lora_targets="c_attn,c_proj")))
     prefix = "base_model.model.transformer.h.0"
@@ -52,6 +53,7 @@ def test_a_packed_conv1d_base_splits_its_adapter_by_the_same_blocks():
     assert got[f"{prefix}.mlp.c_proj.lora_B.default.weight"] == Replicate()
 
 
+@pytest.mark.slow  # the rank files generated and checked
 def test_the_rank_file_shows_the_adapters_in_the_usual_notation(tmp_path):
     result = compile_model(LLAMA, Layout(tp=2, lora=4, lora_targets="q_proj,o_proj"), out=tmp_path)
     code = result.sources["rank_pp0_tp1.py"]
@@ -67,6 +69,7 @@ def test_the_rank_file_shows_the_adapters_in_the_usual_notation(tmp_path):
     assert "all_reduce(linear_6, self.tp)" in code and "[4, 16, 4] f32 P(sum) -> R" in code
 
 
+@pytest.mark.slow  # two compiles
 def test_a_peft_model_file_and_the_lora_flags_compile_to_one_program():
     flags = compile_program(LLAMA, Layout(tp=2, lora=4, lora_alpha=8, lora_targets="q_proj,v_proj,o_proj,down_proj"))
     wrapped = compile_program(PEFT_LLAMA, Layout(tp=2))
