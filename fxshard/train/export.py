@@ -64,7 +64,9 @@ def trained_model(checkpoint: str | Path, model_file: str | Path | None = None,
     model_file = Path(model_file)
     if not model_file.is_file():
         raise CheckpointError(f"{model_file}: model file missing; pass the model with --model MODEL.py")
-    mf = load_model_file(model_file).for_layout(Layout.from_json(reader.index.get("layout", {})))
+    mf = load_model_file(model_file)
+    if isinstance(reader.index.get("layout"), dict):  # --lora: the adapters it was compiled with
+        mf = mf.for_layout(Layout.from_json(reader.index["layout"]))
     base_weights = (reader.index.get(FROZEN) or {}).get("weights")
     if base_weights is not None and not meta_base:
         from fxshard.check.verify import with_weights
