@@ -402,18 +402,22 @@ def data_tokenize(
                                                                 "text"),
     eos: str = typer.Option(None, "--eos", help="the end-of-document token (default: tokenizer_config.json's "
                                                 "eos_token)"),
-    format: str = typer.Option("text", "--format", help="text (documents), chat (rows of messages, rendered with "
-                                                         "the tokenizer's chat template, with a loss mask) or "
-                                                         "prompt-completion (rows of prompt and completion text)"),
-    train_on: str = typer.Option("assistant", "--train-on", help="chat and prompt-completion: the tokens trained: "
-                                                                  "assistant (every assistant turn; the completion), "
-                                                                  "last-assistant, or all"),
-    seq: int = typer.Option(None, "--seq", help="chat and prompt-completion: the longest conversation, in tokens "
-                                                "(the sequence you compile); longer ones as --truncate says"),
-    truncate: str = typer.Option("refuse", "--truncate", help="a conversation longer than --seq: refuse (name its "
-                                                               "row), right (keep its first tokens) or drop it"),
-    chat_template: Path = typer.Option(None, "--chat-template", help="chat: a Jinja chat template file to render "
-                                                                      "with instead of the tokenizer's own"),
+    format: str = typer.Option(
+        "text", "--format", help="text (documents), chat (rows of messages, rendered with the tokenizer's "
+                                 "chat template, with a loss mask) or prompt-completion (rows of prompt and "
+                                 "completion)"),
+    train_on: str = typer.Option(
+        "assistant", "--train-on", help="chat and prompt-completion: the tokens trained: assistant (every "
+                                        "assistant turn; the completion), last-assistant, or all"),
+    seq: int = typer.Option(
+        None, "--seq", help="chat and prompt-completion: the longest conversation, in tokens (the sequence "
+                            "you compile); longer ones as --truncate says"),
+    truncate: str = typer.Option(
+        "refuse", "--truncate", help="a conversation longer than --seq: refuse (name its row), right (keep "
+                                     "its first tokens) or drop it"),
+    chat_template: Path = typer.Option(
+        None, "--chat-template", help="chat: a Jinja chat template file to render with instead of the "
+                                      "tokenizer's own"),
 ):
     """Tokenize a corpus into a token file for `fxshard run --data`: text (ids back to back, EOS after each
     document, Megatron's .idx and a .json sidecar), or chat and prompt-completion rows (.jsonl, .parquet or a
@@ -428,7 +432,8 @@ def data_tokenize(
 
             raise OptionError(f"--validation {validation}: expected a fraction in [0, 1), e.g. 0.005")
         if format != "text":
-            return _tokenize_chat(corpus, tokenizer, out, validation, format, train_on, seq, truncate, chat_template)
+            return _tokenize_chat(corpus, tokenizer, out, validation, format, train_on, seq, truncate,
+                                  chat_template)
         if seq is not None or chat_template is not None or train_on != "assistant" or truncate != "refuse":
             from fxshard.errors import OptionError
 
@@ -449,13 +454,15 @@ def data_tokenize(
 def _tokenize_chat(corpus, tokenizer, out, validation, fmt, train_on, seq, truncate, chat_template):
     from fxshard.train.data.chat_tokenize import tokenize_chat
 
-    with console.status(f"rendering and tokenizing {corpus}") as status:
+    what = f"rendering and tokenizing {corpus}"
+    with console.status(what) as status:
         done = tokenize_chat(corpus, tokenizer, out, fmt=fmt, train_on=train_on, seq=seq, truncate=truncate,
                              validation=validation, chat_template=chat_template,
-                             progress=lambda rows: status.update(f"rendering and tokenizing {corpus}: {rows:,} rows"))
+                             progress=lambda rows: status.update(f"{what}: {rows:,} rows"))
     cut = f"; {done.truncated:,} truncated and {done.dropped:,} dropped at --seq {seq}" if seq else ""
-    console.print(f"wrote {done.path} and its loss mask {done.path.with_suffix('.mask').name}: {done.tokens:,} tokens "
-                  f"({done.dtype}) in {done.conversations:,} conversations (the longest {done.longest:,}), "
+    console.print(f"wrote {done.path} and its loss mask {done.path.with_suffix('.mask').name}: "
+                  f"{done.tokens:,} tokens ({done.dtype}) in {done.conversations:,} conversations (the "
+                  f"longest {done.longest:,}), "
                   f"{done.trained_tokens:,} trained ({done.trained_tokens / done.tokens:.1%}; masked by "
                   f"{done.method}){cut}; the last {done.validation_documents:,} the validation split")
 
@@ -465,16 +472,17 @@ def data_generate(
     out: Path = typer.Argument(..., help="folder to write: OUT/corpus/*.jsonl and the tokenizer OUT/tokenizer"),
     documents: int = typer.Option(20_000, "--documents", help="documents to generate"),
     files: int = typer.Option(1, "--files", help=".jsonl files to spread them over"),
-    vocab: int = typer.Option(None, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS among "
-                                                    "them; default 256, with --chat 512)"),
-    chat: bool = typer.Option(False, "--chat", help="conversations ({\"messages\": [...]} rows) and a byte-level "
-                                                    "tokenizer whose tokenizer_config.json holds a chat template: "
-                                                    "for `data tokenize --format chat`"),
+    vocab: int = typer.Option(None, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS "
+                                                    "among them; default 256, with --chat 512)"),
+    chat: bool = typer.Option(False, "--chat", help="conversations ({\"messages\": [...]} rows) and a "
+                                                    "byte-level tokenizer whose tokenizer_config.json holds "
+                                                    "a chat template: for `data tokenize --format chat`"),
     seed: Seed = 0,
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
     tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
-    With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat template."""
+    With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
+    template."""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
     vocab = vocab if vocab is not None else 512 if chat else 256

@@ -1,6 +1,7 @@
-"""A tiny LlamaForCausalLM for chat token files (``fxshard data tokenize --format chat``): a 512-id vocabulary (the
-byte-level tokenizer ``fxshard data generate --chat`` trains), sequences of 128, and position_ids, so it trains on
-conversations one per sequence (right-padded) or packed (``--pack``: each conversation its own attention block)."""
+"""A tiny LlamaForCausalLM for chat token files (``fxshard data tokenize --format chat``): a 512-id vocabulary
+(the byte-level tokenizer ``fxshard data generate --chat`` trains), sequences of 128, and position_ids, so it
+trains on conversations one per sequence (right-padded) or packed (``--pack``: each conversation its own
+attention block)."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

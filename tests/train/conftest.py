@@ -18,9 +18,9 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_corpus(tmp_path_factory):
-    """300 generated conversations, the byte-level tokenizer with a chat template that `fxshard data generate --chat`
-    trains (512 ids), and ``chat.bin`` (with ``chat.mask``) that `fxshard data tokenize --format chat --seq 128
-    --truncate drop --validation 0.1` writes: ``(folder, summary)``."""
+    """300 generated conversations, the byte-level tokenizer with a chat template that `fxshard data generate
+    --chat` trains (512 ids), and ``chat.bin`` (with ``chat.mask``) that `fxshard data tokenize --format chat
+    --seq 128 --truncate drop --validation 0.1` writes: ``(folder, summary)``."""
     from fxshard.train.data.chat_tokenize import tokenize_chat
     from fxshard.train.data.synthetic_chat import train_chat_tokenizer, write_chat_corpus
 

@@ -1,8 +1,8 @@
 """Chat data: a conversation is rendered with the tokenizer folder's own chat template and masked exactly as
 transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` masks it where the template has
 ``{% generation %}`` markers; a Qwen2- or Llama-3-style template without markers (the prefix method) gives the
-mask transformers gives the same template with markers added; prompt-completion rows train on the completion; every
-bad row is refused by its place (``file:line``, ``row N``)."""
+mask transformers gives the same template with markers added; prompt-completion rows train on the completion;
+every bad row is refused by its place (``file:line``, ``row N``)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,18 @@ from fxshard.train.data.rows import corpus_rows
 from fxshard.train.data.synthetic_chat import CHAT_TEMPLATE, conversations
 from fxshard.train.data.tokens import TokenFile
 
-CHATML = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-          "{%- if m['role'] == 'assistant' -%}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
-          "{%- else -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endif -%}{%- endfor -%}"
-          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+CHATML = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' "
+          "-%}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}{%- else -%}{{ "
+          "m['content'] + '<|im_end|>\\n' }}{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ "
+          "'<|im_start|>assistant\\n' }}{%- endif -%}")
 # Llama 3's structure: BOS once, a header per message, <|eot_id|> after each; and the same with markers
-LLAMA3 = ("{{- bos_token -}}{%- for m in messages -%}"
-          "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' -}}"
-          "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
-          "{%- endif -%}")
+LLAMA3 = ("{{- bos_token -}}{%- for m in messages -%}{{- '<|start_header_id|>' + m['role'] + "
+          "'<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' -}}{%- endfor -%}{%- if "
+          "add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif "
+          "-%}")
 LLAMA3_MARKED = LLAMA3.replace(
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' -}}",
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + "
+    "'<|eot_id|>' -}}",
     "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' -}}{%- if m['role'] == 'assistant' -%}"
     "{%- generation -%}{{- m['content'] | trim + '<|eot_id|>' -}}{%- endgeneration -%}{%- else -%}"
     "{{- m['content'] | trim + '<|eot_id|>' -}}{%- endif -%}")
@@ -44,7 +45,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", 
             "<|end_header_id|>", "<|eot_id|>"]
 
 
-def _tokenizer_folder(folder: Path, template: str | None, eos: str = "<|im_end|>", bos: str | None = None) -> Path:
+def _tokenizer_folder(folder: Path, template: str | None, eos: str = "<|im_end|>",
+                      bos: str | None = None) -> Path:
     """A byte-level BPE built here with ``tokenizers`` (trained on the generated conversations), saved as a
     Hugging Face folder whose tokenizer_config.json carries ``template``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -53,8 +55,9 @@ def _tokenizer_folder(folder: Path, template: str | None, eos: str = "<|im_end|>
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     texts = [m["content"] for c in conversations(200, seed=5) for m in c]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(tok.to_str())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos}
@@ -102,8 +105,9 @@ def test_a_marked_template_masks_as_transformers_does(folders):
 
 @pytest.mark.parametrize("plain, marked", [("qwen2", "qwen2-marked"), ("llama3", "llama3-marked")])
 def test_a_template_without_markers_masks_as_its_marked_twin(folders, plain, marked):
-    """The prefix method on Qwen2's (a default system message) and Llama 3's (BOS, headers) templates gives the ids
-    transformers renders and the mask transformers gives the same template with {% generation %} added."""
+    """The prefix method on Qwen2's (a default system message) and Llama 3's (BOS, headers) templates gives
+    the ids transformers renders and the mask transformers gives the same template with {% generation %}
+    added."""
     renderer = ChatRenderer.load(folders[plain])
     assert renderer.method == PREFIXES
     tok = _hf(folders[plain])
@@ -139,13 +143,16 @@ def _write_rows(path: Path, rows: list) -> Path:
     return path
 
 
-GOOD = {"messages": [{"role": "user", "content": "Reverse: ka lo"}, {"role": "assistant", "content": "lo ka."}]}
+GOOD = {"messages": [{"role": "user", "content": "Reverse: ka lo"},
+                     {"role": "assistant", "content": "lo ka."}]}
 
 
 @pytest.mark.parametrize("row, says", [
     ({"text": "hello"}, "bad.jsonl:2: no 'messages' (fields ['text']); --format chat reads rows"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "bad.jsonl:2: message 0 has the unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "bad.jsonl:2: nothing to train on (no assistant message"),
+    ({"messages": [{"role": "robot", "content": "x"}]},
+     "bad.jsonl:2: message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "user", "content": "hi"}]},
+     "bad.jsonl:2: nothing to train on (no assistant message"),
     ({"messages": [{"role": "user", "content": ["a"]}]}, "bad.jsonl:2: message 0 (user) has content ['a']"),
     ({"messages": []}, "bad.jsonl:2: 'messages' is an empty list"),
 ])
@@ -166,7 +173,8 @@ def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(folders, tm
     corpus = _write_rows(tmp_path / "c.jsonl", [GOOD])
     with pytest.raises(DataError, match="no chat template .* use --format prompt-completion"):
         tokenize_chat(corpus, folders["none"], tmp_path / "x.bin")
-    rows = _write_rows(tmp_path / "pc.jsonl", [{"prompt": "Reverse: ka lo", "completion": " lo ka."}, {"prompt": 1}])
+    rows = _write_rows(tmp_path / "pc.jsonl", [{"prompt": "Reverse: ka lo", "completion": " lo ka."},
+                                               {"prompt": 1}])
     with pytest.raises(DataError, match=_re(f"{rows}:2: no string field 'prompt' (found 1)")):
         tokenize_chat(rows, folders["none"], tmp_path / "x.bin", fmt="prompt-completion")
 
@@ -174,7 +182,8 @@ def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(folders, tm
 def test_a_template_that_rewrites_earlier_turns_is_refused(folders, tmp_path):
     """Qwen3's template drops an earlier turn's reasoning once a later user message follows: the prefix method
     cannot tell the assistant's tokens and says to mark them."""
-    rewrites = CHAT_TEMPLATE.replace("message['content']", "(message['content'] if loop.last or message['role'] != "
+    rewrites = CHAT_TEMPLATE.replace("message['content']", "(message['content'] if loop.last or "
+                                                           "message['role'] != "
                                      "'assistant' else message['content'][:3])")
     (tmp_path / "t.jinja").write_text(rewrites)
     corpus = _write_rows(tmp_path / "c.jsonl", [{"messages": GOOD["messages"] * 2}])
@@ -190,8 +199,9 @@ def test_too_long_is_refused_truncated_or_dropped_and_counted(folders, tmp_path)
     seq = int(np.median(lengths))
     over = int((lengths > seq).sum())
     first_over = int(np.argmax(lengths > seq)) + 1
-    with pytest.raises(DataError, match=_re(f"{corpus}:{first_over}: the conversation is {lengths[first_over - 1]} "
-                                            f"tokens, longer than --seq {seq}; pass --truncate right")):
+    with pytest.raises(DataError, match=_re(f"{corpus}:{first_over}: the conversation is "
+                                            f"{lengths[first_over - 1]} tokens, longer than --seq {seq}; "
+                                            "pass --truncate right")):
         tokenize_chat(corpus, folders["qwen2"], tmp_path / "x.bin", seq=seq)
     dropped = tokenize_chat(corpus, folders["qwen2"], tmp_path / "drop.bin", seq=seq, truncate="drop")
     assert (dropped.conversations, dropped.dropped, dropped.truncated) == (len(CHATS) - over, over, 0)
@@ -201,9 +211,9 @@ def test_too_long_is_refused_truncated_or_dropped_and_counted(folders, tmp_path)
     file, mask = TokenFile.open(tmp_path / "cut.bin"), LossMask.beside(TokenFile.open(tmp_path / "cut.bin"))
     assert int(mask.read(0, file.tokens).sum()) == cut.trained_tokens
     side = json.loads((tmp_path / "cut.json").read_text())
-    assert side["chat"] | {"rows": 0} == {"format": "chat", "train_on": "assistant", "masking": PREFIXES, "seq": seq,
-                                          "truncate": "right", "rows": 0, "truncated": cut.truncated,
-                                          "dropped": cut.dropped, "longest": seq}
+    assert side["chat"] == {"format": "chat", "train_on": "assistant", "masking": PREFIXES, "seq": seq,
+                            "truncate": "right", "rows": len(CHATS), "truncated": cut.truncated,
+                            "dropped": cut.dropped, "trained": cut.trained_tokens, "longest": seq}
 
 
 def test_the_token_file_holds_each_conversation_and_its_mask(folders, tmp_path):
@@ -216,7 +226,8 @@ def test_the_token_file_holds_each_conversation_and_its_mask(folders, tmp_path):
     for d in (0, 17, 39):
         start, n = int(file.starts[d]), int(file.document_lengths()[d])
         row = renderer.render(CHATS[d], "r")
-        assert file.read(start, n).tolist() == row.ids.tolist() and mask.read(start, n).tolist() == row.mask.tolist()
+        assert file.read(start, n).tolist() == row.ids.tolist()
+        assert mask.read(start, n).tolist() == row.mask.tolist()
 
 
 @pytest.mark.slow  # imports datasets (pandas, pyarrow): several seconds
@@ -227,11 +238,14 @@ def test_parquet_and_a_datasets_folder_read_as_the_jsonl(folders, tmp_path):
     data = datasets.Dataset.from_list([{"messages": c} for c in CHATS])
     data.to_parquet(str(tmp_path / "c.parquet"))
     datasets.DatasetDict({"train": data, "test": data.select(range(3))}).save_to_disk(str(tmp_path / "hf"))
-    for source, name in ((tmp_path / "c.parquet", "p"), (tmp_path / "hf", "d"), (tmp_path / "hf" / "train", "t")):
+    sources = ((tmp_path / "c.parquet", "p"), (tmp_path / "hf", "d"), (tmp_path / "hf" / "train", "t"))
+    for source, name in sources:
         tokenize_chat(source, folders["qwen2"], tmp_path / f"{name}.bin")
         for suffix in (".bin", ".mask", ".idx"):
-            assert (tmp_path / f"{name}{suffix}").read_bytes() == (tmp_path / f"j{suffix}").read_bytes(), source
-    assert [w for w, _ in corpus_rows(tmp_path / "hf")][:2] == [f"{tmp_path}/hf/train row 0", f"{tmp_path}/hf/train row 1"]
+            got, want = (tmp_path / f"{name}{suffix}").read_bytes(), (tmp_path / f"j{suffix}").read_bytes()
+            assert got == want, source
+    places = [w for w, _ in corpus_rows(tmp_path / "hf")][:2]
+    assert places == [f"{tmp_path}/hf/train row 0", f"{tmp_path}/hf/train row 1"]
     data.select(range(2)).map(lambda r: {"messages": [{"role": "robot", "content": "x"}]}).save_to_disk(
         str(tmp_path / "bad"))
     with pytest.raises(DataError, match=_re(f"{tmp_path}/bad row 0: message 0 has the unknown role 'robot'")):

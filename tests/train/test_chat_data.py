@@ -1,7 +1,7 @@
 """A chat token file through ``--data``: one conversation per example (right-padded, padding labelled -100 and
-masked from attention) or packed (``--pack``: each conversation its own block of restarting positions), labels -100
-wherever the loss mask is 0; dp ranks read the one-device order; a conversation longer than the compiled sequence
-is refused before launch, naming it and the fix."""
+masked from attention) or packed (``--pack``: each conversation its own block of restarting positions), labels
+-100 wherever the loss mask is 0; dp ranks read the one-device order; a conversation longer than the compiled
+sequence is refused before launch, naming it and the fix."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def test_unpacked_each_example_is_one_conversation_padded_with_its_labels(chat_c
 
 
 def test_a_model_taking_an_attention_mask_gets_the_padding_masked(chat_corpus, tmp_path):
-    """llama_padded.py takes attention_mask (sequences of 16): a file of short conversations fills it 1, then 0."""
+    """llama_padded.py takes attention_mask (sequences of 16): a file of short conversations fills it 1, then
+    0."""
     root, _ = chat_corpus
     ids = np.arange(1, 41) % 200
     (tmp_path / "s.bin").write_bytes(ids.astype(np.uint16).tobytes())
@@ -91,7 +92,7 @@ def test_packed_conversations_keep_their_masks_and_attention_blocks(chat_corpus)
                     assert (batch["labels"][row, lo:hi] == IGNORE).all()
                     continue
                 want = np.where(mask == 1, ids, IGNORE)
-                want[0] = IGNORE  # a conversation's first token is predicted from the one before: not a target
+                want[0] = IGNORE  # a conversation's first token follows another's: not a target
                 assert batch["labels"][row, lo:hi].tolist() == want.tolist()
                 found += 1
     assert found > 12  # more conversations than rows: packing put several in a sequence
@@ -110,13 +111,14 @@ def test_dp_ranks_read_the_one_device_batches(chat_corpus, pack):
             assert np.array_equal(np.concatenate([g[key].numpy() for g in got]), want[key].numpy())
 
 
-def test_the_launch_says_what_is_trained_and_refuses_a_conversation_longer_than_the_sequence(chat_corpus, tmp_path):
+def test_the_launch_says_what_is_trained_and_refuses_a_conversation_over_the_sequence(chat_corpus, tmp_path):
     root, summary = chat_corpus
     mf = load_model_file(CHAT)
     found = check_model_data(mf, options=DataOptions(data=root / "chat.bin"), say=lambda *_: None)
     line = describe(found)
     trained = found["train"]["trained_tokens"]
-    assert f"{summary.conversations - summary.validation_documents} conversations, {trained:,} trained tokens" in line
+    train = summary.conversations - summary.validation_documents
+    assert f"{train} conversations, {trained:,} trained tokens" in line
     assert "one conversation per sequence:" in line and "padding" in line
     # a file tokenized without --seq holds a conversation over the compiled 128 tokens
     for suffix in (".bin", ".mask", ".idx", ".json"):
@@ -125,11 +127,13 @@ def test_the_launch_says_what_is_trained_and_refuses_a_conversation_longer_than_
     side["loss_mask"]["file"] = "long.mask"
     (tmp_path / "long.json").write_text(json.dumps(side))
     small = tmp_path / "small.py"
-    small.write_text(CHAT.read_text().replace("BATCH, SEQ, VOCAB = 4, 128, 512", "BATCH, SEQ, VOCAB = 4, 32, 512"))
-    with pytest.raises(DataError, match=r"long\.bin: conversation \d+ of the train split is \d+ tokens, longer than "
-                                        r"the compiled sequence of 32 \(\d+ of its conversations are\); .* tokenize "
-                                        "again with --seq 32 --truncate right"):
-        check_model_data(load_model_file(small), options=DataOptions(data=tmp_path / "long.bin"), say=lambda *_: None)
+    small.write_text(CHAT.read_text().replace("4, 128, 512", "4, 32, 512"))
+    says = (r"long\.bin: conversation \d+ of the train split is \d+ tokens, longer than the compiled "
+            r"sequence of 32 \(\d+ of its conversations are\); .* tokenize again with --seq 32 "
+            "--truncate right")
+    with pytest.raises(DataError, match=says):
+        check_model_data(load_model_file(small), options=DataOptions(data=tmp_path / "long.bin"),
+                         say=lambda *_: None)
 
 
 def test_a_mask_that_does_not_pair_with_its_ids_is_refused(chat_corpus, tmp_path):
@@ -138,8 +142,8 @@ def test_a_mask_that_does_not_pair_with_its_ids_is_refused(chat_corpus, tmp_path
         shutil.copy(root / f"chat{suffix}", tmp_path / f"c{suffix}")
     (tmp_path / "chat.mask").write_bytes((root / "chat.mask").read_bytes()[:-3])
     file = TokenFile.open(tmp_path / "c.bin")
-    with pytest.raises(DataError, match=f"chat.mask: {file.tokens - 3} mask bytes for the {file.tokens} tokens of "
-                                        "c.bin; the two files are not a pair"):
+    with pytest.raises(DataError, match=f"chat.mask: {file.tokens - 3} mask bytes for the {file.tokens} "
+                                        "tokens of c.bin; the two files are not a pair"):
         LossMask.beside(file)
     side = json.loads((tmp_path / "c.json").read_text())
     side["loss_mask"]["version"] = 7
@@ -150,8 +154,9 @@ def test_a_mask_that_does_not_pair_with_its_ids_is_refused(chat_corpus, tmp_path
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_the_models_loss_is_the_mean_over_the_tokens_the_mask_trains(chat_corpus, pack):
-    """The loss the compiled model sees (labels from the mask) is the cross entropy of the next token averaged over
-    exactly the positions whose token the file's mask trains: computed here from the logits and the mask alone."""
+    """The loss the compiled model sees (labels from the mask) is the cross entropy of the next token averaged
+    over exactly the positions whose token the file's mask trains: computed here from the logits and the mask
+    alone."""
     import torch
     import torch.nn.functional as F
 
@@ -171,7 +176,9 @@ def test_the_models_loss_is_the_mean_over_the_tokens_the_mask_trains(chat_corpus
     model = load_model_file(CHAT).build_model(0)
     with torch.no_grad():
         loss = model(**batch).loss
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        # use_cache=False as the compiled forward: with a cache transformers builds no per-document mask
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
     targets = trained[:, 1:]
     manual = F.cross_entropy(logits[:, :-1][targets], batch["input_ids"][:, 1:][targets])
     assert targets.sum() > 0 and torch.allclose(loss, manual, rtol=1e-6), (loss, manual)

@@ -1,8 +1,8 @@
-"""Training on a chat token file (``data tokenize --format chat``: a loss mask beside the ids) equals one device at
-every layout: the losses (each a token mean over the masked labels of the whole global batch), the trained
-parameters and an evaluation of the validation split match single-device training on the same global batches, one
-conversation per sequence (right-padded) and packed; and a run saved at dp2 and resumed at tp2 from step 2 gives the
-uninterrupted run's steps 3 and 4.
+"""Training on a chat token file (``data tokenize --format chat``: a loss mask beside the ids) equals one
+device at every layout: the losses (each a token mean over the masked labels of the whole global batch), the
+trained parameters and an evaluation of the validation split match single-device training on the same global
+batches, one conversation per sequence (right-padded) and packed; and a run saved at dp2 and resumed at tp2
+from step 2 gives the uninterrupted run's steps 3 and 4.
 
 Each case is compiled here and trained 4 steps on real gloo process groups (one spawn of 2 ranks)."""
 
@@ -41,13 +41,14 @@ KEEP = ("chat-tp2", "chat-dp2-zero1", "chat-packed-pp2")  # make test's; make te
 
 
 def train_on(out: str, steps: int, data: DataOptions, checkpoint: CheckpointConfig | None = None):
-    """A spawn target: this rank's losses and trained tensors; rank 0 writes ``out/metrics.jsonl`` (eval_loss)."""
+    """A spawn target: this rank's losses and trained tensors; rank 0 writes ``out/metrics.jsonl``
+    (eval_loss)."""
     from fxshard.train.launch import train
     from fxshard.train.options import RunOptions
 
     state: dict = {}
-    ckpt = {} if checkpoint is None else {"checkpoint": checkpoint.folder, "save_every": checkpoint.save_every,
-                                          "resume": checkpoint.resume}
+    ckpt = {} if checkpoint is None else {"checkpoint": checkpoint.folder, "resume": checkpoint.resume,
+                                          "save_every": checkpoint.save_every}
     options = RunOptions(steps, OPTIM, data, metrics=Path(out) / "metrics.jsonl", eval_every=steps,
                          eval_batches=EVAL_BATCHES, **ckpt)
     return train(Path(out), options, log=lambda *_: None, final_state=state), state
@@ -89,9 +90,9 @@ def test_chat_training_matches_one_device(trained, chat_corpus, case):
     want = reference_losses(load_model_file(CHAT), STEPS, OPTIM, final_state=single, data=_data(root, packed),
                             eval_every=STEPS, eval_batches=EVAL_BATCHES, evals=evals)
     assert_matches_single_device(case, CHAT, layout, per_rank, manifest, want, single, REL)
-    got = {x["step"]: x["eval_loss"] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-           if "eval_loss" in x}
-    assert abs(got[STEPS] - evals[STEPS]) <= REL * abs(evals[STEPS]), f"{case} eval: {got[STEPS]} vs {evals[STEPS]}"
+    metrics = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    got = {x["step"]: x["eval_loss"] for x in metrics if "eval_loss" in x}
+    assert abs(got[STEPS] - evals[STEPS]) <= REL * abs(evals[STEPS]), f"{case} eval: {got} vs {evals}"
 
 
 def test_saved_at_dp2_and_resumed_at_tp2_mid_run_continues_the_losses(tmp_path, chat_corpus):

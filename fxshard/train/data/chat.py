@@ -1,25 +1,26 @@
-"""Chat and prompt-completion rows to token ids and a loss mask: what ``data tokenize --format chat`` trains on.
+"""Chat and prompt-completion rows to token ids and a loss mask, for ``data tokenize --format chat``.
 
 A conversation is rendered once, with the tokenizer folder's own chat template (``tokenizer_config.json``'s
-``chat_template`` or ``chat_template.jinja``, through transformers' ``apply_chat_template``), and tokenized once.
-Which tokens are trained (mask 1: the token is a target, predicted from the one before it) is decided by one of two
-methods, the first that applies:
+``chat_template`` or ``chat_template.jinja``, through transformers' ``apply_chat_template``), and tokenized
+once. Which tokens are trained (mask 1: the token is a target, predicted from the one before it) is decided by
+one of two methods, the first that applies:
 
-- **generation markers**: a template whose assistant turns sit inside ``{% generation %}`` blocks gives its own
-  mask: transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)``, ids and mask as it returns
-  them (every token that overlaps a marked span);
-- **prefix renderings** (what TRL does for templates without markers, as Qwen2's and Llama 3's): assistant message
-  ``i`` is the text between the rendering of ``messages[:i]`` with the generation prompt and the rendering of
-  ``messages[:i + 1]``; the whole conversation is tokenized with character offsets and every token that overlaps
-  such a span is trained (the same rule as transformers').  The renderings must extend one another; a template
-  that rewrites earlier turns (Qwen3 drops old reasoning) is refused by row, with the fix (a template with
-  markers, ``--chat-template FILE``).
+- **generation markers**: a template whose assistant turns sit inside ``{% generation %}`` blocks gives its
+  own mask: transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)``, ids and mask as it
+  returns them (every token that overlaps a marked span);
+- **prefix renderings** (what TRL does for templates without markers, as Qwen2's and Llama 3's): assistant
+  message ``i`` is the text between the rendering of ``messages[:i]`` with the generation prompt and the
+  rendering of ``messages[:i + 1]``; the whole conversation is tokenized with character offsets and every
+  token that overlaps such a span is trained (the same rule as transformers').  The renderings must extend one
+  another; a template that rewrites earlier turns (Qwen3 drops old reasoning) is refused by row, with the fix
+  (a template with markers, ``--chat-template FILE``).
 
-So the assistant's reply and its end-of-turn tokens are trained; the generation prompt (``<|im_start|>assistant``)
-and every other role's tokens are not::
+So the assistant's reply and its end-of-turn tokens are trained; the generation prompt
+(``<|im_start|>assistant``) and every other role's tokens are not::
 
     renderer = ChatRenderer.load(Path("tok"), train_on="assistant")
-    row = renderer.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], "a:1")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    row = renderer.render(chat, "chats.jsonl:1")
     row.ids, row.mask          # int64 ids, uint8 mask (1 on "Hello<|im_end|>\\n")
 """
 
@@ -56,16 +57,17 @@ def load_hf_tokenizer(folder: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise DataError(f"--tokenizer {folder}: chat data is rendered with transformers' chat templates; install "
-                        "transformers (pip install transformers)") from None
+        raise DataError(f"--tokenizer {folder}: chat data is rendered with transformers' chat templates; "
+                        "install transformers (pip install transformers)") from None
     folder = Path(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
-        raise DataError(f"--tokenizer {folder}: no tokenizer.json or tokenizer_config.json; give a local Hugging "
-                        "Face tokenizer folder (as save_pretrained writes it)")
+        raise DataError(f"--tokenizer {folder}: no tokenizer.json or tokenizer_config.json; give a local "
+                        "Hugging Face tokenizer folder (as save_pretrained writes it)")
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:  # a malformed folder: named, not a traceback through transformers
-        raise DataError(f"--tokenizer {folder}: transformers could not load it ({type(e).__name__}: {e})") from None
+        raise DataError(f"--tokenizer {folder}: transformers could not load it ({type(e).__name__}: {e})") \
+            from None
 
 
 def mask_overlapping(offsets, spans: list[tuple[int, int]], count: int) -> np.ndarray:
@@ -105,13 +107,15 @@ class ChatRenderer:
         if isinstance(self.template, dict):  # several named templates: the default one
             self.template = self.template.get("default")
         if not self.template:
-            raise DataError(f"--tokenizer {where}: no chat template (tokenizer_config.json has no chat_template and "
-                            "there is no chat_template.jinja); give one with --chat-template FILE, or for rows of "
-                            "prompt and completion text use --format prompt-completion")
+            raise DataError(f"--tokenizer {where}: no chat template (tokenizer_config.json has no "
+                            "chat_template and there is no chat_template.jinja); give one with "
+                            "--chat-template FILE, or for rows of prompt and completion text use --format "
+                            "prompt-completion")
         self.method = MARKERS if GENERATION.search(self.template) else PREFIXES
 
     @classmethod
-    def load(cls, folder: Path, train_on: str = "assistant", template_file: Path | None = None) -> ChatRenderer:
+    def load(cls, folder: Path, train_on: str = "assistant",
+             template_file: Path | None = None) -> ChatRenderer:
         template = None
         if template_file is not None:
             if not Path(template_file).is_file():
@@ -124,7 +128,8 @@ class ChatRenderer:
         return self.render_many([(where, messages)])[0]
 
     def render_many(self, rows: list[tuple[str, list]]) -> list[Rendered]:
-        """:meth:`render` of many rows (``(where, messages)``), tokenized together (in the tokenizer's threads)."""
+        """:meth:`render` of many rows (``(where, messages)``), tokenized together (in the tokenizer's
+        threads)."""
         for where, messages in rows:
             check_messages(messages, where)
         if self.method == MARKERS:
@@ -147,11 +152,12 @@ class ChatRenderer:
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template, **kwargs)
         except Exception as e:  # the template's own raise_exception, or a Jinja error: the row named
-            raise DataError(f"{where}: the chat template could not render this conversation ({type(e).__name__}: "
-                            f"{e})") from None
+            raise DataError(f"{where}: the chat template could not render this conversation "
+                            f"({type(e).__name__}: {e})") from None
 
     def _marked(self, rows: list[tuple[str, list]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """transformers' ids and assistant mask of each row (one batched call; row by row to name a failing one)."""
+        """transformers' ids and assistant mask of each row (one batched call; row by row to name a failing
+        one)."""
         try:
             out = self.tokenizer.apply_chat_template([m for _, m in rows], chat_template=self.template,
                                                      tokenize=True, return_dict=True,
@@ -164,7 +170,8 @@ class ChatRenderer:
                 for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True)]
 
     def _spans(self, messages, where: str) -> tuple[str, list[tuple[int, int]]]:
-        """The prefix method: the rendered conversation and the character span of each trained assistant turn."""
+        """The prefix method: the rendered conversation and the character span of each trained assistant
+        turn."""
         text = self._apply(messages, where, tokenize=False)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.train_on == "last-assistant":
@@ -172,23 +179,25 @@ class ChatRenderer:
         spans = []
         for i in turns:
             if i == 0:
-                raise DataError(f"{where}: the conversation starts with an assistant message, so the template's "
-                                "prefix (the generation prompt before it) cannot be rendered; begin it with a system "
-                                "or user message, or use a template with {% generation %} markers")
+                raise DataError(f"{where}: the conversation starts with an assistant message, so the "
+                                "template's prefix (the generation prompt before it) cannot be rendered; "
+                                "begin it with a system or user message, or use a template with {% "
+                                "generation %} markers")
             before = self._apply(messages[:i], where, tokenize=False, add_generation_prompt=True)
             through = self._apply(messages[:i + 1], where, tokenize=False)
             if not through.startswith(before) or not text.startswith(through):
-                raise DataError(f"{where}: the chat template renders assistant message {i} differently once later "
-                                "messages follow (its renderings of the conversation's prefixes do not extend one "
-                                "another), so the assistant's tokens cannot be told apart; give a template that "
-                                "marks them, with {% generation %} ... {% endgeneration %} around each assistant "
-                                "turn, through --chat-template FILE")
+                raise DataError(f"{where}: the chat template renders assistant message {i} differently once "
+                                "later messages follow (its renderings of the conversation's prefixes do "
+                                "not extend one another), so the assistant's tokens cannot be told apart; "
+                                "give a template that marks them, with {% generation %} ... {% "
+                                "endgeneration %} around each assistant turn, through --chat-template FILE")
             spans.append((len(before), len(through)))
         return text, spans
 
 
 def check_messages(messages, where: str) -> None:
-    """Refuse a conversation that is not a list of {role, content} messages with known roles, naming the row."""
+    """Refuse a conversation that is not a list of {role, content} messages with known roles, naming the
+    row."""
     if not isinstance(messages, (list, tuple)) or not messages:
         found = "an empty list" if isinstance(messages, (list, tuple)) else type(messages).__name__
         raise DataError(f"{where}: 'messages' is {found}; expected a list of messages "
@@ -201,24 +210,24 @@ def check_messages(messages, where: str) -> None:
             raise DataError(f"{where}: message {k} has the unknown role {m['role']!r}; expected one of "
                             f"{', '.join(ROLES)} (rename the role in the data)")
         if not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {k} ({m['role']}) has content {m.get('content')!r:.80}; expected a "
-                            "string (fxshard renders text messages)")
+            raise DataError(f"{where}: message {k} ({m['role']}) has content {m.get('content')!r:.80}; "
+                            "expected a string (fxshard renders text messages)")
 
 
 class PromptCompletion:
     """``--format prompt-completion``: rows of ``prompt`` and ``completion`` text, trained on the completion.
 
-    ``prompt + completion`` is tokenized once, with the tokenizer's own special tokens (a BOS where it adds one),
-    and EOS follows unless the text already ends with it; the tokens overlapping the completion, and the EOS, are
-    trained (``train_on="all"``: every token)."""
+    ``prompt + completion`` is tokenized once, with the tokenizer's own special tokens (a BOS where it adds
+    one), and EOS follows unless the text already ends with it; the tokens overlapping the completion, and the
+    EOS, are trained (``train_on="all"``: every token)."""
 
     def __init__(self, tokenizer, train_on: str = "assistant", where: str = ""):
         if train_on not in ("assistant", "all"):
             raise DataError(f"--train-on {train_on}: --format prompt-completion trains on the completion "
                             "(assistant) or on all tokens (all)")
         if tokenizer.eos_token_id is None:
-            raise DataError(f"--tokenizer {where}: no eos_token in tokenizer_config.json, so a completion cannot be "
-                            "ended; add one")
+            raise DataError(f"--tokenizer {where}: no eos_token in tokenizer_config.json, so a completion "
+                            "cannot be ended; add one")
         self.tokenizer, self.train_on, self.method = tokenizer, train_on, "completion"
 
     def render_many(self, rows: list[tuple[str, dict]]) -> list[Rendered]:
@@ -229,7 +238,8 @@ class PromptCompletion:
             for name, value in (("prompt", prompt), ("completion", completion)):
                 if not isinstance(value, str):
                     raise DataError(f"{where}: no string field {name!r} (found {value!r:.60}); --format "
-                                    "prompt-completion reads rows {\"prompt\": \"...\", \"completion\": \"...\"}")
+                                    "prompt-completion reads rows {\"prompt\": \"...\", \"completion\": "
+                                    "\"...\"}")
             texts.append(prompt + completion)
             spans.append([(len(prompt), len(prompt) + len(completion))])
         enc = self.tokenizer(texts, add_special_tokens=True, return_offsets_mapping=True)
@@ -238,5 +248,6 @@ class PromptCompletion:
             mask = mask_overlapping(offsets, span, len(ids))
             if not ids or ids[-1] != eos:
                 ids, mask = [*ids, eos], np.append(mask, np.uint8(1))
-            out.append(Rendered(np.asarray(ids, np.int64), np.ones_like(mask) if self.train_on == "all" else mask))
+            mask = np.ones_like(mask) if self.train_on == "all" else mask
+            out.append(Rendered(np.asarray(ids, np.int64), mask))
         return out

@@ -1,13 +1,14 @@
-"""``fxshard data tokenize CORPUS --format chat|prompt-completion``: conversations to a token file with a loss mask.
+"""``fxshard data tokenize CORPUS --format chat|prompt-completion``: conversations to a token file with a loss
+mask.
 
-Each row (:mod:`~fxshard.train.data.rows`) is rendered and masked once (:mod:`~fxshard.train.data.chat`); the ids
-go to ``PATH`` (uint16 up to 65,536 ids, else int32), the mask to ``PATH.mask`` (uint8, aligned with the ids:
-:mod:`~fxshard.train.data.loss_mask`), one conversation per document of Megatron's ``.idx``, and the ``.json``
-sidecar records both, with what was truncated or dropped.  ``seq`` bounds a conversation's tokens, as
-``truncate`` says: ``refuse`` (the default: the row is named), ``right`` (its first ``seq`` tokens; one left with
-nothing to train on is dropped, counted) or ``drop`` (left out, counted).  A row is refused, by its place
-(``file:line`` or ``row N``), when it has no ``messages`` (or ``prompt``/``completion``), an unknown role, or
-nothing to train on::
+Each row (:mod:`~fxshard.train.data.rows`) is rendered and masked once (:mod:`~fxshard.train.data.chat`); the
+ids go to ``PATH`` (uint16 up to 65,536 ids, else int32), the mask to ``PATH.mask`` (uint8, aligned with the
+ids: :mod:`~fxshard.train.data.loss_mask`), one conversation per document of Megatron's ``.idx``, and the
+``.json`` sidecar records both, with what was truncated or dropped.  ``seq`` bounds a conversation's tokens,
+as ``truncate`` says: ``refuse`` (the default: the row is named), ``right`` (its first ``seq`` tokens; one
+left with nothing to train on is dropped, counted) or ``drop`` (left out, counted).  A row is refused, by its
+place (``file:line`` or ``row N``), when it has no ``messages`` (or ``prompt``/``completion``), an unknown
+role, or nothing to train on::
 
     done = tokenize_chat(Path("chats.jsonl"), Path("tok"), Path("data/chat.bin"), seq=2048, truncate="right")
     done.conversations, done.trained_tokens, done.truncated
@@ -56,8 +57,8 @@ def fitted(row: Rendered, seq: int | None, truncate: str, where: str) -> tuple[R
         return row, ""
     if truncate == "refuse":
         raise DataError(f"{where}: the conversation is {len(row.ids)} tokens, longer than --seq {seq}; pass "
-                        "--truncate right (keep its first tokens) or --truncate drop (leave it out), or a larger "
-                        "--seq")
+                        "--truncate right (keep its first tokens) or --truncate drop (leave it out), or a "
+                        "larger --seq")
     if truncate == "drop":
         return None, "dropped"
     cut = Rendered(row.ids[:seq], row.mask[:seq])
@@ -77,20 +78,21 @@ def _renderer(fmt: str, tokenizer_dir: Path, train_on: str, chat_template: Path 
 
 
 def _rendered(renderer, fmt: str, rows: list[tuple[str, dict]]) -> list[Rendered]:
-    """Each row rendered and masked; a row without what its format reads, or with nothing to train on, refused."""
+    """Each row rendered and masked; a row without what its format reads, or with nothing to train on,
+    refused."""
     if fmt == "chat":
         for where, record in rows:
             if "messages" not in record:
-                raise DataError(f"{where}: no 'messages' (fields {sorted(record)[:8]}); --format chat reads rows "
-                                '{"messages": [{"role": ..., "content": ...}, ...]} (rows of prompt and completion: '
-                                "--format prompt-completion)")
+                raise DataError(f"{where}: no 'messages' (fields {sorted(record)[:8]}); --format chat reads "
+                                'rows {"messages": [{"role": ..., "content": ...}, ...]} (rows of prompt and '
+                                "completion: --format prompt-completion)")
         rows = [(where, record["messages"]) for where, record in rows]
     done = renderer.render_many(rows)
     for (where, _), row in zip(rows, done, strict=True):
         if not row.trained():
             what = "no assistant message" if fmt == "chat" else "an empty completion"
-            raise DataError(f"{where}: nothing to train on ({what}: every target's loss mask is 0); remove the "
-                            "row, or train on every token with --train-on all")
+            raise DataError(f"{where}: nothing to train on ({what}: every target's loss mask is 0); remove "
+                            "the row, or train on every token with --train-on all")
     return done
 
 
@@ -105,11 +107,12 @@ def _chunks(rows, size: int = CHUNK):
         yield chunk
 
 
-def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "chat", train_on: str = "assistant",
-                  seq: int | None = None, truncate: str = "refuse", validation: float = 0.0,
-                  chat_template: Path | None = None, progress: Callable[[int], None] | None = None) -> ChatTokenized:
-    """Render, mask and tokenize ``corpus`` into ``out`` and its ``.mask``, ``.idx`` and ``.json`` (see the module
-    docstring).  ``progress(rows)`` gets the rows read so far."""
+def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "chat",
+                  train_on: str = "assistant", seq: int | None = None, truncate: str = "refuse",
+                  validation: float = 0.0, chat_template: Path | None = None,
+                  progress: Callable[[int], None] | None = None) -> ChatTokenized:
+    """Render, mask and tokenize ``corpus`` into ``out`` and its ``.mask``, ``.idx`` and ``.json`` (see the
+    module docstring).  ``progress(rows)`` gets the rows read so far."""
     if truncate not in TRUNCATE:
         raise DataError(f"--truncate {truncate}: expected one of {', '.join(TRUNCATE)}")
     if seq is not None and seq < 2:
@@ -147,22 +150,21 @@ def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "c
                 if progress is not None:
                     progress(counts["rows"])
         if not lengths:
-            raise DataError(f"{corpus}: no conversation to write ({counts['rows']} rows read, {counts['dropped']} "
-                            f"dropped by --truncate {truncate})")
+            raise DataError(f"{corpus}: no conversation to write ({counts['rows']} rows read, "
+                            f"{counts['dropped']} dropped by --truncate {truncate})")
         held = min(len(lengths) - 1, round(validation * len(lengths))) if validation else 0
         write_megatron_index(out.with_suffix(".idx"), dtype, np.asarray(lengths))
         side = {"format": "fxshard-tokens", "dtype": dtype.name, "eos": renderer.tokenizer.eos_token_id,
                 "vocab_size": vocab, "tokens": int(sum(lengths)), "documents": len(lengths),
                 "validation_documents": held, "tokenizer": str(Path(tokenizer_dir).resolve()),
                 "corpus": str(Path(corpus).resolve()),
-                "loss_mask": {"version": MASK_VERSION, "file": out.with_suffix(".mask").name, "dtype": "uint8",
-                              "trained_tokens": counts["trained"]},
+                "loss_mask": {"version": MASK_VERSION, "file": out.with_suffix(".mask").name,
+                              "dtype": "uint8", "trained_tokens": counts["trained"]},
                 "chat": {"format": fmt, "train_on": train_on, "masking": renderer.method, "seq": seq,
-                         "truncate": truncate, "rows": counts["rows"], "truncated": counts["truncated"],
-                         "dropped": counts["dropped"], "longest": max(lengths)}}
+                         "truncate": truncate, "longest": max(lengths)} | counts}
         write_text(out.with_suffix(".json"), json.dumps(side, indent=1) + "\n", "a token file's sidecar")
         os.replace(tmp[".mask"], out.with_suffix(".mask"))
-        os.replace(tmp[".bin"], out)  # renames: a link planted at a name since the check is replaced, not followed
+        os.replace(tmp[".bin"], out)  # renames: a link planted at the name since the check is replaced
     finally:
         for p in tmp.values():
             p.unlink(missing_ok=True)

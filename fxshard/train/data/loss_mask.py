@@ -1,20 +1,19 @@
 """The loss mask of a token file: which tokens are trained, one byte per token beside the ids.
 
-``fxshard data tokenize --format chat`` writes ``X.mask`` beside ``X.bin``: uint8, aligned with the ids (``mask[t]
-== 1``: token ``t`` is a target, predicted from token ``t - 1``), and names it in ``X.json`` under ``"loss_mask"``
-(``{"version": 1, "file": "X.mask", "dtype": "uint8", "trained_tokens": N}``).  Its documents (the ``.idx``) are
-conversations.  The model sees the mask as labels in the Hugging Face convention (the model shifts them): the id
-where the mask is 1, -100 where it is 0::
+``fxshard data tokenize --format chat`` writes ``X.mask`` beside ``X.bin``: uint8, aligned with the ids
+(``mask[t] == 1``: token ``t`` is a target, predicted from token ``t - 1``), and names it in ``X.json`` under
+``"loss_mask"`` (``{"version": 1, "file": "X.mask", "dtype": "uint8", "trained_tokens": N}``).  Its documents
+(the ``.idx``) are conversations.  The model sees the mask as labels in the Hugging Face convention (the model
+shifts them): the id where the mask is 1, -100 where it is 0::
 
     mask = LossMask.beside(TokenFile.open("chat.bin"))
     mask.read(0, 16)                          # 16 bytes of 0 and 1, a copy
     masked_labels(ids, mask.read(0, len(ids)))
 
-A masked file is read one conversation per example: unpacked, each sequence holds one conversation, right-padded
-(padding labelled -100 and, where the model takes one, attention mask 0); packed, each conversation keeps its own
-attention block.  A conversation longer than the compiled sequence is refused before launch (tokenize with
-``--seq S --truncate``), never cut silently.
-"""
+A masked file is read one conversation per example: unpacked, each sequence holds one conversation,
+right-padded (padding labelled -100 and, where the model takes one, attention mask 0); packed, each
+conversation keeps its own attention block.  A conversation longer than the compiled sequence is refused
+before launch (tokenize with ``--seq S --truncate``), never cut silently. """
 
 from __future__ import annotations
 
@@ -39,7 +38,8 @@ class LossMask:
 
     @classmethod
     def beside(cls, file: TokenFile) -> LossMask | None:
-        """The loss mask ``file``'s ``.json`` sidecar names, checked against the ids; None if it names none."""
+        """The loss mask ``file``'s ``.json`` sidecar names, checked against the ids; None if it names
+        none."""
         side = file.path.with_suffix(".json")
         if not side.is_file():
             return None
@@ -50,20 +50,21 @@ class LossMask:
         entry = meta.get("loss_mask") if isinstance(meta, dict) else None
         if entry is None:
             return None
-        if not isinstance(entry, dict) or entry.get("version") != MASK_VERSION or entry.get("dtype") != "uint8" \
-                or not isinstance(entry.get("file"), str):
+        if not isinstance(entry, dict) or entry.get("version") != MASK_VERSION \
+                or entry.get("dtype") != "uint8" or not isinstance(entry.get("file"), str):
             raise DataError(f"{side}: loss_mask {entry!r:.120}; this fxshard reads version {MASK_VERSION} "
-                            '({"version": 1, "file": "NAME.mask", "dtype": "uint8"}); tokenize the corpus again')
-        path = file.path.parent / Path(entry["file"]).name  # beside the ids, whatever folder the sidecar names
+                            '({"version": 1, "file": "NAME.mask", "dtype": "uint8"}); tokenize the corpus '
+                            "again")
+        path = file.path.parent / Path(entry["file"]).name  # beside the ids, whatever folder it names
         if not path.is_file():
-            raise DataError(f"{side}: names the loss mask {path.name}, which is not beside {file.path.name}; copy the "
-                            "token file with its .mask, .idx and .json")
+            raise DataError(f"{side}: names the loss mask {path.name}, which is not beside {file.path.name}; "
+                            "copy the token file with its .mask, .idx and .json")
         if path.stat().st_size != file.tokens:
             raise DataError(f"{path}: {path.stat().st_size} mask bytes for the {file.tokens} tokens of "
                             f"{file.path.name}; the two files are not a pair (tokenize the corpus again)")
         if file.starts is None:
-            raise DataError(f"{file.path}: a loss mask without conversation boundaries (no .idx beside it); tokenize "
-                            "the corpus again")
+            raise DataError(f"{file.path}: a loss mask without conversation boundaries (no .idx beside it); "
+                            "tokenize the corpus again")
         return cls(path, file.tokens, entry.get("trained_tokens"))
 
     def _array(self) -> np.memmap:
@@ -83,7 +84,8 @@ class LossMask:
 
 
 def masked_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Labels in the Hugging Face convention: the id where the mask is 1, -100 (not a target) where it is 0."""
+    """Labels in the Hugging Face convention: the id where the mask is 1, -100 (not a target) where it is
+    0."""
     return np.where(mask.astype(bool), ids, IGNORE).astype(np.int64)
 
 
@@ -99,16 +101,18 @@ def conversation_row(ids: np.ndarray, mask: np.ndarray, seq: int, pad_id: int
     return input_ids, labels, attention
 
 
-def check_conversations_fit(file: TokenFile, lengths: np.ndarray, first_doc: int, seq: int, split: str) -> None:
+def check_conversations_fit(file: TokenFile, lengths: np.ndarray, first_doc: int, seq: int,
+                            split: str) -> None:
     """Refuse a split holding a conversation longer than the compiled sequence, naming it and the fix."""
     if not len(lengths) or int(lengths.max()) <= seq:
         return
     k = int(np.argmax(lengths))
     over = int((lengths > seq).sum())
-    raise DataError(f"{file.path}: conversation {first_doc + k} of the {split} split is {int(lengths[k])} tokens, "
-                    f"longer than the compiled sequence of {seq} ({over} of its conversations {'is' if over == 1 else 'are'}); a "
-                    f"conversation is never cut silently: tokenize again with --seq {seq} --truncate right (keep "
-                    "each one's first tokens) or --truncate drop (leave them out), or compile a longer sequence")
+    raise DataError(f"{file.path}: conversation {first_doc + k} of the {split} split is {int(lengths[k])} "
+                    f"tokens, longer than the compiled sequence of {seq} ({over} of its conversations "
+                    f"{'is' if over == 1 else 'are'}); a conversation is never cut silently: tokenize again "
+                    f"with --seq {seq} --truncate right (keep each one's first tokens) or --truncate drop "
+                    "(leave them out), or compile a longer sequence")
 
 
 def mask_summary(windows) -> dict:
@@ -117,7 +121,8 @@ def mask_summary(windows) -> dict:
     from fxshard.train.data.packing import unpacked_padding
 
     part, mask = windows.split, windows.mask
-    trained = sum(int(mask.read(lo, min(1 << 24, part.hi - lo)).sum()) for lo in range(part.lo, part.hi, 1 << 24))
+    chunk = 1 << 24
+    trained = sum(int(mask.read(lo, min(chunk, part.hi - lo)).sum()) for lo in range(part.lo, part.hi, chunk))
     _, lengths = part.document_table()
     out = {"conversations": int(len(lengths)), "trained_tokens": trained}
     if windows.packed is None:

@@ -117,7 +117,7 @@ def unpacked_padding(lengths: np.ndarray, seq: int) -> float:
 def packed_row(ids: list[np.ndarray], seq: int, pad_id: int, masks: list[np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One packed sequence from its documents' ids: input ids, labels and position ids, each ``seq`` long.
-    ``masks``: each document's loss mask (:mod:`~fxshard.train.data.loss_mask`): its labels are -100 where it is 0."""
+    ``masks``: each document's loss mask (:mod:`~fxshard.train.data.loss_mask`): -100 labels where it is 0."""
     used = sum(len(x) for x in ids)
     input_ids = np.full(seq, pad_id, dtype=np.int64)
     labels = np.full(seq, IGNORE, dtype=np.int64)

@@ -1,11 +1,12 @@
-"""A generated chat dataset and a tokenizer folder whose config carries a chat template: ``fxshard data generate OUT
---chat``, to try ``data tokenize --format chat`` and a fine-tune with no download.
+"""A generated chat dataset and a tokenizer folder whose config carries a chat template: ``fxshard data
+generate OUT --chat``, to try ``data tokenize --format chat`` and a fine-tune with no download.
 
 Each conversation has one to three exchanges, sometimes after a system message: the user asks for a phrase of
-made-up words backwards, the assistant answers with the words in reverse order (something a model can learn, and
-that shows in ``fxshard generate``).  The tokenizer is a byte-level BPE (as Qwen2's and Llama 3's: every text
-encodes, and decodes back) trained on the rendered conversations, with ChatML's ``<|im_start|>``/``<|im_end|>``
-and Qwen2's chat template, which has no ``{% generation %}`` markers (so the prefix method masks it)::
+made-up words backwards, the assistant answers with the words in reverse order (something a model can learn,
+and that shows in ``fxshard generate``).  The tokenizer is a byte-level BPE (as Qwen2's and Llama 3's: every
+text encodes, and decodes back) trained on the rendered conversations, with ChatML's
+``<|im_start|>``/``<|im_end|>`` and Qwen2's chat template, which has no ``{% generation %}`` markers (so the
+prefix method masks it)::
 
     write_chat_corpus(Path("chat"), conversations=1000)   # chat/part-000.jsonl: {"messages": [...]} per line
     train_chat_tokenizer(Path("chat"), Path("tok"), vocab=512)
@@ -69,8 +70,8 @@ def train_chat_tokenizer(corpus: Path, out: Path, vocab: int = 512) -> Path:
     from fxshard.train.data.rows import corpus_rows
 
     if vocab < 256 + len(SPECIALS) + 1:
-        raise DataError(f"--vocab {vocab}: a byte-level tokenizer holds the 256 bytes and {len(SPECIALS)} special "
-                        "tokens; give --vocab 300 or more (512 by default)")
+        raise DataError(f"--vocab {vocab}: a byte-level tokenizer holds the 256 bytes and {len(SPECIALS)} "
+                        "special tokens; give --vocab 300 or more (512 by default)")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -80,9 +81,11 @@ def train_chat_tokenizer(corpus: Path, out: Path, vocab: int = 512) -> Path:
     tokenizer.train_from_iterator(texts, trainer)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "bos_token": None, "model_max_length": 32768, "chat_template": CHAT_TEMPLATE}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 32768,
+              "chat_template": CHAT_TEMPLATE}
     write_text(out / "tokenizer.json", tokenizer.to_str(), "a tokenizer")
-    write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n", "a tokenizer's configuration")
+    write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n",
+               "a tokenizer's configuration")
     return out
 

@@ -4,9 +4,9 @@ Unpacked, example ``i`` of a split is the ``S`` tokens from ``lo + i·S`` (the f
 and Megatron do: a sequence may span documents); packed (``--pack``), it is packed sequence ``i``
 (:mod:`fxshard.train.data.packing`).  The compiled forward names what an example fills (the Hugging Face causal-LM
 convention): ``input_ids`` and ``labels`` (the same ids: the model shifts them), ``position_ids`` (0..S-1, or
-restarting per document when packed) and ``attention_mask`` (ones; not with ``--pack``).  A token file with a loss
-mask (chat data, :mod:`fxshard.train.data.loss_mask`) is read one conversation per example: right-padded unpacked,
-whole conversations packed; its labels are -100 where the mask is 0::
+restarting per document when packed) and ``attention_mask`` (ones; not with ``--pack``).  A token file with a
+loss mask (chat data, :mod:`fxshard.train.data.loss_mask`) is read one conversation per example: right-padded
+unpacked, whole conversations packed; its labels are -100 where the mask is 0::
 
     source = token_source(model_file, spec, "train", DataOptions(data=Path("corpus.bin")))
     source.dataset[0]      # {"input_ids": tensor([...16 ids]), "labels": tensor([...])}
@@ -51,7 +51,8 @@ class SplitRange:
 class TokenWindows(torch.utils.data.Dataset):
     """The sequences of one split of a token file, as examples of the compiled row."""
 
-    def __init__(self, split: SplitRange, spec: BatchSpec, packed: Packed | None, mask: LossMask | None = None):
+    def __init__(self, split: SplitRange, spec: BatchSpec, packed: Packed | None,
+                 mask: LossMask | None = None):
         self.split, self.spec, self.packed, self.mask = split, spec, packed, mask
         self.seq = _sequence_length(spec)
         self.pad_id = split.file.eos if split.file.eos is not None else 0
@@ -76,8 +77,8 @@ class TokenWindows(torch.utils.data.Dataset):
             values = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
         elif self.mask is not None:
             start, n = self._conversation(i)
-            input_ids, labels, attention = conversation_row(self.split.file.read(start, n), self.mask.read(start, n),
-                                                            self.seq, self.pad_id)
+            ids, mask = self.split.file.read(start, n), self.mask.read(start, n)
+            input_ids, labels, attention = conversation_row(ids, mask, self.seq, self.pad_id)
             values = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
         else:
             input_ids = self.split.file.read(self.split.lo + i * self.seq, self.seq)
@@ -200,6 +201,7 @@ def token_source(mf, spec: BatchSpec, split: str, options: DataOptions, manifest
         packed = _packed(part, _sequence_length(spec))
     what = "packed sequences" if packed is not None else "sequences"
     if mask is not None:
-        what = f"conversations with their loss mask, {'packed in ' if packed is not None else 'one per '}sequences"
+        how = "packed in" if packed is not None else "one per"
+        what = f"conversations with their loss mask, {how} sequences"
     return Source("tokens", f"{file.path} ({split}, {what} of {_sequence_length(spec)} tokens)",
                   dataset=TokenWindows(part, spec, packed, mask))
