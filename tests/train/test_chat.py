@@ -155,6 +155,8 @@ GOOD = {"messages": [{"role": "user", "content": "Reverse: ka lo"},
      "bad.jsonl:2: nothing to train on (no assistant message"),
     ({"messages": [{"role": "user", "content": ["a"]}]}, "bad.jsonl:2: message 0 (user) has content ['a']"),
     ({"messages": []}, "bad.jsonl:2: 'messages' is an empty list"),
+    ({"messages": [{"role": "assistant", "content": "x"}]},
+     "bad.jsonl:2: the conversation starts with an assistant message"),
 ])
 def test_bad_rows_are_refused_by_line(folders, tmp_path, row, says):
     corpus = _write_rows(tmp_path / "bad.jsonl", [GOOD, row])
