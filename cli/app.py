@@ -11,11 +11,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fxshard.cost.auto_options import AutoOptions
 from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
-from fxshard.tools.auto_options import AutoOptions
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -68,7 +68,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
                                                                               "(repeat, or comma-separate)")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
-AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/tools/auto_options.py)
+AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -127,8 +127,8 @@ def compile(
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
 
+    from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
-    from fxshard.tools.costs import parse_size
 
     auto = build(AutoOptions, flags)
     layout = build(Layout, flags)
@@ -179,7 +179,7 @@ def plan(
 
     from fxshard.cli.report import plan_report
 
-    from fxshard.tools.costs import parse_size, plan_costs
+    from fxshard.cost.costs import parse_size, plan_costs
 
     auto = build(AutoOptions, flags)
     if auto.auto:
@@ -190,7 +190,7 @@ def plan(
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         if auto.hardware is not None:
-            from fxshard.tools.hardware import load_hardware
+            from fxshard.cost.hardware import load_hardware
 
             load_hardware(auto.hardware)  # a bad profile refused before the compile
         report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
@@ -206,8 +206,8 @@ def plan(
         _fail(e)
     predicted = None
     if auto.hardware is not None:
-        from fxshard.tools.auto import predict_layout
-        from fxshard.tools.costs import B, S
+        from fxshard.cost.auto import predict_layout
+        from fxshard.cost.costs import B, S
 
         try:
             predicted = predict_layout(model, report.layout, auto.hardware, int(report.at[B]), int(report.at[S]),
@@ -261,7 +261,7 @@ def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, a
 
     from fxshard.cli.auto import auto_report
 
-    from fxshard.tools.auto import compile_command, plan_auto
+    from fxshard.cost.auto import compile_command, plan_auto
 
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
@@ -308,7 +308,7 @@ def calibrate(
 ):
     """Measure this machine (matmul FLOP/s per dtype, memory bandwidth, collective bandwidth and latency per group
     size, within a node and, under torchrun, across nodes) and write a hardware profile."""
-    from fxshard.tools.calibrate import calibrate as calibrate_
+    from fxshard.cost.calibrate import calibrate as calibrate_
 
     try:
         with console.status(f"measuring with {procs} processes"):
@@ -330,7 +330,7 @@ def check(out: Path = typer.Argument(..., help="compiled output folder"),
     files edited after compile. The checks import and run the rank files: check only folders you trust."""
     from fxshard.cli.report import check_report
 
-    from fxshard.tools.check import check_output
+    from fxshard.check.check import check_output
 
     try:
         with console.status(f"checking {out}"):
@@ -373,7 +373,7 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:
-            from fxshard.tools.check import check_output
+            from fxshard.check.check import check_output
 
             with console.status(f"checking {out}"):
                 report = check_output(out, options.allow_edited)
@@ -526,8 +526,8 @@ def report(
 
     The report runs no code of OUT (its model.py and rank files are read as text): a folder from someone else can
     be looked at safely. It imports only the --model file you name."""
+    from fxshard.cost.costs import parse_size
     from fxshard.report.render import write_report
-    from fxshard.tools.costs import parse_size
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None
@@ -588,8 +588,8 @@ def verify(
     differences of the losses and of the trained parameters; exit 1 above the tolerance."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.check.verify import check_verify_options
     from fxshard.driver import verify as verify_
-    from fxshard.tools.verify import check_verify_options
 
     try:
         layout = build(Layout, flags)
@@ -607,7 +607,7 @@ def verify(
 
 def _version(value: bool) -> None:
     if value:
-        from fxshard.tools.environment import describe
+        from fxshard.environment import describe
 
         console.print(describe(), highlight=False)
         raise typer.Exit()
@@ -617,7 +617,7 @@ def _version(value: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print fxshard's and torch's versions and torch's backend, and exit")):
     """Compile unmodified PyTorch models into readable per-rank distributed training code."""
-    from fxshard.tools.environment import untested_torch
+    from fxshard.environment import untested_torch
 
     if note := untested_torch():
         err.print(f"note: {note}", highlight=False)
