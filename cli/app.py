@@ -551,23 +551,35 @@ def report(
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
-    hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model folder here"),
+    hf: Path = typer.Option(None, "--hf", help="write a Hugging Face model folder here"),
+    merge: bool = typer.Option(False, "--merge", help="with --hf, of a LoRA checkpoint: the merged model (each "
+                                                      "adapted weight W + scaling * B @ A)"),
+    peft: Path = typer.Option(None, "--peft", help="of a LoRA checkpoint: write its adapters here as peft saves "
+                                                   "them (adapter_model.safetensors, adapter_config.json)"),
     model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
 ):
     """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
-    transformers' from_pretrained loads. DIR is new, empty, or an earlier export (its fxshard-export.json lists
-    what it wrote): written beside it and swapped in, a file of yours in it kept."""
-    from fxshard.train.export import export_hf
+    transformers' from_pretrained loads (--hf), or a LoRA checkpoint's adapters as a peft adapter folder (--peft).
+    DIR is new, empty, or an earlier export (its fxshard-export.json lists what it wrote): written beside it and
+    swapped in, a file of yours in it kept."""
+    from fxshard.train.export import export_hf, export_peft
 
+    if (hf is None) == (peft is None) or (merge and hf is None):
+        _fail(OptionError("fxshard export: expected one of --hf DIR (a whole model; --merge for a LoRA checkpoint) "
+                          "or --peft DIR (a LoRA checkpoint's adapters); found "
+                          + ("both" if hf is not None and peft is not None else "--merge without --hf"
+                             if merge and peft is None and hf is None else "--merge with --peft" if merge
+                             else "neither")))
+    target = hf if hf is not None else peft
     try:
-        path = export_hf(checkpoint, hf, model)
+        path = export_hf(checkpoint, hf, model, merge) if hf is not None else export_peft(checkpoint, peft, model)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
         signal_name = e.args[0] if e.args else "SIGINT"
-        _fail(f"export interrupted by {signal_name}: " + (f"{hf} holds the new export, complete" if getattr(
-            e, "swapped", False) else f"{hf} was left as it was"))
-    console.print(f"exported {path} to {hf}")
+        _fail(f"export interrupted by {signal_name}: " + (f"{target} holds the new export, complete" if getattr(
+            e, "swapped", False) else f"{target} was left as it was"))
+    console.print(f"exported {path} to {target}")
 
 
 @app.command()
