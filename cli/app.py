@@ -141,9 +141,9 @@ def compile(
     MODEL is a model file, or a Hugging Face folder: fxshard writes its model file (OUT/model.py: the config's
     AutoModelFor... and an example batch of --batch rows of --seq tokens) and each rank reads its slices of the
     folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
-    from fxshard.capture.hf_folder import model_source
     from fxshard.cli.report import compile_report, folder_line
 
+    from fxshard.capture.hf_folder import model_source
     from fxshard.driver import compile as compile_
     from fxshard.tools.costs import parse_size
 
@@ -590,9 +590,9 @@ def verify(
     """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
     differences of the losses and of the trained parameters; exit 1 above the tolerance. MODEL may be a Hugging
     Face folder (with --seq and --batch): both sides start from its weights."""
-    from fxshard.capture.hf_folder import model_source
     from fxshard.cli.report import verify_report
 
+    from fxshard.capture.hf_folder import model_source
     from fxshard.driver import verify as verify_
     from fxshard.tools.verify import check_verify_options
 
