@@ -143,8 +143,8 @@ def compile(
     folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
     from fxshard.cli.report import compile_report, folder_line
 
-    from fxshard.capture.hf_folder import model_source
     from fxshard.driver import compile as compile_
+    from fxshard.driver import model_source
     from fxshard.tools.costs import parse_size
 
     auto = build(AutoOptions, flags)
@@ -217,7 +217,7 @@ def plan(
     alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble;
     with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them.
     MODEL may be a Hugging Face folder (with --seq and --batch; its config.json alone is enough)."""
-    from fxshard.capture.hf_folder import model_source
+    from fxshard.driver import model_source
 
     auto = build(AutoOptions, flags)
     try:
@@ -592,7 +592,7 @@ def verify(
     Face folder (with --seq and --batch): both sides start from its weights."""
     from fxshard.cli.report import verify_report
 
-    from fxshard.capture.hf_folder import model_source
+    from fxshard.driver import model_source
     from fxshard.driver import verify as verify_
     from fxshard.tools.verify import check_verify_options
 

@@ -7,7 +7,7 @@ file (``make_model()`` from the config, ``make_inputs()`` a right-padded example
 path with ``--weights FOLDER``: nothing downstream learns a second way in, and the compiled folder's ``model.py``
 is that file, readable, editable, recompiled on its own::
 
-    with model_source(Path("qwen"), FolderOptions(), seq=2048, batch=8) as source:
+    with model_source(Path("qwen"), FolderOptions(), seq=2048, batch=8) as source:  # fxshard.driver's
         compile(source.model_file, Layout(tp=2), out="out/qwen", weights=source.weights)
 
 Refused before anything is built, each with its fix: no ``config.json``; a model type or architecture transformers
@@ -103,7 +103,8 @@ def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq
                  batch: int | None = None, weights: bool = True) -> Iterator[ModelSource]:
     """MODEL as a model file: ``path`` itself, or for a folder the model file written for it (in a temporary folder
     that lives as long as the ``with``), with the folder as its weights unless ``weights`` is False (``plan``, and
-    ``compile --meta``: shapes only)."""
+    ``compile --meta``: shapes only).  A folder's safetensors are checked where ``--weights`` reads them
+    (:func:`fxshard.driver.model_source` first looks that they are there)."""
     path = Path(path)
     if not is_folder(path):
         if options.given:
@@ -112,10 +113,6 @@ def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq
         yield ModelSource(path, None)
         return
     folder = read_folder(path, options, seq, batch)
-    if weights:
-        from fxshard.codegen.weights import tensor_files
-
-        tensor_files(folder.folder)  # no safetensors: refused before the model is captured
     with tempfile.TemporaryDirectory(prefix="fxshard-folder-") as tmp:
         model_file = Path(tmp) / "model.py"
         model_file.write_text(model_file_text(folder))  # a private temporary file: compile copies it into OUT

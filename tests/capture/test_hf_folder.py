@@ -13,8 +13,9 @@ import torch
 from cli_in_process import fxshard
 
 from fxshard.capture.folder_options import FolderOptions
-from fxshard.capture.hf_folder import TASKS, model_source
+from fxshard.capture.hf_folder import TASKS
 from fxshard.capture.modelfile import load_model_file
+from fxshard.driver import model_source
 from fxshard.errors import ModelFileError, OptionError
 
 ROOT = Path(__file__).resolve().parents[2]
