@@ -442,7 +442,9 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         _fail(e)
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`.")
+data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`, and a "
+                                                  "generated corpus to try them on (text from a trained model is "
+                                                  "`fxshard generate`, not `data generate`).")
 app.add_typer(data_app, name="data")
 
 
@@ -493,7 +495,8 @@ def data_generate(
     seed: Seed = 0,
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
-    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download."""
+    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download. (Text
+    from a trained model is `fxshard generate CKPT`.)"""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
     try:
@@ -569,6 +572,38 @@ def export(
         _fail(f"export interrupted by {signal_name}: " + (f"{hf} holds the new export, complete" if getattr(
             e, "swapped", False) else f"{hf} was left as it was"))
     console.print(f"exported {path} to {hf}")
+
+
+@app.command()
+def generate(
+    checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
+    prompt: str = typer.Option(..., "--prompt", help="the text to continue (with --chat: the user's message)"),
+    chat: bool = typer.Option(False, "--chat", help="render the prompt as a user turn with the tokenizer's chat "
+                                                    "template, and decode the assistant's answer"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (the most likely token); above 0: sample "
+                                                                 "at this temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="with --temperature: sample from the most likely tokens whose "
+                                                     "probability adds up to P"),
+    seed: Seed = 0,
+    tokenizer: Path = typer.Option(None, "--tokenizer", help="tokenizer folder (default: the one the model file "
+                                                             "names, TOKENIZER; compile FOLDER names the folder's)"),
+    model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
+):
+    """Decode text from a trained checkpoint (any layout), on one process, with transformers' generate: a quick
+    look at what training taught, not a serving engine (export for that). Not `fxshard data generate`, which writes
+    a corpus to train on. Runs the checkpoint's model file: generate only from checkpoints you trust."""
+    from fxshard.train.generate import Sampling
+    from fxshard.train.generate import generate as generate_
+
+    try:
+        sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+        sampling.check()  # before the model is built
+        with console.status(f"generating from {checkpoint}"):
+            done = generate_(checkpoint, prompt, chat=chat, sampling=sampling, tokenizer=tokenizer, model_file=model)
+    except FxshardError as e:
+        _fail(e)
+    console.print(done.text, highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()
