@@ -1,5 +1,5 @@
 """``fxshard generate`` (``fxshard/train/generate.py``): from a checkpoint of a tiny Qwen2 folder compiled at tp=2 and
-trained 3 steps, greedy decoding gives token for token what transformers' ``generate`` gives on the model trained on
+trained 3 steps on a packed token file, greedy decoding gives token for token what transformers' ``generate`` gives on the model trained on
 one device from the same folder, as text and as one chat turn; sampling is seeded; and the refusals."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fxshard.errors import OptionError
 from fxshard.ir.layout import Layout
 from fxshard.testing import cli
 from fxshard.tools.verify import with_weights
+from fxshard.train.data import DataOptions
 from fxshard.train.generate import GenerateError, Sampling, generate
 from fxshard.train.reference import reference_losses
 
@@ -28,8 +29,9 @@ CHAT = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
-    """A Qwen2 folder with the corpus' tokenizer (and a chat template), compiled at tp=2, trained 3 steps with a
-    checkpoint; and the same 3 steps on one device from the folder's weights: ``(root, folder, trained state)``."""
+    """A Qwen2 folder with the corpus' tokenizer (and a chat template), compiled at tp=2, trained 3 steps on the
+    corpus' token file packed, with a checkpoint; and the same 3 steps on one device from the folder's weights:
+    ``(root, folder, trained state)``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokens, _ = corpus
@@ -43,11 +45,14 @@ def trained(corpus, tmp_path_factory):
         shutil.copy(f, folder / f.name)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": CHAT}))
+    data = DataOptions(data=tokens / "t.bin", pack=True)  # the folder's model file takes --pack as it is
     with model_source(folder, seq=16, batch=4) as source:
         compile_model(source.model_file, Layout(tp=2), out=root / "out", weights=source.weights)
         state: dict = {}
-        reference_losses(with_weights(load_model_file(source.model_file), folder), STEPS, final_state=state)
-    done = cli("run", root / "out", "--steps", STEPS, "--checkpoint", root / "ckpt", "--save-every", STEPS)
+        reference_losses(with_weights(load_model_file(source.model_file), folder), STEPS, final_state=state,
+                         data=data)
+    done = cli("run", root / "out", "--steps", STEPS, "--data", data.data, "--pack", "--checkpoint", root / "ckpt",
+               "--save-every", STEPS)
     assert done.returncode == 0, done.stdout + done.stderr
     return root, folder, state
 
