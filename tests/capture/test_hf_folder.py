@@ -297,3 +297,23 @@ def test_a_qwen2_folder_at_tp2_trains_as_one_device_trains_from_pretrained(folde
         inputs = load_model_file(source.model_file).build_inputs(0)
     loaded = AutoModelForCausalLM.from_pretrained(folders / "qwen2", dtype=torch.float32)
     assert abs(loaded(**inputs).loss.item() - result.distributed[0]) <= 1e-5 * result.distributed[0]
+
+
+@pytest.mark.slow
+def test_plan_auto_takes_the_folder_and_prints_the_command_that_compiles_it(folders):
+    done = fxshard("plan", folders / "qwen2", "--seq", 16, "--batch", 4, "--auto", "--gpus", 2, "--hardware",
+                   "cpu-gloo", "--top", 2)
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert f"fxshard plan --auto: {folders / 'qwen2'}" in text  # the folder, not the file written for it
+    assert f"compile it: fxshard compile {folders / 'qwen2'} --seq 16 --batch 4 --task causal-lm" in text
+
+
+@pytest.mark.slow
+def test_compile_meta_takes_a_folder_without_its_weights(folders, tmp_path):
+    folder = _copy(folders, "llama", tmp_path)
+    (folder / "model.safetensors").unlink()
+    done = fxshard("compile", folder, "--tp", 2, "--seq", 16, "--batch", 2, "--meta", "--out", tmp_path / "o")
+    assert done.returncode == 0, done.stderr
+    assert "compiled --meta: no weights" in " ".join(done.stdout.split())
+    assert json.loads((tmp_path / "o" / "manifest.json").read_text())["weights"]["dir"] is None
