@@ -12,11 +12,11 @@ import typer
 from rich.console import Console
 
 from fxshard.capture.folder_options import FolderOptions
+from fxshard.cost.auto_options import AutoOptions
 from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
-from fxshard.tools.auto_options import AutoOptions
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -78,7 +78,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
                                                                               "(repeat, or comma-separate)")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
-AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/tools/auto_options.py)
+AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
 FOLDER_FLAGS = flags(FolderOptions)  # MODEL a Hugging Face folder (fxshard/capture/folder_options.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
@@ -143,9 +143,9 @@ def compile(
     folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
     from fxshard.cli.report import compile_report, folder_line
 
+    from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
     from fxshard.driver import model_source
-    from fxshard.tools.costs import parse_size
 
     auto = build(AutoOptions, flags)
     layout = build(Layout, flags)
@@ -237,14 +237,14 @@ def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory
 
     from fxshard.cli.report import plan_report
 
-    from fxshard.tools.costs import parse_size, plan_costs
+    from fxshard.cost.costs import parse_size, plan_costs
 
     try:
         _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         if auto.hardware is not None:
-            from fxshard.tools.hardware import load_hardware
+            from fxshard.cost.hardware import load_hardware
 
             load_hardware(auto.hardware)  # a bad profile refused before the compile
         report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
@@ -260,8 +260,8 @@ def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory
         _fail(e)
     predicted = None
     if auto.hardware is not None:
-        from fxshard.tools.auto import predict_layout
-        from fxshard.tools.costs import B, S
+        from fxshard.cost.auto import predict_layout
+        from fxshard.cost.costs import B, S
 
         try:
             predicted = predict_layout(model, report.layout, auto.hardware, int(report.at[B]), int(report.at[S]),
@@ -316,7 +316,7 @@ def _plan_auto(source, auto: AutoOptions, layout: Layout, seq, user_plan, seed, 
 
     from fxshard.cli.auto import auto_report
 
-    from fxshard.tools.auto import compile_command, plan_auto
+    from fxshard.cost.auto import compile_command, plan_auto
 
     model = source.argv()[0]
     try:
@@ -366,7 +366,7 @@ def calibrate(
 ):
     """Measure this machine (matmul FLOP/s per dtype, memory bandwidth, collective bandwidth and latency per group
     size, within a node and, under torchrun, across nodes) and write a hardware profile."""
-    from fxshard.tools.calibrate import calibrate as calibrate_
+    from fxshard.cost.calibrate import calibrate as calibrate_
 
     try:
         with console.status(f"measuring with {procs} processes"):
@@ -388,7 +388,7 @@ def check(out: Path = typer.Argument(..., help="compiled output folder"),
     files edited after compile. The checks import and run the rank files: check only folders you trust."""
     from fxshard.cli.report import check_report
 
-    from fxshard.tools.check import check_output
+    from fxshard.check.check import check_output
 
     try:
         with console.status(f"checking {out}"):
@@ -431,7 +431,7 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:
-            from fxshard.tools.check import check_output
+            from fxshard.check.check import check_output
 
             with console.status(f"checking {out}"):
                 report = check_output(out, options.allow_edited)
@@ -530,8 +530,8 @@ def report(
 
     The report runs no code of OUT (its model.py and rank files are read as text): a folder from someone else can
     be looked at safely. It imports only the --model file you name."""
+    from fxshard.cost.costs import parse_size
     from fxshard.report.render import write_report
-    from fxshard.tools.costs import parse_size
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None
@@ -627,9 +627,9 @@ def verify(
     Face folder (with --seq and --batch): both sides start from its weights."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.check.verify import check_verify_options
     from fxshard.driver import model_source
     from fxshard.driver import verify as verify_
-    from fxshard.tools.verify import check_verify_options
 
     try:
         layout = build(Layout, flags)
@@ -650,7 +650,7 @@ def verify(
 
 def _version(value: bool) -> None:
     if value:
-        from fxshard.tools.environment import describe
+        from fxshard.environment import describe
 
         console.print(describe(), highlight=False)
         raise typer.Exit()
@@ -660,7 +660,7 @@ def _version(value: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print fxshard's and torch's versions and torch's backend, and exit")):
     """Compile unmodified PyTorch models into readable per-rank distributed training code."""
-    from fxshard.tools.environment import untested_torch
+    from fxshard.environment import untested_torch
 
     if note := untested_torch():
         err.print(f"note: {note}", highlight=False)

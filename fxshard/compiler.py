@@ -100,7 +100,7 @@ class CompiledProgram:
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: Manifest | None = None
-    checks: object | None = None  # the static checks of the generated files (fxshard.tools.check's CheckReport)
+    checks: object | None = None  # the static checks of the generated files (fxshard.check.check's CheckReport)
     memory_plan: object | None = None  # with device_memory: fxshard plan's CostReport, which --recompute auto chose by
 
     @property

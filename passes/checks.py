@@ -92,7 +92,7 @@ def _concrete(t: torch.Tensor) -> bool:
 def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
     """``node``'s value at ``coords`` from its arguments' (``value`` maps an argument): a placeholder's local
     shape, a collective's local output (:mod:`fxshard.ir.comm`), else the op itself on the fake arguments;
-    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.tools.saved`)."""
+    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.cost.saved`)."""
     if node.op == "placeholder":
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

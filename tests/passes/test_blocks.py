@@ -87,7 +87,7 @@ def test_a_block_recorded_outside_its_module_or_in_pieces_breaks_the_contract(sa
 def test_codegen_and_the_plan_read_the_blocks_the_graph_records(samples):
     """A blocks pass that records no block: the rank file calls no submodule, and the plan finds no block to
     recompute (before, both searched the graph for blocks themselves and found them whatever the passes said)."""
-    from fxshard.tools.costs import plan_costs
+    from fxshard.cost.costs import plan_costs
 
     @contract(requires=contract_of(blocks_pass).requires, ensures=(BLOCKED,))
     def no_blocks_pass(gm, ctx):

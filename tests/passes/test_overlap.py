@@ -98,7 +98,7 @@ def test_a_fused_node_read_other_than_by_index_breaks_the_contract(models):
 def test_the_plan_reads_the_fused_node(samples):
     """fxshard plan compiles in memory and costs that graph: it holds the fused nodes, their backward all-reduces
     are counted as the copy_to's were, and no value is counted for the copy_to output the fused op does not make."""
-    from fxshard.tools.costs import B, S, plan_costs
+    from fxshard.cost.costs import B, S, plan_costs
 
     fused = _fused(compile_program(samples / "gpt.py", Layout(tp=2)).gm)
     assert len(fused) == 17  # per block q/k/v and the MLP's input, and the LM head

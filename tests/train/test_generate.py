@@ -17,7 +17,7 @@ from fxshard.driver import model_source
 from fxshard.errors import OptionError
 from fxshard.ir.layout import Layout
 from fxshard.testing import cli
-from fxshard.tools.verify import with_weights
+from fxshard.check.verify import with_weights
 from fxshard.train.data import DataOptions
 from fxshard.train.generate import GenerateError, Sampling, generate
 from fxshard.train.reference import reference_losses
