@@ -12,12 +12,12 @@ import torch
 from cli_in_process import fxshard
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import with_weights
 from fxshard.driver import compile as compile_model
 from fxshard.driver import model_source
 from fxshard.errors import OptionError
 from fxshard.ir.layout import Layout
 from fxshard.testing import cli
-from fxshard.check.verify import with_weights
 from fxshard.train.data import DataOptions
 from fxshard.train.generate import GenerateError, Sampling, generate
 from fxshard.train.reference import reference_losses
