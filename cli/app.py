@@ -143,6 +143,7 @@ def compile(
     folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
     from fxshard.cli.report import compile_report, folder_line
 
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
     from fxshard.driver import model_source
@@ -151,7 +152,7 @@ def compile(
     layout = build(Layout, flags)
     folder = build(FolderOptions, flags)
     try:
-        _example_flags(model, seq, batch, auto.auto, weights=weights)
+        check_model_flags(model, seq, batch, auto.auto, weights=weights)
         with model_source(model, folder, seq, batch, weights=not meta) as source:
             if auto.auto:  # search, print the ranking, then compile the first
                 layout = _plan_auto(source, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
@@ -175,25 +176,6 @@ def compile(
     compile_report(console, result)
     if source.folder is not None:
         folder_line(console, source, out)
-
-
-def _example_flags(model: Path, seq: int | None, batch: int | None, auto: bool, weights: Path | None = None) -> None:
-    """--seq and --batch shape a Hugging Face folder's example batch; a model file's make_inputs() shapes its own
-    (--seq is then --auto's length, and plan's --batch and --seq what it evaluates at)."""
-    from fxshard.capture.hf_folder import is_folder
-
-    if is_folder(model):
-        if weights is not None:
-            raise OptionError(f"--weights {weights}: {model} is a Hugging Face folder, read as its own weights; drop "
-                              "--weights (or compile a model file with --weights FOLDER)")
-        return
-    if batch is not None:
-        raise OptionError(f"--batch {batch}: shapes the example batch of a Hugging Face folder; {model} is a model "
-                          "file, whose make_inputs() gives the batch: change it there")
-    if seq is not None and not auto:
-        raise OptionError(f"--seq {seq}: shapes the example batch of a Hugging Face folder, or with --auto the "
-                          f"length searched at; {model} is a model file, whose make_inputs() gives the sequence: "
-                          "change it there, or add --auto")
 
 
 @app.command()
@@ -593,6 +575,7 @@ def generate(
     """Decode text from a trained checkpoint (any layout), on one process, with transformers' generate: a quick
     look at what training taught, not a serving engine (export for that). Not `fxshard data generate`, which writes
     a corpus to train on. Runs the checkpoint's model file: generate only from checkpoints you trust."""
+
     from fxshard.train.generate import Sampling
     from fxshard.train.generate import generate as generate_
 
@@ -627,6 +610,7 @@ def verify(
     Face folder (with --seq and --batch): both sides start from its weights."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.check.verify import check_verify_options
     from fxshard.driver import model_source
     from fxshard.driver import verify as verify_
@@ -635,7 +619,7 @@ def verify(
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
-        _example_flags(model, seq, batch, auto=False)
+        check_model_flags(model, seq, batch, auto=False)
         with model_source(model, build(FolderOptions, flags), seq, batch) as source:
             console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
             result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan, split_before), seed,

@@ -119,6 +119,23 @@ def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq
         yield ModelSource(model_file, folder.folder if weights else None, folder)
 
 
+def check_model_flags(model: Path, seq: int | None, batch: int | None, auto: bool, weights: Path | None = None) -> None:
+    """--seq and --batch shape a Hugging Face folder's example batch; a model file's make_inputs() shapes its own
+    (--seq is then --auto's length, and plan's --batch and --seq what it evaluates at)."""
+    if is_folder(model):
+        if weights is not None:
+            raise OptionError(f"--weights {weights}: {model} is a Hugging Face folder, read as its own weights; drop "
+                              "--weights (or compile a model file with --weights FOLDER)")
+        return
+    if batch is not None:
+        raise OptionError(f"--batch {batch}: shapes the example batch of a Hugging Face folder; {model} is a model "
+                          "file, whose make_inputs() gives the batch: change it there")
+    if seq is not None and not auto:
+        raise OptionError(f"--seq {seq}: shapes the example batch of a Hugging Face folder, or with --auto the "
+                          f"length searched at; {model} is a model file, whose make_inputs() gives the sequence: "
+                          "change it there, or add --auto")
+
+
 def read_folder(path: Path, options: FolderOptions, seq: int | None, batch: int | None) -> FolderModel:
     """Read and check ``path/config.json``; refuse what cannot be built, naming the fix."""
     folder = path.resolve()
