@@ -444,9 +444,26 @@ def data_tokenize(
                                                                 "text"),
     eos: str = typer.Option(None, "--eos", help="the end-of-document token (default: tokenizer_config.json's "
                                                 "eos_token)"),
+    format: str = typer.Option(
+        "text", "--format", help="text (documents), chat (rows of messages, rendered with the tokenizer's "
+                                 "chat template, with a loss mask) or prompt-completion (rows of prompt and "
+                                 "completion)"),
+    train_on: str = typer.Option(
+        "assistant", "--train-on", help="chat and prompt-completion: the tokens trained: assistant (every "
+                                        "assistant turn; the completion), last-assistant, or all"),
+    seq: int = typer.Option(
+        None, "--seq", help="chat and prompt-completion: the longest conversation, in tokens (the sequence "
+                            "you compile); longer ones as --truncate says"),
+    truncate: str = typer.Option(
+        "refuse", "--truncate", help="a conversation longer than --seq: refuse (name its row), right (keep "
+                                     "its first tokens) or drop it"),
+    chat_template: Path = typer.Option(
+        None, "--chat-template", help="chat: a Jinja chat template file to render with instead of the "
+                                      "tokenizer's own"),
 ):
-    """Tokenize a text corpus into a token file (ids back to back, EOS after each document, Megatron's .idx and a
-    .json sidecar) for `fxshard run --data`."""
+    """Tokenize a corpus into a token file for `fxshard run --data`: text (ids back to back, EOS after each
+    document, Megatron's .idx and a .json sidecar), or chat and prompt-completion rows (.jsonl, .parquet or a
+    datasets folder) with a loss mask beside the ids (PATH.mask: which tokens are trained)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from fxshard.train.data.tokenize import tokenize as tokenize_
@@ -456,6 +473,14 @@ def data_tokenize(
             from fxshard.errors import OptionError
 
             raise OptionError(f"--validation {validation}: expected a fraction in [0, 1), e.g. 0.005")
+        if format != "text":
+            return _tokenize_chat(corpus, tokenizer, out, validation, format, train_on, seq, truncate,
+                                  chat_template)
+        if seq is not None or chat_template is not None or train_on != "assistant" or truncate != "refuse":
+            from fxshard.errors import OptionError
+
+            raise OptionError("--seq, --truncate, --train-on and --chat-template go with --format chat or "
+                              "prompt-completion; a text corpus is one stream of documents")
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TimeRemainingColumn(), console=err, transient=True) as bar:
             task = bar.add_task(f"tokenizing {corpus}", total=None)
@@ -468,25 +493,56 @@ def data_tokenize(
                   f"{done.vocab_size:,}")
 
 
+def _tokenize_chat(corpus, tokenizer, out, validation, fmt, train_on, seq, truncate, chat_template):
+    from fxshard.train.data.chat_tokenize import tokenize_chat
+
+    what = f"rendering and tokenizing {corpus}"
+    with console.status(what) as status:
+        done = tokenize_chat(corpus, tokenizer, out, fmt=fmt, train_on=train_on, seq=seq, truncate=truncate,
+                             validation=validation, chat_template=chat_template,
+                             progress=lambda rows: status.update(f"{what}: {rows:,} rows"))
+    cut = f"; {done.truncated:,} truncated and {done.dropped:,} dropped at --seq {seq}" if seq else ""
+    console.print(f"wrote {done.path} and its loss mask {done.path.with_suffix('.mask').name}: "
+                  f"{done.tokens:,} tokens ({done.dtype}) in {done.conversations:,} conversations (the "
+                  f"longest {done.longest:,}), "
+                  f"{done.trained_tokens:,} trained ({done.trained_tokens / done.tokens:.1%}; masked by "
+                  f"{done.method}){cut}; the last {done.validation_documents:,} the validation split")
+
+
 @data_app.command("generate")
 def data_generate(
     out: Path = typer.Argument(..., help="folder to write: OUT/corpus/*.jsonl and the tokenizer OUT/tokenizer"),
     documents: int = typer.Option(20_000, "--documents", help="documents to generate"),
     files: int = typer.Option(1, "--files", help=".jsonl files to spread them over"),
-    vocab: int = typer.Option(256, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS among them)"),
+    vocab: int = typer.Option(None, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS "
+                                                    "among them; default 256, with --chat 512)"),
+    chat: bool = typer.Option(False, "--chat", help="conversations ({\"messages\": [...]} rows) and a "
+                                                    "byte-level tokenizer whose tokenizer_config.json holds "
+                                                    "a chat template: for `data tokenize --format chat`"),
     seed: Seed = 0,
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
-    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download. (Text
-    from a trained model is `fxshard generate CKPT`.)"""
+    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
+    With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
+    template. (Text from a trained model is `fxshard generate CKPT`.)"""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
+    vocab = vocab if vocab is not None else 512 if chat else 256
     try:
         if documents < 1 or files < 1 or vocab < 2:
             from fxshard.errors import OptionError
 
             raise OptionError(f"--documents {documents} --files {files} --vocab {vocab}: expected at least 1 document "
                               "and 1 file, and a vocabulary of 2 ids or more")
+        if chat:
+            from fxshard.train.data.synthetic_chat import train_chat_tokenizer, write_chat_corpus
+
+            with console.status(f"generating {documents:,} conversations"):
+                write_chat_corpus(out / "corpus", documents, seed)
+                train_chat_tokenizer(out / "corpus", out / "tokenizer", vocab)
+            console.print(f"wrote {out / 'corpus'} ({documents:,} conversations) and the tokenizer "
+                          f"{out / 'tokenizer'} (with a chat template)")
+            return
         with console.status(f"generating {documents:,} documents"):
             write_corpus(out / "corpus", documents, files, seed)
             train_tokenizer(out / "corpus", out / "tokenizer", vocab)
@@ -537,23 +593,35 @@ def report(
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
-    hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model folder here"),
+    hf: Path = typer.Option(None, "--hf", help="write a Hugging Face model folder here"),
+    merge: bool = typer.Option(False, "--merge", help="with --hf, of a LoRA checkpoint: the merged model (each "
+                                                      "adapted weight W + scaling * B @ A)"),
+    peft: Path = typer.Option(None, "--peft", help="of a LoRA checkpoint: write its adapters here as peft saves "
+                                                   "them (adapter_model.safetensors, adapter_config.json)"),
     model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
 ):
     """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
-    transformers' from_pretrained loads. DIR is new, empty, or an earlier export (its fxshard-export.json lists
-    what it wrote): written beside it and swapped in, a file of yours in it kept."""
-    from fxshard.train.export import export_hf
+    transformers' from_pretrained loads (--hf), or a LoRA checkpoint's adapters as a peft adapter folder (--peft).
+    DIR is new, empty, or an earlier export (its fxshard-export.json lists what it wrote): written beside it and
+    swapped in, a file of yours in it kept."""
+    from fxshard.train.export import export_hf, export_peft
 
+    if (hf is None) == (peft is None) or (merge and hf is None):
+        _fail(OptionError("fxshard export: expected one of --hf DIR (a whole model; --merge for a LoRA checkpoint) "
+                          "or --peft DIR (a LoRA checkpoint's adapters); found "
+                          + ("both" if hf is not None and peft is not None else "--merge without --hf"
+                             if merge and peft is None and hf is None else "--merge with --peft" if merge
+                             else "neither")))
+    target = hf if hf is not None else peft
     try:
-        path = export_hf(checkpoint, hf, model)
+        path = export_hf(checkpoint, hf, model, merge) if hf is not None else export_peft(checkpoint, peft, model)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
         signal_name = e.args[0] if e.args else "SIGINT"
-        _fail(f"export interrupted by {signal_name}: " + (f"{hf} holds the new export, complete" if getattr(
-            e, "swapped", False) else f"{hf} was left as it was"))
-    console.print(f"exported {path} to {hf}")
+        _fail(f"export interrupted by {signal_name}: " + (f"{target} holds the new export, complete" if getattr(
+            e, "swapped", False) else f"{target} was left as it was"))
+    console.print(f"exported {path} to {target}")
 
 
 @app.command()

@@ -89,7 +89,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
             layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
         if memory_plan.microbatch_choice is not None:  # --microbatches not given: the count the plan chose
             layout = dataclasses.replace(layout, microbatches=memory_plan.microbatch_choice["chosen"])
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     result = compile_program(mf, layout, plan, seed, meta=meta or weights is not None)
     result.memory_plan = memory_plan
     shards = generate(result, mf, seed, weights, meta)
@@ -145,7 +145,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     if weights is not None:
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))

@@ -210,10 +210,9 @@ def test_selective_recompute_pays_its_policy_per_op_of_every_block(profile):
 def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(profile, tmp_path):
     """``single_step`` is the whole model's forward and backward on one device (the sum over its pieces);
     calibrate's ``compute_scale`` is a measured step over it, written into the profile, which then loads with it."""
-    from tests.cost.test_hardware import GOOD
-
     from fxshard.cost.calibrate import _with_compute_scale
     from fxshard.cost.timemodel import single_step
+    from tests.cost.test_hardware import GOOD
 
     out = tmp_path / "p.json"
     out.write_text(json.dumps(GOOD | {"measured": {}}))
