@@ -134,5 +134,6 @@ def check_fp64(layout, weights) -> None:
         raise OptionError(f"--fp64 with --dtype {layout.dtype}: --fp64 verifies the program in float64, which has "
                           "no mixed-precision recipe; verify --dtype bf16 without --fp64, or --fp64 without --dtype")
     if weights is not None:
-        raise OptionError("--fp64 with --weights: the float64 program is built from make_model(), and the compile "
-                          "would read the folder's tensors at their own dtype; verify --fp64 without --weights")
+        raise OptionError(f"--fp64 with the weights of {weights} (--weights, or MODEL a Hugging Face folder): the "
+                          "float64 program is built from make_model(), and the compile would read the folder's tensors "
+                          "at their own dtype; verify --fp64 a model file without weights, or the folder without --fp64")

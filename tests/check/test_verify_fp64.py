@@ -76,7 +76,7 @@ def test_floor_says_whether_fp32_can_judge_the_model():
 def test_fp64_refuses_bf16_and_weights():
     with pytest.raises(OptionError, match="--fp64 with --dtype bf16"):
         verify(RESNET, Layout(dp=2, dtype="bf16"), fp64=True)
-    with pytest.raises(OptionError, match="--fp64 with --weights"):
+    with pytest.raises(OptionError, match="--fp64 with the weights of /nonexistent"):
         verify(RESNET, Layout(dp=2), fp64=True, weights="/nonexistent")
 
 
@@ -93,7 +93,10 @@ def test_the_resnets_own_fp32_rounding_is_beyond_the_tolerance(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(tp=2, dp=2, zero=1)], ids=["dp2", "tp2-dp2-zero1"])
+# tp2 alone compiles the same straight-line program as one device (nothing of this net splits over tp): its 1.4e-4 was
+# the compiled program's rounding against eager; tp2·dp2 (4 ranks) runs the tp rules beside the dp sync, in test-matrix
+@pytest.mark.parametrize("layout", [Layout(dp=2), pytest.param(Layout(tp=2, dp=2, zero=1), marks=pytest.mark.matrix)],
+                         ids=["dp2", "tp2-dp2-zero1"])
 def test_resnet_with_batch_norm_everywhere_is_exact_in_float64(layout):
     result = verify(RESNET, layout, steps=3, fp64=True)
     assert result.ok, result.summary()
