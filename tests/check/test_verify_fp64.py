@@ -6,7 +6,7 @@ at --dp 2 and 1.4e-4 off at --tp 2 by fp32 verify.  Its fp32 training is that fa
 the distributed program is exact (1e-13 at dp2 and tp2·dp2): the fp32 figures were rounding, amplified by training.
 Tested: the float64 model file converts what it must and nothing else, the parameter comparison keeps float64's
 differences, the floor says whether fp32 can judge, the ResNet's own rounding is beyond the fp32 tolerance, and the
-ResNet is exact in float64 at dp2 and at tp2·dp2 on real gloo ranks."""
+ResNet is exact in float64 at dp2 and at tp2·dp2 on real gloo ranks, its batch norms' running statistics too."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.check.fp64 import float64_model_file, rounding_floor
 from fxshard.check.verify import DEFAULT_PARAM_RTOL, DEFAULT_RTOL, Floor, compare_parameters
+from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import verify
 from fxshard.errors import OptionError
 from fxshard.ir.context import Layout
@@ -97,8 +99,21 @@ def test_the_resnets_own_fp32_rounding_is_beyond_the_tolerance(tmp_path):
 # the compiled program's rounding against eager; tp2·dp2 (4 ranks) runs the tp rules beside the dp sync, in test-matrix
 @pytest.mark.parametrize("layout", [Layout(dp=2), pytest.param(Layout(tp=2, dp=2, zero=1), marks=pytest.mark.matrix)],
                          ids=["dp2", "tp2-dp2-zero1"])
-def test_resnet_with_batch_norm_everywhere_is_exact_in_float64(layout):
-    result = verify(RESNET, layout, steps=3, fp64=True)
+def test_resnet_with_batch_norm_everywhere_is_exact_in_float64(layout, tmp_path):
+    result = verify(RESNET, layout, steps=3, fp64=True, out=tmp_path / "out")
     assert result.ok, result.summary()
     assert result.precision == "fp64" and result.rtol == DEFAULT_RTOL["fp64"]
     assert result.loss_rel < 1e-11 and result.param_rel < 1e-9, result.summary()  # measured 8e-13 and 1e-11
+    # verify judges parameters; the running statistics (the unbiased running variance over the whole batch's 4
+    # values per channel at the 1x1 maps, where a part holds 2) are judged here, on every rank
+    single: dict = {}
+    reference_losses(load_model_file(float64_model_file(RESNET, tmp_path)), 3, OptimConfig(), final_buffers=single)
+    manifest = read_manifest(tmp_path / "out")
+    for rank in range(layout.world_size):
+        entry = manifest.rank(layout.coords(rank))
+        state = load_file(str(tmp_path / "out" / "verify" / "final" / f"rank{rank}.safetensors"))
+        stats = [(k, t.source) for k, t in entry.tensors.items() if t.source.endswith(("running_mean", "running_var"))]
+        assert len(stats) == 2 * 20, stats  # 20 batch norms
+        for key, source in stats:
+            assert state[key].dtype == torch.float64
+            torch.testing.assert_close(state[key], single[source], rtol=1e-10, atol=1e-12, msg=f"rank {rank} {source}")
