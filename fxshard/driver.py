@@ -36,6 +36,7 @@ from fxshard.check.verify import (
     Verification,
     adamw_reach,
     compare_parameters,
+    compare_running_stats,
     gather_parameters,
     quiet_parameters,
     with_weights,
@@ -115,7 +116,8 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
     all parameters together (:data:`fxshard.check.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
     zero up to rounding (:data:`~fxshard.check.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
-    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`).  ``compile``: the distributed run is
+    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`); batch norms' running
+    statistics within ``param_rtol`` of their own change.  ``compile``: the distributed run is
     ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
     Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
     single-device model is ``make_model()`` with the folder's tensors loaded.  ``fp64``: both sides in float64
@@ -155,18 +157,21 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         mf = load_model_file(source).for_layout(layout)
         if weights is not None:
             mf = with_weights(mf, Path(weights))
-        initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
-        grad_sq: dict = {}
-        reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq)
+        built = mf.build_model(seed)
+        initial = dict(built.named_parameters(remove_duplicate=False))
+        grad_sq, ref_buffers = {}, {}
+        reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq,
+                                     final_buffers=ref_buffers)
         quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, precision)
         rows = compare_parameters(trained, ref_state, initial, quiet)
+        stats = compare_running_stats(gather_parameters(result.manifest, final, kind="buffer"), ref_buffers, built)
         if len(distributed) != steps:
             raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output "
                                "above")
         verification = Verification(result.ctx.layout, reference, distributed, rows,
                                     rtol if rtol is not None else DEFAULT_RTOL[precision],
                                     param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[precision],
-                                    2 * adamw_reach(optim, steps), precision)
+                                    2 * adamw_reach(optim, steps), precision, stats=stats)
         if not verification.ok and precision == "fp32":  # one device's own rounding: can fp32 judge this model?
             verification.floor = rounding_floor(model_file, Path(tmp), layout, steps, optim, seed, reference,
                                                 ref_state, distributed, trained, verification.apart, weights)

@@ -7,6 +7,10 @@ records into full tensors (:func:`gather_parameters`) and compared with the sing
     rows = compare_parameters(gather_parameters(manifest, folder), single, initial, quiet)
     update_share(rows)          # ||distributed - single|| / ||single - initial||
     judged_apart(rows, 1e-3)    # the quiet parameters that share cannot hold, judged by adamw_reach instead
+
+The batch norms' running statistics are compared alike (:func:`compare_running_stats`, from
+``gather_parameters(manifest, folder, kind="buffer")``): training never reads them, so only their own comparison
+finds them wrong.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class Verification:
     quiet_atol: float = 0.0  # quiet parameters judged apart (judged_apart): the largest difference, 2 * adamw_reach
     precision: str = "fp32"  # the tolerances' key: the layout's dtype, or fp64 under --fp64
     floor: Floor | None = None  # where an fp32 verification fails: one device's own rounding (Floor)
+    # per batch norm running statistic (running_stats): as params; judged by their share of their own change, at
+    # param_rtol.  Training never reads them, so a loss or parameter comparison cannot see them wrong
+    stats: list[dict] = field(default_factory=list)
 
     @property
     def loss_abs(self) -> float:
@@ -130,8 +137,14 @@ class Verification:
         return max(self.judged, key=lambda p: p["diff_sq"])
 
     @property
+    def stats_rel(self) -> float:
+        """The running statistics' ||distributed - single|| / ||single - initial||; 0 without batch norms."""
+        return update_share(self.stats) if self.stats else 0.0
+
+    @property
     def ok(self) -> bool:
-        return self.loss_rel <= self.rtol and self.param_rel <= self.param_rtol and self.quiet_abs <= self.quiet_atol
+        return (self.loss_rel <= self.rtol and self.param_rel <= self.param_rtol and self.quiet_abs <= self.quiet_atol
+                and self.stats_rel <= self.param_rtol)
 
     def summary(self) -> str:
         quiet = self.quiet
@@ -141,10 +154,12 @@ class Verification:
                  if quiet else "")
         floor = f"; {self.floor.describe(self.rtol, self.param_rtol)}" if self.floor is not None else ""
         where = f"{self.layout.describe()}{' in float64' if self.precision == 'fp64' else ''}"
+        stats = (f"; batch norms' running statistics ||diff|| / ||update|| {self.stats_rel:.3e} (most: "
+                 f"{max(self.stats, key=lambda p: p['diff_sq'])['fqn']})" if self.stats else "")
         return (f"{where}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
                 f"parameters max abs {self.param_abs:.3e}, ||diff|| / ||update|| {self.param_rel:.3e} (most: "
-                f"{self.worst['fqn']}); tolerance: losses {self.rtol:g} relative, parameters {self.param_rtol:g} of "
-                f"the update{apart}: "
+                f"{self.worst['fqn']}){stats}; tolerance: losses {self.rtol:g} relative, parameters (and running "
+                f"statistics) {self.param_rtol:g} of the update{apart}: "
                 f"{'OK' if self.ok else 'FAILED'}{floor}")
 
 
@@ -192,9 +207,10 @@ def _share(diff: float, update: float) -> float:
 
 
 def gather_parameters(manifest: Manifest, folder: Path | None = None,
-                      states: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """Full trained parameters by source FQN, from the slices the first dp rank of every rank entry wrote to
-    ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
+                      states: dict[int, dict[str, torch.Tensor]] | None = None,
+                      kind: str = "parameter") -> dict[str, torch.Tensor]:
+    """Full trained parameters (``kind="buffer"``: buffers) by source FQN, from the slices the first dp rank of every
+    rank entry wrote to ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
     layout = manifest.layout
     pieces: dict[str, dict] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -206,7 +222,7 @@ def gather_parameters(manifest: Manifest, folder: Path | None = None,
         seen.add(id(entry))
         state = states[rank] if states is not None else load_file(str(folder / f"rank{rank}.safetensors"))
         for key, t in entry.tensors.items():
-            if t.kind != "parameter":
+            if t.kind != kind:
                 continue
             # copies of a tied weight in several stages are identical (tested); one per slice suffices
             pieces.setdefault(t.source, {})[t.slice] = (t.slice, state[key])
@@ -230,6 +246,22 @@ def compare_parameters(trained: dict[str, torch.Tensor], single: dict[str, torch
                      "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item(),
                      "quiet": fqn in quiet})
     return rows
+
+
+def running_stats(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch norms' running means and variances of a model's ``named_buffers()``: what training in train mode
+    updates and never reads, so only a comparison of their own finds them wrong (a running variance made unbiased
+    over a dp rank's part instead of the whole batch: the losses and parameters agree)."""
+    return {n: b for n, b in buffers.items() if n.endswith((".running_mean", ".running_var")) and b.is_floating_point()}
+
+
+def compare_running_stats(trained: dict[str, torch.Tensor], single: dict[str, torch.Tensor],
+                          model: torch.nn.Module) -> list[dict]:
+    """:func:`compare_parameters` for the batch norms' running statistics (:func:`running_stats`) both sides hold,
+    against ``model``'s initial buffers: the rows of :attr:`Verification.stats`."""
+    initial = running_stats(dict(model.named_buffers()))
+    names = set(running_stats(single)) & set(trained) & set(initial)
+    return compare_parameters({n: trained[n] for n in names}, single, initial)
 
 
 def quiet_parameters(grad_sq: dict[str, list[float | None]], numel: dict[str, int], dtype: str = "fp32") -> set[str]:
