@@ -353,23 +353,28 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
     from fxshard.train.local import launch_local
     from fxshard.train.options import check_run_options, under_torchrun
 
-    try:
+    def checked() -> RunOptions:
         options = RunOptions.from_flags(flags)
         options.checkpoint_config()  # flags that need each other: said before anything reads OUT
         if not options.allow_edited:  # first: the option checks import model.py (make_dataset, make_batches)
             refuse_edited(out, read_manifest(out))
         check_run_options(out, options)
+        return options
+
+    try:
         if under_torchrun():
             from fxshard.cli.report import memory_table
 
             from fxshard.runtime.guard import recorded
 
-            with recorded():  # the launcher's summary then names this rank's error
+            with recorded():  # the launcher's summary then names this rank's error, its checks' refusals too
+                options = checked()
                 run_rank(out, options,
                          memory_report=(lambda rows: memory_table(console, rows)) if options.memory_report else None)
             from fxshard.train.supervise import exit_finished
 
             exit_finished()  # trained, written and torn down: no interpreter teardown to abort in
+        options = checked()
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:
@@ -436,7 +441,7 @@ def data_generate(
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
     tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download."""
-    from fxshard.train.data.synthetic import train_tokenizer, write_corpus
+    from fxshard.train.data.synthetic import generate
 
     try:
         if documents < 1 or files < 1 or vocab < 2:
@@ -445,8 +450,7 @@ def data_generate(
             raise OptionError(f"--documents {documents} --files {files} --vocab {vocab}: expected at least 1 document "
                               "and 1 file, and a vocabulary of 2 ids or more")
         with console.status(f"generating {documents:,} documents"):
-            write_corpus(out / "corpus", documents, files, seed)
-            train_tokenizer(out / "corpus", out / "tokenizer", vocab)
+            generate(out, documents, files, vocab, seed)
     except FxshardError as e:
         _fail(e)
     console.print(f"wrote {out / 'corpus'} ({documents:,} documents) and the tokenizer {out / 'tokenizer'}")

@@ -23,9 +23,10 @@ import tempfile
 from pathlib import Path
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.folder import check_target, recover_interrupted
+from fxshard.codegen.folder import PROGRAM, check_target, recover_interrupted
 from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
 from fxshard.errors import FxshardError
+from fxshard.files import make_folder
 from fxshard.ir.layout import Layout
 from fxshard.tools.check import COMPILER_BUG, check_program
 from fxshard.tools.costs import plan_costs
@@ -57,8 +58,8 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
         compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
     """
     if out is not None:
-        recover_interrupted(Path(out))  # a swap killed (kill -9) in an earlier compile: finished or undone, and said
-        check_target(Path(out), set())  # a file, or a folder that is not fxshard's: refused before any work
+        recover_interrupted(Path(out), PROGRAM)  # a swap killed (kill -9) in an earlier compile: finished or undone, and said
+        check_target(Path(out), set(), PROGRAM)  # a file, or a folder that is not fxshard's: refused before any work
     memory_plan = None
     if device_memory is not None or layout.recompute == "auto":
         memory_plan = plan_costs(model_file, layout, plan, seed, device_memory=device_memory)
@@ -112,7 +113,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         out = Path(out) if out is not None else Path(tmp) / "out"
         result = _compile(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
-        metrics.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(metrics.parent, "verify's folder")
         options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
                              cpu_matmul=cpu_matmul, final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
