@@ -240,7 +240,7 @@ def megatron_index_bytes(dtype: np.dtype, document_lengths: np.ndarray) -> bytes
     """Megatron's ``.idx`` of a file of documents back to back, one sequence per document."""
     lengths = np.asarray(document_lengths, dtype=np.int64)
     codes = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64) * np.dtype(dtype).itemsize
+    pointers = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64) * np.dtype(dtype).itemsize
     header = MEGATRON_HEADER + struct.pack("<QBQQ", 1, codes[np.dtype(dtype)], len(lengths), len(lengths) + 1)
     return header + lengths.astype(np.int32).tobytes() + pointers.tobytes() \
         + np.arange(len(lengths) + 1, dtype=np.int64).tobytes()
