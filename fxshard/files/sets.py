@@ -70,6 +70,10 @@ class FileSet:
     def __exit__(self, kind, value, tb) -> None:
         try:
             if kind is None:
+                from fxshard.files.single import keep_mode
+
+                for tmp, fd in self._temps.values():
+                    keep_mode(tmp, fd)
                 self._claim.publish({p: t for p, (t, _) in self._temps.items()})
         finally:
             for tmp, fd in self._temps.values():

@@ -66,6 +66,7 @@ def path_for_library(path: str | Path, what: str = "", fsync: bool = False, *, o
     tmp, fd = new_temp(path)
     try:
         yield tmp
+        keep_mode(tmp, fd)
         if fsync:
             _fsync(tmp)
         claim.publish({path: tmp}, fsync_folder=fsync)
@@ -142,6 +143,16 @@ def make_folder(path: str | Path, what: str, parents: bool = True) -> Path:
     path.mkdir(parents=parents, exist_ok=True)
     refuse_link(path, what)  # planted between the check and the mkdir, which then found it "existing"
     return path
+
+
+def keep_mode(tmp: Path, fd: int) -> None:
+    """A library that wrote ``tmp`` by way of its own temporary (safetensors renames a 0600 file onto the name) gets
+    the permissions of the file fxshard made, a new file's under the umask: a checkpoint others could read stays
+    readable."""
+    with contextlib.suppress(FileNotFoundError):
+        mine, found = os.fstat(fd), os.lstat(tmp)
+        if stat.S_ISREG(found.st_mode) and found.st_ino != mine.st_ino:  # a link there is refused when published
+            os.chmod(tmp, stat.S_IMODE(mine.st_mode))
 
 
 def _fsync(path: Path) -> None:

@@ -27,7 +27,8 @@ def identity_of(batches, digest: bool) -> dict:
     """What ``batches`` (a :class:`~fxshard.train.data.loader.Batches`) reads: kind, examples, packing, the order's
     seed and shuffle, and for a token file its size (and with ``digest`` its digest: the whole file read once)."""
     source = batches.source
-    out = {"kind": source.kind, "examples": len(source) if source.sized else None, "seed": batches.seed,
+    out = {"kind": source.kind, "examples": len(source) if source.sized else None,
+           "seed": batches.seed if batches.shuffle else None,  # an order not shuffled has no seed to change
            "shuffle": batches.shuffle, "packed": None, "file": None}
     if source.kind == "tokens":
         from fxshard.train.digests import file_digest
