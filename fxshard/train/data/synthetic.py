@@ -73,19 +73,40 @@ def write_corpus(folder: Path, documents_count: int, files: int = 1, seed: int =
                  sentences: tuple[int, int] = (1, 40), chunk: int = 10_000) -> list[Path]:
     """A corpus of ``documents_count`` documents in ``files`` .jsonl files under ``folder`` (generated ``chunk``
     documents at a time)."""
+    per = -(-documents_count // files)
+
+    def part(k: int) -> str:
+        n = min(per, documents_count - k * per)
+        return "".join(json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
+                       for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences))
+
+    return save_corpus(folder, files, part)
+
+
+def save_corpus(folder: Path, files: int, part) -> list[Path]:
+    """``folder/part-000.jsonl`` .. ``part-{files-1}``, ``part(k)`` the text of file ``k``: one set, which also drops
+    the ``part-*.jsonl`` an earlier, larger generated corpus left (a tokenize of the folder would read them)."""
     from fxshard.files import FileSet, make_folder
 
     folder = make_folder(folder, "the corpus folder")
-    per = -(-documents_count // files)
     paths = [folder / f"part-{k:03d}.jsonl" for k in range(files)]
-    members = dict.fromkeys(sorted({*paths, *folder.glob("part-*.jsonl")}), CORPUS_FILE)  # earlier ones: dropped
+    members = dict.fromkeys(sorted({*paths, *folder.glob("part-*.jsonl")}), CORPUS_FILE)
     with FileSet(members) as staged:
         for k, path in enumerate(paths):
-            n = min(per, documents_count - k * per)
-            lines = [json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
-                     for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences)]
-            staged.write(path, "".join(lines))
+            staged.write(path, part(k))
     return paths
+
+
+def save_tokenizer(out: Path, tokenizer: str, config: dict) -> Path:
+    """A Hugging Face tokenizer folder: ``tokenizer.json`` and ``tokenizer_config.json``, one set."""
+    from fxshard.files import FileSet, make_folder
+
+    out = make_folder(out, "the tokenizer folder")
+    with FileSet({out / "tokenizer.json": "a tokenizer", out / "tokenizer_config.json": "a tokenizer's configuration"}
+                 ) as staged:
+        staged.write(out / "tokenizer.json", tokenizer)
+        staged.write(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
+    return out
 
 
 def train_tokenizer(corpus: Path, out: Path, vocab: int = 256) -> Path:
@@ -101,11 +122,4 @@ def train_tokenizer(corpus: Path, out: Path, vocab: int = 256) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False)
     texts = (t for p in corpus_files(corpus) for t in read_documents(p))
     tokenizer.train_from_iterator(texts, trainer)
-    from fxshard.files import FileSet, make_folder
-
-    out = make_folder(out, "the tokenizer folder")
-    with FileSet({out / "tokenizer.json": "a tokenizer", out / "tokenizer_config.json": "a tokenizer's configuration"}
-                 ) as staged:
-        staged.write(out / "tokenizer.json", tokenizer.to_str())
-        staged.write(out / "tokenizer_config.json", json.dumps({"eos_token": EOS}) + "\n")
-    return out
+    return save_tokenizer(out, tokenizer.to_str(), {"eos_token": EOS})

@@ -60,9 +60,11 @@ def corpus_files(corpus: Path) -> list[Path]:
 
 
 def token_file_members(out: Path) -> dict[Path, str]:
-    """The files of the token file ``out`` (``PREFIX.bin``), what each is: one set, written together."""
+    """The files of the token file ``out`` (``PREFIX.bin``), what each is: one set, written together.  A member a
+    write does not write (the loss mask of plain text) is deleted with the switch, if an earlier write left one."""
     prefix = Path(out).with_suffix("")
     return {prefix.with_suffix(".bin"): "a token file's ids",
+            prefix.with_suffix(".mask"): "a token file's loss mask",
             prefix.with_suffix(".idx"): "a token file's index",
             prefix.with_suffix(".json"): "a token file's sidecar"}  # last: it records its partners' sizes
 
@@ -179,7 +181,7 @@ def tokenize(corpus: Path, tokenizer_dir: Path, out: Path, validation: float = 0
     vocab = tokenizer.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     members = token_file_members(out)
-    binary, idx, sidecar = members
+    binary, _, idx, sidecar = members
     with FileSet(members) as staged:  # every member refused now (a link, a folder, not fxshard's), before the work
         with staged.open(binary) as sink:
             lengths = _encode(files, tokenizer, eos_id, dtype, text_field, sink, progress)

@@ -55,7 +55,7 @@ class TokenFile:
                             "nanoGPT's prepare.py, or Megatron's preprocess_data.py) wrote")
         idx, side = prefix.with_suffix(".idx"), prefix.with_suffix(".json")
         meta = _read_json(side) if side.is_file() else {}
-        _check_partners(side, meta, (binary, idx))
+        _check_partners(side, meta, (binary, idx, prefix.with_suffix(".mask")))
         if idx.is_file():
             dtype, starts = read_megatron_index(idx, binary)
         elif "dtype" in meta:
