@@ -319,7 +319,8 @@ class Program:
         state in place, ``step_count``, and the ``scheduler``'s and ``data``'s states.  Returns the saved data state,
         or None for a checkpoint without one (saved before fxshard recorded it): ``say`` is told the position is
         unknown, and the data is left where it is."""
-        from fxshard.train.checkpoint import CheckpointReader, load_trained
+        from fxshard.train.checkpoint import CheckpointReader
+        from fxshard.train.restore import load_trained
 
         reader = CheckpointReader(folder)
         reader.check_model(self.manifest, self.out, self.options.allow_changed_model)
