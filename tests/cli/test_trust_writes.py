@@ -126,8 +126,8 @@ def test_generate_into_a_file_is_one_line(tmp_path):
 
 @pytest.mark.e2e
 def test_a_tokenize_killed_with_kill_9_leaves_nothing_the_next_one_does_not_remove(tmp_path):
-    write_corpus(tmp_path / "corpus", 60_000, files=3)
-    train_tokenizer(tmp_path / "corpus" / "part-000.jsonl", tmp_path / "tok", vocab=256)
+    write_corpus(tmp_path / "corpus", 5_000)  # a second or more of tokenizing: long enough to be killed in it
+    train_tokenizer(tmp_path / "corpus", tmp_path / "tok", vocab=256)
     data = tmp_path / "data"
     data.mkdir()
     args = [sys.executable, "-m", "fxshard.cli.app", "data", "tokenize", str(tmp_path / "corpus"), "--tokenizer",
