@@ -25,6 +25,8 @@ def load_trained(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp
         for prefix, module in held.items():
             for name, p in module.named_parameters():
                 t = entry.tensors[prefix + name]
+                if t.source in reader.frozen:  # a LoRA base, left out of the save: it keeps the compile's value
+                    continue
                 value = reader.tensor(t.source, "param", t.slice)
                 if tuple(value.shape) != tuple(p.shape):
                     raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "
