@@ -33,8 +33,12 @@ ALLOWED = {
     ("fxshard/testing.py", "os.open(write flags)"):
         "the test harness's own temporary folder: a forked command line's stdout and stderr",
     ("fxshard/train/export.py", ".save_pretrained()"):
-        "transformers writes the model's files by itself, into the export's staging folder (fxshard.files.staged), "
-        "which the export's record then lists and the swap puts in place",
+        "transformers (and peft, for --peft) writes the model's files by itself, into the export's staging folder "
+        "(fxshard.files.staged), which the export's record then lists and the swap puts in place",
+    ("fxshard/train/board.py", "SummaryWriter()"):
+        "torch's SummaryWriter appends to its own event file while the run goes (a watching TensorBoard reads it "
+        "live, so it cannot be staged and renamed at the end), in the --tensorboard folder fxshard.files.make_folder "
+        "made (never a link), under a new name per run (time, host, process): it never opens another's file",
 }
 
 WRITE_MODES = set("wax+")
@@ -48,7 +52,8 @@ MODULE_CALLS = {
     "numpy": {"save", "savez", "savez_compressed", "savetxt"}, "tempfile": {"mkstemp", "NamedTemporaryFile"},
     "dcp": {"save", "async_save"}, "checkpoint": {"save", "async_save"},
 }
-BARE_CALLS = {"save_file", "save_model", "mkstemp", "NamedTemporaryFile", "copyfile", "copy2", "copytree"}
+BARE_CALLS = {"save_file", "save_model", "mkstemp", "NamedTemporaryFile", "copyfile", "copy2", "copytree",
+              "SummaryWriter", "FileWriter"}
 
 
 def _literal(node) -> str | None:

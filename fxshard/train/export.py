@@ -174,5 +174,6 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, model_file: str | P
     with staged_output(out_dir, set(), PEFT_EXPORT) as stage:
         model.save_pretrained(str(stage))
         files = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
-        (stage / EXPORT_RECORD).write_text(json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n")
+        write_text(stage / EXPORT_RECORD, json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n",
+                   "the export's record", owner=STAGE)
     return path
