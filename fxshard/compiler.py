@@ -35,7 +35,7 @@ from fxshard.capture.program import Program
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.codegen.collective_list import collective_entries
 from fxshard.codegen.emit import RankCode
-from fxshard.codegen.folder import staged_output
+from fxshard.codegen.folder import PROGRAM, STAGE, staged_output
 from fxshard.codegen.manifest import (
     MANIFEST,
     CollectiveEntry,
@@ -52,6 +52,7 @@ from fxshard.codegen.manifest import (
 from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
+from fxshard.files import make_folder, path_for_library, write_bytes, write_text
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
@@ -409,7 +410,7 @@ def _batch_shape(shape, ctx: CompileContext) -> tuple[int, ...]:
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
-    """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.codegen.folder`):
+    """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.files.staged`):
     a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted.  The manifest
     records the sha256 of every generated file, so ``check`` and ``run`` can refuse one edited afterwards."""
     model_bytes = mf.path.read_bytes()  # read once: it may be out/model.py itself
@@ -417,12 +418,13 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
     digests["model.py"] = hashlib.sha256(model_bytes).hexdigest()
     result.manifest = dataclasses.replace(result.manifest, digests=digests)
     names = {*result.sources, *shards, "model.py", MANIFEST}
-    with staged_output(out, names) as stage:
-        (stage / "weights").mkdir()
+    with staged_output(out, names, PROGRAM) as stage:
+        make_folder(stage / "weights", "the weight shards' folder")
         for name, text in result.sources.items():
-            (stage / name).write_text(text)
+            write_text(stage / name, text, "a rank file", owner=STAGE)
         for name, tensors in shards.items():
-            save_file(tensors, str(stage / name), metadata=shard_metadata(result.manifest, name))
-        (stage / "model.py").write_bytes(model_bytes)  # a new file: never written through a link in ``out``
+            with path_for_library(stage / name, "a weight shard", owner=STAGE) as tmp:
+                save_file(tensors, str(tmp), metadata=shard_metadata(result.manifest, name))
+        write_bytes(stage / "model.py", model_bytes, "the model file's copy", owner=STAGE)
         result.manifest.write(stage)
     result.out = out
