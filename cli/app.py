@@ -675,6 +675,9 @@ def verify(
                                           "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
     seed: Seed = 0,
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
+    fp64: bool = typer.Option(False, "--fp64", help="both sides in float64 (the model and its floating inputs "
+                              "converted): for a model whose training amplifies fp32 rounding past the tolerance "
+                              "(default tolerances 1e-9 and 1e-6)"),
     **flags,
 ):
     """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
@@ -693,10 +696,11 @@ def verify(
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
         check_model_flags(model, seq, batch, auto=False)
         with model_source(model, build(FolderOptions, flags), seq, batch) as source:
-            console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
+            console.print(f"verifying {model} at {layout.describe()}{' in float64' if fp64 else ''}: {run.steps} "
+                          "steps distributed and on one device")
             result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan, split_before), seed,
                              rtol, param_rtol, out, timeout_s=run.timeout, compile=run.compile,
-                             cpu_matmul=run.cpu_matmul, weights=source.weights)
+                             cpu_matmul=run.cpu_matmul, weights=source.weights, fp64=fp64)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

@@ -32,6 +32,7 @@ from fxshard.capture.modelfile import (
 )
 from fxshard.capture.precision import capture_at
 from fxshard.capture.program import Program
+from fxshard.capture.rows import Rows, first_part, record_pairs
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.codegen.collective_list import collective_entries
 from fxshard.codegen.emit import RankCode
@@ -130,10 +131,13 @@ def load_plan_file(path: str | Path) -> dict:
     return plan
 
 
-def batch_size(inputs, where: str) -> int | None:
-    """The leading size shared by the tensor inputs (the batch), or None without tensor inputs."""
+def batch_size(inputs, where: str, rows: Rows | None = None) -> int | None:
+    """The leading size shared by the tensor inputs (the batch), or None without tensor inputs; ``rows``: inputs
+    that do not lead with the batch (:class:`~fxshard.capture.rows.Rows`), checked apart."""
+    rows = rows or Rows(None)
+    skip = {f"[{k!r}]" for k in (*rows.counted, *rows.whole)}
     leaves = [(pytree.keystr(p), v) for p, v in pytree.tree_flatten_with_path(inputs)[0]
-              if isinstance(v, torch.Tensor)]
+              if isinstance(v, torch.Tensor) and pytree.keystr(p) not in skip]
     if not leaves:
         return None
     path, first = leaves[0]
@@ -172,12 +176,13 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = (model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)).for_layout(layout)
-    microbatches, batch, inputs = 1, None, None
+    microbatches, batch, inputs, split = 1, None, None, None
     if program is None:
         inputs = mf.build_inputs(seed)
+        where = f"{mf.path.name}: make_inputs()"
+        rows = Rows.of(inputs)
         if layout.pp > 1 or layout.dp > 1:
-            where = f"{mf.path.name}: make_inputs()"
-            batch = batch_size(inputs, where)
+            batch = batch_size(inputs, where, rows)
             if batch is None:
                 raise LayoutError(f"{where} has no tensor input to split over data-parallel ranks or microbatches")
             if batch % layout.dp:
@@ -187,8 +192,11 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             per_rank = batch // layout.dp
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
-            inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
+            split = " and ".join(([f"--dp {layout.dp}"] if layout.dp > 1 else [])
+                                 + ([f"{microbatches} microbatches"] if microbatches > 1 else [])) or None
+            inputs = first_part(inputs, rows, size, where, split or "the layout")
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
+        program = record_pairs(program, rows, where, split)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
     _check_scalar_parameters(program, layout)
@@ -377,7 +385,8 @@ def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int,
     """The whole compile's record: model, layout, plan, inputs, the rank files and the pipeline."""
     layout, program = ctx.layout, ctx.program
     inputs = tuple(InputEntry(name=i.name, path=i.path, is_tensor=i.is_tensor, dtype=i.dtype,
-                              shape=_batch_shape(i.shape, ctx) if i.is_tensor else (), microbatch_shape=tuple(i.shape))
+                              shape=_batch_shape(i.shape, ctx) if i.is_tensor and not i.whole else tuple(i.shape),
+                              microbatch_shape=tuple(i.shape), counted_by=i.counted_by, whole=i.whole)
                    for i in program.inputs)
     return Manifest(
         fxshard_version=__version__, model_file="model.py", model_name=mf.path.name, model_digest=ctx.model_digest,

@@ -46,7 +46,9 @@ class _Record:
 
     @classmethod
     def from_json(cls, data: dict):
-        return cls(**{f.name: _tuple(data[f.name]) for f in dataclasses.fields(cls)})
+        # a field with a default may be missing from a folder an older fxshard wrote
+        return cls(**{f.name: _tuple(data[f.name]) for f in dataclasses.fields(cls)
+                      if f.name in data or f.default is dataclasses.MISSING})
 
 
 def _json(value):
@@ -68,6 +70,16 @@ class InputEntry(_Record):
     dtype: str
     shape: tuple[int, ...]
     microbatch_shape: tuple[int, ...]
+    # an input that does not lead with the batch (fxshard.capture.rows): the boolean input whose True positions its
+    # entries follow (a dp rank or microbatch takes its rows' entries), or whole (never split)
+    counted_by: str = ""
+    whole: bool = False
+
+    def to_json(self) -> dict:
+        """As every record, without ``counted_by`` and ``whole`` where they hold their defaults: the manifest of a
+        batch whose inputs all lead with it reads as before they existed."""
+        data = super().to_json()
+        return {k: v for k, v in data.items() if not (k in ("counted_by", "whole") and not v)}
 
 
 @dataclass(frozen=True)

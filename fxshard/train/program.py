@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fxshard.capture.inputs import flatten_batch
+from fxshard.capture.rows import check_entries
 from fxshard.codegen.manifest import import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.layout import DP, EDP
@@ -131,7 +132,8 @@ class Program:
         self._weighted = norm_weights(self.held, self.entry, manifest, layout)
         self._count = getattr(code, "count_tokens", None)
         # this dp rank's rows of each batch (inputs a pipeline rank does not read may be None)
-        self._rows = next((i.shape[0] // layout.dp for i in manifest.inputs if i.is_tensor and i.shape), None)
+        self._rows = next((i.shape[0] // layout.dp for i in manifest.inputs
+                           if i.is_tensor and i.shape and not i.counted_by and not i.whole), None)
         self.step_count = 0
         self.probe = None  # fxshard run --memory-report's MemoryProbe, sampled by the step
         self._batches = 0  # batches trained since the start of training: they number the dropout masks
@@ -174,9 +176,10 @@ class Program:
         """This rank's share of a global batch (one batch as ``make_inputs()`` returns it): every tensor's rows of this
         dp rank, in dp order, as one device's batch splits into the dp ranks'.  Tensors stay on the CPU."""
 
+        from fxshard.capture.rows import Rows
         from fxshard.train.data.spec import local_slice
 
-        return local_slice(batch, self.coords[DP], self.layout.dp)
+        return local_slice(batch, self.coords[DP], self.layout.dp, Rows.of_inputs(self.manifest.inputs))
 
     # ------------------------------------------------------------ steps
 
@@ -386,6 +389,7 @@ class Program:
                                        "of the rows): pass program.local_batch(batch)") from None
             raise FxshardError(f"{what}: {e}" + (f" (this dp rank's share: global rows / dp {self.layout.dp})"
                                                   if self.layout.dp > 1 else "")) from None
+        check_entries(self.manifest.inputs, leaves)  # an input counted by a mask: as many entries per microbatch
         mixed = self.layout.mixed
         return [v if not isinstance(v, torch.Tensor) else
                 v.to(self.device, self.layout.compute_dtype if mixed and v.is_floating_point() else v.dtype,
@@ -466,12 +470,20 @@ def _count_tokens(count, leaves: list, manifest) -> tuple[int, ...]:
     """The targets a token-mean loss counts in one batch's leaves, one count per counted mean the loss adds
     (``count`` returns a scalar, or a vector for several): ``count`` runs on each microbatch-sized run of rows (the
     shapes it was compiled for), whichever microbatch those rows go to."""
-    rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
-    total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
-    if rows is None or total is None or rows == total:
+    leading = [(i, v) for i, v in zip(manifest.inputs, leaves, strict=True)
+               if isinstance(v, torch.Tensor) and v.dim() and i.microbatch_shape and not i.counted_by and not i.whole]
+    if not leading or leading[0][0].microbatch_shape[0] == leading[0][1].shape[0]:
         return _ints(count(*leaves))
-    return _add(_ints(count(*[v[i:i + rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in leaves]))
-                for i in range(0, total, rows))
+    runs = leading[0][1].shape[0] // leading[0][0].microbatch_shape[0]
+
+    def run(i, v, k: int):  # microbatch k's part of input i: its rows, a counted input's entries of them
+        if not isinstance(v, torch.Tensor) or not v.dim() or i.whole or not i.microbatch_shape:
+            return v
+        size = i.microbatch_shape[0]
+        return v[k * size:(k + 1) * size]
+
+    return _add(_ints(count(*[run(i, v, k) for i, v in zip(manifest.inputs, leaves, strict=True)]))
+                for k in range(runs))
 
 
 def _ints(counted) -> tuple[int, ...]:

@@ -115,7 +115,7 @@ class Batches:
             for i, batch in enumerate(batches):
                 self.ids.check(batch, f"{self.source.name} batch {i}")
         for n in itertools.count(self.position // rows):
-            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size)
+            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size, self.spec.row_layout)
             yield _without(batch, self.unread, self.spec)
 
     def _order(self) -> EpochOrder:
