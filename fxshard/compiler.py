@@ -64,12 +64,15 @@ from fxshard.ir.contracts import (
     check_order,
     contract_of,
 )
+from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
+from fxshard.ir.rows import BatchRows, batch_rows
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes.batch_gather import batch_gather_pass
+from fxshard.passes.batch_rows import batch_rows_pass
 from fxshard.passes.batch_norm_sync import batch_norm_sync_pass
 from fxshard.passes.blocks import blocks_pass
 from fxshard.passes.causal_attention import causal_attention_pass
@@ -80,15 +83,15 @@ from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.overlap import overlap_pass
 from fxshard.passes.pipeline import pipeline_pass
-from fxshard.passes.router_loss import has_router_loss, router_loss_pass
+from fxshard.passes.router_loss import has_router_loss, is_mean_of_sums, router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
 PASSES = [token_mean_pass, causal_attention_pass, context_parallel_pass, tensor_parallel_pass, collectives_pass,
-          expert_parallel_pass, router_loss_pass, batch_norm_sync_pass, batch_gather_pass, dropout_pass, pipeline_pass,
-          blocks_pass, overlap_pass, checks_pass]
+          expert_parallel_pass, router_loss_pass, batch_norm_sync_pass, batch_gather_pass, batch_rows_pass, dropout_pass,
+          pipeline_pass, blocks_pass, overlap_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
 
@@ -234,6 +237,8 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                 ctx.params.add(node)
             elif node.name not in state:
                 ctx.user_inputs.add(node)
+    if batch is not None and layout.dp * microbatches > 1:
+        ctx.rows = _rows(mf, seed, program, ctx)
     gm = run_passes(gm, ctx)
     ctx.passes_run.insert(0, "capture")
     return CompiledProgram(None, ctx, gm)
@@ -249,6 +254,22 @@ def _sequence(mf: ModelFile, seed: int, inputs, program: Program, layout: Layout
     dtype = layout.compute_dtype if layout.mixed else None
     return sequence_dims(lambda other: capture_at(mf, seed, other, dtype, meta=True).gm, inputs, program.gm,
                          f"{mf.path.name}: make_inputs()")
+
+
+def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> BatchRows:
+    """Where the batch is split over dp ranks or microbatches: each captured value's placement over the batch's rows
+    and the ops that mix them, from a second capture (on meta tensors) at twice the rows (:mod:`fxshard.ir.rows`)."""
+    rows = next(i.shape[0] for i in program.inputs if i.is_tensor and i.shape)
+    twice = pytree.tree_map(lambda v: v[:2 * rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
+                            mf.build_inputs(seed))
+    layout = ctx.layout
+    second = capture_at(mf, seed, twice, layout.compute_dtype if layout.mixed else None, meta=True)
+    gm = program.gm
+    handled = {n.name for n in whole_batch_region(cross_batch_products(gm, ctx.user_inputs))}  # passes/batch_gather
+    exempt = {n.name: Replicate() for n in gm.graph.nodes if is_mean_of_sums(n)} if layout.dp > 1 and has_router_loss(
+        program.model) else {}  # passes/router_loss.py makes them whole-batch means
+    return batch_rows(gm, second.gm, {n.name for n in ctx.user_inputs}, f"{mf.path.name}: make_inputs()", handled,
+                      exempt)
 
 
 def _check_scalar_parameters(program: Program, layout: Layout) -> None:
