@@ -26,6 +26,7 @@ same reason (the manifest's batch couplings).
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
@@ -65,10 +66,12 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if lost:  # an earlier pass replaced it: computed on the rows, it would be wrong
         raise LayoutError(f"--dp {ctx.layout.dp}: {', '.join(sorted(lost))} must be computed on the whole batch, and "
                           "an earlier pass rewrote it (a tensor-parallel or loss rewrite); train at --dp 1, or at --tp 1")
-    for node in nodes:
-        whole.compute(node)
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and (node.name in names or whole.carries(node)):
+            whole.compute(node)
     whole.take_back()
     whole.revalue()
+    ctx.rows = dataclasses.replace(rows, whole=tuple(n.name for n in whole.whole))  # for the draws' and masks' rows
     ctx.notes.append(f"--dp {ctx.layout.dp}: {len(found) + len(rows.ratios)} op(s) mix the rows of the batch ("
                      + "; ".join([f.split(" mixes the rows")[0] for f in found] + [f"{r} (a ratio of two sums)"
                                                                                   for r in rows.ratios])
@@ -98,8 +101,18 @@ class _Whole:
 
     def __init__(self, gm: fx.GraphModule, rows: BatchRows, dp: int):
         self.gm, self.rows, self.dp = gm, rows, dp
-        self.whole: list[fx.Node] = []
+        self.whole: list[fx.Node] = []  # computed on the whole batch, in order (with what this pass inserts)
+        self.computed: set[fx.Node] = set()  # the model's nodes among them
         self.forms: dict[fx.Node, fx.Node] = {}
+
+    def carries(self, node: fx.Node) -> bool:
+        """Whether ``node`` reads the whole batch's values only (each value of the batch it reads is computed
+        whole): computed whole too, rather than each of its inputs taken back to its rows."""
+        args = [a for a in tensor_args(node)]
+        if node.target is operator.getitem:
+            return node.args[0] in self.computed
+        return any(a in self.computed for a in args) and all(
+            a in self.computed or self.rows.of(a) == Replicate() for a in args)
 
     def compute(self, node: fx.Node) -> None:
         """``node`` on the whole batch: its operands' whole forms, its sizes the whole batch's."""
@@ -107,6 +120,7 @@ class _Whole:
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: self.form(a, node))
         self._grow(node)
         self.whole.append(node)
+        self.computed.add(node)
         self.forms[node] = node
 
     def form(self, a: fx.Node, user: fx.Node) -> fx.Node:
@@ -122,7 +136,7 @@ class _Whole:
                 made = self.gm.graph.node_copy(a, lambda b: self.form(b, user))
             self._grow(made, a.name)
             self.whole.append(made)
-        elif isinstance(p, Shard):
+        elif isinstance(p, Shard) and not p.general:
             made = self._insert(rtc.gather_to, (a, Group(DP)), {"dim": p.dim} | (
                 {"blocks": p.blocks} if p.blocks > 1 else {}), after=a, like=a, collective="gather_to")
         elif isinstance(p, Partial):  # each rank's part of a sum (mean) over the batch: summed over the ranks
@@ -140,13 +154,12 @@ class _Whole:
         return made
 
     def _grow(self, node: fx.Node, name: str | None = None) -> None:
-        """The integer arguments that follow the batch, at the whole batch: ``v(B) = v(b) + (v(2b) - v(b)) *
-        (B / b - 1)``."""
+        """The numbers among its arguments that follow the batch, at the whole batch (:func:`whole_size`)."""
         pairs = self.rows.sizes.get(name or node.name)
         if not pairs:
             return
         leaves, spec_ = pytree.tree_flatten((node.args, node.kwargs))
-        ints = [i for i, x in enumerate(leaves) if type(x) is int]
+        ints = [i for i, x in enumerate(leaves) if type(x) in (int, float)]
         if len(ints) != len(pairs):
             raise LayoutError(f"{node_fqn(node) or 'model'}: {node.name} ({node.target}) is computed on the whole "
                               "batch and its sizes changed since capture; train at --dp 1")
@@ -156,24 +169,30 @@ class _Whole:
                     raise LayoutError(
                         f"{node_fqn(node) or 'model'}: {node.name} ({node.target}) is computed on the whole batch, and "
                         f"its size {one} (the batch's) is also split over tp ({leaves[i]}); train at --dp 1")
-                leaves[i] = one + (two - one) * (self.dp - 1)
+                leaves[i] = whole_size(one, two, self.dp)
         node.args, node.kwargs = pytree.tree_unflatten(leaves, spec_)
 
     def take_back(self) -> None:
-        """Each whole value's readers outside the whole computation read this rank's rows of it."""
+        """Each whole value's readers outside the whole computation read this rank's part of it: its rows, or its
+        share of a sum over the batch (the whole sum over dp: the ranks' shares add up to it)."""
         computed = set(self.whole)
-        for node in list(self.whole):
+        for node in [n for n in self.whole if n in self.computed]:
             p = self.rows.of(node)
             readers = [u for u in node.users if u not in computed]
-            if not readers or p == Replicate() or node.name in self.rows.ratios \
+            if not readers or p in (Replicate(), Partial("avg")) or node.name in self.rows.ratios \
                     or isinstance(node.meta.get("val"), (tuple, list)):
                 continue  # the same on every rank: read as it is
-            if not isinstance(p, Shard):
+            if p == Partial("sum"):
+                own = self._insert(aten.div.Tensor, (node, float(self.dp)), {}, after=node, like=node)
+                computed.add(own)
+            elif isinstance(p, Shard):
+                own = self._insert(rtc.own_rows, (node, Group(DP)), {"dim": p.dim} | (
+                    {"blocks": p.blocks} if p.blocks > 1 else {}) | ({"sizes": p.sizes} if p.sizes else {}),
+                    after=node, like=node)
+            else:
                 raise LayoutError(f"{node_fqn(node) or 'model'}: {node.name} ({node.target}) is computed on the "
                                   "whole batch under --dp and has no rows of its own to give back "
                                   f"({', '.join(u.name for u in readers)} read it); train at --dp 1")
-            own = self._insert(rtc.own_rows, (node, Group(DP)), {"dim": p.dim} | (
-                {"blocks": p.blocks} if p.blocks > 1 else {}), after=node, like=node)
             for u in readers:
                 u.replace_input_with(node, own)
 
@@ -209,6 +228,8 @@ class _Whole:
                     value = _gathered(args[0], kwargs.get("dim", 0), self.dp)
                 elif node.target is rtc.own_rows:
                     value = _taken(args[0], kwargs["dim"], self.dp)
+                elif spec(node).collective:  # a tp collective keeps its input's global shape
+                    value = args[0]
                 else:
                     try:
                         value = node.target(*args, **kwargs)
@@ -217,6 +238,17 @@ class _Whole:
                                           f"the whole batch under --dp {self.dp} and fails at its size: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0]}; train at --dp 1") from e
                 node.meta["val"] = value
+
+
+def whole_size(one, two, parts: int):
+    """A number of the program at ``parts`` times the rows, from its values at the rows (``one``) and at twice as
+    many (``two``): a size or count (twice as large: ``parts`` times), a reciprocal of one (half: ``1 / parts``),
+    else the line through the two (a size plus a constant)."""
+    if two == 2 * one:
+        return one * parts
+    if 2 * two == one and isinstance(one, float):
+        return one / parts
+    return one + (two - one) * (parts - 1)
 
 
 def _gathered(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:

@@ -84,9 +84,11 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             node.replace_all_uses_with(x)
             gm.graph.erase_node(node)
             continue
-        if rows is not None:
-            _check_rows(node, x, rows, ctx)
         kwargs = {"site": here}
+        if ctx.rows is not None and node.name in set(ctx.rows.whole):  # on the whole batch: its rows from 0
+            kwargs["whole"] = True
+        elif rows is not None:
+            _check_rows(node, x, rows, ctx)
         placement = spec(node).placement
         if isinstance(placement, Shard) and layout.tp > 1:
             if placement.sizes or placement.blocks > 1 and placement.replicas:

@@ -77,8 +77,8 @@ def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: 
     return rtc.shard(x, dim, index, parts, blocks, sizes, replicas)
 
 
-def _part_zero(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torch.Tensor:
-    return rtc.shard(x, dim, 0, size, blocks)  # the shape of one rank's part
+def _part_zero(x: torch.Tensor, size: int, dim: int, blocks: int = 1, sizes=()) -> torch.Tensor:
+    return rtc.shard(x, dim, 0, size, blocks, sizes)  # the shape of one rank's part
 
 
 def _replicas(tensors: tuple, size: int, layouts=()) -> tuple[torch.Tensor, ...]:

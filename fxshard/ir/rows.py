@@ -38,11 +38,12 @@ from fxshard.graph import model_line, node_fqn
 from fxshard.ir.cp_experts import token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
-from fxshard.ir.rows_rules import RATIO, SOURCES, UNIFORM, Ids, rows_rule
-from fxshard.ir.sharding import Decision, rule_decision, tensor_args
+from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, rows_rule
+from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
 
 aten = torch.ops.aten
 R = Replicate()
+AVG = Partial("avg")
 PARTS = 2  # the second capture holds twice the rows: two parts
 _WHOLE = object()  # a decision: computed on the whole batch, as an input is
 
@@ -207,8 +208,13 @@ class _Walk:
             return
         args = tensor_args(node)
         has = [self.place.get(a) for a in args]  # a value the captured program does not have: whole only
+        numbers = _numbers(node, one) if args and getattr(node.target, "overloadpacket", None) not in FRESH else []
+        if numbers and not _mean_by_count(node, has, numbers):
+            name, a, b = numbers[0]
+            return self._whole(node, one, f"its argument {name} = {a} follows the batch ({b} at twice the rows): "
+                                          "the part's batch size used as a number")
         try:
-            decision = self._decision(node, one, args, has)
+            decision = Decision(AVG, tuple(has)) if numbers else self._decision(node, one, args, has)
         except GuardOnDataDependentSymNode:  # a rule read a size the data decides
             decision = None
         if decision is _WHOLE:
@@ -225,8 +231,8 @@ class _Walk:
             return self._token_block(node, args, has)
         if any(h is None for h in has):  # a value only the whole batch has: this op runs on the whole batch
             return _WHOLE
-        if all(h == R for h in has):
-            return self._source(node, one)
+        if all(h == R for h in has) or getattr(node.target, "overloadpacket", None) in FRESH:
+            return self._source(node, one)  # its value is not the inputs' values: its size alone
         if any(isinstance(h, Ids) for h in has):  # row numbers: only the batch's rules read them
             return rows_rule(node, args, has)
         return rows_rule(node, args, has) or cp_rule(node, args, has) or rule_decision(node, args, has)
@@ -237,7 +243,7 @@ class _Walk:
         dimension; an ``arange(B)``: the part's row numbers)."""
         out = _replicated(node)
         if _consistent(node, one, out):
-            return Decision(out, tuple(R for _ in tensor_args(node)))
+            return Decision(out, tuple(self.place.get(a) for a in tensor_args(node)))
         grown = _grown_dims(node, one)
         if not isinstance(node.meta.get("val"), torch.Tensor) or len(grown) != 1:
             return None
@@ -245,7 +251,7 @@ class _Walk:
         if node.target is aten.arange.default and node.meta["val"].dim() == 1:
             return Decision(Ids(0), ())
         if getattr(node.target, "overloadpacket", None) in UNIFORM or node.target in SOURCES or _tiled(node, d):
-            return Decision(Shard(d), tuple(R for _ in tensor_args(node)))
+            return Decision(Shard(d), tuple(self.place.get(a) for a in tensor_args(node)))
         return None
 
     def _token_block(self, node, args, has) -> Decision | None:
@@ -263,6 +269,10 @@ class _Walk:
     def _refusal(self, node, one, args, has, decision) -> str:
         """Why ``decision`` does not compute ``node`` on each part's rows as captured ("" when it does)."""
         if decision is None:
+            partial = next((a for a, h in zip(args, has, strict=True) if isinstance(h, Partial)), None)
+            if partial is not None and any(isinstance(h, Shard) for h in has):
+                return (f"it reads {partial.name}, a sum or mean over the batch, beside the rows: each row needs the "
+                        "whole batch's")
             return "no rule computes it on a part of the batch"
         for a, h, need in zip(args, has, decision.inputs, strict=True):
             if h != need:
@@ -293,6 +303,27 @@ def _tiled(node: fx.Node, d: int) -> bool:
     src = node.args[0].meta["val"]
     k = d - (node.meta["val"].dim() - src.dim())
     return k < 0 or src.shape[k] == 1
+
+
+def _numbers(node: fx.Node, one: fx.Node) -> list[tuple[str, object, object]]:
+    """The numbers among ``node``'s arguments (not sizes or dimensions) that differ from ``one``'s: ``(name, at the
+    captured rows, at twice as many)``; a size of the batch a model uses as a value (``h.sum(0) / h.shape[0]``)."""
+    schema = getattr(node.target, "_schema", None)
+    found = []
+    for a in schema.arguments if schema is not None else ():
+        if "int" in str(a.type) or "bool" in str(a.type):
+            continue
+        x, y = argument(one, a.name), argument(node, a.name)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool) and x != y:
+            found.append((a.name, x, y))
+    return found
+
+
+def _mean_by_count(node: fx.Node, has: list, numbers: list) -> bool:
+    """``part of a sum / its count`` where the count is the part's (twice at twice the rows): the parts' values
+    average to the whole's mean."""
+    return (node.target in (aten.div.Tensor, aten.div.Scalar) and has == [Partial("sum")]
+            and len(numbers) == 1 and numbers[0][0] == "other" and numbers[0][2] == PARTS * numbers[0][1])
 
 
 def _part_of_whole(node: fx.Node, one: fx.Node):
@@ -357,9 +388,10 @@ def _grown_dims(node: fx.Node, one: fx.Node | None) -> tuple[int, ...]:
 
 
 def _int_pairs(one: fx.Node, node: fx.Node) -> list[tuple[int, int]]:
-    """Each integer argument of ``one`` (captured rows) beside ``node``'s (twice as many), in pytree order."""
-    a = [x for x in pytree.tree_leaves((one.args, one.kwargs)) if type(x) is int]
-    b = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if type(x) is int]
+    """Each number among the arguments of ``one`` (captured rows) beside ``node``'s (twice as many), in pytree
+    order."""
+    a = [x for x in pytree.tree_leaves((one.args, one.kwargs)) if type(x) in (int, float)]
+    b = [x for x in pytree.tree_leaves((node.args, node.kwargs)) if type(x) in (int, float)]
     return list(zip(a, b, strict=True)) if len(a) == len(b) else []
 
 

@@ -42,10 +42,12 @@ class Ids:
         return f"I({self.dim})"
 
 
-# ops whose value, at a size that follows the batch, is the same in every row: a part's is the whole's part
-UNIFORM = {aten.zeros, aten.ones, aten.full, aten.empty, aten.empty_strided, aten.new_zeros, aten.new_ones,
-           aten.new_full, aten.new_empty, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like,
-           aten.expand, aten.scalar_tensor}
+# ops whose value is made from no tensor's values (sizes, a fill): the same in every row, a part's the whole's part
+FRESH = {aten.zeros, aten.ones, aten.full, aten.empty, aten.empty_strided, aten.new_zeros, aten.new_ones,
+         aten.new_full, aten.new_empty, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like,
+         aten.scalar_tensor}
+# and a whole value spread over rows (a weight expanded over the batch)
+UNIFORM = FRESH | {aten.expand}
 # draws of a size that follows the batch: fxshard.runtime.draws draws each element by its place in the whole batch
 SOURCES = {aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low, aten.normal.float_float}
 # ops computing each sample of dimension 0 on its own (a training batch norm: passes/batch_norm_sync.py syncs it)
@@ -109,11 +111,21 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
         return _zero_plus_partial(args, placements)
     if node.target is aten.div.Tensor and placements == [SUM, SUM] and shape(node) == ():
         return Decision(AVG, (SUM, SUM), RATIO)
-    if packet in _ELEMENTWISE:
+    if packet in _ELEMENTWISE or _pointwise_in_place(node):
         return _pointwise(node, args, placements)
     if packet is aten.concat:
         return rule_decision(_as(node, aten.cat.default), args, placements)
     return None
+
+
+def _pointwise_in_place(node: fx.Node) -> bool:
+    """``masked_fill_``, ``add_``, ...: the in-place form of an elementwise op writes each element from its own."""
+    name = node.target.overloadpacket.__name__.split(".")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return False
+    functional = getattr(getattr(aten, name[:-1], None), node.target._overloadname, None)
+    return functional is not None and (torch.Tag.pointwise in functional.tags or functional.overloadpacket in (
+        aten.masked_fill, aten.where, aten.clone, aten.copy))
 
 
 def _as(node: fx.Node, target) -> fx.Node:
@@ -342,7 +354,7 @@ def _kept_dims(node, args, placements, *names) -> Decision | None:
     """An op along the dimensions named by ``names`` (``roll``, ``flip``, ``unfold``, ``one_hot``): the rows kept
     where it does not act on them."""
     p = placements[0]
-    if not isinstance(p, Shard) or any(q != R for q in placements[1:]):
+    if not isinstance(p, Shard) or any(q not in (R, p) for q in placements[1:]):  # a diff's prepend beside its rows
         return None
     n = len(shape(args[0]))
     acted = set()
@@ -398,7 +410,7 @@ _BY_PACKET = {
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,
     aten.roll: lambda n, a, p: _kept_dims(n, a, p, "dims"), aten.flip: lambda n, a, p: _kept_dims(n, a, p, "dims"),
-    aten.diff: lambda n, a, p: _kept_dims(n, a, p, "dim") if len(a) == 1 else None,
+    aten.diff: lambda n, a, p: _kept_dims(n, a, p, "dim"),
     aten.unfold: lambda n, a, p: _kept_dims(n, a, p, "dimension"),
     aten.one_hot: lambda n, a, p: _kept_dims(n, a, p),
     aten.repeat: _repeat, aten.histc: _counts, aten.multinomial: _multinomial, aten.expand_as: _expand_as,

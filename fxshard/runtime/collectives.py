@@ -301,11 +301,12 @@ def sum_replicas(tensors: tuple, group, layouts: tuple) -> tuple[torch.Tensor, .
     return _SumReplicas.apply(group, None if _compiling() else _site(), layouts, *tensors)
 
 
-def own_rows(x: torch.Tensor, group, dim: int, blocks: int = 1) -> torch.Tensor:
-    """This rank's part along ``dim`` (inside each of ``blocks`` blocks) of a value every rank of ``group`` computed
-    alike on the whole batch (an op that mixes the batch's rows, ``passes/batch_rows.py``).  Backward puts the
-    gradient in that part, zeros elsewhere: the whole computation's ``gather_to`` sums the ranks' gradients."""
-    spans = part_ranges(x.shape[dim], dist.get_rank(group), dist.get_world_size(group), blocks)
+def own_rows(x: torch.Tensor, group, dim: int, blocks: int = 1, sizes: tuple = ()) -> torch.Tensor:
+    """This rank's part along ``dim`` (inside each of ``blocks`` blocks, of ``sizes`` if unequal) of a value every
+    rank of ``group`` computed alike on the whole batch (an op that mixes the batch's rows, ``passes/batch_rows.py``).
+    Backward puts the gradient in that part, zeros elsewhere: the whole computation's ``gather_to`` sums the ranks'
+    gradients."""
+    spans = part_ranges(x.shape[dim], dist.get_rank(group), dist.get_world_size(group), blocks, tuple(sizes))
     pieces = [x.narrow(dim, a, b - a) for a, b in spans]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
