@@ -57,7 +57,9 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         ctx.notes.append(f"{', '.join(rows.ratios)}: a ratio of two sums over the batch (a loss over a mask's count), "
                          f"averaged over the {ctx.microbatches} microbatches: the single-device ratio when every "
                          "microbatch counts alike (as an MAE's masked patches), not otherwise")
+    _summed_loss(gm, ctx)
     if ctx.layout.dp == 1 or ctx.microbatches > 1:
+        gm.recompile()
         return gm
     whole = _Whole(gm, rows, ctx.layout.dp)
     names = set(rows.whole) | set(rows.ratios)
@@ -84,7 +86,26 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 # the driver runs it where the batch-row analysis found values that need the whole batch (it runs when the batch is
 # split over dp ranks or microbatches: fxshard.compiler)
-batch_rows_pass.applies_to = lambda ctx: ctx.rows is not None and bool(ctx.rows.whole or ctx.rows.ratios)
+batch_rows_pass.applies_to = lambda ctx: ctx.rows is not None
+
+
+def _summed_loss(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    """A loss that sums over the batch (``reduction="sum"``): each part's is its share of the sum, which training
+    averages over the dp ranks and microbatches; times their number, the average is the sum (cp does the same
+    over its ranks, passes/context_parallel.py)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0]
+    if not isinstance(loss, fx.Node) or ctx.rows.of(loss) != Partial("sum"):
+        return
+    parts = ctx.layout.dp * ctx.microbatches
+    with gm.graph.inserting_before(out):
+        scaled = gm.graph.call_function(aten.mul.Tensor, (loss, float(parts)))
+    scaled.meta = {"val": loss.meta.get("val"), "nn_module_stack": loss.meta.get("nn_module_stack", {}),
+                   "fxshard": dataclasses.replace(spec(loss), collective="", inputs=(spec(loss).placement,),
+                                                  role="a sum over the batch: times the parts training averages")}
+    out.args = ((scaled, *out.args[0][1:]),) + out.args[1:]
+    ctx.notes.append(f"the loss sums over the batch: each of the {parts} parts' sums is multiplied by {parts}, so "
+                     "the average training takes over dp ranks and microbatches is the sum of one device")
 
 
 def _refusal(ctx: CompileContext, found: list[str]) -> str:

@@ -81,7 +81,7 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
     computes on the whole batch (their value counts as whole); ``exempt``: nodes whose placement another pass
     decides (a synchronized batch norm keeps its rows)."""
     pairing = pair_nodes(g1, g2, where)
-    walk = _Walk(pairing, user_inputs, set(handled), exempt or {})
+    walk = _Walk(pairing, user_inputs, set(handled), exempt or {}, where)
     for node in g2.graph.nodes:
         one = walk.one_of.get(node)
         if one is not None:
@@ -135,6 +135,7 @@ def pair_nodes(g1: fx.GraphModule, g2: fx.GraphModule, where: str) -> Pairing:
     i = j = 0
     while i < len(a):
         if j < len(c) and a[i].target == c[j].target:
+            _same_outputs(a[i], c[j], where)
             out.twin[a[i]] = c[j]
             i, j = i + 1, j + 1
         elif j < len(c) and c[j].target in _NO_OPS:
@@ -158,6 +159,19 @@ def pair_nodes(g1: fx.GraphModule, g2: fx.GraphModule, where: str) -> Pairing:
     return out
 
 
+def _same_outputs(one: fx.Node, node: fx.Node, where: str) -> None:
+    """Refuse an op that gives more values at more rows (pieces of a fixed size cut from the batch): the program's
+    structure follows the batch, so no part of it runs as one device runs the whole."""
+    many, few = node.meta.get("val"), one.meta.get("val")
+    if isinstance(many, (tuple, list)) and isinstance(few, (tuple, list)) and len(many) != len(few):
+        raise LayoutError(
+            f"{where}: {node_fqn(one) or 'model'}: {_op(one)} ({one.name}"
+            + (f", {model_line(one)}" if model_line(one) else "") + f") gives {len(few)} values at the captured rows "
+            f"and {len(many)} at twice as many (pieces of a fixed size cut from the batch): the program differs with "
+            "the batch size, so a part of the batch cannot run it as one device runs the whole; cut pieces that "
+            "follow the batch (a size from the tensor's shape), or train at --dp 1 without pipeline microbatches")
+
+
 def _makes_tensors(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and any(
@@ -165,9 +179,9 @@ def _makes_tensors(node: fx.Node) -> bool:
 
 
 class _Walk:
-    def __init__(self, pairing: Pairing, user_inputs, handled, exempt):
+    def __init__(self, pairing: Pairing, user_inputs, handled, exempt, where: str):
         self.one_of = {node: one for one, node in pairing.twin.items()}
-        self.user_inputs, self.handled, self.exempt = user_inputs, handled, exempt
+        self.user_inputs, self.handled, self.exempt, self.where = user_inputs, handled, exempt, where
         self.place: dict[fx.Node, object] = {}
         self.mixing: dict[str, str] = {}
         self.whole: set[fx.Node] = set()

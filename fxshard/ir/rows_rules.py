@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.placement import Partial, Replicate, Shard
-from fxshard.ir.sharding import Decision, _norm, _pointwise, argument, rule_decision
+from fxshard.ir.sharding import Decision, _norm, argument, rule_decision
 
 aten = torch.ops.aten
 R = Replicate()
@@ -107,15 +107,34 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
         return _loss(node, args, placements)
     if packet in _ALONG_DIMS:
         return _reduce_along(node, args, placements)
+    if node.target in (aten.sum.default, aten.mean.default) and isinstance(placements[0], Shard):
+        return Decision(SUM if packet is aten.sum else AVG, tuple(placements))  # every element: a sum (mean) of parts
+    if packet in (aten.sum, aten.mean) and isinstance(placements[0], Partial):
+        return Decision(placements[0], tuple(placements))  # a sum of parts of a sum: linear in each part
     if packet in (aten.add, aten.sub) and len(args) == 2:
         return _zero_plus_partial(args, placements)
     if node.target is aten.div.Tensor and placements == [SUM, SUM] and shape(node) == ():
         return Decision(AVG, (SUM, SUM), RATIO)
-    if packet in _ELEMENTWISE or _pointwise_in_place(node):
-        return _pointwise(node, args, placements)
+    if packet in _ELEMENTWISE or _pointwise_in_place(node) or torch.Tag.pointwise in node.target.tags:
+        return _elementwise(node, args, placements)
     if packet is aten.concat:
         return rule_decision(_as(node, aten.cat.default), args, placements)
     return None
+
+
+def _elementwise(node, args, placements) -> Decision | None:
+    """An elementwise op of values split alike along their rows (sizes the data decides included: a boolean
+    mask's selection), the whole ones broadcast along the rows."""
+    n = len(shape(node))
+    split = {p.moved(p.dim + n - len(shape(a))) for a, p in zip(args, placements, strict=True) if isinstance(p, Shard)}
+    if len(split) != 1 or any(isinstance(p, Partial) for p in placements):
+        return None
+    out = split.pop()
+    for a, p in zip(args, placements, strict=True):
+        d = out.dim - (n - len(shape(a)))
+        if p == R and d >= 0 and shape(a)[d] != 1:
+            return None  # a whole value as long as the rows: it pairs each row with another's
+    return Decision(out, tuple(p if isinstance(p, Shard) else R for p in placements))
 
 
 def _pointwise_in_place(node: fx.Node) -> bool:
