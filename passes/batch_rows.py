@@ -50,7 +50,7 @@ aten = torch.ops.aten
 def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rows: BatchRows = ctx.rows
     found = list(rows.mixing.values())
-    ctx.batch_couplings = [*ctx.batch_couplings, *found]
+    ctx.batch_couplings = [*ctx.batch_couplings, *(f"{_site(f)} (mixes the rows of the batch)" for f in found)]
     if found and ctx.microbatches > 1:
         raise LayoutError(_refusal(ctx, found))
     if rows.ratios and (ctx.microbatches > 1 or ctx.layout.dp == 1):
@@ -75,7 +75,7 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     whole.revalue()
     ctx.rows = dataclasses.replace(rows, whole=tuple(n.name for n in whole.whole))  # for the draws' and masks' rows
     ctx.notes.append(f"--dp {ctx.layout.dp}: {len(found) + len(rows.ratios)} op(s) mix the rows of the batch ("
-                     + "; ".join([f.split(" mixes the rows")[0] for f in found] + [f"{r} (a ratio of two sums)"
+                     + "; ".join([_site(f) for f in found] + [f"{r} (a ratio of two sums)"
                                                                                   for r in rows.ratios])
                      + "): computed on the whole batch on every rank (their operands gathered over dp, rt.gather_to; "
                      "the rows taken back, rt.own_rows): the values and gradients of one device")
@@ -108,9 +108,13 @@ def _summed_loss(gm: fx.GraphModule, ctx: CompileContext) -> None:
                      "the average training takes over dp ranks and microbatches is the sum of one device")
 
 
+def _site(found: str) -> str:
+    """``module: op (node, model.py:12)`` of the analysis' why."""
+    return found.split(" mixes the rows")[0]
+
+
 def _refusal(ctx: CompileContext, found: list[str]) -> str:
-    more = f"; and {len(found) - 1} more: " + "; ".join(f.split(" mixes the rows")[0] for f in found[1:]) \
-        if len(found) > 1 else ""
+    more = f"; and {len(found) - 1} more: " + "; ".join(_site(f) for f in found[1:]) if len(found) > 1 else ""
     return (f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {found[0]}{more}. Such an op needs the "
             "whole batch at once, which a pipeline schedule sees one microbatch at a time (it runs microbatch 0 before "
             "the rest of the batch exists); train the batch over --dp instead (fxshard computes these ops on the "
