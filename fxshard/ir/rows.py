@@ -35,7 +35,8 @@ from torch.utils import _pytree as pytree
 
 from fxshard.errors import LayoutError
 from fxshard.graph import model_line, node_fqn
-from fxshard.ir.cp_experts import token_local_blocks
+from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
+from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, rows_rule
@@ -272,7 +273,7 @@ class _Walk:
         """An experts module's op (:mod:`fxshard.ir.cp_experts`): the module as a whole gives each token its own
         rows, so its ops keep the token rows split as its inputs are, and the rest whole."""
         block = self.blocks[node]
-        why = block.not_token_local(lambda n: _grown_dims(n, self.one_of.get(n)))
+        why = not_row_local(block, lambda n: _grown_dims(n, self.one_of.get(n)))
         if why is not None:
             self.blocks_why[block.fqn] = why
             return None
@@ -317,6 +318,45 @@ def _tiled(node: fx.Node, d: int) -> bool:
     src = node.args[0].meta["val"]
     k = d - (node.meta["val"].dim() - src.dim())
     return k < 0 or src.shape[k] == 1
+
+
+def _per_row(node: fx.Node) -> bool:
+    """An op computing each row of its result from that row alone: an experts module's row-wise ops, anything
+    elementwise (a bias added in place), a slice of the columns (GPT-OSS's interleaved gate and up)."""
+    if node.target in ROW_OPS or node.target is operator.getitem:
+        return True
+    if node.target is aten.slice.Tensor:
+        return argument(node, "dim") % node.args[0].meta["val"].dim() != 0
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags or \
+        node.target in (aten.add_.Tensor, aten.mul_.Tensor, aten.clamp_.default)
+
+
+def not_row_local(block: TokenBlock, follows) -> str | None:
+    """Why an experts module may compute a row of the batch from another's (None: each token's result is its
+    own): :meth:`TokenBlock.not_token_local` for the batch's rows, where the ops between the grouped matmuls and
+    around them may be any op acting on each row alone (:func:`_per_row`)."""
+    if len(block.mms) != 2:
+        return f"{len(block.mms)} grouped matmuls (expected two: gate/up, then down)"
+    first, second = block.mms
+    if offsets(first) is not offsets(second):
+        return f"grouped matmuls {first.name} and {second.name} with different expert offsets"
+    mms = grouped_mm_ops()
+    after = {first}
+    for n in block.nodes:  # graph order: what the first matmul's rows reach
+        if n is not first and any(a in after for a in n.all_input_nodes):
+            after.add(n)
+    between = {n for n in after if n not in (first, second) and reaches(n, second)}
+    for n in block.nodes:
+        if n in between and not _per_row(n):
+            return f"{n.name} ({n.target}) between the experts' grouped matmuls is not an op known to act row by row"
+        if n.target not in BLOCK_OPS and n.target not in mms and not _per_row(n):
+            return f"{n.name} ({n.target}), not an op of the experts' sort, dispatch, matmuls and combine"
+        if n.target is aten.arange.default and len(n.args) != 1:
+            return f"{n.name} ({n.target}) with a start or step"
+    for n in block.outputs:
+        if 0 not in follows(n):
+            return f"its output {n.name} has no token rows (dimension 0 does not follow the batch)"
+    return None
 
 
 def _numbers(node: fx.Node, one: fx.Node) -> list[tuple[str, object, object]]:

@@ -383,7 +383,7 @@ def _kept_dims(node, args, placements, *names) -> Decision | None:
             acted.add(_norm(d, n))
     if node.target.overloadpacket is aten.roll and not argument(node, "dims"):
         return None  # a roll of the flattened tensor
-    return Decision(p, (p,)) if p.dim not in acted else None
+    return Decision(p, tuple(placements)) if p.dim not in acted else None
 
 
 def _repeat(node, args, placements) -> Decision | None:
