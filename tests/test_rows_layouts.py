@@ -50,14 +50,17 @@ CASES = {  # id -> (model file, layout, optimizer settings[, plan])
     "random-ops-pp2-recompute-full": (MODELS / "random_ops.py", Layout(pp=2, microbatches=2, recompute="full"),
                                       OptimConfig()),
     "random-ops-dp2-zero3": (MODELS / "random_ops.py", Layout(dp=2, zero=3), OptimConfig()),
+    # draws beside a sequence split over cp: each rank its tokens of one device's values (dp x cp: its rows too)
+    "drop-path-cp2": (MODELS / "drop_path_lm.py", Layout(cp=2), OptimConfig()),
+    "drop-path-dp2-cp2": (MODELS / "drop_path_lm.py", Layout(dp=2, cp=2), OptimConfig()),
     # Phimoe samples its experts with exponential_ and rand_like over the batch's flattened tokens
     "phimoe-dp2": (MODELS / "hf_phimoe.py", Layout(dp=2, zero=1), OptimConfig()),
     "phimoe-pp2": (MODELS / "hf_phimoe.py", Layout(pp=2), OptimConfig()),
 }
 # make test's representatives: every silent row-mixing case, each random-op model at dp and pp, tp with split draws,
 # accumulation; make test-matrix runs every case
-KEEP = (*(f"{m.replace('_', '-')}-dp2" for m in CORPUS), "mae-pp2", "random-ops-dp2", "random-ops-pp2",
-        "random-ops-tp2-split", "random-ops-dp2-accum2", "phimoe-pp2")
+KEEP = (*(f"{m.replace('_', '-')}-dp2" for m in CORPUS), "mae-pp2", "random-ops-pp2", "random-ops-tp2-split",
+        "random-ops-dp2-accum2", "drop-path-cp2", "phimoe-pp2")
 
 
 def _train_one(out: str, optim: OptimConfig):

@@ -14,7 +14,7 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.score = nn.Linear(HIDDEN, HIDDEN)
+        self.score = nn.Linear(HIDDEN, HIDDEN, bias=False)  # a bias would not move a softmax over the rows
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, input_ids, labels):
