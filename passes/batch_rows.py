@@ -86,7 +86,7 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 # the driver runs it where the batch-row analysis found values that need the whole batch (it runs when the batch is
 # split over dp ranks or microbatches: fxshard.compiler)
-batch_rows_pass.applies_to = lambda ctx: ctx.rows is not None
+batch_rows_pass.applies_to = lambda ctx: ctx.rows is not None and ctx.rows.acts
 
 
 def _summed_loss(gm: fx.GraphModule, ctx: CompileContext) -> None:

@@ -64,6 +64,12 @@ class BatchRows:
     sizes: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     handled: frozenset[str] = frozenset()  # computed on the whole batch by another pass (batch norm, contrastive)
     ratios: tuple[str, ...] = ()  # scalar ratios of two sums over the batch (rows_rules.RATIO): averaged over parts
+    loss: object = None  # the loss's placement (the first output): P(avg) for a mean, P(sum) for a sum over the batch
+
+    @property
+    def acts(self) -> bool:
+        """Whether the program needs more than its rows: an op mixing them, a ratio of sums, a summed loss."""
+        return bool(self.whole or self.ratios or self.mixing) or self.loss == Partial("sum")
 
     def of(self, node: fx.Node):
         """``node``'s placement over the batch (``Replicate`` for a node the passes inserted)."""
@@ -102,7 +108,9 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
                 whole.append(one.name)
     rows = next((int(n.meta["val"].shape[0]) for n in g1.graph.nodes if n.name in user_inputs
                  and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), 0)
-    return BatchRows(rows, place, walk.mixing, tuple(whole), walk.sizes, frozenset(handled), tuple(walk.ratios))
+    out = next(n for n in g1.graph.nodes if n.op == "output").args[0]
+    loss = place.get(out[0].name) if isinstance(out, (tuple, list)) and isinstance(out[0], fx.Node) else None
+    return BatchRows(rows, place, walk.mixing, tuple(whole), walk.sizes, frozenset(handled), tuple(walk.ratios), loss)
 
 
 # ops a capture records only where they change the value (an ``expand`` to the shape a tensor has at one row, a

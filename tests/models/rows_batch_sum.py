@@ -13,7 +13,7 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.proj = nn.Linear(HIDDEN, HIDDEN, bias=False)  # the centering over the batch would cancel a bias
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, input_ids, labels):
