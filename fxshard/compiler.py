@@ -52,6 +52,7 @@ from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.autograd import requires_grad
+from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     BLOCKED,
@@ -64,7 +65,6 @@ from fxshard.ir.contracts import (
     check_order,
     contract_of,
 )
-from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
@@ -72,8 +72,8 @@ from fxshard.ir.rows import BatchRows, batch_rows
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes.batch_gather import batch_gather_pass
-from fxshard.passes.batch_rows import batch_rows_pass
 from fxshard.passes.batch_norm_sync import batch_norm_sync_pass
+from fxshard.passes.batch_rows import batch_rows_pass
 from fxshard.passes.blocks import blocks_pass
 from fxshard.passes.causal_attention import causal_attention_pass
 from fxshard.passes.checks import checks_pass

@@ -268,7 +268,7 @@ def _index_write(node, args, placements) -> Decision | None:
     indices: each row on its own."""
     x = placements[0]
     dim = _norm(argument(node, "dim"), len(shape(args[0])))
-    index, src = args[1], args[2] if len(args) > 2 else None
+    src = args[2] if len(args) > 2 else None
     pi = placements[1]
     ps = placements[2] if src is not None else x
     if isinstance(x, Shard) and x.dim != dim and pi == R and ps in (x, R) and (ps == x or shape(src)[0] == 1):

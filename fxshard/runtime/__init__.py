@@ -27,11 +27,11 @@ from fxshard.runtime.context_parallel import (
     seq_to_heads,
 )
 from fxshard.runtime.data_parallel import ddp, fully_shard
+from fxshard.runtime.draws import draw
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
-from fxshard.runtime.draws import draw
 from fxshard.runtime.random import dropout
 from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state

@@ -8,8 +8,8 @@ from fxshard.capture.modelfile import ModelFile
 from fxshard.capture.precision import cast_inputs
 from fxshard.capture.program import _WithLoss
 from fxshard.ir.context import DTYPES
-from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.draws import ReferenceDraws
+from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch
 from fxshard.train.data import DataOptions, global_batches
 from fxshard.train.optim import OptimConfig, clip_grad_norm_

@@ -75,18 +75,17 @@ def test_every_way_of_mixing_rows_is_found_and_named(case):
 
 
 SEPARATE = {  # id -> forward body computing each row from its own
-    "pooled by row numbers": lambda m, h, ids: h[torch.arange(h.shape[0]), ids[:, -1]].pow(2).mean(),
-    "mae gathers": lambda m, h, ids: torch.gather(h, 1, torch.argsort(ids, 1).unsqueeze(-1).repeat(1, 1, H)).mean(),
-    "batch-first views": lambda m, h, ids: h.view(h.shape[0], S * H).view(h.shape[0] * S, H).tanh().mean(),
-    "transposes and flattened tokens": lambda m, h, ids: F.cross_entropy(h.transpose(0, 1).reshape(-1, H),
-                                                                          ids.t().reshape(-1) % H),
-    "cat along the batch and split back": lambda m, h, ids: torch.cat([h, 2 * h]).split(h.shape[0])[1].mean(),
+    "indexing": lambda m, h, ids: (h[torch.arange(h.shape[0]), ids[:, -1]].pow(2).mean()  # pooled by row numbers
+                                   + torch.gather(h, 1, torch.argsort(ids, 1).unsqueeze(-1).repeat(1, 1, H)).mean()
+                                   + h[:, torch.randperm(S)].softmax(1).mean()),  # an MAE's gathers, a permutation
+    "views": lambda m, h, ids: (h.view(h.shape[0], S * H).view(h.shape[0] * S, H).tanh().mean()  # batch-first views
+                                + F.cross_entropy(h.transpose(0, 1).reshape(-1, H), ids.t().reshape(-1) % H)
+                                + torch.cat([h, 2 * h]).split(h.shape[0])[1].mean()  # along the batch and back
+                                + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
+                                + h.sort(1).values.cumsum(1).mean()),  # along the tokens
     "boolean mask": lambda m, h, ids: F.cross_entropy(h[ids > 2], ids[ids > 2] % H),
-    "weights over the rows": lambda m, h, ids: (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean(),
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
                                                                    2), 1).mean(),
-    "a permutation of the tokens": lambda m, h, ids: h[:, torch.randperm(S)].softmax(1).mean(),
-    "sorts and scans along the tokens": lambda m, h, ids: h.sort(1).values.cumsum(1).mean(),
 }
 
 
