@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,16 +261,36 @@ def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> Ba
     """Where the batch is split over dp ranks or microbatches: each captured value's placement over the batch's rows
     and the ops that mix them, from a second capture (on meta tensors) at twice the rows (:mod:`fxshard.ir.rows`)."""
     rows = next(i.shape[0] for i in program.inputs if i.is_tensor and i.shape)
-    twice = pytree.tree_map(lambda v: v[:2 * rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
-                            mf.build_inputs(seed))
     layout = ctx.layout
-    second = capture_at(mf, seed, twice, layout.compute_dtype if layout.mixed else None, meta=True)
+    second = _captured_twice(mf, seed, 2 * rows, layout.compute_dtype if layout.mixed else None)
     gm = program.gm
-    handled = {n.name for n in whole_batch_region(cross_batch_products(gm, ctx.user_inputs))}  # passes/batch_gather
     exempt = {n.name: Replicate() for n in gm.graph.nodes if is_mean_of_sums(n)} if layout.dp > 1 and has_router_loss(
         program.model) else {}  # passes/router_loss.py makes them whole-batch means
-    return batch_rows(gm, second.gm, {n.name for n in ctx.user_inputs}, f"{mf.path.name}: make_inputs()", handled,
-                      exempt)
+    products = cross_batch_products(gm, ctx.user_inputs)  # passes/batch_gather.py computes them whole
+
+    def analyse(products):
+        return batch_rows(gm, second, {n.name for n in ctx.user_inputs}, f"{mf.path.name}: make_inputs()",
+                          {n.name for n in whole_batch_region(products)}, exempt)
+    rows = analyse(products)
+    paired = [p for p in products if rows.pairs_rows(*p.args[:2])]
+    return rows if paired == products else analyse(paired)  # a product of sizes equal to the rows by chance
+
+
+# the model captured at twice a part's rows, by (model file, its digest, seed, rows, dtype): the compiles of one
+# model at several layouts (fxshard plan's search, the tests) capture it once; the analysis only reads it
+_TWICE: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
+
+
+def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype) -> fx.GraphModule:
+    key = (str(mf.path), mf.digest(), seed, rows, str(dtype))
+    if key not in _TWICE:
+        inputs = pytree.tree_map(lambda v: v[:rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
+                                 mf.build_inputs(seed))
+        _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True).gm
+        while len(_TWICE) > 4:
+            _TWICE.popitem(last=False)
+    _TWICE.move_to_end(key)
+    return _TWICE[key]
 
 
 def _check_scalar_parameters(program: Program, layout: Layout) -> None:

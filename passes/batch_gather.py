@@ -49,7 +49,7 @@ aten = torch.ops.aten
 
 @contract(requires=(COMMUNICATED,))
 def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    products = cross_batch_products(gm, ctx.user_inputs)
+    products = cross_batch_products(gm, ctx.user_inputs, ctx.rows)
     model = type(ctx.program.model).__name__
     found = [describe(n, model) for n in products]
     ctx.batch_couplings = [*ctx.batch_couplings, *found]
@@ -84,7 +84,7 @@ def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
 
 # the driver runs it where the program has a product of two values of the batch, at every layout: at --dp 1 it
 # records the products (pipeline microbatches and --grad-accum refuse them) and rewrites nothing
-batch_gather_pass.applies_to = lambda ctx: bool(cross_batch_products(ctx.program.gm, ctx.user_inputs))
+batch_gather_pass.applies_to = lambda ctx: bool(cross_batch_products(ctx.program.gm, ctx.user_inputs, ctx.rows))
 
 
 def _whole(gm: fx.GraphModule, user: fx.Node, a: fx.Node, b: int, dp: int, carries: bool) -> fx.Node:

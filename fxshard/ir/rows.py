@@ -75,6 +75,10 @@ class BatchRows:
         """``node``'s placement over the batch (``Replicate`` for a node the passes inserted)."""
         return self.place.get(node.name, R)
 
+    def pairs_rows(self, left: fx.Node, right: fx.Node) -> bool:
+        """Whether ``left @ right`` pairs each example's row with every example's column (a contrastive product)."""
+        return self.place.get(left.name) == Shard(0) and self.place.get(right.name) == Shard(1)
+
     def rows_dim(self, node: fx.Node) -> Shard | None:
         """The split of ``node``'s value along its rows, or None (the same in every part, or whole only)."""
         p = self.place.get(node.name)

@@ -115,7 +115,8 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
         return _zero_plus_partial(args, placements)
     if node.target is aten.div.Tensor and placements == [SUM, SUM] and shape(node) == ():
         return Decision(AVG, (SUM, SUM), RATIO)
-    if packet in _ELEMENTWISE or _pointwise_in_place(node) or torch.Tag.pointwise in node.target.tags:
+    if packet in _ELEMENTWISE or _pointwise_in_place(node) or torch.Tag.pointwise in node.target.tags \
+            or packet is aten.broadcast_tensors:
         return _elementwise(node, args, placements)
     if packet is aten.concat:
         return rule_decision(_as(node, aten.cat.default), args, placements)
@@ -124,8 +125,10 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
 
 def _elementwise(node, args, placements) -> Decision | None:
     """An elementwise op of values split alike along their rows (sizes the data decides included: a boolean
-    mask's selection), the whole ones broadcast along the rows."""
-    n = len(shape(node))
+    mask's selection), the whole ones broadcast along the rows; ``broadcast_tensors`` (a loss's operands) gives each
+    of them at the common shape."""
+    val = node.meta["val"]
+    n = (val[0] if isinstance(val, (tuple, list)) else val).dim()
     split = {p.moved(p.dim + n - len(shape(a))) for a, p in zip(args, placements, strict=True) if isinstance(p, Shard)}
     if len(split) != 1 or any(isinstance(p, Partial) for p in placements):
         return None
@@ -134,7 +137,8 @@ def _elementwise(node, args, placements) -> Decision | None:
         d = out.dim - (n - len(shape(a)))
         if p == R and d >= 0 and shape(a)[d] != 1:
             return None  # a whole value as long as the rows: it pairs each row with another's
-    return Decision(out, tuple(p if isinstance(p, Shard) else R for p in placements))
+    need = tuple(p if isinstance(p, Shard) else R for p in placements)
+    return Decision(tuple(out for _ in val) if isinstance(val, (tuple, list)) else out, need)
 
 
 def _pointwise_in_place(node: fx.Node) -> bool:

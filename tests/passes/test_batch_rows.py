@@ -60,3 +60,41 @@ def test_a_summed_loss_is_scaled_by_the_parts_training_averages(tmp_path):
     path.write_text((MODELS / "noisy.py").read_text().replace("out.pow(2).mean()", "out.pow(2).sum()"))
     code = compile_model(path, Layout(dp=2, pp=2)).sources["rank_pp1_tp0.py"]
     assert "aten.mul.Tensor(sum_1, 4.0)" in code  # 2 dp ranks x 2 microbatches: their average is one device's sum
+
+
+_CHANCE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)                               # [b, 8, 8]
+        first = h[:, 0, :]                             # [b, 8]: each example's first token
+        column = h.sum(0)[:, :1]                       # [8, 1]: a sum over the batch, one column
+        return (first @ column).pow(2).mean()
+
+
+def make_model():
+    return Model()
+
+
+def make_inputs():
+    return (torch.randn(2, 8, 8),)
+'''
+
+
+def test_a_product_whose_sizes_equal_the_rows_by_chance_is_not_taken_for_a_contrastive_one(tmp_path):
+    # at one row per dp rank, [1, 8] @ [8, 1] has the sizes of a product of every example with every other; the
+    # analysis sees its right operand is a sum over the batch, not the examples' columns: batch_gather would have
+    # gathered that sum's column as rows; the product is computed on the whole batch, the sum summed over the ranks
+    path = tmp_path / "chance.py"
+    path.write_text(_CHANCE)
+    result = compile_model(path, Layout(dp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert not any("a product of every example" in c for c in result.manifest.batch_couplings)
+    assert "rt.gather_to(unsqueeze_default, self.dp, dim=0)" in code  # the ranks' sums, summed: the whole batch's
