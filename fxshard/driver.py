@@ -1,10 +1,10 @@
-"""The driver: what runs around the compiler, above it, the tools and the trainer.
+"""The driver: what runs around the compiler, above it, the checks, the cost model and the trainer.
 
 ``compile`` is the whole of ``fxshard compile``: the layout's ``auto`` policies decided by the plan (``--recompute
 auto`` by ``--device-memory``), the compiler, the static checks of the files it generated (refused before anything is
 written), and the output folder; ``verify`` compiles, trains on local processes and on one device, and compares
 (``verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3).ok``).  ``fxshard plan`` is
-:func:`fxshard.tools.costs.plan_costs`: a compile in memory, then the cost model.
+:func:`fxshard.cost.costs.plan_costs`: a compile in memory, then the cost model.
 
     >>> from fxshard.driver import compile
     >>> from fxshard.ir.layout import Layout
@@ -17,19 +17,19 @@ written), and the output folder; ``verify`` compiles, trains on local processes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+from fxshard.capture.folder_options import FolderOptions
+from fxshard.capture.hf_folder import ModelSource
+from fxshard.capture.hf_folder import model_source as _model_source
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.folder import check_target, recover_interrupted
-from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
-from fxshard.errors import FxshardError
-from fxshard.ir.layout import Layout
-from fxshard.tools.check import COMPILER_BUG, check_program
-from fxshard.tools.costs import plan_costs
-from fxshard.tools.verify import (
+from fxshard.check.check import COMPILER_BUG, check_program
+from fxshard.check.verify import (
     DEFAULT_PARAM_RTOL,
     DEFAULT_RTOL,
     Verification,
@@ -39,7 +39,30 @@ from fxshard.tools.verify import (
     quiet_parameters,
     with_weights,
 )
+from fxshard.codegen.folder import check_target, recover_interrupted
+from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
+from fxshard.cost.costs import plan_costs
+from fxshard.errors import FxshardError
+from fxshard.ir.layout import Layout
 from fxshard.train.optim import OptimConfig
+
+
+@contextlib.contextmanager
+def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq: int | None = None,
+                 batch: int | None = None, weights: bool = True) -> Iterator[ModelSource]:
+    """MODEL as the compiler takes it: a model file as it is, or a Hugging Face folder as the model file fxshard
+    writes for it (:mod:`fxshard.capture.hf_folder`) with the folder as its weights; a folder without safetensors is
+    refused here, before anything is captured (unless ``weights`` is False: ``plan``, ``compile --meta``)::
+
+        with model_source("qwen", seq=2048, batch=8) as source:
+            compile(source.model_file, Layout(tp=2), out="out/qwen", weights=source.weights)
+    """
+    with _model_source(path, options, seq, batch, weights) as source:
+        if source.weights is not None:
+            from fxshard.codegen.weights import tensor_files
+
+            tensor_files(source.weights)
+        yield source
 
 
 def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
@@ -52,7 +75,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
     ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
     ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
     ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first, and a pipeline
-    without ``layout.microbatches`` gets the fewest microbatches that fit (:mod:`fxshard.tools.microbatches`)::
+    without ``layout.microbatches`` gets the fewest microbatches that fit (:mod:`fxshard.cost.microbatches`)::
 
         compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
     """
@@ -66,7 +89,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
             layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
         if memory_plan.microbatch_choice is not None:  # --microbatches not given: the count the plan chose
             layout = dataclasses.replace(layout, microbatches=memory_plan.microbatch_choice["chosen"])
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     result = compile_program(mf, layout, plan, seed, meta=meta or weights is not None)
     result.memory_plan = memory_plan
     shards = generate(result, mf, seed, weights, meta)
@@ -89,9 +112,9 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as
     ``fxshard run`` does, every rank writing its trained tensors.  Losses must agree within ``rtol`` (relative); the
     trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
-    all parameters together (:data:`fxshard.tools.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
-    zero up to rounding (:data:`~fxshard.tools.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
-    twice the farthest AdamW moves an element (:func:`~fxshard.tools.verify.adamw_reach`).  ``compile``: the distributed run is
+    all parameters together (:data:`fxshard.check.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
+    zero up to rounding (:data:`~fxshard.check.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
+    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`).  ``compile``: the distributed run is
     ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
     Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
     single-device model is ``make_model()`` with the folder's tensors loaded::
@@ -99,7 +122,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
         assert result.ok, result.summary()
     """
-    from fxshard.tools.verify import check_verify_options
+    from fxshard.check.verify import check_verify_options
     from fxshard.train.local import launch_local
     from fxshard.train.modules import check_accumulated_loss
     from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul, check_timeout
@@ -122,7 +145,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     if weights is not None:
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))

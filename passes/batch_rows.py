@@ -36,7 +36,6 @@ from torch.utils import _pytree as pytree
 from fxshard.errors import LayoutError
 from fxshard.graph import node_fqn
 from fxshard.ir.context import DP, CompileContext, Group, spec
-from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.ir.rows import BatchRows
 from fxshard.ir.rows_rules import Ids
@@ -46,7 +45,6 @@ from fxshard.runtime import collectives as rtc
 aten = torch.ops.aten
 
 
-@contract(requires=(COMMUNICATED,))
 def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rows: BatchRows = ctx.rows
     found = list(rows.mixing.values())
@@ -82,11 +80,6 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
-
-
-# the driver runs it where the batch-row analysis found values that need the whole batch (it runs when the batch is
-# split over dp ranks or microbatches: fxshard.compiler)
-batch_rows_pass.applies_to = lambda ctx: ctx.rows is not None and ctx.rows.acts
 
 
 def _summed_loss(gm: fx.GraphModule, ctx: CompileContext) -> None:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"", "sh", "bash", "shell", "console"}
 # options whose value is a file or folder the command writes, not one that must exist
-WRITES = {"--out", "-o", "--metrics", "--trace", "--checkpoint", "--hf", "--final-state"}
+WRITES = {"--out", "-o", "--metrics", "--trace", "--checkpoint", "--hf", "--final-state", "--tensorboard"}
 
 
 def _blocks(text: str):
@@ -238,7 +238,7 @@ def test_the_readme_python_example_runs(in_scratch, capsys):
     assert (in_scratch / "out" / "gpt-tp2" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler", "fxshard.driver"])
+@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler", "fxshard.driver", "fxshard.passes"])
 def test_docstring_examples_run(in_scratch, target):
     import importlib
 
