@@ -43,7 +43,7 @@ class Model(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block() for _ in range(4))  # 4: interleaved pp2 runs 2 stages a rank
         self.head = nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, input_ids, labels):
