@@ -258,8 +258,12 @@ def check_compile(out: Path) -> None:
         why.append("--schedule zero-bubble (its split backward walks the autograd graph inside each stage, which a "
                    "compiled stage holds as one node: torch fails 'stage backward input'; use 1f1b or "
                    "interleaved-1f1b)")
-    if any("rt.dropout(" in f.read_text() for f in Path(out).glob("rank_*.py")):
+    texts = [f.read_text() for f in Path(out).glob("rank_*.py")]
+    if any("rt.dropout(" in t for t in texts):
         why.append("dropout (its masks are keyed by the batch number, which would recompile every step)")
+    if any("rt.draw(" in t for t in texts):
+        why.append("random draws (rt.draw: their values are keyed by the batch number, which would recompile every "
+                   "step)")
     if why:
         raise OptionError(f"--compile: {out} was compiled with {'; '.join(why)}; run it without --compile, or "
                           "compile the model without that setting")
