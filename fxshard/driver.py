@@ -45,6 +45,7 @@ from fxshard.codegen.folder import check_target, recover_interrupted
 from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
 from fxshard.cost.costs import plan_costs
 from fxshard.errors import FxshardError
+from fxshard.files import make_folder
 from fxshard.ir.layout import Layout
 from fxshard.train.optim import OptimConfig
 
@@ -144,7 +145,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         out = Path(out) if out is not None else Path(tmp) / "out"
         result = _compile(source, layout, out=out, plan=plan, seed=seed, weights=weights)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
-        metrics.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(metrics.parent, "verify's folder")
         options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
                              cpu_matmul=cpu_matmul, final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches

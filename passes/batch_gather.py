@@ -49,7 +49,7 @@ aten = torch.ops.aten
 
 
 def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    products = cross_batch_products(gm, ctx.user_inputs)
+    products = cross_batch_products(gm, ctx.user_inputs, ctx.rows)
     model = type(ctx.program.model).__name__
     found = [describe(n, model) for n in products]
     ctx.batch_couplings = [*ctx.batch_couplings, *found]

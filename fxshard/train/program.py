@@ -67,6 +67,10 @@ from fxshard.train.optim import clip_grad_norm_
 from fxshard.train.options import RunOptions, options_with
 
 
+class NoTargetsError(FxshardError):
+    """A step none of whose positions has a label: its token-mean loss is 0/0, whatever the model."""
+
+
 class NonFiniteError(FxshardError):
     """A step's loss or gradient norm is not finite (``--on-nonfinite stop``): raised on every rank before the update."""
 
@@ -75,11 +79,22 @@ def load(out: str | Path, options: RunOptions | None = None, *, device: torch.de
          **flags) -> Program:
     """This rank's compiled program of ``out``, in a process started by torchrun (the default process group is
     started here if it is not yet).  ``flags``: any of ``fxshard run``'s options by field name (``lr``,
-    ``weight_decay``, ``clip_grad_norm``, ``compile``, ...), over ``options``.
+    ``weight_decay``, ``clip_grad_norm``, ``compile``, ...), over ``options``.  As ``fxshard run``, it refuses rank
+    files or a model.py edited since the compile before importing any of them (``allow_edited=True`` runs them).
 
     >>> program = fxshard.load("out/llama-tp2-dp2", lr=3e-4)   # doctest: +SKIP
     """
+    from fxshard.codegen.manifest import refuse_edited
+    from fxshard.train.options import under_torchrun
+
     options = options_with(options or RunOptions(), flags)
+    if not options.allow_edited:
+        refuse_edited(Path(out), read_manifest(out), "allow_edited=True to fxshard.load")
+    if device is None and not dist.is_initialized() and not under_torchrun():
+        raise FxshardError(f"fxshard.load({str(out)!r}): runs as one rank of a distributed job, and this process is "
+                           "none (RANK and WORLD_SIZE are not set): start the script with torchrun "
+                           f"--nproc-per-node {read_manifest(out).layout.world_size} SCRIPT.py (one process per rank "
+                           f"of {out}), or train it with `fxshard run {out}`")
     if device is None:
         from fxshard.train.process import start_rank
 
@@ -296,7 +311,7 @@ class Program:
 
         trainer = {"batches": self._batches,
                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                   "data": _state_of(data)}
+                   "data": _state_of(data, digest=dist.get_rank() == 0)}  # rank 0's is saved
         with named_phase(f"the checkpoint save of step {self.step_count}", dist.group.WORLD):
             finish_param_sync(self._opt)  # the parameters of this step, not the gathers still in flight
             return save_checkpoint(folder, self.step_count, self.out, self.held, self.entry, self._opt, self.manifest,
@@ -309,14 +324,21 @@ class Program:
         state in place, ``step_count``, and the ``scheduler``'s and ``data``'s states.  Returns the saved data state,
         or None for a checkpoint without one (saved before fxshard recorded it): ``say`` is told the position is
         unknown, and the data is left where it is."""
-        from fxshard.train.checkpoint import CheckpointReader, load_trained
+        from fxshard.train.checkpoint import CheckpointReader
+        from fxshard.train.restore import load_trained
 
         reader = CheckpointReader(folder)
         reader.check_model(self.manifest, self.out, self.options.allow_changed_model)
+        trainer = reader.index.get("trainer") or {}
+        from fxshard.train.data.loader import Batches
+
+        if isinstance(data, Batches):  # the examples saved, cheaply (the token file's size; the launcher compared
+            from fxshard.train.data.resume import check_data_state, identity_of  # its digest)
+
+            check_data_state(trainer, identity_of(data, digest=False), self.options.allow_data_change, str(reader.path))
         finish_param_sync(self._opt)
         self._zero_grad()
         load_trained(reader, self._opt, self.held, self.entry, self.groups[self.layout.grad_axis], self.groups.get(EDP))
-        trainer = reader.index.get("trainer") or {}
         self.step_count = reader.step
         accum = reader.index.get("optimizer", {}).get("grad_accum", 1)
         self._batches = trainer.get("batches", reader.step * accum)
@@ -385,6 +407,11 @@ class Program:
 
             with guarded("all_reduce of the step's counted tokens over dp", self.groups[DP]):
                 dist.all_reduce(counted, group=self.groups[DP])
+        if not bool(counted.any()):  # every rank has the same counts: every rank stops here alike
+            raise NoTargetsError(f"step {self.step_count + 1}: no position of its batches has a label (every target is "
+                                 "-100, the ignored label), so its token-mean loss would be 0/0 and no update could "
+                                 "be made; the data holds sequences with nothing to predict (with --pack: documents "
+                                 "of one token, only their EOS). Give data with text to predict")
         # cp ranks count parts of each row: the divisor counts dp x cp parts
         return step_tokens(counted.tolist(), len(leaves) * self._rank.microbatches * self.layout.replicas)
 
@@ -483,7 +510,11 @@ def _torch_issued(layout, step: int, compiled: bool = False) -> str:
     return (what or "the step's communication") + f" in training step {step}"
 
 
-def _state_of(data):
+def _state_of(data, digest: bool = False):
+    from fxshard.train.data.loader import Batches
+
+    if isinstance(data, Batches):
+        return data.state_dict(digest)
     return None if data is None else data.state_dict() if hasattr(data, "state_dict") else data
 
 

@@ -57,9 +57,13 @@ def open_batches(model_file, manifest=None, split: str = "train", dp_rank: int =
     spec = BatchSpec.of(mf.build_inputs(seed), f"{mf.path}: make_inputs()", counted)
     source = resolve_source(mf, spec, split, options, seed, manifest)
     unread = frozenset(k for k in spec.keys if reads is not None and k not in reads)
+    from fxshard.train.data.ids import token_ids
+
     batches = Batches(source, spec, split, dp_rank, dp_size, seed=options.data_seed,
                       shuffle=options.shuffle and split == "train",
-                      workers=options.data_workers if workers is None else workers, unread=unread)
+                      workers=options.data_workers if workers is None else workers, unread=unread,
+                      ids=token_ids(mf) if source.kind in ("dataset", "stream") or "make_batches" in source.name
+                      else None)  # a token file's are checked as its sequences are read; make_inputs() at compile
     if state is not None:
         batches.load_state_dict(state)
     return batches
