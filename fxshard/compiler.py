@@ -220,6 +220,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
                           "(a ModuleList of layers, such as a transformer's), which are what "
                           "fxshard recomputes; drop --recompute")
+    ctx.notes.extend(program.notes)  # capture's: data-dependent code specialized on the example batch
     if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
         ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:

@@ -4,9 +4,12 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes and the tools rea
 
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
+    static_shape(val)  # a value's shape as ints, a size the data decides standing as a number of its own
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch.fx as fx
 
@@ -41,3 +44,35 @@ def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")
     return list(stack.values())[-1][0] if stack else ""
+
+
+def static_shape(value) -> tuple[int, ...]:
+    """``value``'s shape (a tensor's, as ``node.meta["val"]`` holds it) as ints.  A size only the data decides
+    (``nonzero``, ``masked_select``, a boolean index: an unbacked symbol ``u3`` of torch.export, or an expression
+    of such, ``4*u3``) stands as a number of its own: each symbol a distinct prime above 10**7, so a size equals
+    another only where both are the same expression, and no size of the model, and products stay consistent
+    (a view of ``[u3, 64]`` as ``[u3, 4, 16]`` keeps its first dimension).  For the analyses that compare sizes;
+    a size the generated code must hold is the graph's own (a node), never this number::
+
+        static_shape(torch.empty(4, 16))   # (4, 16)
+    """
+    return tuple(d if isinstance(d, int) else _stand_in(d) for d in value.shape)
+
+
+def data_sized(node: fx.Node) -> bool:
+    """Whether a size of ``node``'s value is one only the data decides (see :func:`static_shape`)."""
+    val = node.meta.get("val")
+    return hasattr(val, "shape") and any(not isinstance(d, int) for d in val.shape)
+
+
+def _stand_in(size) -> int:
+    expr = size.node.expr
+    return int(expr.xreplace({s: _prime(s.name) for s in expr.free_symbols}))
+
+
+@functools.cache
+def _prime(name: str) -> int:
+    import sympy
+
+    index = int("".join(c for c in name if c.isdigit()) or 0)
+    return int(sympy.nextprime(10**7 * (index + 1)))
