@@ -186,7 +186,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
-    microbatches, batch, inputs = 1, None, None
+    microbatches, batch, inputs, peers = 1, None, None, []
     if program is None:
         inputs = mf.build_inputs(seed)
         if layout.pp > 1 or layout.dp > 1:
@@ -201,8 +201,11 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             per_rank = batch // layout.dp
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
-            inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
-        program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
+            # every rank's rows and every microbatch: the program specialized on the first must hold on the rest
+            parts = [pytree.tree_map(lambda v, k=k: v[k:k + size].clone() if isinstance(v, torch.Tensor) else v, inputs)
+                     for k in range(0, batch, size)]
+            inputs, peers = parts[0], parts[1:]
+        program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta, peers)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
     _check_scalar_parameters(program, layout)

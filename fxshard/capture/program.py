@@ -34,7 +34,13 @@ from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.losses import traceable_losses
 from fxshard.capture.modelfile import ModelFile
-from fxshard.capture.specialize import guard_messages, record_reads, replaying, runs_eagerly
+from fxshard.capture.specialize import (
+    guard_messages,
+    record_reads,
+    refuse_other_reads,
+    replaying,
+    runs_eagerly,
+)
 from fxshard.errors import CaptureError, ModelFileError
 from fxshard.graph import node_fqn
 from fxshard.runtime.functions import NAMESPACE as FUNCTION_NAMESPACE
@@ -111,8 +117,11 @@ class _WithLoss(torch.nn.Module):
         return loss, out
 
 
-def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None) -> Program:
-    """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`."""
+def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None,
+            peers: list | None = None) -> Program:
+    """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`.  ``peers``: the other parts
+    of the batch the same program runs on (dp ranks' rows, pipeline microbatches), where ``inputs`` is the first:
+    data-dependent code specialized on ``inputs`` must read the same values on each of them."""
     model = model if model is not None else mf.build_model(seed)
     check_names(model, mf.path)
     inputs = inputs if inputs is not None else mf.build_inputs(seed)
@@ -121,6 +130,9 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
     ep, functions, record = _export(wrapper, args, kwargs, mf.path)
+    if record is not None:
+        for peer in peers or ():
+            refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
     notes = guard_messages(ep.graph_module, record)
     program = _to_program(ep, model, args, kwargs)
     program.notes += notes

@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from fxshard.errors import CaptureError
+
 _METHODS = ("item", "tolist", "__bool__", "__int__", "__index__", "__format__", "__iter__", "__len__")
 _HERE = (str(Path(__file__).resolve()), str(Path(torch.__file__).resolve().parent))
 
@@ -137,6 +139,25 @@ def record_reads(module: torch.nn.Module, args: tuple, kwargs: dict) -> Record |
                 for b in module.buffers():
                     b.copy_(saved[id(b)])
     return record if record.sites else None
+
+
+def refuse_other_reads(record: Record, module: torch.nn.Module, example: tuple[tuple, dict], path) -> None:
+    """Raise a CaptureError if the model, run on ``example`` (another part of the batch the same program runs on: a
+    dp rank's rows, a pipeline microbatch), reads another value at a line the program specialized: its guard would
+    stop that rank's first step.  A part the model cannot run on eagerly is not judged here."""
+    other = record_reads(module, *example)
+    if other is None:
+        return
+    for site in record.used():
+        theirs = other.sites.get((site.file, site.line))
+        seen = theirs.values[:len(site.answered)] if theirs is not None else []
+        if seen != site.answered:
+            raise CaptureError(
+                f"{path}: {site.where()} reads {_shown(site.answered)} on the first part of the batch and "
+                f"{_shown(seen) or 'nothing'} on another (a data-parallel rank's rows or a pipeline microbatch): "
+                "data-dependent control flow, which fxshard specializes on the example batch, and the program "
+                "every rank runs can hold one value there. Train it without splitting the batch (tp alone), or "
+                "make the code depend on shapes or the config alone")
 
 
 def runs_eagerly(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
