@@ -177,9 +177,9 @@ def model_file(folder: Path, layers: int, shape: dict) -> Path:
 def run(workdir: Path, quick: bool = False, log=print, only: tuple[str, ...] | None = None) -> dict:
     """Compile, measure and plan every built setting (or those named in ``only``) at both depths; the result as
     JSON-ready data."""
+    from fxshard.cost.costs import plan_costs
     from fxshard.driver import compile as compile_model
     from fxshard.testing import measure_on_rank
-    from fxshard.tools.costs import plan_costs
 
     shape = QUICK_SHAPE if quick else SHAPE
     files = {depth: model_file(workdir, depth, shape) for depth in DEPTHS}

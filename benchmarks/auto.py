@@ -49,9 +49,9 @@ def run(work: Path, quick: bool = False, profile: Path | None = None, quick_cali
     """Calibrate (unless ``profile`` names one; ``quick_calibrate``: three sizes of each collective rather than five,
     20 s rather than a minute on this machine, and noisier), predict and measure every layout; the table's rows and
     summary."""
-    from fxshard.tools.hardware import load_hardware
-    from fxshard.tools.profile import model_profile
-    from fxshard.tools.timemodel import Evaluator, Setting, predict
+    from fxshard.cost.hardware import load_hardware
+    from fxshard.cost.profile import model_profile
+    from fxshard.cost.timemodel import Evaluator, Setting, predict
 
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -74,10 +74,10 @@ RECIPES = [
 
 
 def run(names: list[str] | None = None, top: int = 3) -> list[dict]:
-    from fxshard.tools.hardware import load_hardware
-    from fxshard.tools.profile import model_profile
-    from fxshard.tools.search import Candidate, _least_recompute, search
-    from fxshard.tools.timemodel import Evaluator, Setting, predict
+    from fxshard.cost.hardware import load_hardware
+    from fxshard.cost.profile import model_profile
+    from fxshard.cost.search import Candidate, _least_recompute, search
+    from fxshard.cost.timemodel import Evaluator, Setting, predict
 
     hw = load_hardware("h100")
     rows, profiles = [], {}

@@ -96,8 +96,8 @@ def _layouts(dp: int, pp: int):
 
 
 def run(workdir: Path, dp: int = 2, pp: int = 2, log=print) -> dict:
+    from fxshard.cost.costs import plan_costs
     from fxshard.driver import compile as compile_model
-    from fxshard.tools.costs import plan_costs
 
     rows = []
     for name, layout in _layouts(dp, pp).items():

@@ -102,9 +102,9 @@ def exact_bytes(routing: list[list[list[int]]], me: int, hidden_bytes: int, coun
 
 def run(workdir: Path, layouts=LAYOUTS, log=print) -> dict:
     from fxshard.capture.modelfile import load_model_file
+    from fxshard.cost.costs import plan_costs
     from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
-    from fxshard.tools.costs import plan_costs
 
     config = load_model_file(MODEL).build_model(0).config
     hidden_bytes = config.hidden_size * 4  # fp32 rows

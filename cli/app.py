@@ -11,11 +11,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fxshard.cost.auto_options import AutoOptions
 from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
-from fxshard.tools.auto_options import AutoOptions
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -68,7 +68,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
                                                                               "(repeat, or comma-separate)")]
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
-AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/tools/auto_options.py)
+AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -127,8 +127,8 @@ def compile(
     """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
     from fxshard.cli.report import compile_report
 
+    from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
-    from fxshard.tools.costs import parse_size
 
     auto = build(AutoOptions, flags)
     layout = build(Layout, flags)
@@ -179,7 +179,7 @@ def plan(
 
     from fxshard.cli.report import plan_report
 
-    from fxshard.tools.costs import parse_size, plan_costs
+    from fxshard.cost.costs import parse_size, plan_costs
 
     auto = build(AutoOptions, flags)
     if auto.auto:
@@ -190,7 +190,7 @@ def plan(
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         if auto.hardware is not None:
-            from fxshard.tools.hardware import load_hardware
+            from fxshard.cost.hardware import load_hardware
 
             load_hardware(auto.hardware)  # a bad profile refused before the compile
         report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
@@ -206,8 +206,8 @@ def plan(
         _fail(e)
     predicted = None
     if auto.hardware is not None:
-        from fxshard.tools.auto import predict_layout
-        from fxshard.tools.costs import B, S
+        from fxshard.cost.auto import predict_layout
+        from fxshard.cost.costs import B, S
 
         try:
             predicted = predict_layout(model, report.layout, auto.hardware, int(report.at[B]), int(report.at[S]),
@@ -261,7 +261,7 @@ def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, a
 
     from fxshard.cli.auto import auto_report
 
-    from fxshard.tools.auto import compile_command, plan_auto
+    from fxshard.cost.auto import compile_command, plan_auto
 
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
@@ -308,7 +308,7 @@ def calibrate(
 ):
     """Measure this machine (matmul FLOP/s per dtype, memory bandwidth, collective bandwidth and latency per group
     size, within a node and, under torchrun, across nodes) and write a hardware profile."""
-    from fxshard.tools.calibrate import calibrate as calibrate_
+    from fxshard.cost.calibrate import calibrate as calibrate_
 
     try:
         with console.status(f"measuring with {procs} processes"):
@@ -330,7 +330,7 @@ def check(out: Path = typer.Argument(..., help="compiled output folder"),
     files edited after compile. The checks import and run the rank files: check only folders you trust."""
     from fxshard.cli.report import check_report
 
-    from fxshard.tools.check import check_output
+    from fxshard.check.check import check_output
 
     try:
         with console.status(f"checking {out}"):
@@ -373,7 +373,7 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:
-            from fxshard.tools.check import check_output
+            from fxshard.check.check import check_output
 
             with console.status(f"checking {out}"):
                 report = check_output(out, options.allow_edited)
@@ -402,9 +402,26 @@ def data_tokenize(
                                                                 "text"),
     eos: str = typer.Option(None, "--eos", help="the end-of-document token (default: tokenizer_config.json's "
                                                 "eos_token)"),
+    format: str = typer.Option(
+        "text", "--format", help="text (documents), chat (rows of messages, rendered with the tokenizer's "
+                                 "chat template, with a loss mask) or prompt-completion (rows of prompt and "
+                                 "completion)"),
+    train_on: str = typer.Option(
+        "assistant", "--train-on", help="chat and prompt-completion: the tokens trained: assistant (every "
+                                        "assistant turn; the completion), last-assistant, or all"),
+    seq: int = typer.Option(
+        None, "--seq", help="chat and prompt-completion: the longest conversation, in tokens (the sequence "
+                            "you compile); longer ones as --truncate says"),
+    truncate: str = typer.Option(
+        "refuse", "--truncate", help="a conversation longer than --seq: refuse (name its row), right (keep "
+                                     "its first tokens) or drop it"),
+    chat_template: Path = typer.Option(
+        None, "--chat-template", help="chat: a Jinja chat template file to render with instead of the "
+                                      "tokenizer's own"),
 ):
-    """Tokenize a text corpus into a token file (ids back to back, EOS after each document, Megatron's .idx and a
-    .json sidecar) for `fxshard run --data`."""
+    """Tokenize a corpus into a token file for `fxshard run --data`: text (ids back to back, EOS after each
+    document, Megatron's .idx and a .json sidecar), or chat and prompt-completion rows (.jsonl, .parquet or a
+    datasets folder) with a loss mask beside the ids (PATH.mask: which tokens are trained)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from fxshard.train.data.tokenize import tokenize as tokenize_
@@ -414,6 +431,14 @@ def data_tokenize(
             from fxshard.errors import OptionError
 
             raise OptionError(f"--validation {validation}: expected a fraction in [0, 1), e.g. 0.005")
+        if format != "text":
+            return _tokenize_chat(corpus, tokenizer, out, validation, format, train_on, seq, truncate,
+                                  chat_template)
+        if seq is not None or chat_template is not None or train_on != "assistant" or truncate != "refuse":
+            from fxshard.errors import OptionError
+
+            raise OptionError("--seq, --truncate, --train-on and --chat-template go with --format chat or "
+                              "prompt-completion; a text corpus is one stream of documents")
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TimeRemainingColumn(), console=err, transient=True) as bar:
             task = bar.add_task(f"tokenizing {corpus}", total=None)
@@ -426,24 +451,56 @@ def data_tokenize(
                   f"{done.vocab_size:,}")
 
 
+def _tokenize_chat(corpus, tokenizer, out, validation, fmt, train_on, seq, truncate, chat_template):
+    from fxshard.train.data.chat_tokenize import tokenize_chat
+
+    what = f"rendering and tokenizing {corpus}"
+    with console.status(what) as status:
+        done = tokenize_chat(corpus, tokenizer, out, fmt=fmt, train_on=train_on, seq=seq, truncate=truncate,
+                             validation=validation, chat_template=chat_template,
+                             progress=lambda rows: status.update(f"{what}: {rows:,} rows"))
+    cut = f"; {done.truncated:,} truncated and {done.dropped:,} dropped at --seq {seq}" if seq else ""
+    console.print(f"wrote {done.path} and its loss mask {done.path.with_suffix('.mask').name}: "
+                  f"{done.tokens:,} tokens ({done.dtype}) in {done.conversations:,} conversations (the "
+                  f"longest {done.longest:,}), "
+                  f"{done.trained_tokens:,} trained ({done.trained_tokens / done.tokens:.1%}; masked by "
+                  f"{done.method}){cut}; the last {done.validation_documents:,} the validation split")
+
+
 @data_app.command("generate")
 def data_generate(
     out: Path = typer.Argument(..., help="folder to write: OUT/corpus/*.jsonl and the tokenizer OUT/tokenizer"),
     documents: int = typer.Option(20_000, "--documents", help="documents to generate"),
     files: int = typer.Option(1, "--files", help=".jsonl files to spread them over"),
-    vocab: int = typer.Option(256, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS among them)"),
+    vocab: int = typer.Option(None, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS "
+                                                    "among them; default 256, with --chat 512)"),
+    chat: bool = typer.Option(False, "--chat", help="conversations ({\"messages\": [...]} rows) and a "
+                                                    "byte-level tokenizer whose tokenizer_config.json holds "
+                                                    "a chat template: for `data tokenize --format chat`"),
     seed: Seed = 0,
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
-    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download."""
+    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
+    With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
+    template."""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
+    vocab = vocab if vocab is not None else 512 if chat else 256
     try:
         if documents < 1 or files < 1 or vocab < 2:
             from fxshard.errors import OptionError
 
             raise OptionError(f"--documents {documents} --files {files} --vocab {vocab}: expected at least 1 document "
                               "and 1 file, and a vocabulary of 2 ids or more")
+        if chat:
+            from fxshard.train.data.synthetic_chat import train_chat_tokenizer, write_chat_corpus
+
+            with console.status(f"generating {documents:,} conversations"):
+                write_chat_corpus(out / "corpus", documents, seed)
+                train_chat_tokenizer(out / "corpus", out / "tokenizer", vocab)
+            console.print(f"wrote {out / 'corpus'} ({documents:,} conversations) and the tokenizer "
+                          f"{out / 'tokenizer'} (with a chat template)")
+            return
         with console.status(f"generating {documents:,} documents"):
             write_corpus(out / "corpus", documents, files, seed)
             train_tokenizer(out / "corpus", out / "tokenizer", vocab)
@@ -469,8 +526,8 @@ def report(
 
     The report runs no code of OUT (its model.py and rank files are read as text): a folder from someone else can
     be looked at safely. It imports only the --model file you name."""
+    from fxshard.cost.costs import parse_size
     from fxshard.report.render import write_report
-    from fxshard.tools.costs import parse_size
 
     try:
         device = parse_size(device_memory) if device_memory is not None else None
@@ -531,8 +588,8 @@ def verify(
     differences of the losses and of the trained parameters; exit 1 above the tolerance."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.check.verify import check_verify_options
     from fxshard.driver import verify as verify_
-    from fxshard.tools.verify import check_verify_options
 
     try:
         layout = build(Layout, flags)
@@ -550,7 +607,7 @@ def verify(
 
 def _version(value: bool) -> None:
     if value:
-        from fxshard.tools.environment import describe
+        from fxshard.environment import describe
 
         console.print(describe(), highlight=False)
         raise typer.Exit()
@@ -560,7 +617,7 @@ def _version(value: bool) -> None:
 def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                           help="print fxshard's and torch's versions and torch's backend, and exit")):
     """Compile unmodified PyTorch models into readable per-rank distributed training code."""
-    from fxshard.tools.environment import untested_torch
+    from fxshard.environment import untested_torch
 
     if note := untested_torch():
         err.print(f"note: {note}", highlight=False)

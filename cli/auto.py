@@ -29,7 +29,7 @@ def time_lines(console: Console, pred, hw, setting) -> None:
 
 def auto_report(console: Console, found, command: str) -> None:
     """The best layouts, why each loses to the first, and the command that compiles the winner."""
-    from fxshard.tools.search import explain
+    from fxshard.cost.search import explain
 
     result, hw = found.result, found.hardware
     best = result.ranked[0]

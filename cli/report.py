@@ -208,7 +208,7 @@ def verify_report(console: Console, result) -> None:
                          "(rel = ‖diff‖ / ‖update‖ of the tensor, update = single device trained − initial)")
     for col in ("parameter", "shape", "max abs diff", "rel"):
         params.add_column(col, justify="left" if col == "parameter" else "right")
-    apart = result.apart  # quiet ones the update share cannot hold: judged by max abs alone (fxshard.tools.verify)
+    apart = result.apart  # quiet ones the update share cannot hold: judged by max abs alone (fxshard.check.verify)
     for p in worst:
         mark = " (quiet, apart)" if p["fqn"] in apart else " (quiet)" if p.get("quiet") else ""
         params.add_row(p["fqn"], str(p["shape"]), f"{p['max_abs']:.2e}", f"{p['rel']:.2e}{mark}")
@@ -301,9 +301,9 @@ def plan_report(console: Console, report) -> None:
 
 def microbatch_line(console: Console, report) -> None:
     """The pipeline's microbatch count when ``--device-memory`` chose it (``--microbatches`` not given): what, why,
-    and the worst rank's peak at each count tried (:mod:`fxshard.tools.microbatches`)."""
+    and the worst rank's peak at each count tried (:mod:`fxshard.cost.microbatches`)."""
     if report.microbatch_choice is not None:
-        from fxshard.tools.microbatches import describe
+        from fxshard.cost.microbatches import describe
 
         console.print(describe(report.microbatch_choice), highlight=False, soft_wrap=True)
 

@@ -62,33 +62,17 @@ from fxshard.ir.contracts import (
     Fact,
     check_facts,
     check_order,
-    contract_of,
 )
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
-from fxshard.passes.batch_gather import batch_gather_pass
-from fxshard.passes.batch_norm_sync import batch_norm_sync_pass
-from fxshard.passes.blocks import blocks_pass
-from fxshard.passes.causal_attention import causal_attention_pass
-from fxshard.passes.checks import checks_pass
-from fxshard.passes.collectives import collectives_pass
-from fxshard.passes.context_parallel import context_parallel_pass
-from fxshard.passes.dropout import dropout_pass
-from fxshard.passes.expert_parallel import expert_parallel_pass
-from fxshard.passes.overlap import overlap_pass
-from fxshard.passes.pipeline import pipeline_pass
-from fxshard.passes.router_loss import has_router_loss, router_loss_pass
-from fxshard.passes.tensor_parallel import tensor_parallel_pass
-from fxshard.passes.token_mean import token_mean_pass
+from fxshard.passes import PASSES
+from fxshard.passes.router_loss import has_router_loss
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
-PASSES = [token_mean_pass, causal_attention_pass, context_parallel_pass, tensor_parallel_pass, collectives_pass,
-          expert_parallel_pass, router_loss_pass, batch_norm_sync_pass, batch_gather_pass, dropout_pass, pipeline_pass,
-          blocks_pass, overlap_pass, checks_pass]
 # what code generation reads of the passes' result: placements, the collectives, dropout sites, the stages, the blocks
 CODEGEN_REQUIRES = (PLACED, COMMUNICATED, MASKS_INVARIANT, STAGED, BLOCKED)
 
@@ -100,7 +84,7 @@ class CompiledProgram:
     gm: fx.GraphModule
     sources: dict[str, str] = field(default_factory=dict)  # file name -> code
     manifest: Manifest | None = None
-    checks: object | None = None  # the static checks of the generated files (fxshard.tools.check's CheckReport)
+    checks: object | None = None  # the static checks of the generated files (fxshard.check.check's CheckReport)
     memory_plan: object | None = None  # with device_memory: fxshard plan's CostReport, which --recompute auto chose by
 
     @property
@@ -296,21 +280,20 @@ def check_router_loss(model: torch.nn.Module, parts: int, where: str, how: str, 
 
 
 def run_passes(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Run :data:`PASSES` in order, holding each to its contract (:mod:`fxshard.ir.contracts`): the order is
-    checked before any runs, and after each its ``ensures`` and every fact an earlier pass ensured."""
+    """Run the registry's passes (:data:`fxshard.passes.PASSES`) in order, holding each to its contract
+    (:mod:`fxshard.ir.contracts`): the order is checked before any runs; a pass whose gate says no is skipped (nor
+    named in the rank files' headers); after each, the graph is linted and its ``ensures`` and every fact an
+    earlier pass ensured are checked."""
     check_order(PASSES, CODEGEN_REQUIRES)
     ensured: dict[Fact, str] = {}
     for p in PASSES:
-        if not getattr(p, "applies", lambda layout: True)(ctx.layout):  # a pass for one layout feature (--ep)
-            continue  # is not run, nor named in the rank files' headers, without it
-        if not getattr(p, "applies_to", lambda ctx: True)(ctx):  # one for what a program holds (a router loss)
+        if not p.applies(ctx):
             continue
-        gm = p(gm, ctx)
+        gm = p.run(gm, ctx)
         gm.graph.lint()
-        ensures = contract_of(p).ensures
-        check_facts(gm, ctx, p.__name__, ensures, ensured)
-        ensured.update((fact, p.__name__) for fact in ensures)
-        ctx.passes_run.append(p.__name__.removesuffix("_pass"))
+        check_facts(gm, ctx, p.run.__name__, p.ensures, ensured)
+        ensured.update((fact, p.run.__name__) for fact in p.ensures)
+        ctx.passes_run.append(p.name)
     return gm
 
 

@@ -1,10 +1,10 @@
-"""The driver: what runs around the compiler, above it, the tools and the trainer.
+"""The driver: what runs around the compiler, above it, the checks, the cost model and the trainer.
 
 ``compile`` is the whole of ``fxshard compile``: the layout's ``auto`` policies decided by the plan (``--recompute
 auto`` by ``--device-memory``), the compiler, the static checks of the files it generated (refused before anything is
 written), and the output folder; ``verify`` compiles, trains on local processes and on one device, and compares
 (``verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3).ok``).  ``fxshard plan`` is
-:func:`fxshard.tools.costs.plan_costs`: a compile in memory, then the cost model.
+:func:`fxshard.cost.costs.plan_costs`: a compile in memory, then the cost model.
 
     >>> from fxshard.driver import compile
     >>> from fxshard.ir.layout import Layout
@@ -23,13 +23,8 @@ import tempfile
 from pathlib import Path
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.folder import check_target, recover_interrupted
-from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
-from fxshard.errors import FxshardError
-from fxshard.ir.layout import Layout
-from fxshard.tools.check import COMPILER_BUG, check_program
-from fxshard.tools.costs import plan_costs
-from fxshard.tools.verify import (
+from fxshard.check.check import COMPILER_BUG, check_program
+from fxshard.check.verify import (
     DEFAULT_PARAM_RTOL,
     DEFAULT_RTOL,
     Verification,
@@ -39,6 +34,11 @@ from fxshard.tools.verify import (
     quiet_parameters,
     with_weights,
 )
+from fxshard.codegen.folder import check_target, recover_interrupted
+from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
+from fxshard.cost.costs import plan_costs
+from fxshard.errors import FxshardError
+from fxshard.ir.layout import Layout
 from fxshard.train.optim import OptimConfig
 
 
@@ -52,7 +52,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
     ``meta=True`` without ``weights``: code and manifest only, for a model too large to initialize.
     ``device_memory`` (bytes): the plan's per-rank peaks and verdicts (``result.memory_plan``); with
     ``layout.recompute == "auto"`` the least recompute that fits every rank is chosen by them first, and a pipeline
-    without ``layout.microbatches`` gets the fewest microbatches that fit (:mod:`fxshard.tools.microbatches`)::
+    without ``layout.microbatches`` gets the fewest microbatches that fit (:mod:`fxshard.cost.microbatches`)::
 
         compile("samples/gpt.py", Layout(tp=2, recompute="auto"), device_memory=8 * 2**20).ctx.layout.recompute
     """
@@ -89,9 +89,9 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as
     ``fxshard run`` does, every rank writing its trained tensors.  Losses must agree within ``rtol`` (relative); the
     trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
-    all parameters together (:data:`fxshard.tools.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
-    zero up to rounding (:data:`~fxshard.tools.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
-    twice the farthest AdamW moves an element (:func:`~fxshard.tools.verify.adamw_reach`).  ``compile``: the distributed run is
+    all parameters together (:data:`fxshard.check.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
+    zero up to rounding (:data:`~fxshard.check.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
+    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`).  ``compile``: the distributed run is
     ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
     Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
     single-device model is ``make_model()`` with the folder's tensors loaded::
@@ -99,7 +99,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
         assert result.ok, result.summary()
     """
-    from fxshard.tools.verify import check_verify_options
+    from fxshard.check.verify import check_verify_options
     from fxshard.train.local import launch_local
     from fxshard.train.modules import check_accumulated_loss
     from fxshard.train.options import RunOptions, check_compile, check_cpu_matmul, check_timeout

@@ -1,6 +1,6 @@
 """What fxshard reads of a captured graph's provenance: the module each node came from, and what the loss needs.
 
-A leaf (torch.fx alone), so that capture, ir, plan, the passes and the tools read one definition::
+A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and the cost model read one definition::
 
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from

@@ -40,14 +40,12 @@ from fxshard.ir.batch import (
     whole_batch_region,
 )
 from fxshard.ir.context import DP, CompileContext, Group, spec
-from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Shard
 from fxshard.runtime import collectives as rtc
 
 aten = torch.ops.aten
 
 
-@contract(requires=(COMMUNICATED,))
 def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     products = cross_batch_products(gm, ctx.user_inputs)
     model = type(ctx.program.model).__name__
@@ -77,14 +75,8 @@ def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
     ctx.notes.append(f"--dp {ctx.layout.dp}: {listed}: its operands gathered over dp (rt.gather_to, the gradient "
                      "reduce-scattered back), it and what follows from it computed on the whole batch on every rank: "
                      "the loss and gradients of one device")
-    gm.graph.lint()
     gm.recompile()
     return gm
-
-
-# the driver runs it where the program has a product of two values of the batch, at every layout: at --dp 1 it
-# records the products (pipeline microbatches and --grad-accum refuse them) and rewrites nothing
-batch_gather_pass.applies_to = lambda ctx: bool(cross_batch_products(ctx.program.gm, ctx.user_inputs))
 
 
 def _whole(gm: fx.GraphModule, user: fx.Node, a: fx.Node, b: int, dp: int, carries: bool) -> fx.Node:

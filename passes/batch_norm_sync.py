@@ -28,7 +28,6 @@ from fxshard.errors import LayoutError
 from fxshard.graph import node_fqn
 from fxshard.ir.batch import refuse_microbatches
 from fxshard.ir.context import DP, CompileContext, Group, spec
-from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Replicate, Shard
 from fxshard.ir.sharding import argument, tensor_args
 from fxshard.runtime import batch_norm as rt_bn
@@ -41,7 +40,6 @@ _OTHERS = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default
            aten._native_batch_norm_legit_functional.default, aten._batch_norm_with_update.default}
 
 
-@contract(requires=(COMMUNICATED,))
 def batch_norm_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     norms = [n for n in gm.graph.nodes if n.op == "call_function" and _is_training_norm(n, ctx.user_inputs)]
     if not norms:
@@ -61,7 +59,6 @@ def batch_norm_sync_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         _sync(gm, n, ctx.layout.dp)
     ctx.notes.append(f"--dp {ctx.layout.dp}: {listed}: the statistics of each dp rank's rows gathered over dp and "
                      "combined (SyncBatchNorm's semantics): the outputs and gradients of one device on the whole batch")
-    gm.graph.lint()
     gm.recompile()
     return gm
 
@@ -122,7 +119,7 @@ def _sync(gm: fx.GraphModule, node: fx.Node, dp: int) -> None:
     gm.graph.erase_node(node)
 
 
-# the driver runs it where the model has a batch normalization in training, at every layout: at --dp 1 it records the
-# ops (--grad-accum refuses them) and rewrites nothing
-batch_norm_sync_pass.applies_to = lambda ctx: any(
-    n.op == "call_function" and (n.target is _SYNCED or n.target in _OTHERS) for n in ctx.program.gm.graph.nodes)
+def has_batch_norm(gm: fx.GraphModule) -> bool:
+    """Whether the program normalizes by batch statistics (the registry's gate: the pass runs at every layout where it
+    does; at --dp 1 it records the ops, which --grad-accum refuses, and rewrites nothing)."""
+    return any(n.op == "call_function" and (n.target is _SYNCED or n.target in _OTHERS) for n in gm.graph.nodes)

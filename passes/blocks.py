@@ -23,11 +23,9 @@ import torch.fx as fx
 
 from fxshard.ir.blocks import Body, bodies
 from fxshard.ir.context import CompileContext, spec, update_spec
-from fxshard.ir.contracts import BLOCKED, COMMUNICATED, STAGED, contract
 from fxshard.ir.cut import Blocks, block_spans, find_blocks, under
 
 
-@contract(requires=(COMMUNICATED, STAGED), ensures=(BLOCKED,))
 def blocks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if spec(node).block:

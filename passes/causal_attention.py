@@ -21,7 +21,6 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.context import CompileContext
-from fxshard.ir.contracts import contract
 from fxshard.ir.sharding import argument, set_argument, shape
 
 aten = torch.ops.aten
@@ -29,7 +28,6 @@ SDPA = aten.scaled_dot_product_attention.default
 LIMIT = 1 << 28  # elements of the largest value computed to prove a mask causal (256 MiB of booleans)
 
 
-@contract()
 def causal_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     proven: dict[fx.Node, bool] = {}
     for node in list(gm.graph.nodes):
@@ -51,16 +49,14 @@ def causal_attention_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMo
         ctx.notes.append(f"causal attention: {sum(proven.values())} causal mask(s) built from positions alone "
                          "proven to be the causal triangle; scaled_dot_product_attention called with is_causal=True, "
                          "no S x S mask made")
-    gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _masked_attention(ctx: CompileContext) -> bool:
-    return any(n.target is SDPA and isinstance(argument(n, "attn_mask"), fx.Node) for n in ctx.program.gm.graph.nodes)
-
-
-causal_attention_pass.applies_to = _masked_attention  # named in the rank files' headers only where it can act
+def has_masked_attention(gm: fx.GraphModule) -> bool:
+    """Whether an attention reads a mask (the registry's gate: the pass is named in the rank files' headers only where
+    it can act)."""
+    return any(n.target is SDPA and isinstance(argument(n, "attn_mask"), fx.Node) for n in gm.graph.nodes)
 
 
 def _is_causal(mask: fx.Node, size: int, ctx: CompileContext) -> bool:

@@ -18,7 +18,6 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from fxshard.errors import ShardingError
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
-from fxshard.ir.contracts import COMMUNICATED, PLACED, contract
 from fxshard.ir.layout import Coords
 from fxshard.ir.placement import local_shape
 
@@ -92,7 +91,7 @@ def _concrete(t: torch.Tensor) -> bool:
 def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
     """``node``'s value at ``coords`` from its arguments' (``value`` maps an argument): a placeholder's local
     shape, a collective's local output (:mod:`fxshard.ir.comm`), else the op itself on the fake arguments;
-    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.tools.saved`)."""
+    also how ``fxshard plan`` runs a stage to see what autograd saves (:mod:`fxshard.cost.saved`)."""
     if node.op == "placeholder":
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
@@ -121,7 +120,6 @@ def fake_value(node: fx.Node, value, coords: Coords, ctx: CompileContext):
         ) from e
 
 
-@contract(requires=(PLACED, COMMUNICATED))
 def checks_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     mode = fake_mode()
     first = None

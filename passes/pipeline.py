@@ -20,13 +20,11 @@ import torch.fx as fx
 from fxshard.errors import LayoutError, PlanError
 from fxshard.graph import loss_cone, node_fqn
 from fxshard.ir.context import CompileContext, spec, update_spec
-from fxshard.ir.contracts import COMMUNICATED, PLACED, STAGED, contract
 from fxshard.ir.cut import Blocks, CutPlan, balance, block_spans, find_blocks, node_flops, segments, under
 from fxshard.ir.placement import local_shape
 from fxshard.ir.stages import recomputable
 
 
-@contract(requires=(PLACED, COMMUNICATED), ensures=(STAGED,))
 def pipeline_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     layout = ctx.layout
     if layout.pp == 1:

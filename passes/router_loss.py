@@ -26,7 +26,6 @@ import torch.fx as fx
 
 from fxshard.errors import LayoutError
 from fxshard.ir.context import DP, CompileContext, Group, NodeSpec, spec
-from fxshard.ir.contracts import COMMUNICATED, contract
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import collectives as rtc
 
@@ -42,7 +41,6 @@ def has_router_loss(model: torch.nn.Module) -> bool:
     return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
 
-@contract(requires=(COMMUNICATED,))
 def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     means = [n for n in gm.graph.nodes if _is_mean_of_sums(n)]
     where = f"--dp {ctx.layout.dp}: {type(ctx.program.model).__name__}'s load-balancing loss"
@@ -72,13 +70,8 @@ def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.notes.append(f"the load-balancing loss: its two whole-batch means ({kinds[0]} and {kinds[1]} per expert) "
                      f"are all-reduced over dp (rt.batch_mean): the loss and gradients of one device on the whole "
                      "batch")
-    gm.graph.lint()
     gm.recompile()
     return gm
-
-
-# the driver runs it only where the batch is split over dp and the model adds the loss
-router_loss_pass.applies_to = lambda ctx: ctx.layout.dp > 1 and has_router_loss(ctx.program.model)
 
 
 def _is_mean_of_sums(node: fx.Node) -> bool:

@@ -30,7 +30,6 @@ import torch.fx as fx
 from fxshard.graph import node_fqn
 from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.context import CompileContext, NodeSpec
-from fxshard.ir.contracts import contract
 from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
@@ -48,7 +47,6 @@ _ELEMENT_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smoot
                    aten.binary_cross_entropy.default: 3}
 
 
-@contract()  # inserts the token-mean node before the placements are decided, so it runs first
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0]

@@ -47,7 +47,7 @@ import torch, torch.distributed as dist
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpus\", torch.cuda.device_count(),
       \"nccl available\", dist.is_nccl_available())
 import fxshard.compiler, fxshard.train.launch, fxshard.runtime.compiled, benchmarks.run
-from fxshard.tools.environment import describe
+from fxshard.environment import describe
 print(describe())
 '"
 

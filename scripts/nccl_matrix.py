@@ -6,7 +6,7 @@
 
 Each case is ``fxshard verify MODEL <flags>`` in a process of its own with its own time limit: the rank files
 trained on ``world`` local processes and compared with the unmodified model trained on one device (the CPU), losses
-and trained parameters, each at verify's tolerance (bf16's under ``--dtype bf16``: fxshard/tools/verify.py).  On
+and trained parameters, each at verify's tolerance (bf16's under ``--dtype bf16``: fxshard/check/verify.py).  On
 ``--device cuda`` the ranks all train on the one GPU: ``FXSHARD_SHARE_GPU=1`` lets them
 (:mod:`fxshard.train.device`; each rank its own ``NCCL_HOSTID``), and ``scripts/gpu_check.sh`` starts MPS first so
 their kernels run side by side.  On ``--device cpu`` the GPU is hidden (``CUDA_VISIBLE_DEVICES=``) and they are gloo

@@ -24,7 +24,7 @@ def assert_matches_single_device(case: str, path, layout, per_rank: list, manife
     the ranks' states (``per_rank``: (losses, state, ...) per rank), within ``fxshard verify``'s share of the update
     of one device's ``single``; returns the per-parameter rows of the comparison."""
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+    from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 
     for rank, (losses, *_) in enumerate(per_rank):
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):

@@ -17,12 +17,12 @@ import torch
 from harness import spawn
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import Layout
 from fxshard.testing import matrix, selected_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.reference import reference_losses
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,10 +12,10 @@ import torch
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import capture
+from fxshard.check.check import check_output
 from fxshard.driver import compile as compile_model
 from fxshard.errors import CaptureError
 from fxshard.ir.context import Layout
-from fxshard.tools.check import check_output
 
 MODEL = Path(__file__).resolve().parent / "models" / "read_values.py"
 

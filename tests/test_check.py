@@ -1,4 +1,4 @@
-"""Static checks (``fxshard.tools.check``): generated files pass; edited, stale or mismatched files are caught
+"""Static checks (``fxshard.check.check``): generated files pass; edited, stale or mismatched files are caught
 with the rank, the file line and the collective, before anything runs.  Single process, meta tensors."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from fxshard.cli.app import app
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from fxshard.check.check import check_output
 from fxshard.driver import compile
 from fxshard.errors import CheckError, OutputFolderError
 from fxshard.ir.context import Layout
-from fxshard.tools.check import check_output
 
 
 @pytest.fixture(scope="module")

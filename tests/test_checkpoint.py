@@ -146,8 +146,8 @@ def test_killed_mid_save_leaves_the_previous_checkpoint_and_resume_reaches_the_s
 def test_export_round_trip_is_bit_identical(saved, tmp_path, model):
     from transformers import AutoModelForCausalLM
 
+    from fxshard.check.verify import gather_parameters
     from fxshard.codegen.manifest import read_manifest
-    from fxshard.tools.verify import gather_parameters
     from fxshard.train.export import export_hf
 
     out, ckpt, _ = saved[model]

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
 from fxshard.testing import case_result, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
 from fxshard.testing import CaseFailure, case_result, matrix, selected_cases, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 
@@ -204,7 +204,7 @@ def test_the_plan_at_one_row_per_microbatch_stays_linear_in_the_batch():
     B**2*S**2 terms, 25 GiB of the 70B cp plan's 62 GiB at 128k tokens)."""
     import sympy
 
-    from fxshard.tools.costs import B, plan_costs
+    from fxshard.cost.costs import B, plan_costs
 
     report = plan_costs(LLAMA, Layout(tp=4, cp=4, pp=2, sp=True, microbatches=4, dtype="bf16", zero=1))
     for row in report.ranks:

@@ -12,10 +12,10 @@ import pytest
 
 from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.program import capture
+from fxshard.check.check import AS_COMPILED, RECOMPILE, _fix_for
 from fxshard.codegen.manifest import read_manifest
 from fxshard.errors import CaptureError
 from fxshard.testing import cli
-from fxshard.tools.check import AS_COMPILED, RECOMPILE, _fix_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "models"

@@ -238,7 +238,7 @@ def test_the_readme_python_example_runs(in_scratch, capsys):
     assert (in_scratch / "out" / "gpt-tp2" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler", "fxshard.driver"])
+@pytest.mark.parametrize("target", ["fxshard.compile", "fxshard.compiler", "fxshard.driver", "fxshard.passes"])
 def test_docstring_examples_run(in_scratch, target):
     import importlib
 

@@ -18,13 +18,13 @@ import torch
 from harness import assert_matches_single_device, compile_and_train, single_device, train_and_record
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.errors import LayoutError
 from fxshard.ir.layout import EP, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard
 from fxshard.testing import case_result, matrix, selected_cases, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.data import global_batches
 from fxshard.train.optim import OptimConfig
 
@@ -305,7 +305,7 @@ def test_load_balancing_loss_under_grad_accumulation_is_refused(tmp_path):
 
 
 def test_fxshard_check_compares_the_exchanges_of_every_ep_group(tmp_path):
-    from fxshard.tools.check import check_output
+    from fxshard.check.check import check_output
 
     compile_model(QWEN, Layout(dp=4, ep=2), out=tmp_path / "out")
     report = check_output(tmp_path / "out")  # runs the rank file on meta tensors, recording every collective

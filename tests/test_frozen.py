@@ -17,12 +17,12 @@ import torch
 from harness import assert_matches_single_device, compile_and_train, single_device, spawn
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import gather_parameters
+from fxshard.cost.costs import plan_costs
+from fxshard.cost.zero_memory import formula, frozen_formula
 from fxshard.driver import compile as compile_model
 from fxshard.ir.layout import Layout
 from fxshard.testing import case_result, matrix, measure_on_rank, selected_cases
-from fxshard.tools.costs import plan_costs
-from fxshard.tools.verify import gather_parameters
-from fxshard.tools.zero_memory import formula, frozen_formula
 from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
 from fxshard.train.memory import report_rows
 from fxshard.train.optim import OptimConfig

@@ -10,7 +10,8 @@ From the bottom (DESIGN.md's data flow, with the driver and the command line on 
     passes     one pass per file
     codegen    rank files, manifest, weight shards
     compiler   capture -> passes -> code generation -> output folder
-    tools      static checks, cost model, verify's comparison
+    check      static checks over a compiled program, verify's comparison  } two consumers of a compiled
+    cost       the cost and time model, hardware profiles, the layout search  } program: neither imports the other
     train      fxshard run, checkpoints, export
     report     fxshard report
     driver     compile with its checks and auto policies, verify
@@ -34,6 +35,7 @@ LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.default
 LAYERS = (
     LEAVES,
     ("fxshard.files",),  # safe writes, above the leaves (it raises FxshardError)
+    ("fxshard.environment",),  # what fxshard runs with, for --version (it reads fxshard.version)
     ("fxshard.runtime",),
     ("fxshard.capture",),
     ("fxshard.ir",),
@@ -42,7 +44,7 @@ LAYERS = (
     ("fxshard.codegen",),
     ("fxshard.compiler",),
     ("fxshard.train.schedule",),  # the learning-rate schedule's arithmetic (leaves only): verify bounds AdamW by it
-    ("fxshard.tools",),
+    ("fxshard.check", "fxshard.cost"),  # the two consumers of a compiled program, side by side
     ("fxshard.train",),
     ("fxshard.report",),
     ("fxshard.driver",),
@@ -152,6 +154,19 @@ def test_no_import_cycles_but_the_known_ones():
     edges = {name: {m for m, _, _ in imports} for name, imports in graph.items()}
     cycles = {frozenset(c) for c in _strongly_connected(edges) if len(c) > 1}
     assert cycles <= set(KNOWN_CYCLES), f"import cycles: {[sorted(c) for c in cycles - set(KNOWN_CYCLES)]}"
+
+
+def test_the_checks_and_the_cost_model_are_independent():
+    """fxshard.check and fxshard.cost share a layer but neither imports the other: each reads the compiled program
+    (and the layers below) on its own, so either can change without the other."""
+    _, graph = _graph()
+
+    def package(module: str) -> str | None:
+        return next((p for p in ("fxshard.check", "fxshard.cost") if module == p or module.startswith(p + ".")), None)
+
+    found = [f"{name} imports {m}" for name, imports in graph.items() for m, _, _ in imports
+             if package(name) and package(m) and package(name) != package(m)]
+    assert not found, found
 
 
 def _strongly_connected(edges: dict[str, set[str]]) -> list[set[str]]:

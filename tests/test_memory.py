@@ -149,7 +149,7 @@ def saved_measured(tmp_path_factory, request):
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", matrix(SAVED_CASES, SAVED_KEEP))
 def test_measured_saved_bytes_match_the_plan(saved_measured, case):
-    from fxshard.tools.costs import plan_costs
+    from fxshard.cost.costs import plan_costs
 
     model, layout = SAVED_CASES[case]
     lay = SAVED_LAYOUTS[layout]

@@ -21,6 +21,7 @@ from harness import assert_matches_single_device, compile_and_train, single_devi
 
 import fxshard
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
@@ -29,7 +30,6 @@ from fxshard.ir.context import spec
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.testing import case_result, matrix, selected_cases, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.data import global_batches
 from fxshard.train.optim import OptimConfig
 
@@ -211,7 +211,7 @@ def test_plan_counts_one_token_sized_reduce_per_moe_layer():
     """``fxshard plan``'s tp all-reduce elements: splitting the experts adds, per MoE layer, the tokens' forward
     all-reduce ``T*H`` (not the rows' ``T*k*H``), the tokens' gradient ``T*H`` (the ``copy_to`` before the rows are
     gathered: not the rows' ``T*k*H``) and the routing weights' gradient ``T*k``, over keeping the experts whole."""
-    from fxshard.tools.costs import plan_costs
+    from fxshard.cost.costs import plan_costs
 
     for path in (QWEN, MIXTRAL, DEEPSEEK):  # DeepSeek-V3's first layer is dense: one MoE layer of two
         tokens, hidden, k, layers = _combine_sizes(path)
@@ -264,7 +264,7 @@ def test_with_ep_the_models_plan_is_a_note_and_a_users_plan_an_error():
 
 @pytest.mark.slow
 def test_plan_counts_the_experts_split():
-    from fxshard.tools.costs import plan_costs
+    from fxshard.cost.costs import plan_costs
 
     (whole,) = plan_costs(QWEN, Layout(tp=2), plan={EXPERTS: fxshard.replicate()}).ranks
     (split,) = plan_costs(QWEN, Layout(tp=2)).ranks

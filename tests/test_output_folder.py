@@ -200,7 +200,7 @@ def test_a_compiled_folder_keeps_ordinary_permissions(tmp_path):
 @pytest.mark.parametrize("key, value", [("file", "../../../../etc/passwd"), ("weights", "/etc/hostname"),
                                         ("model_file", "/etc/passwd"), ("model_file", "../o.py")])
 def test_a_manifest_path_outside_the_folder_is_refused_by_every_reader(tmp_path, key, value):
-    from fxshard.tools.check import check_output
+    from fxshard.check.check import check_output
 
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)

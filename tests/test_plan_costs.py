@@ -10,10 +10,10 @@ import pytest
 import sympy
 from cli_in_process import fxshard
 
+from fxshard.cost.alive import alive_counts
+from fxshard.cost.costs import B, S, parse_size, plan_costs
 from fxshard.errors import LayoutError, OptionError
 from fxshard.ir.context import Layout
-from fxshard.tools.alive import alive_counts
-from fxshard.tools.costs import B, S, parse_size, plan_costs
 from fxshard.train.memory import formula
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,11 @@ import torch
 
 import fxshard
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import SCHEDULES, Layout
 from fxshard.testing import CaseFailure, case_result, matrix, selected_cases, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import import_rank_file, read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.errors import WeightsError
@@ -34,7 +35,6 @@ from fxshard.ir.context import Layout
 from fxshard.ir.placement import take
 from fxshard.runtime import load_state
 from fxshard.testing import case_result, matrix, selected_cases, spawn_cases
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.train.checkpoint import CheckpointConfig, CheckpointReader
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses

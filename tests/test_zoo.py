@@ -27,7 +27,7 @@ CASES = {  # what each one covers that the others do not
     "falcon_h1-tp2": ("falcon_h1", Layout(tp=2)),
     "whisper-tp2": ("whisper", Layout(tp=2)),  # speech: a convolutional front end, frozen sinusoidal positions
     # a contrastive loss over the whole batch (features gathered over dp) and key biases whose gradient is rounding
-    # noise, judged apart (fxshard.tools.verify QUIET_GRAD)
+    # noise, judged apart (fxshard.check.verify QUIET_GRAD)
     "clip-dp2": ("clip", Layout(dp=2)),
     "olmoe-tp2-pp2": ("olmoe", Layout(tp=2, pp=2)),  # experts in every layer, split over tp, cut by pp
 }

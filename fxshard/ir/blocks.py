@@ -6,7 +6,7 @@ buffers it holds, what it takes and what is read after it.  ``passes/blocks.py``
 runs of a body's nodes become a repeated block's submodule and records it in each node's
 ``NodeSpec.block``; :func:`block_units` reads that decision back as :class:`BlockUnit` s, with what each
 block holds, reads and returns following from the graph.  Code generation, the manifest's collective list
-and the plan (:mod:`fxshard.tools.costs`) all read the units from here, so they see the blocks that run::
+and the plan (:mod:`fxshard.cost.costs`) all read the units from here, so they see the blocks that run::
 
     for body in bodies(gm, ctx):
         for first, unit in block_units(body.nodes, body.state, body.keep, body.apart).items():

@@ -11,12 +11,14 @@ driver (``fxshard/compiler.py``) can hold every pass to them:
   one (inserts a node with no placements, or with no stage after the cut) is named, not the pass that
   would have tripped over it later or the rank file that would have come out wrong.
 
-A contract is declared beside its pass::
+A pass's contract is its entry in the registry, ``fxshard.passes.PASSES`` (a :class:`Pass`, with the gates that say
+when it runs)::
 
-    @contract(requires=(PLACED,), ensures=(COMMUNICATED,))
-    def collectives_pass(gm, ctx): ...
+    Pass(collectives_pass, requires=(PLACED,), ensures=(COMMUNICATED,))
 
-A broken contract is fxshard's own bug, never the user's: :class:`ContractError` is an ``AssertionError``.
+A fact a gated pass ensures holds without it where its gate is closed (no cp split at ``--cp 1``), so a later pass
+may require it whatever the layout.  A broken contract is fxshard's own bug, never the user's:
+:class:`ContractError` is an ``AssertionError``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from fxshard.graph import loss_cone
 from fxshard.ir.blocks import block_units, bodies, held_state, unit_of
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.cut import under
-from fxshard.ir.sharding import tensor_args
+from fxshard.ir.layout import Layout
+from fxshard.ir.sharding import argument, tensor_args
+from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
 
@@ -54,39 +58,48 @@ class Fact:
 
 
 @dataclass(frozen=True)
-class Contract:
+class Pass:
+    """One entry of the pass registry (``fxshard.passes.PASSES``): the pass, its contract and when it runs.
+
+    ``layout_gate``: the layouts that ask for it (``--ep``: ``lambda layout: layout.ep > 1``); ``program_gate``: the
+    programs that hold what it acts on (a router loss), judged on the program as the passes before it left it.
+    A pass whose gate says no is not run, nor named in the rank files' headers.  None: every layout, every program.
+    """
+
+    run: Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
     requires: tuple[Fact, ...] = ()
     ensures: tuple[Fact, ...] = ()
+    layout_gate: Callable[[Layout], bool] | None = None
+    program_gate: Callable[[CompileContext], bool] | None = None
+
+    @property
+    def name(self) -> str:
+        """What ``ctx.passes_run`` and the rank files' headers call it: ``tensor_parallel``."""
+        return self.run.__name__.removesuffix("_pass")
+
+    def applies(self, ctx: CompileContext) -> bool:
+        return ((self.layout_gate is None or self.layout_gate(ctx.layout))
+                and (self.program_gate is None or self.program_gate(ctx)))
 
 
-def contract(requires: Sequence[Fact] = (), ensures: Sequence[Fact] = ()):
-    """Declare a pass's contract (the decorator in the module docstring); the driver reads ``pass.contract``."""
-    def declare(fn):
-        fn.contract = Contract(tuple(requires), tuple(ensures))
-        return fn
-    return declare
-
-
-def contract_of(p) -> Contract:
-    found = getattr(p, "contract", None)
-    if not isinstance(found, Contract):
-        raise ContractError(f"{p.__name__} declares no contract; decorate it with fxshard.ir.contracts.contract")
-    return found
-
-
-def check_order(passes: Sequence, final: Sequence[Fact], final_name: str = "codegen") -> None:
+def check_order(passes: Sequence[Pass], final: Sequence[Fact], final_name: str = "codegen") -> None:
     """Refuse ``passes`` if one requires a fact no pass before it ensures, or ``final_name`` (what reads the
     passes' result) requires one no pass ensures."""
+    for p in passes:
+        if not isinstance(p, Pass):
+            name = getattr(p, "__name__", repr(p))
+            raise ContractError(f"{name} is not a registry entry; add it to fxshard.passes.PASSES as "
+                                f"Pass({name}, requires=(...), ensures=(...))")
     ensured: dict[Fact, str] = {}
-    steps = [(p.__name__, contract_of(p)) for p in passes] + [(final_name, Contract(tuple(final)))]
-    for i, (name, c) in enumerate(steps):
-        for fact in c.requires:
+    steps = [(p.run.__name__, p.requires, p.ensures) for p in passes] + [(final_name, tuple(final), ())]
+    for i, (name, requires, _) in enumerate(steps):
+        for fact in requires:
             if fact in ensured:
                 continue
-            later = [n for n, other in steps[i + 1:] if fact in other.ensures]
+            later = [n for n, _, ensures in steps[i + 1:] if fact in ensures]
             where = f"{later[0]} ensures it, later in the list" if later else "no pass in the list ensures it"
             raise ContractError(f"{name} requires {fact}, which no pass before it ensures ({where})")
-        ensured.update((fact, name) for fact in c.ensures)
+        ensured.update((fact, name) for fact in steps[i][2])
 
 
 def check_facts(gm: fx.GraphModule, ctx: CompileContext, name: str, ensures: Sequence[Fact],
@@ -209,3 +222,43 @@ def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
 
 OVERLAPPED = Fact("copy_to fused with its column-parallel linears: each rt.copy_to_linears read by index in its own "
                   "class, which holds its weights and biases", _unfused)
+
+
+# ---------------------------------------------------------------- what the passes before the placements leave
+# Each changes the global program the tensor-parallel pass then places (and the cp split reads the first two), so
+# each ensures a fact that pass requires: a wrong order is refused by name, not by a comment.
+
+def _stray_token_means(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    means = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is rt_loss.token_mean]
+    if means and ctx.token_count is None:
+        return f"{means[0].name} divides by the step's count of targets, but no count is recorded (ctx.token_count)"
+    if not means and ctx.token_count is not None:
+        return "a count of targets is recorded (ctx.token_count), but no rt.token_mean divides by it"
+    terms = sorted(n.kwargs.get("term", 0) for n in means)
+    if terms != list(range(len(means))):
+        return f"the rt.token_mean terms are {terms}, not each of 0 .. {len(means) - 1} once"
+    return None
+
+
+def _causal_with_mask(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    node = next((n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA
+                 and argument(n, "is_causal") and argument(n, "attn_mask") is not None), None)
+    return None if node is None else f"{node.name} is called with is_causal=True and a mask"
+
+
+def _unsplit_sequence(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    split = next((n for n in gm.graph.nodes if spec(n).seq is not None), None)
+    if ctx.layout.cp == 1:
+        return None if split is None else f"{split.name} has a placement over cp at --cp 1"
+    if ctx.sequence is None:
+        return "no sequence dimensions are recorded (ctx.sequence)"
+    return "no node records its placement over cp (NodeSpec.seq)" if split is None else None
+
+
+_SDPA = aten.scaled_dot_product_attention.default
+TOKEN_MEANS = Fact("token means made whole-step: each rt.token_mean term divides by a count the step records "
+                   "(ctx.token_count)", _stray_token_means)
+CAUSAL_MASKS = Fact("causal masks proven: an attention whose mask is the causal triangle is called with "
+                    "is_causal=True and no mask", _causal_with_mask)
+SEQUENCE_SPLIT = Fact("the sequence split over cp: at --cp > 1 the program computes the tokens of one cp rank, the "
+                      "nodes holding them placed over cp (NodeSpec.seq)", _unsplit_sequence)

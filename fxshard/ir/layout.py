@@ -37,7 +37,7 @@ SIZED_AXES = (*MESH_AXES, EP)  # the axes a --flag sizes
 TIED = "tied:"  # a tied-weight group's name: "tied:<fqn>" (the weight held by stages on several pp ranks)
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
-# the least of the three that fits --device-memory by the plan (fxshard.tools.costs.choose_recompute), resolved
+# the least of the three that fits --device-memory by the plan (fxshard.cost.costs.choose_recompute), resolved
 # before code generation
 _ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap", "cp", "cp_mode")  # Layout fields newer than manifest format 1: absent
 # from older manifests

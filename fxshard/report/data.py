@@ -2,9 +2,9 @@
 
 The report computes nothing of its own, and runs no code of the folder it reads (a folder received from someone
 else is looked at, not run): the layout comes from the manifest, the rank files are read as text, the schedule
-from torch's own schedule order (:mod:`fxshard.tools.timeline`), the run from ``OUT/run.json``
+from torch's own schedule order (:mod:`fxshard.cost.timeline`), the run from ``OUT/run.json``
 (:mod:`fxshard.train.record`), the ``--metrics`` lines and the ``--trace`` files.  Memory per rank is ``fxshard
-plan``'s cost model (:func:`fxshard.tools.costs.plan_costs`), which imports a model file: only one the user
+plan``'s cost model (:func:`fxshard.cost.costs.plan_costs`), which imports a model file: only one the user
 names (``model``), and only when it is the file the folder was compiled from (its recorded sha256)::
 
     data = report_data(Path("out/l"), model=Path("samples/llama.py"))
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.codegen.manifest import Manifest, read_manifest
+from fxshard.cost.timeline import Slot, bubble, timeline
 from fxshard.ir.layout import Coords
 from fxshard.report.code import ModuleLines, highlight, rank_modules
-from fxshard.tools.timeline import Slot, bubble, timeline
 from fxshard.train.record import RUN_RECORD
 
 MEMORY_PARTS = (("params_peak", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
@@ -132,8 +132,8 @@ def report_data(out: str | Path, device_memory: int | None = None, metrics: Path
 def _plan(manifest: Manifest, device_memory: int | None, model: Path | None) -> tuple[list[dict], str]:
     """Per pp rank the plan's bytes (``fxshard plan`` of ``model``, the user's own copy of the model file), or why
     there are none.  Never the folder's ``model.py``: reading a folder runs none of its code."""
+    from fxshard.cost.costs import plan_costs
     from fxshard.errors import FxshardError
-    from fxshard.tools.costs import plan_costs
 
     if "user" in manifest.plan_source.split("+") or (manifest.pipeline and manifest.pipeline.cut == "split_before"):
         return [], "no plan figures: compiled with a plan file or --split-before, which the folder does not record"
@@ -189,7 +189,7 @@ def _cells(manifest: Manifest, plan_rows: list[dict], device_memory: int | None)
 
 
 def _schedule(manifest: Manifest) -> Schedule:
-    from fxshard.tools.costs import bubble_fraction
+    from fxshard.cost.costs import bubble_fraction
 
     layout = manifest.layout
     m = manifest.pipeline.microbatches if manifest.pipeline else 1

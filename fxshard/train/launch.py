@@ -58,7 +58,7 @@ def run_rank(out: Path, options: RunOptions, log=print, memory_report=None) -> l
             samples = [None] * dist.get_world_size()
             dist.all_gather_object(samples, memory)
             if rank == 0:
-                from fxshard.tools.costs import planned_memory
+                from fxshard.cost.costs import planned_memory
 
                 rows = report_rows(samples, read_manifest(out).layout, planned_memory(out))
                 memory_report(rows)

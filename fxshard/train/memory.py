@@ -32,14 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxshard.runtime.recompute import watching_kept
-from fxshard.tools.zero_memory import (  # noqa: F401
+from fxshard.cost.zero_memory import (  # noqa: F401
     FSDP2_ZERO2_EXTRA,
     formula,
     formula_text,
     frozen_formula,
     peak_params,
 )
+from fxshard.runtime.recompute import watching_kept
 
 
 def storage_bytes(tensors) -> int:
@@ -218,7 +218,7 @@ def _running_totals(prof) -> list[int]:
 
 def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> list[dict]:
     """One row per rank: measured bytes next to the formula for the layout's ZeRO stage and precision, and
-    the saved bytes per microbatch and the step's peak next to ``plan`` (:func:`fxshard.tools.costs.planned_memory`:
+    the saved bytes per microbatch and the step's peak next to ``plan`` (:func:`fxshard.cost.costs.planned_memory`:
     per pp rank, or a string saying why there is none)."""
     rows = []
     zero = layout.zero if layout.dp > 1 else 0

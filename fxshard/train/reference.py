@@ -26,7 +26,7 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     gradients, AdamW on fp32 master weights).  ``eval_every``: every that many steps, ``evals[step]`` gets the loss
     of the first ``eval_batches`` validation batches in ``model.eval()`` mode, as ``fxshard run --eval-every``.
     ``grad_sq``: every parameter's squared gradient norm at each step (before clipping), by FQN, as verify judges
-    a parameter whose gradient is zero up to rounding (:func:`fxshard.tools.verify.quiet_parameters`)."""
+    a parameter whose gradient is zero up to rounding (:func:`fxshard.check.verify.quiet_parameters`)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from fxshard.train.schedule import lr_schedule

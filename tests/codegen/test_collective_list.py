@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 
+from fxshard.check.check import check_output
 from fxshard.codegen.collective_list import collective_entries
 from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
 from fxshard.ir.comm import KINDS
 from fxshard.ir.context import Layout, spec
 from fxshard.runtime import collectives as rtc
-from fxshard.tools.check import check_output
 
 
 def test_the_manifest_lists_what_the_planned_graph_issues_and_check_finds_it_in_the_files(samples, tmp_path):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from fxshard.check.check import check_output
 from fxshard.driver import compile as compile_model
 from fxshard.errors import ModelFileError
 from fxshard.ir.context import Layout
-from fxshard.tools.check import check_output
 
 MODEL = '''
 import torch

@@ -3,18 +3,19 @@ code generation and the plan read that record, not a search of their own."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from unittest import mock
 
 import pytest
-from fxshard.passes.blocks import blocks_pass
+from fxshard.passes import PASSES, registered
 
 from fxshard import compiler
-from fxshard.compiler import PASSES, compile_program
+from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
 from fxshard.ir.blocks import block_units, bodies
 from fxshard.ir.context import Layout, spec, update_spec
-from fxshard.ir.contracts import BLOCKED, ContractError, contract, contract_of
+from fxshard.ir.contracts import ContractError
 from fxshard.ir.cut import under
 
 
@@ -71,13 +72,14 @@ def _in(gm, fqn):
                                                                 r"block's other nodes"),
 ], ids=["outside its module", "in two pieces"])
 def test_a_block_recorded_outside_its_module_or_in_pieces_breaks_the_contract(samples, change, message):
-    @contract(requires=contract_of(blocks_pass).requires, ensures=(BLOCKED,))
+    blocks = registered("blocks")
+
     def broken_blocks_pass(gm, ctx):
-        gm = blocks_pass(gm, ctx)
+        gm = blocks.run(gm, ctx)
         change(gm)
         return gm
 
-    passes = [broken_blocks_pass if p is blocks_pass else p for p in PASSES]
+    passes = [dataclasses.replace(p, run=broken_blocks_pass) if p is blocks else p for p in PASSES]
     with mock.patch.object(compiler, "PASSES", passes), pytest.raises(
             ContractError, match=r"broken_blocks_pass ensures 'repeated blocks recorded.*', but after it " + message):
         compile_program(samples / "gpt.py", Layout(tp=2))
@@ -87,13 +89,12 @@ def test_a_block_recorded_outside_its_module_or_in_pieces_breaks_the_contract(sa
 def test_codegen_and_the_plan_read_the_blocks_the_graph_records(samples):
     """A blocks pass that records no block: the rank file calls no submodule, and the plan finds no block to
     recompute (before, both searched the graph for blocks themselves and found them whatever the passes said)."""
-    from fxshard.tools.costs import plan_costs
+    from fxshard.cost.costs import plan_costs
 
-    @contract(requires=contract_of(blocks_pass).requires, ensures=(BLOCKED,))
     def no_blocks_pass(gm, ctx):
         return gm
 
-    passes = [no_blocks_pass if p is blocks_pass else p for p in PASSES]
+    passes = [dataclasses.replace(p, run=no_blocks_pass) if p.name == "blocks" else p for p in PASSES]
     with mock.patch.object(compiler, "PASSES", passes):
         code = compile_model(samples / "gpt.py", Layout(tp=2)).sources["rank_pp0_tp0.py"]
         flat = plan_costs(samples / "gpt.py", Layout(tp=2))

@@ -3,18 +3,19 @@ rt.copy_to_linears node; code generation prints that node, and the plan reads it
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from unittest import mock
 
 import pytest
 import torch
-from fxshard.passes.overlap import overlap_pass
+from fxshard.passes import PASSES, registered
 
 from fxshard import compiler
-from fxshard.compiler import PASSES, compile_program
+from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout, spec
-from fxshard.ir.contracts import OVERLAPPED, ContractError, contract, contract_of
+from fxshard.ir.contracts import ContractError
 from fxshard.ir.placement import Shard
 from fxshard.runtime import collectives as rtc
 
@@ -78,16 +79,16 @@ def test_the_zero_bubble_schedule_keeps_copy_to(samples):
 
 
 def test_a_fused_node_read_other_than_by_index_breaks_the_contract(models):
-    @contract(requires=contract_of(overlap_pass).requires, ensures=(OVERLAPPED,))
+    overlap = registered("overlap")
+
     def leaky_overlap_pass(gm, ctx):
-        gm = overlap_pass(gm, ctx)
+        gm = overlap.run(gm, ctx)
         (fused,) = _fused(gm)
         out = next(n for n in gm.graph.nodes if n.op == "output")
         out.args = ((*out.args[0], fused),)  # returned whole: nothing reads a tuple so in a rank file
         return gm
 
-    leaky_overlap_pass.applies = overlap_pass.applies
-    passes = [leaky_overlap_pass if p is overlap_pass else p for p in PASSES]
+    passes = [dataclasses.replace(p, run=leaky_overlap_pass) if p is overlap else p for p in PASSES]
     with mock.patch.object(compiler, "PASSES", passes), pytest.raises(
             ContractError, match=r"leaky_overlap_pass ensures 'copy_to fused.*', but after it output reads "
                                  r"copy_to_linears other than as one of its outputs in its class"):
@@ -98,7 +99,7 @@ def test_a_fused_node_read_other_than_by_index_breaks_the_contract(models):
 def test_the_plan_reads_the_fused_node(samples):
     """fxshard plan compiles in memory and costs that graph: it holds the fused nodes, their backward all-reduces
     are counted as the copy_to's were, and no value is counted for the copy_to output the fused op does not make."""
-    from fxshard.tools.costs import B, S, plan_costs
+    from fxshard.cost.costs import B, S, plan_costs
 
     fused = _fused(compile_program(samples / "gpt.py", Layout(tp=2)).gm)
     assert len(fused) == 17  # per block q/k/v and the MLP's input, and the LM head

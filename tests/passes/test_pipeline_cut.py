@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.check.rank_trace import load_rank_source
 from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
 from fxshard.errors import LayoutError, PlanError
@@ -15,7 +16,6 @@ from fxshard.ir.autograd import requires_grad
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import Coords, Layout
 from fxshard.ir.stages import pipeline_stages
-from fxshard.tools.rank_trace import load_rank_source
 
 
 def _blocks(result) -> list[int]:

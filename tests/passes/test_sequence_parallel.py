@@ -10,11 +10,11 @@ import sympy
 import torch
 
 from fxshard.compiler import compile_program
+from fxshard.cost.costs import plan_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.runtime import collectives as rtc
-from fxshard.tools.costs import plan_costs
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from fxshard.compiler import compile_program
+from fxshard.cost.costs import plan_costs
 from fxshard.driver import verify
 from fxshard.ir.layout import Layout
 from fxshard.testing import matrix
-from fxshard.tools.costs import plan_costs
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PARTIAL = ROOT / "tests" / "models" / "partial_plan.py"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from cli_in_process import fxshard
 
+from fxshard.cost.costs import plan_costs
 from fxshard.ir.layout import Layout
-from fxshard.tools.costs import plan_costs
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 UNSPLIT, MLP = MODELS / "unsplit.py", MODELS / "mlp.py"

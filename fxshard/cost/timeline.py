@@ -1,6 +1,6 @@
 """The pipeline schedule as a timeline: per pp rank, when each forward / backward / weight-gradient slot runs.
 
-The order of each rank's actions is torch's own (:func:`fxshard.tools.alive.schedule_order`, the schedule class
+The order of each rank's actions is torch's own (:func:`fxshard.cost.alive.schedule_order`, the schedule class
 the runtime builds); the times are the earliest each action can start in that order, given what it waits for:
 ``F`` of stage s for ``F`` of stage s-1 (the activation), ``B``/``I`` for the same microbatch's ``B``/``I`` of
 stage s+1 (the gradient) and its own ``F``, ``W`` for its ``I``.  A forward takes one unit, a full backward two,
@@ -36,7 +36,7 @@ class Slot:
 
 def action_order(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> dict[int, list[tuple]]:
     """Per pp rank, its (action, stage, microbatch) in the order torch's schedule runs them."""
-    from fxshard.tools.alive import schedule_order
+    from fxshard.cost.alive import schedule_order
 
     if pp == 1:
         return {0: [("F", s, m) for s in range(stages_per_rank) for m in range(microbatches)]

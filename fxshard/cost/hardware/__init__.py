@@ -1,6 +1,6 @@
 """Hardware profiles as data: what a device computes and moves per second, and the links between devices.
 
-A profile is a JSON file (the shipped ones in ``fxshard/hardware/``, or one ``fxshard calibrate`` wrote)::
+A profile is a JSON file (the shipped ones in ``fxshard/cost/hardware/``, or one ``fxshard calibrate`` wrote)::
 
     {"name": "...", "peak_flops": {"bf16": 989e12, "fp32": 67e12}, "memory_bandwidth": 3.35e12,
      "memory": "80GiB", "devices_per_node": 8,
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from fxshard.errors import OptionError
 
-SHIPPED = Path(__file__).resolve().parent.parent / "hardware"
+SHIPPED = Path(__file__).resolve().parent  # the JSON files beside this module
 REQUIRED = {
     "peak_flops": "peak FLOP/s per compute dtype, e.g. {\"bf16\": 989e12, \"fp32\": 67e12}",
     "memory_bandwidth": "device memory bandwidth in bytes/s, e.g. 3.35e12",
@@ -138,7 +138,7 @@ def hardware_names() -> list[str]:
 def load_hardware(name_or_path: str | Path) -> Hardware:
     """A shipped profile by name (``h100``, ``h200``, ``b200``, ``a100``, ``cpu-gloo``) or a JSON file's path;
     every missing or malformed field is named in one message."""
-    from fxshard.tools.costs import parse_size
+    from fxshard.cost.costs import parse_size
 
     text = str(name_or_path)
     path = Path(text)

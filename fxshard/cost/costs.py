@@ -8,8 +8,8 @@ the global batch per step: ``b = B / (dp * microbatches)``.
 
 Per pipeline rank (tp ranks hold equal shares) it reports bytes of parameters, gradients and
 optimizer state (the ZeRO formulas of :mod:`fxshard.train.memory`), the bytes autograd saves for backward
-per microbatch on each stage (:mod:`fxshard.tools.saved`), the microbatches the schedule keeps alive
-(:mod:`fxshard.tools.alive`), the predicted peak (model state + saved x alive + a transient), and the
+per microbatch on each stage (:mod:`fxshard.cost.saved`), the microbatches the schedule keeps alive
+(:mod:`fxshard.cost.alive`), the predicted peak (model state + saved x alive + a transient), and the
 communication of one step on each mesh axis; and the schedule's bubble fraction::
 
     report = plan_costs("samples/gpt.py", Layout(tp=2, pp=2))
@@ -30,6 +30,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.precision import capture_at
+from fxshard.cost.alive import alive_counts
+from fxshard.cost.saved import trace_saved
+from fxshard.cost.zero_memory import formula, frozen_formula, peak_params
 from fxshard.errors import LayoutError, OptionError
 from fxshard.graph import loss_cone
 from fxshard.ir.autograd import requires_grad
@@ -40,9 +43,6 @@ from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.layout import CP, EDP, EP, TP, Coords, Layout
 from fxshard.ir.placement import Shard, local_shape
 from fxshard.ir.stages import pipeline_stages
-from fxshard.tools.alive import alive_counts
-from fxshard.tools.saved import trace_saved
-from fxshard.tools.zero_memory import formula, frozen_formula, peak_params
 from fxshard.units import human_bytes
 
 B, S = sympy.symbols("B S", positive=True, integer=True)
@@ -75,7 +75,7 @@ class CostReport:
     notes: list[str] = field(default_factory=list)
     unsplit: dict | None = None  # what tp leaves whole on every rank, and why (fxshard.plan.unsplit)
     batch_per_dp: int | None = None  # the example batch of one dp rank, which the microbatches divide
-    # the microbatch count chosen for --device-memory when --microbatches was not given (fxshard.tools.microbatches)
+    # the microbatch count chosen for --device-memory when --microbatches was not given (fxshard.cost.microbatches)
     microbatch_choice: dict | None = None
 
     @property
@@ -149,11 +149,11 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
     ``device_memory`` (bytes), each rank gets a ``verdict``: whether its predicted peak fits.
 
     With ``device_memory``, a pipeline whose ``--microbatches`` was not given gets the fewest microbatches that fit
-    (:func:`fxshard.tools.microbatches.fit_microbatches`): the default count when it fits, else the fewest larger
+    (:func:`fxshard.cost.microbatches.fit_microbatches`): the default count when it fits, else the fewest larger
     count that divides the batch and under which every rank fits (with ``--recompute auto``: under the least
     recompute that fits at that count); ``report.microbatch_choice`` says what was tried."""
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.tools.microbatches import fit_microbatches
+    from fxshard.cost.microbatches import fit_microbatches
 
     if layout.recompute == "auto" and device_memory is None:
         raise OptionError("--recompute auto: expected --device-memory SIZE (e.g. 80GiB) to choose the least "
@@ -266,7 +266,7 @@ def planned_memory(out: str | Path) -> dict[int, dict] | str:
 def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.Node], second=_CAPTURE):
     """Node name -> global shape as expressions in ``_b`` and ``S``, fitted from a second capture (``state``: the
     parameter and buffer placeholders, whose sizes stay numbers); ``second``: that capture's graph when the caller
-    made it (:mod:`fxshard.tools.profile` fits three compiles to one), None when the model captures at one size."""
+    made it (:mod:`fxshard.cost.profile` fits three compiles to one), None when the model captures at one size."""
     s2 = (s * 3 // 4 if s % 4 == 0 else s - 1) if s and s > 2 else s
     notes = []
     if second is _CAPTURE:
@@ -366,7 +366,7 @@ def _dims_from_inputs(node: fx.Node, fitted: dict) -> tuple:
     """Each dimension of ``node`` as the fitted expression of an input dimension of the same size: the one
     at the same position if there is one, else the first; a size no input has stays a number (e.g. the
     vocab-parallel cross entropy's ``[tokens, tp, 2]`` from logits ``[tokens, vocab]``).  From elsewhere, never a 1
-    nor an expression an earlier dimension took (:func:`fxshard.tools.saved._matched` says why)."""
+    nor an expression an earlier dimension took (:func:`fxshard.cost.saved._matched` says why)."""
     inputs = [(a.meta["val"].shape, fitted[a.name]) for a in node.all_input_nodes
               if a.name in fitted and isinstance(a.meta.get("val"), torch.Tensor)]
     dims = []
@@ -512,7 +512,7 @@ def _peak(row: dict, memory: dict, layout: Layout, pp_rank: int, m: int, at: dic
           recompute_extra: sympy.Expr = sympy.Integer(0)) -> dict:
     """Model state + bytes held for backward x the microbatches the schedule keeps alive + the transient.
 
-    Of the combinations {stage: microbatches alive} the schedule passes through (:mod:`fxshard.tools.alive`),
+    Of the combinations {stage: microbatches alive} the schedule passes through (:mod:`fxshard.cost.alive`),
     the one holding the most bytes at ``at``.  The transient is an estimate: twice the largest value one
     microbatch's forward makes, for its backward holds that value's gradient next to the gradient of the
     op's input (of the same size for the elementwise ops and projections that make the largest values);

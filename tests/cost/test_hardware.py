@@ -8,9 +8,9 @@ import math
 
 import pytest
 
+from fxshard.cost.calibrate import _fit
+from fxshard.cost.hardware import hardware_names, load_hardware
 from fxshard.errors import OptionError
-from fxshard.tools.calibrate import _fit
-from fxshard.tools.hardware import hardware_names, load_hardware
 
 GOOD = {"peak_flops": {"bf16": 1e15, "fp32": 6e13}, "memory_bandwidth": 3e12, "memory": "80GiB",
         "devices_per_node": 8, "intra_node": {"bandwidth": 4e11, "latency": 5e-6},
@@ -114,7 +114,7 @@ def test_a_collective_measured_apart_uses_its_own_fit_before_its_group_sizes(tmp
 def test_calibrate_puts_every_rank_in_one_group_of_each_size_measured_at_once():
     """Collectives are measured under load, all groups of a size at once: every rank in exactly one group, within
     a node of consecutive ranks (as tp's), across nodes of the same local rank (as dp's over nodes)."""
-    from fxshard.tools.calibrate import _inter_groups, _intra_groups
+    from fxshard.cost.calibrate import _inter_groups, _intra_groups
 
     assert _intra_groups(2, 4, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert _intra_groups(4, 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -163,7 +163,7 @@ def test_calibrate_fits_the_ring_formula_back_from_its_points():
 
 @pytest.mark.distributed
 def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(tmp_path):
-    from fxshard.tools.calibrate import calibrate
+    from fxshard.cost.calibrate import calibrate
 
     out = tmp_path / "here.json"
     written = calibrate(out, procs=2, quick=True)
@@ -181,7 +181,7 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
 
 
 def test_calibrate_refuses_one_process_and_a_folder(tmp_path):
-    from fxshard.tools.calibrate import calibrate
+    from fxshard.cost.calibrate import calibrate
 
     with pytest.raises(OptionError, match="at least 2 processes"):
         calibrate(tmp_path / "x.json", procs=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from difflib import SequenceMatcher
 
-from fxshard.tools.rank_trace import Collective
+from fxshard.check.rank_trace import Collective
 
 
 def first_difference(ref: list[Collective], odd: list[Collective], ref_file: str, ref_ranks: str, odd_file: str,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fxshard.cost.costs import bubble_fraction
+from fxshard.cost.timeline import Slot, bubble, timeline
 from fxshard.ir.context import Layout
-from fxshard.tools.costs import bubble_fraction
-from fxshard.tools.timeline import Slot, bubble, timeline
 
 
 def test_1f1b_two_ranks():

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from fxshard.tools import pipesim
-from fxshard.tools.alive import alive_counts
-from fxshard.tools.pipesim import pipeline_step, schedule_order, simulate
+from fxshard.cost import pipesim
+from fxshard.cost.alive import alive_counts
+from fxshard.cost.pipesim import pipeline_step, schedule_order, simulate
 
 
 def _unit(a):
@@ -72,10 +72,10 @@ def test_long_schedules_extrapolate_to_what_simulation_gives(schedule, v, monkey
 @pytest.mark.parametrize("schedule,pp,m,v", [("gpipe", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 4, 8, 2),
                                               ("interleaved-1f1b", 2, 6, 3), ("zero-bubble", 4, 8, 2)])
 def test_the_order_read_is_torchs_own_without_its_lowering(schedule, pp, m, v):
-    """The tools build torch's schedule without lowering its order to sends and receives (most of the time at 64
+    """The cost model builds torch's schedule without lowering its order to sends and receives (most of the time at 64
     stages): the compute order is the one the runtime's schedule holds."""
+    from fxshard.cost.alive import _stand_in
     from fxshard.runtime.pipeline import make_schedule
-    from fxshard.tools.alive import _stand_in
 
     stages = [_stand_in(s, pp * v, pp) for s in range(0, pp * v, pp)]
     full = make_schedule(schedule, stages, m).pipeline_order
@@ -84,7 +84,7 @@ def test_the_order_read_is_torchs_own_without_its_lowering(schedule, pp, m, v):
 
 
 def test_the_microbatches_alive_are_the_maximal_combinations():
-    from fxshard.tools.alive import _maximal
+    from fxshard.cost.alive import _maximal
 
     seen = [{0: 1, 4: 0}, {0: 2, 4: 0}, {0: 2, 4: 1}, {0: 1, 4: 2}, {0: 0, 4: 2}, {0: 2, 4: 1}, {0: 1, 4: 1}]
     assert _maximal(seen) == [{0: 2, 4: 1}, {0: 1, 4: 2}]

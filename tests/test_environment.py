@@ -9,9 +9,9 @@ import torch
 from fxshard.cli.app import app
 from typer.testing import CliRunner
 
-from fxshard.tools import environment
+from fxshard import environment
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_version_names_fxshard_torch_and_its_backends():

@@ -4,7 +4,7 @@ A search over thousands of layouts cannot compile each one (a 70B shape compiles
 not need to: every layout runs the same pieces, the part before the repeated blocks, one block of each kind
 times its count, the part after, differently split.  So the model is captured once, shortened to one block of
 each distinct kind (blocks whose parameters have the same names and shapes are one kind: DeepSeek-V3's dense
-and MoE layers are two), at two sizes to make shapes symbolic (:func:`fxshard.tools.costs._symbolic_shapes`),
+and MoE layers are two), at two sizes to make shapes symbolic (:func:`fxshard.cost.costs._symbolic_shapes`),
 and the passes run on copies of that capture at tp=1, at the smallest tp > 1 the model divides by, and at that tp
 with ``--sp``.  Each node's local dimensions then follow ``b`` (microbatch rows), ``S`` (sequence) and ``T`` (tp):
 a dimension tp splits at the compiled tp is split by ``T``.  Per piece, for each of the three structures:
@@ -14,10 +14,10 @@ a dimension tp splits at the compiled tp is split by ``T``.  Per piece, for each
   node's local symbolic shapes; and the bytes every other op reads and writes (views move nothing);
 - the tp collectives of one microbatch, forward and backward, with the weight-gradient matmuls a fused
   ``copy_to_linears`` overlaps its all-reduce with (:mod:`fxshard.ir.comm`);
-- the bytes autograd saves per recompute mode (:mod:`fxshard.tools.saved`, the plan's own trace), the values that
+- the bytes autograd saves per recompute mode (:mod:`fxshard.cost.saved`, the plan's own trace), the values that
   bound the transient, the parameters (the experts apart), what a pipeline stage boundary sends.
 
-The time model (:mod:`fxshard.tools.timemodel`) turns these into a step for any layout::
+The time model (:mod:`fxshard.cost.timemodel`) turns these into a step for any layout::
 
     profile = model_profile("samples/llama70b.py", dtype="bf16")
     profile.pieces("tp")["block0"].flops["matmul"]       # 2*b*S*... / T
@@ -35,6 +35,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
 from fxshard.ir.comm import KINDS, buffer_is_input
@@ -44,7 +45,6 @@ from fxshard.ir.experts import grouped_mm_ops, weight_param
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.runtime import collectives as rtc
-from fxshard.tools.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
 aten = torch.ops.aten
@@ -411,7 +411,7 @@ def _consumers(node: fx.Node) -> list[fx.Node]:
 
 
 def _cost_saved(gm, ctx, nodes, piece_of, pieces, local, dims, at) -> None:
-    """Bytes kept for backward per piece and recompute mode: the plan's trace (:mod:`fxshard.tools.saved`)."""
+    """Bytes kept for backward per piece and recompute mode: the plan's trace (:mod:`fxshard.cost.saved`)."""
     state = [n for n in gm.graph.nodes if n.op == "placeholder" and n in ctx.params]
     traces = _traces(gm, ctx, [], nodes, state, Coords(), local, dims, at)
     block_piece = {spec(n).block: piece_of[n] for n in nodes if spec(n).block}

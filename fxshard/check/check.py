@@ -10,7 +10,7 @@ files in the folder, so an edited or stale file is caught before it hangs a run)
 - every pipeline send has its receive: stage ``s``'s ``OUTPUTS`` are stage ``s + 1``'s ``INPUTS``;
 - the parameters each rank file creates match the manifest and the weight shards.
 
-The collectives come from the rank files themselves (``fxshard.tools.rank_trace``)::
+The collectives come from the rank files themselves (``fxshard.check.rank_trace``)::
 
     report = check_output("out/gpt-tp2")        # raises CheckError naming file:line and collective
     [g.label for g in report.groups]            # ['tp group [0, 1]']
@@ -22,14 +22,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fxshard.check.collective_diff import first_difference
+from fxshard.check.rank_trace import Collective, RankTrace, trace_rank
 from fxshard.codegen import rank_file_name
 from fxshard.codegen.manifest import Manifest, RankEntry, edited_files, read_manifest, refuse_edited
 from fxshard.errors import CheckError
 from fxshard.ir.comm import SUM_TIED_GRADS, communicating
 from fxshard.ir.layout import EP, MESH_AXES, PP, TP, Coords
 from fxshard.ir.placement import Shard, local_shape
-from fxshard.tools.collective_diff import first_difference
-from fxshard.tools.rank_trace import Collective, RankTrace, trace_rank
 
 RECOMPILE = "Recompile with `fxshard compile` instead of editing generated files."
 AS_COMPILED = ("The rank files are as fxshard compile wrote them (their sha256 matches manifest.json), so "

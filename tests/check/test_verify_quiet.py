@@ -1,4 +1,4 @@
-"""``fxshard verify`` on parameters whose gradient is zero up to rounding (fxshard/tools/verify.py ``QUIET_GRAD``).
+"""``fxshard verify`` on parameters whose gradient is zero up to rounding (fxshard/check/verify.py ``QUIET_GRAD``).
 
 A key projection's bias gets no gradient in exact arithmetic (softmax ignores a shift every key shares), so its
 gradient is rounding noise, which AdamW divides by its own size: the single-device run and a distributed one move it
@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.driver import verify
-from fxshard.ir.context import Layout
-from fxshard.tools.verify import (
+from fxshard.check.verify import (
     QUIET_GRAD,
     Verification,
     adamw_reach,
@@ -27,6 +25,8 @@ from fxshard.tools.verify import (
     quiet_parameters,
     update_share,
 )
+from fxshard.driver import verify
+from fxshard.ir.context import Layout
 from fxshard.train.optim import OptimConfig
 from fxshard.train.reference import reference_losses
 from fxshard.train.schedule import lr_schedule

@@ -1,6 +1,6 @@
 """Run a generated rank file on meta tensors and record every collective it would issue.
 
-The static checks (``fxshard.tools.check``) must judge the files that will actually run — a file someone
+The static checks (``fxshard.check.check``) must judge the files that will actually run — a file someone
 edited, or one left over from another compile — so they do not look at the compiler's graph: they
 execute the rank file itself.  Its classes are built on the ``meta`` device (no memory, no data), their
 ``forward`` runs on meta inputs of the declared shapes, and autograd runs the backward; the module's

@@ -1,6 +1,6 @@
 """A pipeline step from its schedule's actions: torch's own order, each action timed, run until all are done.
 
-:func:`fxshard.tools.alive.schedule_order` gives, per pp rank, the actions torch's schedule runs (``0F3``: stage 0
+:func:`fxshard.cost.alive.schedule_order` gives, per pp rank, the actions torch's schedule runs (``0F3``: stage 0
 forward of microbatch 3; ``B`` a full backward, ``I`` / ``W`` the input and weight halves of a split one).  Each
 rank runs its actions in that order; an action starts when its rank is free and what it needs is there: a forward
 the previous stage's forward of the same microbatch (plus the send between them), a backward the next stage's
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxshard.tools.alive import schedule_order
+from fxshard.cost.alive import schedule_order
 
 # beyond this many actions per rank the order is not built: the step is extrapolated from two smaller counts
 DIRECT_ACTIONS = 1024

@@ -19,12 +19,12 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from fxshard.cost.hardware import Hardware
+from fxshard.cost.profile import ModelProfile, S, b
+from fxshard.cost.timemodel import Evaluator, Prediction, Setting, lower_bound, peaks_by_mode, predict
 from fxshard.errors import LayoutError, divisors
 from fxshard.ir.cut import schedule_accepts
 from fxshard.ir.layout import Layout
-from fxshard.tools.hardware import Hardware
-from fxshard.tools.profile import ModelProfile, S, b
-from fxshard.tools.timemodel import Evaluator, Prediction, Setting, lower_bound, peaks_by_mode, predict
 from fxshard.units import human_bytes
 
 MAX_ROWS = 64  # microbatch sizes tried: 1, 2, 4, ... up to this (and a dp rank's whole batch)

@@ -10,7 +10,7 @@ activations.  Under a pipeline, ``PipelineStage`` also keeps each microbatch's i
 backward: they join the set (most are saved anyway).
 
 Each storage is then written as an expression: the storage a graph node made has that node's fitted
-shape (:func:`fxshard.tools.costs.plan_costs` fits every node's dimensions in ``b`` and ``S``); a tensor an
+shape (:func:`fxshard.cost.costs.plan_costs` fits every node's dimensions in ``b`` and ``S``); a tensor an
 op makes only for its backward (LayerNorm's mean and rstd, attention's logsumexp) takes, per dimension,
 the fitted expression of a same-sized dimension of the op's inputs or output.  Exact at the captured size
 by construction; exact at other sizes where the fit is (every dimension of the sample models is).
@@ -65,7 +65,7 @@ class StageMemory:
     blocks: dict = field(default_factory=dict)  # block fqn -> bytes of the storages first kept inside it
     flops: dict = field(default_factory=dict)  # "forward", "blocks", "selective": forward FLOPs (captured size)
     # who kept each storage first: the block it was kept in (its fqn), else the name of the node that saved it
-    # ("" for the values held without being used); the search's pieces add these up (fxshard.tools.profile)
+    # ("" for the values held without being used); the search's pieces add these up (fxshard.cost.profile)
     saved_by: dict = field(default_factory=dict)
 
 

@@ -1,4 +1,4 @@
-"""``fxshard calibrate``: measure the machine it runs on and write a hardware profile (:mod:`fxshard.tools.hardware`).
+"""``fxshard calibrate``: measure the machine it runs on and write a hardware profile (:mod:`fxshard.cost.hardware`).
 
 Every rank of the group (``fxshard calibrate --procs N`` starts N local processes; under ``torchrun`` the ranks are
 torchrun's, on one node or many) measures at the same time, so a shared device or CPU is measured as the training
@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fxshard.cost.hardware import ring_terms
 from fxshard.errors import OptionError
-from fxshard.tools.hardware import ring_terms
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -296,9 +296,9 @@ def _rows(inputs, rows: int, device):
 def _with_compute_scale(out: Path, profile: dict, model: Path, world: int, measured: float) -> dict:
     """The profile with ``compute_scale``: the model's measured step over the time model's roofline for it (one rank,
     no communication, the profile's rates as measured), and what both were (``measured.model_step``)."""
-    from fxshard.tools.hardware import load_hardware
-    from fxshard.tools.profile import S, model_profile
-    from fxshard.tools.timemodel import Evaluator, single_step
+    from fxshard.cost.hardware import load_hardware
+    from fxshard.cost.profile import S, model_profile
+    from fxshard.cost.timemodel import Evaluator, single_step
 
     ev = Evaluator(model_profile(model, dtype="fp32"), load_hardware(out), "fp32")
     rows, seq = max(1, ev.profile.batch // world), int(ev.profile.example[S])

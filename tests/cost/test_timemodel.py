@@ -12,14 +12,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxshard.capture.modelfile import load_model_file
+from fxshard.cost.auto import compile_command
+from fxshard.cost.costs import plan_costs
+from fxshard.cost.hardware import load_hardware
+from fxshard.cost.profile import model_profile
+from fxshard.cost.search import explain, search
+from fxshard.cost.timemodel import Evaluator, Setting, model_flops, predict
 from fxshard.errors import LayoutError
 from fxshard.ir.layout import Layout
-from fxshard.tools.auto import compile_command
-from fxshard.tools.costs import plan_costs
-from fxshard.tools.hardware import load_hardware
-from fxshard.tools.profile import model_profile
-from fxshard.tools.search import explain, search
-from fxshard.tools.timemodel import Evaluator, Setting, model_flops, predict
 
 MODEL = "samples/llama.py"  # 4 layers, hidden 64, 8 heads (4 kv), vocabulary 256; example batch 4 x 16
 
@@ -210,9 +210,9 @@ def test_selective_recompute_pays_its_policy_per_op_of_every_block(profile):
 def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(profile, tmp_path):
     """``single_step`` is the whole model's forward and backward on one device (the sum over its pieces);
     calibrate's ``compute_scale`` is a measured step over it, written into the profile, which then loads with it."""
-    from fxshard.tools.calibrate import _with_compute_scale
-    from fxshard.tools.timemodel import single_step
-    from tests.tools.test_hardware import GOOD
+    from fxshard.cost.calibrate import _with_compute_scale
+    from fxshard.cost.timemodel import single_step
+    from tests.cost.test_hardware import GOOD
 
     out = tmp_path / "p.json"
     out.write_text(json.dumps(GOOD | {"measured": {}}))
@@ -227,7 +227,7 @@ def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(pro
 
 
 def test_the_search_runs_in_the_dtype_the_profile_trains_in_unless_told():
-    from fxshard.tools.auto import search_dtype
+    from fxshard.cost.auto import search_dtype
 
     dtype, note = search_dtype(None, load_hardware("h100"))
     assert dtype == "bf16" and "default_dtype" in note and "--dtype fp32" in note

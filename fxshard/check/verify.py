@@ -29,7 +29,7 @@ DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
 # layout, 0.03-0.10 under bf16 (8 significant bits; Adam turns gradients at rounding-noise level into
 # +-lr steps), while a gradient left unsynchronized on half the model gives 0.7.  The bf16 figures are twice bf16's
 # own error against fp32 training, so two correct bf16 runs that round differently (ranks, GPU kernels) agree within
-# them: tests/tools/test_verify_tolerance.py.  A per-tensor
+# them: tests/check/test_verify_tolerance.py.  A per-tensor
 # ||diff|| / ||single|| is no test: a bias that starts at 0 has only its update as its norm.
 DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25}
 # A parameter whose gradient is zero in exact arithmetic (a key projection's bias: softmax ignores a shift that all

@@ -1,8 +1,8 @@
 """What ``fxshard plan --auto``, ``fxshard compile --auto`` and ``fxshard plan --hardware`` ask of the time model.
 
 The options are checked here, before the capture, so a bad device count or profile is refused in a second; then
-the model is captured once (:func:`fxshard.tools.profile.model_profile`) and searched
-(:func:`fxshard.tools.search.search`) or one layout predicted (:func:`fxshard.tools.timemodel.predict`)::
+the model is captured once (:func:`fxshard.cost.profile.model_profile`) and searched
+(:func:`fxshard.cost.search.search`) or one layout predicted (:func:`fxshard.cost.timemodel.predict`)::
 
     found = plan_auto("samples/llama70b.py", "bf16", AutoOptions(auto=True, gpus=64, hardware="h100"), seq=4096,
                       global_batch=512)
@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from fxshard.cost.auto_options import AutoOptions
+from fxshard.cost.hardware import Hardware, load_hardware
 from fxshard.errors import OptionError
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
-from fxshard.tools.auto_options import AutoOptions
-from fxshard.tools.hardware import Hardware, load_hardware
 
 # the layout flags --auto chooses itself; the others (--dtype, --overlap) it takes as given
 CHOSEN = ("tp", "pp", "dp", "zero", "schedule", "microbatches", "virtual_stages", "recompute", "sp", "ep", "cp",
@@ -30,8 +30,8 @@ CHOSEN = ("tp", "pp", "dp", "zero", "schedule", "microbatches", "virtual_stages"
 
 @dataclass
 class AutoPlan:
-    result: object  # fxshard.tools.search.SearchResult
-    profile: object  # fxshard.tools.profile.ModelProfile
+    result: object  # fxshard.cost.search.SearchResult
+    profile: object  # fxshard.cost.profile.ModelProfile
     hardware: Hardware
     capture_seconds: float  # the one capture and the compiles of its pieces
     model: str
@@ -73,8 +73,8 @@ def _positive(flag: str, value: int) -> None:
 
 def setting_for(profile, hw: Hardware, gpus_per_node: int | None, seq: int | None, global_batch: int | None):
     """The sequence, global batch and devices per node the search and the prediction evaluate at."""
-    from fxshard.tools.profile import S
-    from fxshard.tools.timemodel import Setting
+    from fxshard.cost.profile import S
+    from fxshard.cost.timemodel import Setting
 
     example_seq = profile.example[S]
     if seq is not None:
@@ -86,8 +86,8 @@ def plan_auto(model: str | Path, dtype: str | None, options: AutoOptions, seq: i
               layout: Layout | None = None, plan: dict | None = None, seed: int = 0) -> AutoPlan:
     """Capture ``model`` once and search every layout of ``options.gpus`` devices on ``options.hardware``, in compute
     dtype ``dtype`` (None: the one the profile trains in, its ``default_dtype``: bf16 on the shipped GPUs)."""
-    from fxshard.tools.profile import model_profile
-    from fxshard.tools.search import search
+    from fxshard.cost.profile import model_profile
+    from fxshard.cost.search import search
 
     hw = check_auto(options, layout or Layout(dtype=dtype or "fp32"))
     dtype, note = search_dtype(dtype, hw)
@@ -114,8 +114,8 @@ def predict_layout(model: str | Path, layout: Layout, hardware: str, batch: int,
     """The time model's prediction for one layout (``fxshard plan --hardware``): step, compute, exposed
     communication, bubble, tokens/s per device, MFU; memory as the search judges it: (prediction, hardware,
     setting)."""
-    from fxshard.tools.profile import model_profile
-    from fxshard.tools.timemodel import Evaluator, predict
+    from fxshard.cost.profile import model_profile
+    from fxshard.cost.timemodel import Evaluator, predict
 
     hw = load_hardware(hardware)
     profile = model_profile(model, dtype=layout.dtype, seed=seed, plan=plan)

@@ -1,4 +1,4 @@
-"""Why ``fxshard verify``'s bf16 tolerance is what it is (fxshard/tools/verify.py ``DEFAULT_RTOL`` and
+"""Why ``fxshard verify``'s bf16 tolerance is what it is (fxshard/check/verify.py ``DEFAULT_RTOL`` and
 ``DEFAULT_PARAM_RTOL``): wide enough for two correct bf16 trainings that round differently, narrow enough to catch a
 program that leaves a family of weights untrained.
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.tools.verify import DEFAULT_PARAM_RTOL, DEFAULT_RTOL, compare_parameters, update_share
+from fxshard.check.verify import DEFAULT_PARAM_RTOL, DEFAULT_RTOL, compare_parameters, update_share
 from fxshard.train.reference import reference_losses
 
 GPT = Path(__file__).resolve().parents[2] / "samples" / "gpt.py"

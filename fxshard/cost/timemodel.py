@@ -25,9 +25,9 @@ and the devices per node): each collective by the ring formula (bandwidth) plus 
   ``ring``: the cp - 1 sends of each step overlap that step's attention; ep: the all-to-alls block.
 
 Pipeline: each stage's forward and backward per microbatch (compute + exposed communication) are the durations of
-torch's schedule actions, simulated (:mod:`fxshard.tools.pipesim`); the bubble is what that leaves idle.  Memory
-is the plan's: the ZeRO formulas (:mod:`fxshard.tools.zero_memory`), bytes saved per microbatch times the
-microbatches torch's order keeps alive (:mod:`fxshard.tools.alive`), and the transient.
+torch's schedule actions, simulated (:mod:`fxshard.cost.pipesim`); the bubble is what that leaves idle.  Memory
+is the plan's: the ZeRO formulas (:mod:`fxshard.cost.zero_memory`), bytes saved per microbatch times the
+microbatches torch's order keeps alive (:mod:`fxshard.cost.alive`), and the transient.
 
     ev = Evaluator(model_profile("samples/llama70b.py"), load_hardware("h100"))
     p = predict(ev, Layout(tp=8, pp=4, dp=2, dtype="bf16", microbatches=64), Setting(4096, 512, 8))
@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 
 import sympy
 
+from fxshard.cost.alive import alive_counts
+from fxshard.cost.hardware import Hardware
+from fxshard.cost.pipesim import capped_microbatches, pipeline_step
+from fxshard.cost.profile import ModelProfile, Piece, S, T, b
+from fxshard.cost.zero_memory import formula, peak_params
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import EDP, Layout
-from fxshard.tools.alive import alive_counts
-from fxshard.tools.hardware import Hardware
-from fxshard.tools.pipesim import capped_microbatches, pipeline_step
-from fxshard.tools.profile import ModelProfile, Piece, S, T, b
-from fxshard.tools.zero_memory import formula, peak_params
 
 BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5}  # backward FLOPs per forward FLOP
 OPTIMIZER_BYTES = 28  # AdamW per parameter of the shard: master, gradient, two moments read; three written, a copy

@@ -1,1 +1,0 @@
-"""Tools over compiled programs: static checks, rank traces, the cost plan, verification."""
