@@ -80,3 +80,13 @@ def test_the_rank_files_hold_the_guards_and_pass_the_static_check(tmp_path):
     assert any("specialized on the example batch" in note for note in result.manifest.notes)
     report = check_output(tmp_path / "o")  # runs each rank file: item() and nonzero() on fake tensors
     assert report.ranks == 2
+
+
+@pytest.mark.slow  # two exports and three eager runs of the model
+def test_a_line_reading_another_value_on_another_dp_ranks_rows_is_refused():
+    # dp rank 0's row has no flag set, rank 1's has: one program cannot hold both branches of `flags.any().item()`
+    with pytest.raises(CaptureError) as e:
+        compile_model(MODEL, Layout(dp=2))
+    message = str(e.value)
+    assert "read_values.py:39 `if flags.any().item():` reads False on the first part of the batch and True on " \
+           "another (a data-parallel rank's rows or a pipeline microbatch)" in message

@@ -1,4 +1,4 @@
-"""WavLMForXVector: a speaker-embedding head, TDNN layers (dilated 1-D convolutions) and statistics pooling (the mean and standard deviation of each row over its own length, taken by a Python loop `hidden_states[i, :length]`: specialized on the example batch), an AM-softmax loss; the encoder has gated relative position bias. Tiny config, dropout and layer drop 0; rows of 400, 300, 150 and 400 samples (a split of the batch reads other lengths: refused where the batch is split)."""
+"""WavLMForXVector: a speaker-embedding head, TDNN layers (dilated 1-D convolutions) and statistics pooling (the mean and standard deviation of each row over its own length, taken by a Python loop slicing `hidden_states[i, :length]`: a size the data decides, an unbacked symbol of torch.export), an AM-softmax loss; the encoder has gated relative position bias. Tiny config, dropout and layer drop 0; rows of 400, 300, 150 and 400 samples."""
 
 import torch
 from transformers import WavLMConfig, WavLMForXVector
