@@ -5,6 +5,7 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
     static_shape(val)  # a value's shape as ints, a size the data decides standing as a number of its own
+    largest_shape(val) # the same, a size the data decides at its largest: what estimates count
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def static_shape(value) -> tuple[int, ...]:
         static_shape(torch.empty(4, 16))   # (4, 16)
     """
     return tuple(d if isinstance(d, int) else _stand_in(d) for d in value.shape)
+
+
+def largest_shape(value) -> tuple[int, ...]:
+    """``value``'s shape (a tensor's, or a shape itself) with each size the data decides at the largest its shape
+    environment allows (a boolean index of ``[4, 16]`` selects at most 64 rows): what a memory or traffic estimate
+    counts, never less than the program can hold.  A size without a finite bound counts 0 (unlike
+    :func:`static_shape`'s stand-in, no size an estimate could scale)::
+
+        largest_shape(torch.empty(4, 16))   # (4, 16)
+    """
+    shape = value.shape if hasattr(value, "shape") else value
+    return tuple(d if isinstance(d, int) else _largest(d) for d in shape)
+
+
+def _largest(size) -> int:
+    node = size.node
+    try:
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        return int(upper) if upper.is_finite else 0
+    except (TypeError, AttributeError, ValueError):
+        return 0
 
 
 def data_sized(node: fx.Node) -> bool:

@@ -41,7 +41,7 @@ from fxshard.capture.specialize import (
     replaying,
     runs_eagerly,
 )
-from fxshard.errors import CaptureError, ModelFileError
+from fxshard.errors import CaptureError, ModelFileError, NeedsRealWeights
 from fxshard.graph import node_fqn
 from fxshard.runtime.functions import NAMESPACE as FUNCTION_NAMESPACE
 
@@ -161,7 +161,8 @@ def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path):
             if refusals:  # a Function refused runs unwrapped, and may be what export failed on: it says more
                 raise refusals[0] from e
             why = "specialized" if record is not None else "meta" if not runs_eagerly(wrapper, args, kwargs) else ""
-            raise CaptureError(_explain_export_failure(e, path, why)) from e
+            error = NeedsRealWeights if why == "meta" and _data_dependent(e) else CaptureError
+            raise error(_explain_export_failure(e, path, why)) from e
         if refusals:
             raise refusals[0]
         return ep, functions, record
