@@ -4,8 +4,9 @@ dp=2 against one device (issue 43 §3): Longformer's global attention (``.any().
 loss), Switch Transformers' and DBRX's loops over the experts that received tokens, Llava's image-token count check
 before ``masked_scatter``, HuBERT's pooling over each row's own length, ELECTRA's discriminator loss over
 ``logits[mask]``.  Capture specializes the reads on the example batch behind runtime guards
-(fxshard/capture/specialize.py); the static check runs ``item()`` and ``nonzero()`` on fake tensors; WavLM's x-vector
-pooling, which reads each row's length, is refused where the batch is split, naming its line."""
+(fxshard/capture/specialize.py); the static check runs ``item()`` and ``nonzero()`` on fake tensors.  (WavLM's
+x-vector pooling, ``hidden_states[i, :length]``, slices each row by a size the data decides: an unbacked symbol, no
+specialization; the zoo trains it.)"""
 
 from __future__ import annotations
 
