@@ -6,13 +6,17 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
     static_shape(val)  # a value's shape as ints, a size the data decides standing as a number of its own
     largest_shape(val) # the same, a size the data decides at its largest: what estimates count
+    model_line(node)   # 'modeling_llama.py:244': the line of the model's code that made it
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch.fx as fx
+
+NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")  # frames of a stack trace that are not the model's code
 
 
 def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
@@ -98,3 +102,14 @@ def _prime(name: str) -> int:
 
     index = int("".join(c for c in name if c.isdigit()) or 0)
     return int(sympy.nextprime(10**7 * (index + 1)))
+
+
+def model_line(node: fx.Node) -> str:
+    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
+    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not any(part in path for part in NOT_MODEL):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return ""
