@@ -87,6 +87,22 @@ def not_here(tool: str, layout: PeerLayout) -> str | None:
     return None
 
 
+def notes(layout: PeerLayout, ran: list[str], backend: str) -> dict[str, str]:
+    """How each tool that ran splits the layout's dp work, where the tools differ."""
+    out = {}
+    if layout.dp > 1:
+        out["fxshard"] = "--zero 3 (parameters, gradients and optimizer state sharded over dp)"
+        out["torchtitan"] = "FSDP2 (fully_shard per block and the whole model), as its recipe"
+        if "Megatron-Core" in ran:
+            from benchmarks.peers.megatron_peer import DISTOPT_ON_CPU
+
+            out["Megatron-Core"] = ("its DistributedDataParallel (gradients all-reduced, no sharding): on the CPU "
+                                    f"its distributed optimizer refuses the parameters, {DISTOPT_ON_CPU}"
+                                    if backend == "gloo" else "its distributed optimizer (ZeRO 1)")
+        out["DeepSpeed"] = "ZeRO stage 3"
+    return {t: why for t, why in out.items() if t in ran}
+
+
 def _agreed_failures(failed: dict[str, str]) -> dict[str, str]:
     """Every rank's failures, on every rank: a tool that failed on one rank is left out on all."""
     gathered: list = [None] * dist.get_world_size()
@@ -174,6 +190,7 @@ def run_layout(layout: PeerLayout, work: Path, tools: list[str], rounds: int, wa
     base = next((t for t in ran if t.startswith("fxshard")), None)
     result["ratio_to_fxshard"] = {t: paired_ratio(times, t, "fxshard --compile" if "--compile" in t else base)
                                   for t in ran if base and ("fxshard --compile" in ran or "--compile" not in t)}
+    result["notes"] = notes(layout, ran, backend)
     result["memory"] = {}
     for tool in ran if memory_steps else []:
         mem = spawn(_memory_worker, layout.world, layout.name, str(out), tool, memory_steps, backend=backend,
@@ -236,8 +253,8 @@ def layout_markdown(r: dict) -> str:
         best = min(eager, key=eager.get)
         head.append(f"fxshard against the fastest peer ({best}): **{eager[best]:.2f}×** its speed "
                     f"({'at least' if eager[best] >= 1 else 'below'} the issue's 1.0× goal).")
-    for tool, why in r["failed"].items():
-        head.append(f"- **{tool}**: {why}")
+    head += [f"- **{tool}** (dp): {how}" for tool, how in r.get("notes", {}).items()]
+    head += [f"- **{tool}** not run: {why}" for tool, why in r["failed"].items()]
     return "\n\n".join(head)
 
 

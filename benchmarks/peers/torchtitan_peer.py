@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from benchmarks.peers.common import Peer, PeerLayout, local_rows, microbatches
+from benchmarks.peers.common import Peer, PeerLayout, local_rows
 from benchmarks.peers.shims import sum_reduction_for_gloo, torchtitan_on_cpu
 from benchmarks.peers.weights import torchtitan_state
 
@@ -50,7 +50,7 @@ def _model_config(shape: dict):
         layers=layers)
 
 
-def _configs(layout: PeerLayout, shape: dict, compile: bool):
+def _configs(layout: PeerLayout, shape: dict, compile: bool, bf16: bool = False):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
     parallelism = ParallelismConfig(
@@ -59,11 +59,11 @@ def _configs(layout: PeerLayout, shape: dict, compile: bool):
         pipeline_parallel_microbatch_size=shape["batch"] // layout.dp // layout.microbatches,
         pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
     training = TrainingConfig(local_batch_size=shape["batch"] // layout.dp, seq_len=shape["seq"], max_norm=math.inf,
-                              dtype="float32", mixed_precision_param="float32")
+                              dtype="float32", mixed_precision_param="bfloat16" if bf16 else "float32")
     return parallelism, training, CompileConfig(enable=compile, components=["model", "loss"])
 
 
-def _build(layout: PeerLayout, shape: dict, hf_state: dict, device: torch.device, compile: bool):
+def _build(layout: PeerLayout, shape: dict, hf_state: dict, device: torch.device, compile: bool, bf16: bool):
     """torchtitan's model parts on this rank, the pipeline schedule (None without pp), the loss and its meshes."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torchtitan.components.loss import CrossEntropyLoss
@@ -73,7 +73,7 @@ def _build(layout: PeerLayout, shape: dict, hf_state: dict, device: torch.device
     from torchtitan.models.llama3 import parallelize_llama
 
     set_spmd_backend("partial_dtensor")  # as its trainer does from the config: DTensor on the model-parallel axes
-    parallelism, training, compile_config = _configs(layout, shape, compile)
+    parallelism, training, compile_config = _configs(layout, shape, compile, bf16)
     dims = ParallelDims(dp_replicate=1, dp_shard=layout.dp, cp=1, tp=layout.tp, pp=layout.pp, ep=1,
                         world_size=layout.world, spmd_backend="partial_dtensor")
     config = _model_config(shape)
@@ -103,11 +103,12 @@ def _build(layout: PeerLayout, shape: dict, hf_state: dict, device: torch.device
 
 
 def torchtitan_peer(layout: PeerLayout, hf_state: dict, batch: dict, shape: dict, device: torch.device,
-                    compile: bool = False) -> Peer:
-    """This rank's torchtitan model parts, optimizer and training step (see the module docstring)."""
+                    compile: bool = False, bf16: bool = False) -> Peer:
+    """This rank's torchtitan model parts, optimizer and training step (see the module docstring); ``bf16``: its
+    mixed precision (FSDP2's bf16 parameters for compute, fp32 masters and reductions), as its GPU recipes run."""
     if device.type == "cpu":
         torchtitan_on_cpu()
-    parts, schedule, loss_fn, dims = _build(layout, shape, hf_state, device, compile)
+    parts, schedule, loss_fn, dims = _build(layout, shape, hf_state, device, compile, bf16)
     from torchtitan.components.loss import IGNORE_INDEX
     from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -128,9 +129,10 @@ def torchtitan_peer(layout: PeerLayout, hf_state: dict, batch: dict, shape: dict
             loss.backward()
             return loss.detach()
         losses: list = []
-        micro = microbatches({"inputs": inputs, "labels": labels}, layout.microbatches)
-        schedule.step(arg_mbs=[(m["inputs"],) for m in micro] if first else None, kwarg_mbs=[{} for _ in micro],
-                      target_mbs=[m["labels"] for m in micro] if last else None, losses=losses if last else None,
+        # torch 2.13's schedules split the batch themselves: step(whole batch, target=...).  torchtitan 0.3.0's
+        # trainer passes pre-split arg_mbs= (trainer.py:856), an API of a newer torch than this one.
+        args = (inputs,) if first else ()
+        schedule.step(*args, target=labels if last else None, losses=losses if last else None,
                       loss_kwargs={"global_valid_tokens": tokens}, return_outputs=False)
         return torch.stack(losses).sum().detach() if last else None
 
