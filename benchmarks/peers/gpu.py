@@ -47,12 +47,12 @@ def peak_flops(device: torch.device) -> tuple[str, float | None]:
 
 
 def flops_per_token(shape: dict) -> float:
-    """6 × parameters + 12 × layers × width × sequence (the attention's scores and mixing): training FLOPs per
-    token, the convention of torchtitan's MFU and :mod:`benchmarks.single`."""
+    """6 × parameters (the input embedding left out: a lookup) + 12 × layers × width × sequence (the attention's
+    scores and mixing): training FLOPs per token, the convention of torchtitan's MFU and :mod:`benchmarks.single`."""
     h, f, v, layers, kv = shape["hidden"], shape["ffn"], shape["vocab"], shape["layers"], shape["kv_heads"]
     head = h // shape["heads"]
     per_layer = h * h * 2 + 2 * h * kv * head + 3 * h * f + 2 * h
-    params = layers * per_layer + 2 * v * h + h
+    params = layers * per_layer + v * h + h  # the blocks, the output layer, the final norm
     return 6 * params + 12 * layers * h * shape["seq"]
 
 
