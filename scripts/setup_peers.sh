@@ -31,7 +31,12 @@ install() {  # pip install "$@" under the torch pin; fail if torch or a CUDA lib
 install "torch==$TORCH" -e ".[test]" "torchtitan==$TORCHTITAN" "megatron-core==$MEGATRON" "triton==$TRITON"
 # DeepSpeed builds from its sdist (its ops compile just in time, when used): a failure here leaves it out
 if install "deepspeed==$DEEPSPEED"; then
-  echo "deepspeed $DEEPSPEED installed"
+  echo "deepspeed $DEEPSPEED installed; building its CPU shared-memory collectives (once: minutes)"
+  # what its CPU accelerator otherwise builds with ninja inside the first deepspeed.init_distributed (cached in
+  # ~/.cache/torch_extensions), where it would count against the benchmark's time limit
+  "$VENV/bin/python" -c "from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder('ShareMemCommBuilder').load()" > "$log" 2>&1 || { tail -5 "$log" >&2;
+    echo "warning: deepspeed's shm_comm extension did not build; deepspeed.init_distributed will try again" >&2; }
 else
   echo "warning: deepspeed $DEEPSPEED did not install (above); the peers benchmark reports it as not run" >&2
 fi

@@ -132,7 +132,23 @@ def _worker(rank: int, world: int, layout_name: str, out: str, tools: list[str],
     steps = {tool: (lambda t=tool: losses[t].append(peers[t].step())) for tool in losses}
     times = interleave(steps, rounds=rounds, warmup=warmup, sync=torch.cuda.synchronize if device.type == "cuda"
                        else (lambda: None)) if steps else {}
-    return {"times": times, "losses": losses, "failed": failed}
+    profiles = {tool: profile_step(steps[tool]) for tool in steps}  # one more step each, under torch.profiler
+    return {"times": times, "losses": losses, "failed": failed, "profiles": profiles if rank == 0 else {}}
+
+
+def profile_step(step, top: int = 8) -> dict:
+    """One call of ``step`` under torch.profiler (CPU activity): how many ops it dispatched, their self time, and
+    the ``top`` ops by self time (name, calls, ms): where a tool's step goes, next to the others'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"ops": sum(e.count for e in events if e.key.startswith("aten::")),
+            "self_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
+            "top": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in events[:top]]}
 
 
 def _rss_mib() -> float:
@@ -186,7 +202,8 @@ def run_layout(layout: PeerLayout, work: Path, tools: list[str], rounds: int, wa
     result = {"layout": layout.name, "world": layout.world, "rounds": rounds, "warmup": warmup,
               "failed": {t: why for t, why in failed.items() if not t.endswith(" traceback")} | skipped,
               "tracebacks": {t[:-len(" traceback")]: why for t, why in failed.items() if t.endswith(" traceback")},
-              "summary": summarize(times) if ran else {}, "losses": _first_losses(per_rank)}
+              "summary": summarize(times) if ran else {}, "losses": _first_losses(per_rank),
+              "profiles": per_rank[0].get("profiles", {})}
     base = next((t for t in ran if t.startswith("fxshard")), None)
     result["ratio_to_fxshard"] = {t: paired_ratio(times, t, "fxshard --compile" if "--compile" in t else base)
                                   for t in ran if base and ("fxshard --compile" in ran or "--compile" not in t)}
@@ -254,6 +271,11 @@ def layout_markdown(r: dict) -> str:
         head.append(f"fxshard against the fastest peer ({best}): **{eager[best]:.2f}×** its speed "
                     f"({'at least' if eager[best] >= 1 else 'below'} the issue's 1.0× goal).")
     head += [f"- **{tool}** (dp): {how}" for tool, how in r.get("notes", {}).items()]
+    if r.get("profiles"):
+        prof = [[tool, p["ops"], f"{p['self_ms']:.1f}", "; ".join(f"{n} ×{c} {ms:.1f} ms" for n, c, ms in p["top"][:5])]
+                for tool, p in r["profiles"].items()]
+        head.append("One more step of each under torch.profiler, rank 0 (aten ops dispatched, their self CPU time, "
+                    "the 5 heaviest):\n\n" + markdown_table(["tool", "aten ops", "self ms", "heaviest"], prof))
     head += [f"- **{tool}** not run: {why}" for tool, why in r["failed"].items()]
     return "\n\n".join(head)
 

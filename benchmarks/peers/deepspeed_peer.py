@@ -12,6 +12,8 @@ The optimizer is torch's AdamW at the shared settings, handed to the engine (a c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -28,6 +30,7 @@ def deepspeed_peer(layout: PeerLayout, model: torch.nn.Module, batch: dict, devi
 
     if layout.name not in LAYOUTS:
         raise NotImplementedError(f"DeepSpeed at {layout.name}: {NOT_OFFERED}")
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what its launcher sets; one host here
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     config = {"train_micro_batch_size_per_gpu": batch["input_ids"].shape[0] // layout.dp,
