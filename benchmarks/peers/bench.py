@@ -270,6 +270,8 @@ def layout_markdown(r: dict) -> str:
         best = min(eager, key=eager.get)
         head.append(f"fxshard against the fastest peer ({best}): **{eager[best]:.2f}×** its speed "
                     f"({'at least' if eager[best] >= 1 else 'below'} the issue's 1.0× goal).")
+        if eager[best] < 1:
+            head.append(behind(r, best))
     head += [f"- **{tool}** (dp): {how}" for tool, how in r.get("notes", {}).items()]
     if r.get("profiles"):
         prof = [[tool, p["ops"], f"{p['self_ms']:.1f}", "; ".join(f"{n} ×{c} {ms:.1f} ms" for n, c, ms in p["top"][:5])]
@@ -278,6 +280,17 @@ def layout_markdown(r: dict) -> str:
                     "the 5 heaviest):\n\n" + markdown_table(["tool", "aten ops", "self ms", "heaviest"], prof))
     head += [f"- **{tool}** not run: {why}" for tool, why in r["failed"].items()]
     return "\n\n".join(head)
+
+
+def behind(r: dict, peer: str) -> str:
+    """Where fxshard's step goes against ``peer``'s, from the profiled step of each (rank 0)."""
+    ours, theirs = r.get("profiles", {}).get("fxshard"), r.get("profiles", {}).get(peer)
+    if not ours or not theirs:
+        return f"Behind {peer}; no profile of this run to say where."
+    heavy = "; ".join(f"{n} ×{c} {ms:.1f} ms" for n, c, ms in ours["top"][:3])
+    return (f"Behind {peer}: in the profiled step fxshard dispatched {ours['ops']} aten ops ({ours['self_ms']:.1f} ms "
+            f"of self CPU time on rank 0) against {theirs['ops']} ({theirs['self_ms']:.1f} ms); fxshard's heaviest: "
+            f"{heavy}.")
 
 
 def markdown(results: dict) -> str:
