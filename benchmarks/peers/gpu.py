@@ -4,7 +4,9 @@ Llama and an 8B-shaped one with 4 of its 32 layers; tokens/s, MFU against the de
 tool's peak allocation (alone in its own process).  Then tp2 with both ranks sharing the GPU, fxshard against
 torchtitan (eager), through :mod:`benchmarks.peers.bench`.
 
-``--device cpu --sizes toy`` runs the same code at toy size on gloo: the check that it works before a GPU is lent::
+``--device cpu --sizes toy`` runs the same code at toy size on gloo: the check that it works before a GPU is lent
+(there Megatron-Core is reported not run: its bf16 optimizer wraps only ``torch.cuda`` tensors, and with warm-up 0
+the compiled rows time their compilation)::
 
     python -m benchmarks.peers.gpu --out $OUT                          # on the H200
     python -m benchmarks.peers.gpu --device cpu --sizes toy --out /tmp/peers-dry --rounds 1
