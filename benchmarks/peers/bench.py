@@ -278,7 +278,7 @@ def layout_markdown(r: dict) -> str:
                 for tool, p in r["profiles"].items()]
         head.append("One more step of each under torch.profiler, rank 0 (aten ops dispatched, their self CPU time, "
                     "the 5 heaviest):\n\n" + markdown_table(["tool", "aten ops", "self ms", "heaviest"], prof))
-    head += [f"- **{tool}** not run: {why}" for tool, why in r["failed"].items()]
+    head += [f"- **{tool}** not run: {why.removeprefix('not run: ')}" for tool, why in r["failed"].items()]
     return "\n\n".join(head)
 
 
@@ -290,7 +290,15 @@ def behind(r: dict, peer: str) -> str:
     heavy = "; ".join(f"{n} ×{c} {ms:.1f} ms" for n, c, ms in ours["top"][:3])
     return (f"Behind {peer}: in the profiled step fxshard dispatched {ours['ops']} aten ops ({ours['self_ms']:.1f} ms "
             f"of self CPU time on rank 0) against {theirs['ops']} ({theirs['self_ms']:.1f} ms); fxshard's heaviest: "
-            f"{heavy}.")
+            f"{heavy}." + (_UNSHARDED if peer == "Megatron-Core" and "distributed optimizer refuses"
+                           in r.get("notes", {}).get(peer, "") else ""))
+
+
+_UNSHARDED = (" Not like for like: Megatron-Core's dp here all-reduces whole gradients and shards nothing (its note "
+              "below), while fxshard's ZeRO 3 all-gathers each block's parameters before use and reduce-scatters "
+              "its gradients (FSDP::all_gather, FSDP::post_backward_reduce in its profile), as torchtitan's FSDP2 "
+              "does. Against the other sharded tools at this layout fxshard is ahead; Megatron-Core's sharded "
+              "recipe (its distributed optimizer) runs only on a GPU.")
 
 
 def markdown(results: dict) -> str:
