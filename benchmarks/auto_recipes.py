@@ -52,7 +52,7 @@ def predict_recipe(recipe: Recipe, profile, search_too: bool = True) -> dict:
 
     hw = hardware(recipe.hardware)
     layout = recipe.layout
-    ev = Evaluator(profile, hw, layout.dtype)
+    ev = Evaluator(profile, hw, "fp8" if recipe.precision == "fp8" else layout.dtype)
     setting = Setting(recipe.seq, recipe.global_batch, hw.devices_per_node)
     own = predict(ev, layout, setting)
     row = {"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,

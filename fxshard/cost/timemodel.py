@@ -6,7 +6,8 @@ ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1
 ``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
 (attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
 block's forward again (``full``) or its memory-bound ops plus the selective policy's cost per op (``selective``,
-:func:`selective_redo`), with its tp collectives.
+:func:`selective_redo`), with its tp collectives.  Under ``fp8`` (an Evaluator's dtype: bf16 with float8
+products) the matmuls run at the fp8 peak and each pass pays its operands' dynamic casts (:func:`fp8_cast_seconds`).
 
 Communication, at the link each axis lands on (within a node or across nodes, from the mesh order dp, cp, pp, tp
 and the devices per node): each collective by the ring formula (bandwidth) plus a ring or tree latency
@@ -51,6 +52,7 @@ from fxshard.ir.layout import EDP, Layout
 
 BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5}  # backward FLOPs per forward FLOP
 OPTIMIZER_BYTES = 28  # AdamW per parameter of the shard: master, gradient, two moments read; three written, a copy
+FP8_CAST_BYTES = 2.5  # a dynamic float8 cast per bf16 byte: read for the amax, read again, write half the bytes
 DDP_BUCKET = 25 * 2**20  # the last bucket DDP reduces after backward (fxshard.runtime.data_parallel)
 # what a rank's predicted peak is made of: the model state (the experts' apart), what backward keeps of the
 # microbatches alive, the transient (twice the largest value), the block recompute runs again
@@ -122,8 +124,13 @@ class Evaluator:
 
     def __init__(self, profile: ModelProfile, hw: Hardware, dtype: str | None = None):
         self.profile, self.hw = profile, hw
-        self.dtype = dtype or profile.dtype
+        dtype = dtype or profile.dtype
+        # fp8: bf16 mixed precision whose matmuls take float8 operands (--dtype fp8): those run at the fp8 peak
+        # and pay their operands' casts (FP8_CAST_BYTES); attention and every other op stay bf16
+        self.fp8 = dtype == "fp8"
+        self.dtype = "bf16" if self.fp8 else dtype
         self.peak = hw.peak(self.dtype)
+        self.matmul_peak = hw.peak("fp8") if self.fp8 else self.peak
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
                      for name, piece in pieces.items()}
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
@@ -137,8 +144,9 @@ class Evaluator:
         t_ops = {c: k * sum(self._op_seconds(cc, f, by, causal, seq) for cc, f, by, causal in ops if cc == c)
                  for c in ("matmul", "attention", "grouped")}
         t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
-        fwd = sum(t_ops.values()) + t_mem
-        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem
+        t_cast = k * fp8_cast_seconds(ops, hw) if self.fp8 else 0.0  # forward's casts, and backward's again
+        fwd = sum(t_ops.values()) + t_mem + t_cast
+        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem + t_cast
         tp_fwd = tp_bwd = 0.0
         for op, axis, direction, nbytes, overlap in values["comms"]:
             if axis != "tp" or tp == 1:
@@ -147,7 +155,7 @@ class Evaluator:
             if direction == "forward":
                 tp_fwd += t
             else:
-                tp_bwd += hw.exposed(t, k * overlap / (self.peak * eff["matmul"]))
+                tp_bwd += hw.exposed(t, k * overlap / (self.matmul_peak * eff["matmul"]))
         flops = sum(op[1] for op in ops)
         redo = {"none": 0.0, "selective": selective_redo(t_mem, values["kernels"], hw), "full": fwd}
         return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], redo,
@@ -163,8 +171,9 @@ class Evaluator:
         hw = self.hw
         if cls == "attention":
             work, rate = flops * (causal_share(seq) if causal else 1.0), self.peak * hw.attention_efficiency(seq)
-        else:
-            work, rate = flops, self.peak * hw.efficiency.get("matmul" if cls == "grouped" else cls, 0.7)
+        else:  # fp8: the linears' products (torchao's float8 recipe covers nn.Linear, not grouped experts)
+            peak = self.matmul_peak if cls == "matmul" else self.peak
+            work, rate = flops, peak * hw.efficiency.get("matmul" if cls == "grouped" else cls, 0.7)
         return max(work / rate, nbytes / (hw.memory_bandwidth * hw.efficiency["memory"]))
 
     def _stage_split(self, stages: int) -> tuple[tuple[tuple[str, int], ...], ...]:
@@ -188,6 +197,21 @@ class Evaluator:
             parts = ([("before", 1)] if s == 0 and "before" in pieces else []) + sorted(counts.items())
             out.append(tuple(parts + ([("after", 1)] if s == stages - 1 and "after" in pieces else [])))
         return tuple(out)
+
+
+def fp8_cast_seconds(ops, hw: Hardware) -> float:
+    """The float8 casts of one pass of a piece's matmuls under dynamic tensorwise scaling, as eager torchao runs
+    them: each bf16 operand is read for its amax, read again and written as float8, ``FP8_CAST_BYTES`` (2.5) bytes
+    per bf16 byte, counted on the op's operands and result (``nbytes``): forward casts the input and the weight,
+    backward the output's gradient and the saved bf16 input and weight again (torchao saves them unscaled).
+
+    >>> from fxshard.cost.hardware import Hardware, Link
+    >>> fp8_cast_seconds([("matmul", 1e9, 4e6, False)], Hardware("x", {}, 1e12, 1, 1, Link(1, 0), Link(1, 0),
+    ...                                                  efficiency={"memory": 0.5}))
+    2e-05
+    """
+    nbytes = sum(by for cls, _, by, _ in ops if cls == "matmul")
+    return FP8_CAST_BYTES * nbytes / (hw.memory_bandwidth * hw.efficiency["memory"])
 
 
 def causal_share(seq: int) -> float:

@@ -17,7 +17,15 @@ from fxshard.cost.costs import plan_costs
 from fxshard.cost.hardware import load_hardware
 from fxshard.cost.profile import model_profile
 from fxshard.cost.search import explain, search
-from fxshard.cost.timemodel import MEMORY_TERMS, Evaluator, Setting, causal_share, model_flops, predict
+from fxshard.cost.timemodel import (
+    MEMORY_TERMS,
+    Evaluator,
+    Setting,
+    causal_share,
+    fp8_cast_seconds,
+    model_flops,
+    predict,
+)
 from fxshard.errors import LayoutError
 from fxshard.ir.layout import Layout
 
@@ -99,6 +107,25 @@ def test_attention_runs_at_the_profiles_efficiency_for_its_sequence(profile):
     assert per_flop[512] == pytest.approx(1 / (ev.peak * hw.attention_efficiency(512)))
     assert per_flop[8192] == pytest.approx(1 / (ev.peak * hw.attention_efficiency(8192)))
     assert per_flop[512] > 1.7 * per_flop[8192]
+
+
+def test_fp8_runs_the_matmuls_at_the_fp8_peak_and_pays_their_casts(profile):
+    """--dtype fp8: the linears' products at the profile's fp8 peak (attention, the other ops and MFU's FLOPs stay
+    bf16's), and each forward and backward pays the dynamic casts of the matmuls' operands."""
+    from fxshard.cost.timemodel import _values
+
+    hw = load_hardware("h100")
+    fast = dataclasses.replace(hw, memory_bandwidth=1e21)  # every matmul compute-bound, casts free
+    b16, f8 = (Evaluator(profile, fast, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
+    assert f8.wgrad == pytest.approx(b16.wgrad * hw.peak("bf16") / hw.peak("fp8"))
+    assert (f8.attention, f8.flops) == (b16.attention, b16.flops)
+    ev = Evaluator(profile, hw, "fp8")
+    assert (ev.dtype, ev.peak, ev.matmul_peak) == ("bf16", hw.peak("bf16"), hw.peak("fp8"))
+    b16, f8 = (Evaluator(profile, hw, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
+    cast = fp8_cast_seconds(_values(ev._fns[("tp1", "block0")], 8, 2048, 1, 1)["ops"], hw)
+    assert cast > 0
+    assert f8.fwd - b16.fwd == pytest.approx(f8.wgrad - b16.wgrad + cast)
+    assert f8.bwd - b16.bwd == pytest.approx(2 * (f8.wgrad - b16.wgrad) + cast)
 
 
 def test_each_term_moves_as_its_layout_says(h100):
