@@ -273,6 +273,20 @@ def test_the_compiled_folder_recompiles_on_its_own_to_the_same_rank_files(folder
 
 
 @pytest.mark.slow
+def test_the_python_api_compiles_a_folder_as_the_command_line_does(folders, tmp_path):
+    import fxshard as fx
+
+    done = fxshard("compile", folders / "qwen2", "--tp", 2, "--seq", 16, "--batch", 4, "--out", tmp_path / "cli")
+    assert done.returncode == 0, done.stderr
+    result = fx.compile(folders / "qwen2", tmp_path / "api", tp=2, seq=16, batch=4)
+    assert result.files == ["rank_pp0_tp0.py", "rank_pp0_tp1.py"]
+    for name in ("rank_pp0_tp0.py", "rank_pp0_tp1.py", "model.py"):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "api" / name).read_bytes(), name
+    with pytest.raises(OptionError, match="--weights .* is a Hugging Face folder"):
+        fx.compile(folders / "qwen2", tmp_path / "w", tp=2, seq=16, batch=4, weights=folders / "qwen2")
+
+
+@pytest.mark.slow
 def test_plan_takes_the_folder(folders):
     done = fxshard("plan", folders / "qwen2", "--tp", 2, "--seq", 32, "--batch", 8, "--json")
     assert done.returncode == 0, done.stderr
