@@ -6,6 +6,7 @@ each term of the predicted step, each rank's predicted memory beside Megatron's 
 
     python -m benchmarks.auto_recipes                 # results/auto-recipes.md and .json
     python -m benchmarks.auto_recipes --only llama3-8b --no-search
+    python -m benchmarks.auto_recipes --page-only      # the page again from the JSON (its texts edited)
 
 Every figure of fxshard's is a prediction (the shipped h100 profile: datasheet peaks, stated efficiencies; nothing
 here ran on a GPU), of fxshard's own program at that layout: transformers' modules op by op, its collectives as its
@@ -58,10 +59,10 @@ def predict_recipe(recipe: Recipe, profile, search_too: bool = True) -> dict:
     row = {"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,
            "global_batch": recipe.global_batch, "hardware": hw.name, "memory_limit": hw.memory,
            "published": recipe.published, "published_memory": recipe.memory, "source": recipe.source,
-           "recipe_text": recipe.recipe, "differs": recipe.differs, "own": _summary(own, recipe)}
+           "recipe_text": recipe.recipe, "differs": recipe.differs, "precision": recipe.precision, "own": _summary(own, recipe, ev)}
     if not own.fits:
         fit, _ = _least_recompute(ev, Candidate(layout), setting)
-        row["fitting"] = _summary(predict(ev, fit.layout, setting), recipe) if fit else None
+        row["fitting"] = _summary(predict(ev, fit.layout, setting), recipe, ev) if fit else None
     if recipe.megatron and "llama" in recipe.model:
         row["megatron"] = megatron_row(recipe, ev, own, setting)
     if search_too:
@@ -77,11 +78,37 @@ def predict_recipe(recipe: Recipe, profile, search_too: bool = True) -> dict:
     return row
 
 
-def _summary(pred, recipe: Recipe) -> dict:
+def _summary(pred, recipe: Recipe, ev=None) -> dict:
     worst = max(range(len(pred.peaks)), key=pred.peaks.__getitem__)
-    return {"layout": pred.layout.describe(), "tokens_per_s": pred.tokens_per_s,
-            "ratio": pred.tokens_per_s / recipe.published, "step": pred.step, "mfu": pred.mfu, "terms": pred.terms,
-            "peak": pred.peak, "fits": pred.fits, "worst_rank": worst, "memory": pred.memory_terms[worst]}
+    out = {"layout": pred.layout.describe(), "tokens_per_s": pred.tokens_per_s,
+           "ratio": pred.tokens_per_s / recipe.published, "step": pred.step, "mfu": pred.mfu, "terms": pred.terms,
+           "peak": pred.peak, "fits": pred.fits, "worst_rank": worst, "memory": pred.memory_terms[worst]}
+    if ev is not None:
+        out["compute_split"] = compute_split(ev, pred.layout, recipe)
+    return out
+
+
+def compute_split(ev, layout, recipe: Recipe) -> dict:
+    """The compute term of the busiest pp rank (forward and backward, without recompute), split by what runs:
+    the matmuls (and grouped expert matmuls) at the roofline, attention, and the other ops at the memory bandwidth
+    (norms, activations, residuals, RoPE, the loss; under fp8 also the casts), seconds a step."""
+    from fxshard.cost.timemodel import BACKWARD, Setting, _prepared
+
+    m, _, stages, cost = _prepared(ev, layout, Setting(recipe.seq, recipe.global_batch, ev.hw.devices_per_node))
+    best: dict = {}
+    for r in range(layout.pp):
+        own = [stages[s] for s in (layout.stages_of(r) if layout.pp > 1 else [0])]
+        split = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+        for stage in own:
+            for name, n in stage:
+                c = cost[name]
+                mm, att = (1 + BACKWARD["matmul"]) * c.wgrad, (1 + BACKWARD["attention"]) * c.attention
+                split["matmul"] += m * n * mm
+                split["attention"] += m * n * att
+                split["other ops"] += m * n * (c.fwd + c.bwd - mm - att)
+        if sum(split.values()) > sum(best.values()):
+            best = split
+    return best
 
 
 def megatron_row(recipe: Recipe, ev, pred, setting) -> dict:
@@ -141,9 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", action="append", choices=[r.name for r in RECIPES])
     parser.add_argument("--no-search", action="store_true", help="leave out plan --auto's own choice")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--page-only", action="store_true",
+                        help="rewrite the page from the JSON beside it (the recipes' texts from benchmarks.recipes)")
     args = parser.parse_args(argv)
-    rows = run(args.only, search_too=not args.no_search)
     name = "auto-recipes" if not args.only else "auto-recipes-" + "-".join(args.only)
+    if args.page_only:
+        text = {r.name: r for r in RECIPES}
+        rows = [row | {"recipe_text": text[row["recipe"]].recipe, "differs": text[row["recipe"]].differs,
+                       "source": text[row["recipe"]].source, "precision": text[row["recipe"]].precision}
+                for row in json.loads((args.out / f"{name}.json").read_text())]
+    else:
+        rows = run(args.only, search_too=not args.no_search)
     write_text(args.out / f"{name}.json", json.dumps(rows, indent=1, default=str) + "\n")
     write_text(args.out / f"{name}.md", page(rows) + "\n")
 

@@ -59,9 +59,12 @@ RECIPES = [
         "communication overlapped with the GEMMs (userbuffers); "
         + BRIDGE_LLAMA.format(workload="llama3_workload_base_configs.py", commit="00919dcf",
                               preset="LLAMA3_70B_PRETRAIN_CONFIG_H100_FP8_CS_V1"),
-        "Transformer Engine's fused layers (one kernel for RMSNorm, for RoPE, for SwiGLU) against transformers' "
-        "modules op by op; TP all-gathers and reduce-scatters overlapped with the GEMMs against blocking ones; "
-        "gradients reduce-scattered during backward against after it",
+        "Transformer Engine's fused layers (one kernel for RMSNorm, for RoPE, for SwiGLU, the FP8 casts fused "
+        "into them) against transformers' modules op by op, each at the memory bandwidth, and eager float8 casts "
+        "(the 'other ops' of the compute split); TP all-gathers and reduce-scatters overlapped with the GEMMs "
+        "against blocking ones (the tp term); gradients reduce-scattered during backward against after it. "
+        "Memory: at no recompute fxshard's program keeps about twice the formula's bytes a layer (the memory "
+        "tables), so it fits only with recompute; the throughput table gives the least that fits",
         megatron=True),
     Recipe(
         "llama3.1-405b", "samples/llama405b.py", 1024, 8192, 512,
@@ -88,6 +91,9 @@ RECIPES = [
         "dispatch, the all-to-all not overlapped (moe_a2a_overlap False), layout 'Et|(tt|)*30mL' (embedding and one "
         "layer, 30 stages of two, MTP and loss): scripts/performance/configs/deepseek/deepseek_workload_base_configs.py "
         "at 04264182 (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1); fxshard's nearest recompute: selective",
+        "the pipeline: fxshard's balance of 61 layers over 32 stages leaves 6 to 8 MoE layers a rank (rank 0: the "
+        "embedding, two dense layers and 6 MoE), and the critical rank's idle time in the schedule counts that "
+        "imbalance besides the fill and drain (the bubble term); "
         "fxshard gathers a MoE layer's tokens over tp before the router (docs/expert-parallel.md), so at TP2 each tp "
         "rank dispatches and computes every token of its dp rank: twice the all-to-all bytes and the expert FLOPs of "
         "Megatron's, where each tp rank sends its own S/tp; fxshard's all-to-all sends each (token, expert) row, "

@@ -37,7 +37,8 @@ def _throughput(rows) -> list[str]:
         other = ("(its own)", "") if own["fits"] else (
             (f"{_recompute(fit['layout'])}: {fit['tokens_per_s']:,.0f}", f"{fit['ratio']:.2f}") if fit
             else ("none fits", ""))
-        lines.append(f"| {r['recipe']} | {r['published']:,} | {own['layout']} | {own['tokens_per_s']:,.0f} | "
+        at = own["layout"] + (" (matmuls in fp8)" if r.get("precision") == "fp8" else "")
+        lines.append(f"| {r['recipe']} | {r['published']:,} | {at} | {own['tokens_per_s']:,.0f} | "
                      f"{own['ratio']:.2f}{_mark(own['ratio'])} | {fits} | {other[0]} | {other[1]} |")
     within = [r["recipe"] for r in rows if abs(r["own"]["ratio"] - 1) <= WITHIN]
     lines += ["", f"Within ±{WITHIN:.0%} of the published figure at the recipe's own layout: "
@@ -56,15 +57,33 @@ def _recompute(layout: str) -> str:
 def _terms(rows) -> list[str]:
     lines = ["## What the predicted step is made of", "",
              "Seconds of one step on the critical rank (exposed communication only: what runs beside compute is "
-             "not counted).", "",
-             "| recipe | step | " + " | ".join(t.replace(" communication", "") for t in TERMS) + " |",
-             "|---|---:|" + "---:|" * len(TERMS)]
+             "not counted), beside the step the published figure implies (global batch x sequence / (tok/s/GPU x "
+             "GPUs)).", "",
+             "| recipe | published step | predicted step | " + " | ".join(t.replace(" communication", "")
+                                                                   for t in TERMS) + " |",
+             "|---|---:|---:|" + "---:|" * len(TERMS)]
     for r in rows:
         for label, p in (("", r["own"]), (" (fitting)", r.get("fitting"))):
             if p:
-                lines.append(f"| {r['recipe']}{label} | {p['step']:.2f} | "
+                lines.append(f"| {r['recipe']}{label} | {published_step(r):.2f} | {p['step']:.2f} | "
                              + " | ".join(f"{p['terms'].get(t, 0.0):.2f}" for t in TERMS) + " |")
+    lines += ["", "The compute term split by what runs (seconds a step, the busiest pp rank, forward and backward "
+              "without recompute): the matmuls at the roofline (fp8 rows: at the fp8 peak), attention at the "
+              "profile's efficiency for the sequence, and every other op at the memory bandwidth (norms, SwiGLU, "
+              "RoPE, residuals, the loss; in fp8 rows also the float8 casts): the ops Transformer Engine and "
+              "torch.compile fuse, which fxshard's eager program runs one by one.", "",
+              "| recipe | matmul | attention | other ops | other ops' share |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        split = r["own"].get("compute_split")
+        if split:
+            lines.append(f"| {r['recipe']} | {split['matmul']:.2f} | {split['attention']:.2f} | "
+                         f"{split['other ops']:.2f} | {split['other ops'] / sum(split.values()):.0%} |")
     return lines + [""]
+
+
+def published_step(row: dict) -> float:
+    """Seconds of one step the published throughput implies."""
+    return row["global_batch"] * row["seq"] / (row["published"] * row["gpus"])
 
 
 def _memory(rows) -> list[str]:
@@ -118,8 +137,8 @@ def _megatron(rows) -> list[str]:
               "parallelism (`18·s·b·h + 4·s·b·ffn` bytes over tp, the whole sequence: it knows no cp), the layer "
               "Transformer Engine's fused kernels run. fxshard traces what transformers' LlamaDecoderLayer saves "
               "(`fxshard.cost.saved`), at the sequence one cp rank holds: each RMSNorm keeps its fp32 input and its "
-              "normalized bf16 output (6h bytes a token, against 2h), SDPA keeps k and v after `repeat_kv` (at h, "
-              "not at the kv heads'), SwiGLU keeps gate, up and their product apart (8·ffn against 4·ffn in the "
+              "normalized bf16 output (6h bytes a token, against 2h), attention's output is kept twice (by SDPA, "
+              "and as o_proj's input, a contiguous copy of its transpose), SwiGLU keeps gate, up and their product apart (8·ffn against 4·ffn in the "
               "formula, 6·ffn in Transformer Engine), and under sequence parallelism the column-parallel linears "
               "keep their all-gathered input whole (2·s·h bytes each of two, not over tp), where Megatron keeps the "
               "local shard and gathers it again in backward.",
