@@ -162,7 +162,6 @@ def run(names: list[str] | None = None, search_too: bool = True) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.recipes_page import page
-    from fxshard.files import write_text
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_recipes", description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=[r.name for r in RECIPES])
@@ -179,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
                 for row in json.loads((args.out / f"{name}.json").read_text())]
     else:
         rows = run(args.only, search_too=not args.no_search)
-    write_text(args.out / f"{name}.json", json.dumps(rows, indent=1, default=str) + "\n")
-    write_text(args.out / f"{name}.md", page(rows) + "\n")
+    # the repository's results, as benchmarks.common.write_results writes them (not a user's file)
+    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    (args.out / f"{name}.md").write_text(page(rows) + "\n")
 
 
 if __name__ == "__main__":
