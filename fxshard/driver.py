@@ -25,11 +25,10 @@ from pathlib import Path
 from fxshard.capture.modelfile import load_model_file
 from fxshard.check.check import COMPILER_BUG, check_program
 from fxshard.check.verify import (
-    DEFAULT_PARAM_RTOL,
-    DEFAULT_RTOL,
     Verification,
     adamw_reach,
     compare_parameters,
+    default_tolerances,
     gather_parameters,
     quiet_parameters,
     with_weights,
@@ -127,12 +126,15 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
     grad_sq: dict = {}
-    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq)
+    fp8 = result.ctx.layout.fp8_recipe  # its scales are per forward: one device runs the same parts of each batch
+    chunks = result.ctx.layout.dp * result.ctx.microbatches if fp8 else 1
+    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq,
+                                 fp8=fp8, chunks=chunks)
     quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, layout.dtype)
     rows = compare_parameters(trained, ref_state, initial, quiet)
     if len(distributed) != steps:
         raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
     return Verification(result.ctx.layout, reference, distributed, rows,
-                        rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
-                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype],
+                        rtol if rtol is not None else default_tolerances(layout)[0],
+                        param_rtol if param_rtol is not None else default_tolerances(layout)[1],
                         2 * adamw_reach(optim, steps))
