@@ -1,7 +1,7 @@
 """The time model: one training step of a layout on a hardware profile, from the model's pieces.
 
-Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype times the op
-class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
+Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype (an fp8
+linear's at the fp8 peak: :mod:`fxshard.cost.fp8`) times the op class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
 ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1 on the shipped profiles;
 ``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
 (attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
@@ -49,7 +49,7 @@ from fxshard.cost.zero_memory import formula, peak_params
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import EDP, Layout
 
-BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5}  # backward FLOPs per forward FLOP
+BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5, "fp8": 2.0}  # backward FLOPs per forward FLOP
 OPTIMIZER_BYTES = 28  # AdamW per parameter of the shard: master, gradient, two moments read; three written, a copy
 DDP_BUCKET = 25 * 2**20  # the last bucket DDP reduces after backward (fxshard.runtime.data_parallel)
 
@@ -119,7 +119,8 @@ class Evaluator:
     def __init__(self, profile: ModelProfile, hw: Hardware, dtype: str | None = None):
         self.profile, self.hw = profile, hw
         self.dtype = dtype or profile.dtype
-        self.peak = hw.peak(self.dtype)
+        self.peak = hw.peak(self.dtype)  # --dtype fp8: bf16's, for all but its linears (and MFU, as torchtitan's)
+        self.peaks = dict.fromkeys(BACKWARD, self.peak) | {"fp8": hw.fp8_peak()}
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
                      for name, piece in pieces.items()}
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
@@ -130,9 +131,9 @@ class Evaluator:
         hw, eff = self.hw, self.hw.efficiency
         ops = values["ops"]
         k = hw.compute_scale  # the op mix of a measured step over the roofline's prediction of it (calibrate --model)
-        t_ops = {c: k * sum(max(f / (self.peak * eff.get(c if c != "grouped" else "matmul", 0.7)),
+        t_ops = {c: k * sum(max(f / (self.peaks[c] * eff.get(c if c == "attention" else "matmul", 0.7)),
                                 by / (hw.memory_bandwidth * eff["memory"])) for cc, f, by in ops if cc == c)
-                 for c in ("matmul", "attention", "grouped")}
+                 for c in BACKWARD}
         t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
         fwd = sum(t_ops.values()) + t_mem
         bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem
@@ -147,7 +148,7 @@ class Evaluator:
                 tp_bwd += hw.exposed(t, k * overlap / (self.peak * eff["matmul"]))
         flops = sum(f for _, f, _ in ops)
         redo = {"none": 0.0, "selective": selective_redo(t_mem, values["kernels"], hw), "full": fwd}
-        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], redo,
+        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"] + t_ops["fp8"], redo,
                          tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
                          values["experts"], values["tied"], values["boundary"], values["boundary_grad"], values["kv"],
                          values["dispatched"], flops, t_ops["attention"])
