@@ -56,7 +56,7 @@ def amax_bytes(node: fx.Node, dims, direction: str) -> sympy.Expr:
     out_features, in_features = dims(w)
     rows = _numel(dims(x)) / in_features
     return 4 * sympy.sympify(rt_fp8.amax_elements(node.kwargs.get("recipe", "tensorwise"), rows, in_features,
-                                                  out_features, direction))
+                                                  out_features, direction, node.kwargs.get("split", "in")))
 
 
 def _numel(shape) -> sympy.Expr:

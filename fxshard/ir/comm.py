@@ -108,7 +108,7 @@ def _fp8_linear(x: torch.Tensor, size: int, weight=None, bias=None, **_) -> torc
 def _amaxes(x_elements, weight_shape, kwargs: dict, direction: str):
     out_features, in_features = weight_shape
     return rfp8.amax_elements(kwargs.get("recipe", "tensorwise"), x_elements / in_features, in_features,
-                              out_features, direction)
+                              out_features, direction, kwargs.get("split", "in"))
 
 
 def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:

@@ -14,7 +14,7 @@ cast NotImplemented to Tensor").
 Under tensor parallelism a scale must be the one the whole tensor has on one device: where the linear's weight is
 split (``split="out"``: column-parallel, ``"in"``: row-parallel) the amaxes that span the split dimension are
 all-reduced with MAX over the tp group, once in forward and once in backward, each one small buffer
-(:func:`amax_elements`)::
+(:func:`amax_elements`); a rowwise amax per feature of features tp splits is each rank's own, and is not::
 
     y = fp8_linear(x, w, b, "tensorwise")                          # one device, or a linear tp does not split
     y = fp8_linear_tp(x, groups["tp"], w, b, "tensorwise", "in")   # row-parallel: partial sums, global scales
@@ -111,17 +111,21 @@ def _mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.
     return out.to(out_dtype) if dtype != out_dtype else out
 
 
-def amax_elements(recipe: str, rows: int, in_features: int, out_features: int, direction: str) -> int:
-    """The float32 values one ``fp8_linear_tp`` call all-reduces (MAX) in ``direction``: tensorwise, the input's and
-    the weight's amax forward, the gradient's backward; rowwise, each token's and each output feature's forward,
-    each token's gradient and each input feature's weight row backward (local sizes)::
+def amax_elements(recipe: str, rows, in_features: int, out_features: int, direction: str, split: str = "in"):
+    """The float32 values one ``fp8_linear_tp`` call all-reduces (MAX) in ``direction`` (local sizes): tensorwise, the
+    input's and the weight's amax forward, the gradient's backward; rowwise, each token's amax (of the input forward,
+    of the gradient backward), and the weight's per output feature forward where tp splits its input features
+    (``split="in"``), per input feature backward where tp splits its output features (``"out"``), the amaxes that
+    span the split; a per-feature amax of features tp splits is each rank's own::
 
-        >>> amax_elements("tensorwise", 64, 32, 16, "forward"), amax_elements("rowwise", 64, 32, 16, "backward")
+        >>> amax_elements("tensorwise", 64, 32, 16, "forward"), amax_elements("rowwise", 64, 32, 16, "backward", "out")
         (2, 96)
     """
     if not RECIPES[recipe].rowwise:
         return 2 if direction == "forward" else 1
-    return rows + (out_features if direction == "forward" else in_features)
+    if direction == "forward":
+        return rows + (out_features if split == "in" else 0)
+    return rows + (in_features if split == "out" else 0)
 
 
 def _reduced(amaxes: list[torch.Tensor], group, what: str, site) -> list[torch.Tensor]:
@@ -148,8 +152,10 @@ class _Fp8Matmul(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         wt = w.t()
         amax_x, amax_w = _amax(x, -1 if recipe.rowwise else None), _amax(wt, 0 if recipe.rowwise else None)
-        if group is not None:
+        if group is not None and (split == "in" or not recipe.rowwise):  # every amax spans the split
             amax_x, amax_w = _reduced([amax_x, amax_w], group, "all_reduce max (fp8 amax of fp8_linear_tp)", site)
+        elif group is not None:  # rowwise, output features split: the weight's are each rank's own; x is whole
+            (amax_x,) = _reduced([amax_x], group, "all_reduce max (fp8 amax of fp8_linear_tp)", site)
         sx, sw = _scale(amax_x, E4M3, recipe.pow2), _scale(amax_w, E4M3, recipe.pow2)
         ctx.scales = (sx, sw)
         return _mm(_cast(x, sx, E4M3), sx, _cast(wt, sw, E4M3), sw, x.dtype, fast_accum=True)
@@ -162,8 +168,11 @@ class _Fp8Matmul(torch.autograd.Function):
         amax_g = _amax(grad, -1 if r.rowwise else None)
         if r.rowwise:  # the weight again, per input feature (torchao's weight_for_grad_input cast)
             amaxes = [amax_g, _amax(wt, -1)]
+            spanning = amaxes if ctx.split == "out" else amaxes[:1]  # input features split: each rank's own
             if ctx.group is not None:
-                amaxes = _reduced(amaxes, ctx.group, "all_reduce max (fp8 amax of fp8_linear_tp, backward)", ctx.site)
+                spanning = _reduced(spanning, ctx.group, "all_reduce max (fp8 amax of fp8_linear_tp, backward)",
+                                    ctx.site)
+                amaxes = spanning + amaxes[len(spanning):]
             sg, sw = _scale(amaxes[0], r.grad_dtype, r.pow2), _scale(amaxes[1], E4M3, r.pow2)
         else:  # tensorwise: the weight's scale is forward's (torchao casts the same weight again, to the same)
             if ctx.group is not None:

@@ -78,4 +78,7 @@ def test_the_reference_swaps_the_forward_and_keeps_the_parameters():
 def test_amax_buffers_are_small():
     assert amax_elements("tensorwise", 4096, 8192, 8192, "forward") == 2
     assert amax_elements("tensorwise", 4096, 8192, 8192, "backward") == 1
-    assert amax_elements("rowwise", 4096, 8192, 1024, "forward") == 4096 + 1024
+    assert amax_elements("rowwise", 4096, 8192, 1024, "forward", "in") == 4096 + 1024  # per output feature: spans
+    assert amax_elements("rowwise", 4096, 8192, 1024, "forward", "out") == 4096  # output features split: own
+    assert amax_elements("rowwise", 4096, 8192, 1024, "backward", "out") == 4096 + 8192
+    assert amax_elements("rowwise", 4096, 8192, 1024, "backward", "in") == 4096
