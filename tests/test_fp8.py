@@ -7,8 +7,8 @@ each batch (dp x pipeline microbatches: an fp8 scale is an amax over the tokens 
 single-device update.  Not fp32's 1e-5: a float8 rounding is a step, so tp's partial sums, rounding an fp32 value
 differently, move the losses as far as a 1e-7 perturbation of the weights moves them on one device (7.9e-5 on this
 model; verify.py has the measurements); where every forward is the one device's (dp, pp) they agree to 1e-7 or
-bit for bit.  ``--dtype fp8`` (bf16 elsewhere) is held to bf16's tolerances.  tp2 x pp2 x dp2 needs 8 ranks, which
-the suite never starts: tp2 x dp2 and pp2 x dp2 stand in for it.
+bit for bit.  ``--dtype fp8`` (bf16 elsewhere) is held to bf16's tolerances.  tp2 x pp2 x dp2 (8 ranks) is a
+matrix case, as tests/test_lora.py's.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ CASES = {
     "llama-pp2": (LLAMA, Layout(pp=2, fp8=T)),
     "llama-tp2-dp2": (LLAMA, Layout(tp=2, dp=2, zero=1, fp8=T)),
     "llama-pp2-dp2-zero3": (LLAMA, Layout(pp=2, dp=2, zero=3, fp8=T)),
+    "llama-tp2-pp2-dp2-zero1": (LLAMA, Layout(tp=2, pp=2, dp=2, zero=1, fp8=T)),  # world 8: all three axes at once
     "llama-tp2-rowwise": (LLAMA, Layout(tp=2, fp8=R)),
     "llama-tp2-sp-rowwise": (LLAMA, Layout(tp=2, sp=True, fp8=R)),
     "llama-pp2-rowwise": (LLAMA, Layout(pp=2, fp8=R)),
