@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fxshard.capture.folder_options import FolderOptions
 from fxshard.cost.auto_options import AutoOptions
 from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
@@ -58,7 +59,16 @@ def _fail(e: Exception) -> None:
 # The layout's flags are Layout's fields (fxshard/ir/layout.py), run's RunOptions' (fxshard/train/options.py): each
 # command's options are generated from those declarations (_with_flags), never restated here.
 
-ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs()")]
+ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs(), or a Hugging "
+                                                "Face folder (config.json, *.safetensors) with --seq and --batch")]
+# one declaration each: a folder's example batch (fxshard/capture/hf_folder.py), the length --auto searches at, the
+# size plan evaluates at
+Seq = Annotated[int | None, typer.Option("--seq", help="tokens per sequence: of a Hugging Face folder's example "
+                                                       "batch; --auto searches at it; plan evaluates at it (default: "
+                                                       "the example's)")]
+Batch = Annotated[int | None, typer.Option("--batch", help="sequences per step over all dp ranks: of a Hugging Face "
+                                                           "folder's example batch; plan evaluates at it (default: the "
+                                                           "example's)")]
 DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
                                                   help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
                                                        "whether its predicted peak fits; --recompute auto chooses "
@@ -69,6 +79,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
 AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
+FOLDER_FLAGS = flags(FolderOptions)  # MODEL a Hugging Face folder (fxshard/capture/folder_options.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -107,10 +118,11 @@ def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, FOLDER_FLAGS)
 def compile(
     model: ModelArg,
-    seq: int = typer.Option(None, "--seq", help="--auto: the sequence length to search at (default: the example's)"),
+    seq: Seq = None,
+    batch: Batch = None,
     split_before: SplitBefore = None,
     plan: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
@@ -124,26 +136,35 @@ def compile(
     ctx: typer.Context = None,
     **flags,
 ):
-    """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
-    from fxshard.cli.report import compile_report
+    """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards.
 
+    MODEL is a model file, or a Hugging Face folder: fxshard writes its model file (OUT/model.py: the config's
+    AutoModelFor... and an example batch of --batch rows of --seq tokens) and each rank reads its slices of the
+    folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
+    from fxshard.cli.report import compile_report, folder_line
+
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
+    from fxshard.driver import model_source
 
     auto = build(AutoOptions, flags)
     layout = build(Layout, flags)
-    if auto.auto:  # search, print the ranking, then compile the first
-        layout = _plan_auto(model, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
-                            _given(ctx, "dtype")).result.ranked[0].layout
-    elif auto.hardware is not None or auto.gpus is not None or seq is not None:
-        _fail(OptionError("--hardware, --gpus and --seq are compile's --auto flags; found them without --auto: add "
-                          "--auto, or use `fxshard plan --hardware` to predict a layout's step"))
+    folder = build(FolderOptions, flags)
     try:
-        device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        user_plan = _user_plan(plan, split_before)
-        with console.status(f"compiling {model} ({layout.describe()})"):
-            result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
-                              device_memory=device)
+        check_model_flags(model, seq, batch, auto.auto, weights=weights)
+        with model_source(model, folder, seq, batch, weights=not meta) as source:
+            if auto.auto:  # search, print the ranking, then compile the first
+                layout = _plan_auto(source, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
+                                    _given(ctx, "dtype")).result.ranked[0].layout
+            elif auto.hardware is not None or auto.gpus is not None:
+                raise OptionError("--hardware and --gpus are compile's --auto flags; found them without --auto: add "
+                                  "--auto, or use `fxshard plan --hardware` to predict a layout's step")
+            device = parse_size(device_memory) if device_memory is not None else None  # before the compile
+            user_plan = _user_plan(plan, split_before)
+            with console.status(f"compiling {model} ({layout.describe()})"):
+                result = compile_(source.model_file, layout, out=out, plan=user_plan, seed=seed,
+                                  weights=source.weights or weights, meta=meta, device_memory=device)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
@@ -153,16 +174,18 @@ def compile(
                   "the new program, complete (your files in it kept)")
         _fail(f"compile interrupted by {signal_name}: {out} was left as it was")
     compile_report(console, result)
+    if source.folder is not None:
+        folder_line(console, source, out)
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, FOLDER_FLAGS)
 def plan(
     model: ModelArg,
     split_before: SplitBefore = None,
     plan_file: PlanFile = None,
-    batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
-    seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
+    batch: Batch = None,
+    seq: Seq = None,
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
@@ -174,17 +197,30 @@ def plan(
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
     alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble;
-    with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them."""
+    with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them.
+    MODEL may be a Hugging Face folder (with --seq and --batch; its config.json alone is enough)."""
+    from fxshard.driver import model_source
+
+    auto = build(AutoOptions, flags)
+    try:
+        with model_source(model, build(FolderOptions, flags), seq, batch, weights=False) as source:
+            if auto.auto:
+                return _plan_auto(source, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed,
+                                  as_json, dtype_given=_given(ctx, "dtype"))
+            _plan(source.model_file, auto, flags, split_before, plan_file, batch, seq, device_memory, as_json, seed,
+                  data, pack)
+    except FxshardError as e:
+        _fail(e)
+
+
+def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory, as_json, seed, data, pack):
+    """``fxshard plan`` of a model file, without --auto."""
     import json
 
     from fxshard.cli.report import plan_report
 
     from fxshard.cost.costs import parse_size, plan_costs
 
-    auto = build(AutoOptions, flags)
-    if auto.auto:
-        return _plan_auto(model, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed, as_json,
-                          dtype_given=_given(ctx, "dtype"))
     try:
         _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
@@ -253,22 +289,26 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto",
+def _plan_auto(source, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto",
                dtype_given: bool = True):
-    """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first; without
-    ``--dtype`` (``dtype_given`` False) in the dtype the hardware profile trains in."""
+    """``fxshard plan --auto`` of ``source`` (:class:`fxshard.capture.hf_folder.ModelSource`): search, print the best
+    layouts and the command that compiles the first; without ``--dtype`` (``dtype_given`` False) in the dtype the
+    hardware profile trains in."""
     import json
 
     from fxshard.cli.auto import auto_report
 
     from fxshard.cost.auto import compile_command, plan_auto
 
+    model = source.argv()[0]
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
-            found = plan_auto(model, layout.dtype if dtype_given else None, auto, seq, layout, user_plan, seed)
+            found = plan_auto(source.model_file, layout.dtype if dtype_given else None, auto, seq, layout, user_plan,
+                              seed)
     except FxshardError as e:
         _fail(e)
-    command = compile_command(model, found.result.ranked[0], out)
+    found.model = model  # a folder by its own name, not the model file written for it
+    command = compile_command(source.argv(), found.result.ranked[0], out)
     if as_json:
         r = found.result
         print(json.dumps({"gpus": r.gpus, "hardware": found.hardware.name, "dtype": found.dtype, "seq": r.setting.seq,
@@ -384,7 +424,9 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         _fail(e)
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`.")
+data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`, and a "
+                                                  "generated corpus to try them on (text from a trained model is "
+                                                  "`fxshard generate`, not `data generate`).")
 app.add_typer(data_app, name="data")
 
 
@@ -482,7 +524,7 @@ def data_generate(
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
     tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
     With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
-    template."""
+    template. (Text from a trained model is `fxshard generate CKPT`.)"""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
     vocab = vocab if vocab is not None else 512 if chat else 256
@@ -583,9 +625,44 @@ def export(
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS)
+def generate(
+    checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
+    prompt: str = typer.Option(..., "--prompt", help="the text to continue (with --chat: the user's message)"),
+    chat: bool = typer.Option(False, "--chat", help="render the prompt as a user turn with the tokenizer's chat "
+                                                    "template, and decode the assistant's answer"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (the most likely token); above 0: sample "
+                                                                 "at this temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="with --temperature: sample from the most likely tokens whose "
+                                                     "probability adds up to P"),
+    seed: Seed = 0,
+    tokenizer: Path = typer.Option(None, "--tokenizer", help="tokenizer folder (default: the one the model file "
+                                                             "names, TOKENIZER; compile FOLDER names the folder's)"),
+    model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
+):
+    """Decode text from a trained checkpoint (any layout), on one process, with transformers' generate: a quick
+    look at what training taught, not a serving engine (export for that). Not `fxshard data generate`, which writes
+    a corpus to train on. Runs the checkpoint's model file: generate only from checkpoints you trust."""
+
+    from fxshard.train.generate import Sampling
+    from fxshard.train.generate import generate as generate_
+
+    try:
+        sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+        sampling.check()  # before the model is built
+        with console.status(f"generating from {checkpoint}"):
+            done = generate_(checkpoint, prompt, chat=chat, sampling=sampling, tokenizer=tokenizer, model_file=model)
+    except FxshardError as e:
+        _fail(e)
+    console.print(done.text, highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS, FOLDER_FLAGS)
 def verify(
     model: ModelArg,
+    seq: Seq = None,
+    batch: Batch = None,
     split_before: SplitBefore = None,
     plan: PlanFile = None,
     rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
@@ -597,19 +674,25 @@ def verify(
     **flags,
 ):
     """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
-    differences of the losses and of the trained parameters; exit 1 above the tolerance."""
+    differences of the losses and of the trained parameters; exit 1 above the tolerance. MODEL may be a Hugging
+    Face folder (with --seq and --batch): both sides start from its weights."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.check.verify import check_verify_options
+    from fxshard.driver import model_source
     from fxshard.driver import verify as verify_
 
     try:
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
-        console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
-        result = verify_(model, layout, run.steps, run.optim, _user_plan(plan, split_before), seed, rtol, param_rtol,
-                         out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)
+        check_model_flags(model, seq, batch, auto=False)
+        with model_source(model, build(FolderOptions, flags), seq, batch) as source:
+            console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
+            result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan, split_before), seed,
+                             rtol, param_rtol, out, timeout_s=run.timeout, compile=run.compile,
+                             cpu_matmul=run.cpu_matmul, weights=source.weights)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

@@ -38,6 +38,7 @@ CASES = {
     "llama-dp2-zero3": (LLAMA, lora(dp=2, zero=3)),
     "llama-tp2-dp2-zero1": (LLAMA, lora(tp=2, dp=2, zero=1)),
     "llama-pp2-dp2-zero3": (LLAMA, lora(pp=2, dp=2, zero=3)),
+    "llama-tp2-pp2-dp2-zero1": (LLAMA, lora(tp=2, pp=2, dp=2, zero=1)),  # world 8: all three axes at once
     "llama-tp2-sp": (LLAMA, lora(tp=2, sp=True)),
     "llama-tp2-dropout": (LLAMA, lora("q_proj,o_proj,gate_proj,down_proj", tp=2, lora_dropout=0.1)),
     "llama-dp2-zero2-bf16": (LLAMA, lora(dp=2, zero=2, dtype="bf16")),

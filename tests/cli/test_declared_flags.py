@@ -47,3 +47,15 @@ def test_run_takes_every_run_option_as_declared():
     run = _options("run")
     for flag in RunOptions.flags():
         assert _declared_as(run[flag.name], flag), flag
+
+
+def test_compile_plan_and_verify_take_a_folders_flags_and_one_seq_and_batch():
+    from fxshard.capture.folder_options import FolderOptions
+
+    for command in ("compile", "plan", "verify"):
+        options = _options(command)
+        for flag in flags(FolderOptions):
+            assert _declared_as(options[flag.name], flag), (command, flag)
+    for name in ("seq", "batch"):
+        helps = {_options(c)[name].help for c in ("compile", "plan", "verify")}
+        assert len(helps) == 1, (name, helps)  # one declaration, one meaning
