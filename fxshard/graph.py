@@ -4,11 +4,16 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
 
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
+    model_line(node)   # 'modeling_llama.py:244': the line of the model's code that made it
 """
 
 from __future__ import annotations
 
+import re
+
 import torch.fx as fx
+
+NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")  # frames of a stack trace that are not the model's code
 
 
 def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
@@ -41,3 +46,14 @@ def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")
     return list(stack.values())[-1][0] if stack else ""
+
+
+def model_line(node: fx.Node) -> str:
+    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
+    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not any(part in path for part in NOT_MODEL):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return ""

@@ -42,7 +42,7 @@ def has_router_loss(model: torch.nn.Module) -> bool:
 
 
 def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    means = [n for n in gm.graph.nodes if _is_mean_of_sums(n)]
+    means = [n for n in gm.graph.nodes if is_mean_of_sums(n)]
     where = f"--dp {ctx.layout.dp}: {type(ctx.program.model).__name__}'s load-balancing loss"
     divisors = {n.args[1] for n in means}
     kinds = sorted({_term_kind(n) for n in means})
@@ -74,7 +74,7 @@ def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm
 
 
-def _is_mean_of_sums(node: fx.Node) -> bool:
+def is_mean_of_sums(node: fx.Node) -> bool:
     """``sums / rows``, the sums an add chain of per-layer histc counts or row sums (from ``zeros``)."""
     return (node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[0], fx.Node)
             and bool(_terms(node.args[0])))

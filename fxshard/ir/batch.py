@@ -52,9 +52,11 @@ def examples(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> list[fx.Node]:
+def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node], rows=None) -> list[fx.Node]:
     """The 2-D products ``[b, d] @ [d, b]`` of two values computed from the inputs: each example's row against
-    every example's column."""
+    every example's column.  ``rows``: where the batch is split, the batch-row analysis (:mod:`fxshard.ir.rows`),
+    which keeps the products whose operands do carry the examples there (a size equal to ``b`` by chance, as any
+    size at one row per part, is not the batch)."""
     b = local_batch(user_inputs)
     if b is None:
         return []
@@ -68,7 +70,7 @@ def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> list[
             continue
         lv, rv = left.meta.get("val"), right.meta.get("val")
         if isinstance(lv, torch.Tensor) and isinstance(rv, torch.Tensor) and lv.dim() == rv.dim() == 2 \
-                and lv.shape[0] == b and rv.shape[1] == b:
+                and lv.shape[0] == b and rv.shape[1] == b and (rows is None or rows.pairs_rows(left, right)):
             found.append(node)
     return found
 

@@ -10,6 +10,7 @@ from fxshard.capture.precision import cast_inputs
 from fxshard.capture.program import _WithLoss
 from fxshard.errors import FxshardError
 from fxshard.ir.context import DTYPES
+from fxshard.runtime.draws import ReferenceDraws
 from fxshard.runtime.fp8 import fp8_reference
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch, local_rows
@@ -76,10 +77,10 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         for k, batch in enumerate(step_batches):
             if counts[k] == 0:
                 continue  # no counted token: no share of the step's loss or gradient
-            # dropout masks keyed as in Program.train_step: the batch number, the part's first row within it
+            # dropout masks and draws keyed as in Program.train_step: the batch number, the part's first row in it
             first = (k % chunks) * local_rows(pytree.tree_leaves(batch))
             begin_batch(seed, i * optim.grad_accum + k // chunks, first)
-            with ReferenceDropout():
+            with ReferenceDropout(), ReferenceDraws():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
             share = counts[k] / sum(counts)
             (loss * share).backward()
