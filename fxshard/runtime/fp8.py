@@ -7,7 +7,7 @@ operand is scaled, clamped and cast, and ``torch._scaled_mm`` multiplies with th
 dtype.  tensorwise: one scale per tensor, e4m3 forward, e5m2 for the output gradient; rowwise: one scale per row of
 each product's operands (per token, per output or input feature), e4m3 everywhere.  The high-precision input and
 weight are saved for backward and cast again there, as torchao does.  Same math, bit for bit
-(``tests/runtime/test_fp8.py`` against torchao's ``Float8Linear`` on one device), written here because the runtime
+(``tests/runtime/test_fp8_linear.py`` against torchao's ``Float8Linear`` on one device), written here because the runtime
 depends on torch alone and torchao's tensor subclass does not capture with ``torch.export`` (torch 2.13: "Unable to
 cast NotImplemented to Tensor").
 
