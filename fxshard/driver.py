@@ -179,5 +179,6 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
                                     2 * adamw_reach(optim, steps), precision, stats=stats)
         if not verification.ok and precision == "fp32":  # one device's own rounding: can fp32 judge this model?
             verification.floor = rounding_floor(model_file, Path(tmp), layout, steps, optim, seed, reference,
-                                                ref_state, distributed, trained, verification.apart, weights)
+                                                ref_state, distributed, trained, verification.apart, weights,
+                                                train=reference_losses)
     return verification

@@ -41,7 +41,10 @@ _DIV = {aten.div.Tensor, aten.div.Scalar}
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar} | _DIV
 _COMBINE = {aten.add.Tensor, aten.sub.Tensor} | _SCALE
 _PLAIN_MEANS = {aten.mean.default, aten.mean.dim}
-_ELEMENT_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default}  # reduction: arg 2
+# elementwise losses -> the position of their reduction argument
+_ELEMENT_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                   aten.huber_loss.default: 2, aten.binary_cross_entropy_with_logits.default: 4,
+                   aten.binary_cross_entropy.default: 3}
 
 
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -60,20 +63,27 @@ def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     several = len(terms) > 1
     for k, (node, target, ignore_index) in enumerate(terms):
-        _as_token_mean(gm, node, target, ignore_index, k if several else None)
+        if node.target in _LOSSES:
+            _as_token_mean(gm, node, target, ignore_index, k if several else None)
+        else:
+            _as_masked_mean(gm, node, target, k if several else None)
     ctx.token_count = _count_graph(gm, ctx.user_inputs, [(t, i) for _, t, i in terms])
     if several:
         ctx.notes.append(f"the loss: {len(terms)} means over counted targets ("
-                         + ", ".join(f"{node_fqn(n) or n.name} counting targets other than {i}" for n, _, i in terms)
+                         + ", ".join(f"{node_fqn(n) or n.name} counting {_counted(n, i)}" for n, _, i in terms)
                          + "), each generated as a sum divided by its own count over the step (count_tokens in each "
                          "rank file): every layout and --grad-accum weighs each by its own global count, as one device")
     else:
         node, _, ignore_index = terms[0]
-        ctx.notes.append(f"{node_fqn(node) or 'the loss'}: a token mean (targets other than {ignore_index} counted), "
+        ctx.notes.append(f"{node_fqn(node) or 'the loss'}: a token mean ({_counted(node, ignore_index)} counted), "
                          "generated as a sum divided by the step's count (count_tokens in each rank file): every "
                          "layout and --grad-accum trains as one device on the whole step")
     gm.recompile()
     return gm
+
+
+def _counted(loss: fx.Node, ignore_index: int) -> str:
+    return f"targets other than {ignore_index}" if loss.target in _LOSSES else "the values a mask of the batch selects"
 
 
 def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: int, term: int | None) -> None:
@@ -92,6 +102,25 @@ def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_in
     loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)  # the returned .loss too
 
 
+def _as_masked_mean(gm: fx.GraphModule, loss: fx.Node, mask: fx.Node, term: int | None) -> None:
+    """``loss`` (a mean over the values a boolean ``mask`` selects) as their sum over ``rt.token_mean``'s divisor,
+    which counts the mask's true elements (ignore index 0: ``mask != 0``)."""
+    if loss.target in _PLAIN_MEANS:
+        loss.target, loss.args, loss.kwargs = aten.sum.default, loss.args[:1], {}
+    else:
+        at = _ELEMENT_LOSSES[loss.target]
+        args = list(loss.args) + [None] * (at + 1 - len(loss.args))
+        args[at] = _SUM
+        loss.args = tuple(args)
+        loss.kwargs = {k: v for k, v in loss.kwargs.items() if k != "reduction"}
+    kwargs = {"ignore_index": 0} | ({"term": term} if term is not None else {})
+    with gm.graph.inserting_after(loss):
+        mean = gm.graph.call_function(rt_loss.token_mean, (loss, mask), kwargs)
+    mean.meta = {"val": loss.meta["val"], "nn_module_stack": loss.meta.get("nn_module_stack", {}),
+                 "fxshard": NodeSpec(fqn=node_fqn(loss), role="token mean")}
+    loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
+
+
 def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozenset()
                   ) -> list[tuple[fx.Node, fx.Node, int]]:
     """The means over counted targets the loss adds up, ``(node, target, ignore_index)`` each: ``loss`` itself, or
@@ -108,7 +137,7 @@ def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozens
         seen.add(node)
         if node in whole:
             continue
-        counted = _token_mean_loss(node, user_inputs)
+        counted = _token_mean_loss(node, user_inputs) or _masked_mean_loss(node, user_inputs)
         if counted is not None:
             terms.append((node, *counted))
         elif node.op == "call_function" and node.target in _COMBINE:
@@ -146,6 +175,40 @@ def _token_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | N
     return target, int(ignore_index)
 
 
+def _masked_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | None:
+    """``(mask, 0)`` when ``loss`` is a mean over ``x[mask]``: a boolean index of all of ``x``'s dimensions by a
+    mask computed from the inputs alone (ELECTRA's discriminator loss over the tokens its attention mask keeps).
+    Each part of the batch selects its own number of values, so a mean of parts' means weighs them wrongly."""
+    if not isinstance(loss, fx.Node) or loss.op != "call_function" or not _reduces_to_mean(loss):
+        return None
+    selected = loss.args[0]
+    if not isinstance(selected, fx.Node) or selected.target is not aten.index.Tensor:
+        return None
+    source, indices = selected.args[:2]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        return None
+    mask, val = indices[0], indices[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.shape != source.meta["val"].shape:
+        return None
+    if any(n.op == "placeholder" and n not in user_inputs for n in _ancestors(mask)) or \
+            not _reads_inputs(mask, user_inputs):
+        return None
+    return mask, 0
+
+
+def _reduces_to_mean(node: fx.Node) -> bool:
+    """A scalar mean over every value of its input: ``x.mean()`` or an elementwise loss with reduction mean."""
+    if node.meta["val"].dim() != 0:
+        return False
+    if node.target in _PLAIN_MEANS:
+        return len(node.args) == 1 or node.args[1] in (None, [], list(range(node.args[0].meta["val"].dim())))
+    at = _ELEMENT_LOSSES.get(node.target)
+    if at is None:
+        return False
+    reduction = node.args[at] if len(node.args) > at else node.kwargs.get("reduction", _MEAN)
+    return reduction == _MEAN
+
+
 def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
     """A term that averaging equal parts of the batch keeps exact as it is: a value the batch does not enter, or a
     scalar mean over all it reduces (every part holds the same number of values: ``x.mean()``, ``F.mse_loss``)."""
@@ -153,10 +216,12 @@ def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
         return True
     if node.op != "call_function" or node.target in _LOSSES or node.meta["val"].dim() != 0:
         return False
+    if any(not isinstance(d, int) for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+           for d in a.meta["val"].shape):
+        return False  # over a number of values the data decides (masked_select, a boolean index): no fixed mean
     if node.target in _PLAIN_MEANS:
         return True
-    return node.target in _ELEMENT_LOSSES and node.args[2:3] in ((), (_MEAN,)) and node.kwargs.get("reduction",
-                                                                                                   _MEAN) == _MEAN
+    return node.target in _ELEMENT_LOSSES and _reduces_to_mean(node)
 
 
 def _reads_inputs(node: fx.Node, user_inputs: set[fx.Node]) -> bool:

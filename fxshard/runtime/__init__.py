@@ -1,5 +1,6 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
+from fxshard.runtime import ctc  # noqa: F401  registers torch.ops.fxshard.ctc_loss, which rank files may call
 from fxshard.runtime.batch_norm import batch_norm_from_stats, batch_stats
 from fxshard.runtime.collectives import (
     all_gather,
