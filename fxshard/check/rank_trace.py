@@ -186,12 +186,13 @@ class Recorder:
         """What the runtime's ``kind`` would do: note its forward operation now, its backward operation when
         autograd reaches it (charged to this line), and return the local value it makes."""
         site = self._site()
+        buffer = _buffer_of(kind, x, kwargs)
         if kind.forward:
-            self._note(kind.forward, group, x, "forward", kind.name, site)
+            self._note(kind.forward, group, buffer("forward") if buffer else x, "forward", kind.name, site)
         size = group.size if isinstance(group, FakeGroup) else 1
 
         def note(g):
-            self._note(kind.backward, group, g, "backward", kind.name, site)
+            self._note(kind.backward, group, buffer("backward") if buffer else g, "backward", kind.name, site)
 
         if kind.backward and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
@@ -213,6 +214,16 @@ class Recorder:
 
 
 _SEVERAL_OUTPUTS = ("copy_to_linears", "ring_attention_step")  # whose backward collective is noted on the input
+
+
+def _buffer_of(kind, x, kwargs):
+    """``direction -> the buffer`` of a kind whose buffer is neither its input nor its output (fp8_linear_tp's
+    amaxes: float32), else None."""
+    if kind.buffer is None:
+        return None
+    weight = tuple(kwargs["weight"].shape)
+    return lambda direction: x.new_empty((int(kind.buffer(x.numel(), weight, kwargs, direction)),),
+                                         dtype=torch.float32)
 
 
 def _recording(kind):

@@ -439,7 +439,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     psi = sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
               for n in state if n in ctx.params)
     m = ctx.microbatches
-    moved = _tp_elements([n for n in nodes if spec(n).collective], numel)  # rt.copy_to_linears: a tuple
+    moved = _tp_elements([n for n in nodes if spec(n).collective], numel, layout.tp)  # rt.copy_to_linears: a tuple
     row = {"pp_rank": pp_rank,
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
@@ -618,7 +618,7 @@ def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
     return total
 
 
-def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
+def _tp_elements(collectives, numel, tp: int) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
     moved: dict[str, sympy.Expr] = {}
@@ -628,7 +628,12 @@ def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)
-            if op:
+            if op and kind.buffer is not None:  # fp8_linear_tp: its amaxes (float32; counted as elements here)
+                w = n.kwargs["weight"]
+                moved[op] = moved.get(op, sympy.Integer(0)) + sympy.nsimplify(kind.buffer(
+                    numel(n.args[0]), local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp),
+                    n.kwargs, direction))
+            elif op:
                 whole = numel(n.args[0]) if buffer_is_input(kind, direction) else numel(n)
                 moved[op] = moved.get(op, sympy.Integer(0)) + whole
     return moved

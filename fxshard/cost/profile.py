@@ -9,7 +9,7 @@ and the passes run on copies of that capture at tp=1, at the smallest tp > 1 the
 with ``--sp``.  Each node's local dimensions then follow ``b`` (microbatch rows), ``S`` (sequence) and ``T`` (tp):
 a dimension tp splits at the compiled tp is split by ``T``.  Per piece, for each of the three structures:
 
-- forward FLOPs by op class (matmul, attention, grouped expert matmuls), counted as
+- forward FLOPs by op class (matmul, attention, grouped expert matmuls, fp8 linears: :mod:`fxshard.cost.fp8`), as
   :mod:`torch.utils.flop_counter` counts them (``2·m·n·k``; attention ``2·b·h·s_q·s_k·(d_q+d_v)``), on the
   node's local symbolic shapes, and whether an attention is causal (``is_causal``: its kernel computes only the
   scores at or below the diagonal); and the bytes every other op reads and writes (views move nothing);
@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
+from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
 from fxshard.ir.comm import KINDS, buffer_is_input
@@ -299,6 +300,14 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
                     _nbytes(u, dims))
             _note_value(piece, u, dims)
         return
+    if node.target in FP8_TARGETS:  # --dtype fp8: the product at the fp8 peak, the casts memory-bound
+        flops, mm, casts, copies = fp8_costs(node, dims)
+        _add_op(piece, "fp8", flops, mm)
+        piece.traffic += casts
+        piece.kernels += CAST_KERNELS
+        _note_value(piece, node, dims)
+        piece.largest += [copies] if copies not in piece.largest else []
+        return
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or _is_view(node):
         return
@@ -364,6 +373,9 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
         if not op:
+            continue
+        if kind.buffer is not None:  # fp8_linear_tp: its amaxes
+            piece.comms.append(Comm(op, axis, direction, amax_bytes(node, dims, direction), sympy.Integer(0)))
             continue
         buffer = node.args[0] if buffer_is_input(kind, direction) else node
         if not isinstance(buffer.meta.get("val"), torch.Tensor):

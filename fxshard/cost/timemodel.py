@@ -1,7 +1,7 @@
 """The time model: one training step of a layout on a hardware profile, from the model's pieces.
 
-Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype times the op
-class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
+Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype (an fp8
+linear's at the fp8 peak: :mod:`fxshard.cost.fp8`) times the op class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
 ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1 on the shipped profiles;
 ``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
 (attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
@@ -50,7 +50,7 @@ from fxshard.cost.zero_memory import formula, peak_params
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import EDP, Layout
 
-BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5}  # backward FLOPs per forward FLOP
+BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5, "fp8": 2.0}  # backward FLOPs per forward FLOP
 OPTIMIZER_BYTES = 28  # AdamW per parameter of the shard: master, gradient, two moments read; three written, a copy
 FP8_CAST_BYTES = 2.5  # a dynamic float8 cast per bf16 byte: read for the amax, read again, write half the bytes
 DDP_BUCKET = 25 * 2**20  # the last bucket DDP reduces after backward (fxshard.runtime.data_parallel)
@@ -126,9 +126,11 @@ class Evaluator:
         self.profile, self.hw = profile, hw
         dtype = dtype or profile.dtype
         # fp8: bf16 mixed precision whose matmuls take float8 operands (--dtype fp8): those run at the fp8 peak
-        # and pay their operands' casts (FP8_CAST_BYTES); attention and every other op stay bf16
-        self.fp8 = dtype == "fp8"
-        self.dtype = "bf16" if self.fp8 else dtype
+        # and pay their operands' casts (FP8_CAST_BYTES); attention and every other op stay bf16.  A profile of
+        # a program compiled at --dtype fp8 holds its fp8 linears as ops of their own (class "fp8",
+        # fxshard.cost.fp8, casts counted in its traffic): only a bf16 profile evaluated as fp8 is emulated here
+        self.fp8 = dtype == "fp8" and profile.dtype != "fp8"
+        self.dtype = "bf16" if dtype == "fp8" else dtype
         self.peak = hw.peak(self.dtype)
         self.matmul_peak = hw.peak("fp8") if self.fp8 else self.peak
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
@@ -142,7 +144,7 @@ class Evaluator:
         ops = values["ops"]
         k = hw.compute_scale  # the op mix of a measured step over the roofline's prediction of it (calibrate --model)
         t_ops = {c: k * sum(self._op_seconds(cc, f, by, causal, seq) for cc, f, by, causal in ops if cc == c)
-                 for c in ("matmul", "attention", "grouped")}
+                 for c in BACKWARD}
         t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
         t_cast = k * fp8_cast_seconds(ops, hw) if self.fp8 else 0.0  # forward's casts, and backward's again
         fwd = sum(t_ops.values()) + t_mem + t_cast
@@ -158,7 +160,7 @@ class Evaluator:
                 tp_bwd += hw.exposed(t, k * overlap / (self.matmul_peak * eff["matmul"]))
         flops = sum(op[1] for op in ops)
         redo = {"none": 0.0, "selective": selective_redo(t_mem, values["kernels"], hw), "full": fwd}
-        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], redo,
+        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"] + t_ops["fp8"], redo,
                          tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
                          values["experts"], values["tied"], values["boundary"], values["boundary_grad"], values["kv"],
                          values["dispatched"], flops, t_ops["attention"])
@@ -171,6 +173,8 @@ class Evaluator:
         hw = self.hw
         if cls == "attention":
             work, rate = flops * (causal_share(seq) if causal else 1.0), self.peak * hw.attention_efficiency(seq)
+        elif cls == "fp8":  # a compiled fp8 linear (--fp8, fxshard.cost.fp8): its product at the fp8 peak
+            work, rate = flops, hw.fp8_peak() * hw.efficiency.get("matmul", 0.7)
         else:  # fp8: the linears' products (torchao's float8 recipe covers nn.Linear, not grouped experts)
             peak = self.matmul_peak if cls == "matmul" else self.peak
             work, rate = flops, peak * hw.efficiency.get("matmul" if cls == "grouped" else cls, 0.7)

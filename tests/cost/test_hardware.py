@@ -215,7 +215,7 @@ FIELDS = {"kernel_overhead": ["NaN", "-1e-6", "Infinity", "true", '"x"'], "memor
           "intra_node": ['{"bandwidth": NaN, "latency": 1e-6}', '{"bandwidth": 1e9, "latency": Infinity}',
                          '{"bandwidth": 1e9, "latency": -1}'],
           "groups": ['{"2": {"bandwidth": 1e9, "latency": NaN}}', '{"0": {"bandwidth": 1e9, "latency": 0}}'],
-          "efficiency": ['{"matmul": NaN}', '{"matmul": 2}'], "default_dtype": ['"fp8"', "3"], "name": ["7"]}
+          "efficiency": ['{"matmul": NaN}', '{"matmul": 2}'], "default_dtype": ['"int4"', "3"], "name": ["7"]}
 
 
 @pytest.mark.parametrize("field, value", [(f, v) for f, values in FIELDS.items() for v in values])

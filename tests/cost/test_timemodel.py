@@ -296,8 +296,10 @@ def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(pro
     from fxshard.cost.timemodel import single_step
     from tests.cost.test_hardware import GOOD
 
-    out = tmp_path / "p.json"
-    out.write_text(json.dumps(GOOD | {"measured": {}}))
+    from fxshard.files import write_text
+
+    out = tmp_path / "p.json"  # written as calibrate writes a profile: fxshard rewrites only its own files
+    write_text(out, json.dumps(GOOD | {"measured": {}}), "a hardware profile")
     ev = Evaluator(profile, load_hardware(out), "fp32")
     expected = sum(c * (ev.piece("tp1", n, 2, 16, 1, 1, 1).fwd + ev.piece("tp1", n, 2, 16, 1, 1, 1).bwd)
                    for n, c in [("before", 1), ("block0", 4), ("after", 1)])

@@ -53,7 +53,8 @@ REQUIRED = {
 LINK_FIELDS = ("bandwidth", "latency")
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "memory": 0.7}
 PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}  # over the buffer
-DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32"}  # Layout.dtype -> the peak_flops key its matmuls run at
+DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32", "fp8": "bf16"}  # Layout.dtype -> the peak_flops key its matmuls run at
+# (fp8: the ops beside its fp8 linears, which run at peak_flops["fp8"]: Hardware.fp8_peak)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,11 @@ class Hardware:
             if seq <= s1:
                 return e0 + (e1 - e0) * (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
         return points[-1][1]
+
+    def fp8_peak(self) -> float:
+        """Peak FLOP/s of an fp8 linear's product (``peak_flops["fp8"]``, dense); a profile without one (an A100, a
+        CPU: no fp8 matrix units) runs it at bf16's, its casts then pure cost."""
+        return self.peak_flops.get("fp8") or self.peak("bf16")
 
     def link(self, spread: int, group: int = 0, op: str = "") -> Link:
         """The link a group of ``group`` devices uses for collective ``op``: within one node when its members sit on
