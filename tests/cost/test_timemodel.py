@@ -294,9 +294,8 @@ def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(pro
     calibrate's ``compute_scale`` is a measured step over it, written into the profile, which then loads with it."""
     from fxshard.cost.calibrate import _with_compute_scale
     from fxshard.cost.timemodel import single_step
-    from tests.cost.test_hardware import GOOD
-
     from fxshard.files import write_text
+    from tests.cost.test_hardware import GOOD
 
     out = tmp_path / "p.json"  # written as calibrate writes a profile: fxshard rewrites only its own files
     write_text(out, json.dumps(GOOD | {"measured": {}}), "a hardware profile")
