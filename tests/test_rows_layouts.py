@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from harness import assert_matches_single_device, single_device
 
 from fxshard.capture.modelfile import load_model_file
-from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
 from fxshard.ir.context import Layout
@@ -92,15 +92,8 @@ def test_trains_as_on_one_device(trained, case):
     path, layout, optim, *_ = CASES[case]
     result, manifest = trained[case]
     per_rank = case_result({case: result}, case)
-    single: dict = {}
-    want = reference_losses(load_model_file(path), STEPS, optim, final_state=single)
-    for rank, (losses, _) in enumerate(per_rank):
-        for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
-            assert abs(got - ref) <= REL * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
-    params = gather_parameters(manifest, states={r: st for r, (_, st) in enumerate(per_rank)})
-    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
-    share = update_share(compare_parameters(params, single, initial))
-    assert share <= DEFAULT_PARAM_RTOL["fp32"], f"{case}: parameters differ by {share:.2e} of the update"
+    want, single = single_device(path, STEPS, optim)
+    assert_matches_single_device(case, path, layout, per_rank, manifest, want, single, REL)
 
 
 def test_the_draws_are_active_so_the_cases_test_something(tmp_path):
