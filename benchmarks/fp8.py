@@ -38,6 +38,7 @@ from benchmarks.common import (
     summarize,
     write_results,
 )
+from benchmarks.single import _stepper
 from benchmarks.tp_step import model_size
 
 MODEL_FILE = Path(__file__).resolve().parent / "models" / "llama.py"
@@ -81,17 +82,6 @@ def _worker(rank: int, world: int, outs: dict, size: str, rounds: int, warmup: i
             "first_step_s": first_step_s, "step_gib": step_bytes, "flops_per_token": fpt,
             "tokens_per_step": int(inputs["input_ids"].numel()), "parameters": parameters,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
-
-
-def _stepper(loss_fn, optimizer, losses: list):
-    def step():
-        loss = loss_fn()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    return step
 
 
 def _step_bytes(step, device: torch.device) -> float | None:
