@@ -52,6 +52,7 @@ from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.ir.autograd import requires_grad
+from fxshard.ir.batch import has_router_loss
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     BLOCKED,
@@ -69,7 +70,6 @@ from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes import PASSES
-from fxshard.passes.router_loss import has_router_loss
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 

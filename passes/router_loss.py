@@ -35,12 +35,6 @@ _COUNTS = {aten.histc.default, aten.scatter_add.default, aten.scatter_add_.defau
 _SUMS = _COUNTS | {aten.sum.dim_IntList}
 
 
-def has_router_loss(model: torch.nn.Module) -> bool:
-    """Whether ``model`` adds transformers' load-balancing loss to its loss."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
-
-
 def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     means = [n for n in gm.graph.nodes if _is_mean_of_sums(n)]
     where = f"--dp {ctx.layout.dp}: {type(ctx.program.model).__name__}'s load-balancing loss"

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn
+from fxshard.graph import node_fqn, walk
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.mm.default}
@@ -75,14 +75,7 @@ def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> list[
 
 def whole_batch_region(products: list[fx.Node]) -> set[fx.Node]:
     """``products`` and every node computed from them: what runs on the whole batch once they do."""
-    region: set[fx.Node] = set()
-    stack = list(products)
-    while stack:
-        node = stack.pop()
-        if node not in region:
-            region.add(node)
-            stack.extend(u for u in node.users if u.op == "call_function")
-    return region
+    return set(walk(products, lambda node: [u for u in node.users if u.op == "call_function"]))
 
 
 def describe(node: fx.Node, model: str) -> str:
@@ -97,3 +90,11 @@ def refuse_microbatches(ctx, listed: str, what: str, over_dp: str = "") -> None:
         raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} {what}, which a "
                           "pipeline schedule sees one microbatch at a time (it runs microbatch 0 before the rest of "
                           f"the batch exists); train the batch over --dp instead{over_dp}, or at --microbatches 1")
+
+
+def has_router_loss(model: torch.nn.Module) -> bool:
+    """Whether ``model`` adds transformers' load-balancing loss to its loss: a product of two means over the whole
+    batch (``passes/router_loss.py`` makes them whole-batch means under --dp; the compiler refuses pipeline
+    microbatches and --cp for it, ``fxshard run`` --grad-accum)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))

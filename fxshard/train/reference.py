@@ -120,7 +120,7 @@ def _token_counter(mf: ModelFile, seed: int):
     from torch.utils import _pytree as pytree
 
     from fxshard.capture.program import capture
-    from fxshard.passes.token_mean import token_counter
+    from fxshard.ir.token_means import token_counter
 
     rng = torch.random.get_rng_state()
     program = capture(mf, seed)  # seeds torch: the training that follows draws as if it had not run
