@@ -12,10 +12,11 @@ import typer
 from rich.console import Console
 
 from fxshard.cost.auto_options import AutoOptions
-from fxshard.errors import FxshardError, FxshardWarning, OptionError
+from fxshard.errors import FxshardError, FxshardWarning
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
+from fxshard.step_shape import StepShape
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -69,6 +70,7 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
 AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
+STEP_FLAGS = flags(StepShape)  # --seq and --batch: where plan evaluates and --auto searches (fxshard/step_shape.py)
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -107,12 +109,11 @@ def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS)
 def compile(
     model: ModelArg,
-    seq: int = typer.Option(None, "--seq", help="--auto: the sequence length to search at (default: the example's)"),
     split_before: SplitBefore = None,
-    plan: PlanFile = None,
+    plan_file: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
     seed: Seed = 0,
     weights: Path = typer.Option(None, "--weights",
@@ -130,17 +131,14 @@ def compile(
     from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
 
-    auto = build(AutoOptions, flags)
-    layout = build(Layout, flags)
+    auto, shape, layout = build(AutoOptions, flags), build(StepShape, flags), build(Layout, flags)
     if auto.auto:  # search, print the ranking, then compile the first
-        layout = _plan_auto(model, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
+        layout = _plan_auto(model, auto, layout, shape, _user_plan(plan_file, split_before), seed, False, str(out),
                             _given(ctx, "dtype")).result.ranked[0].layout
-    elif auto.hardware is not None or auto.gpus is not None or seq is not None:
-        _fail(OptionError("--hardware, --gpus and --seq are compile's --auto flags; found them without --auto: add "
-                          "--auto, or use `fxshard plan --hardware` to predict a layout's step"))
     try:
+        auto.check_compile(shape)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        user_plan = _user_plan(plan, split_before)
+        user_plan = _user_plan(plan_file, split_before)
         with console.status(f"compiling {model} ({layout.describe()})"):
             result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
                               device_memory=device)
@@ -156,13 +154,11 @@ def compile(
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS)
 def plan(
     model: ModelArg,
     split_before: SplitBefore = None,
     plan_file: PlanFile = None,
-    batch: int = typer.Option(None, "--batch", help="evaluate at this many examples per step (default: the example's)"),
-    seq: int = typer.Option(None, "--seq", help="evaluate at this sequence length (default: the example's)"),
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
@@ -181,19 +177,18 @@ def plan(
 
     from fxshard.cost.costs import parse_size, plan_costs
 
-    auto = build(AutoOptions, flags)
+    auto, shape = build(AutoOptions, flags), build(StepShape, flags)
     if auto.auto:
-        return _plan_auto(model, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed, as_json,
+        return _plan_auto(model, auto, build(Layout, flags), shape, _user_plan(plan_file, split_before), seed, as_json,
                           dtype_given=_given(ctx, "dtype"))
     try:
-        _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         if auto.hardware is not None:
             from fxshard.cost.hardware import load_hardware
 
             load_hardware(auto.hardware)  # a bad profile refused before the compile
-        report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
+        report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, shape.batch, shape.seq, device)
         found = None
         if data is not None or pack:
             from fxshard.capture.modelfile import load_model_file
@@ -229,16 +224,6 @@ def plan(
             time_lines(console, *predicted)
 
 
-def _only_with_auto(auto: AutoOptions, batch: int | None) -> None:
-    """Refuse --auto's own flags without --auto."""
-    for name, flag in (("gpus", "--gpus"), ("global_batch", "--global-batch")):
-        if getattr(auto, name) is not None:
-            raise OptionError(f"{flag} is for --auto (the search); found it without --auto: add --auto, or give the "
-                              "layout's own flags" + (" and --batch" if name == "global_batch" else ""))
-    if auto.gpus_per_node is not None and auto.hardware is None:
-        raise OptionError("--gpus-per-node places the mesh on nodes for the time model: expected --hardware too")
-
-
 def _prediction_json(pred) -> dict:
     return {"layout": pred.layout.describe(), "step_s": pred.step, "compute_s": pred.compute,
             "exposed_communication_s": pred.exposed, "bubble_s": pred.bubble, "tokens_per_s_per_device":
@@ -253,8 +238,8 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto",
-               dtype_given: bool = True):
+def _plan_auto(model, auto: AutoOptions, layout: Layout, shape: StepShape, user_plan, seed, as_json: bool,
+               out: str = "out/auto", dtype_given: bool = True):
     """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first; without
     ``--dtype`` (``dtype_given`` False) in the dtype the hardware profile trains in."""
     import json
@@ -265,7 +250,8 @@ def _plan_auto(model, auto: AutoOptions, layout: Layout, seq, user_plan, seed, a
 
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
-            found = plan_auto(model, layout.dtype if dtype_given else None, auto, seq, layout, user_plan, seed)
+            found = plan_auto(model, layout.dtype if dtype_given else None, auto, shape.seq, layout, user_plan, seed,
+                              batch=shape.batch)
     except FxshardError as e:
         _fail(e)
     command = compile_command(model, found.result.ranked[0], out)
@@ -518,7 +504,7 @@ def export(
 def verify(
     model: ModelArg,
     split_before: SplitBefore = None,
-    plan: PlanFile = None,
+    plan_file: PlanFile = None,
     rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
     param_rtol: float = typer.Option(None, "--param-rtol",
                                      help="parameters: tolerance of ‖distributed − single device‖ / ‖single device "
@@ -539,8 +525,8 @@ def verify(
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
         console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
-        result = verify_(model, layout, run.steps, run.optim, _user_plan(plan, split_before), seed, rtol, param_rtol,
-                         out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)
+        result = verify_(model, layout, run.steps, run.optim, _user_plan(plan_file, split_before), seed, rtol,
+                         param_rtol, out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

@@ -92,20 +92,6 @@ class CompiledProgram:
         return sorted(self.sources)
 
 
-def check_layout(layout: Layout) -> None:
-    """Reject layouts this version does not implement yet, before any work."""
-    if layout.pp == 1:
-        if layout.microbatches not in (None, 1):
-            raise LayoutError(f"--microbatches {layout.microbatches} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
-        if layout.schedule != "1f1b":
-            raise LayoutError(f"--schedule {layout.schedule} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
-        if layout.virtual_stages not in (None, 1):
-            raise LayoutError(f"--virtual-stages {layout.virtual_stages} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
-
-
 def load_plan_file(path: str | Path) -> dict:
     """Read ``PLAN = {...}`` from a Python plan file."""
     path = Path(path)
@@ -163,7 +149,6 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     """Capture and transform; returns the per-rank graph and context without writing files.
 
     ``meta=True`` builds and captures the model with its parameters on the meta device."""
-    check_layout(layout)
     if layout.recompute == "auto":
         raise LayoutError("--recompute auto: expected it resolved to none, selective or full before the compile; "
                           "found auto; compile through fxshard.driver.compile or `fxshard compile` with "
