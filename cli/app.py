@@ -11,8 +11,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fxshard.capture.folder_options import FolderOptions
 from fxshard.cost.auto_options import AutoOptions
-from fxshard.errors import FxshardError, FxshardWarning
+from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
@@ -59,7 +60,8 @@ def _fail(e: Exception) -> None:
 # The layout's flags are Layout's fields (fxshard/ir/layout.py), run's RunOptions' (fxshard/train/options.py): each
 # command's options are generated from those declarations (_with_flags), never restated here.
 
-ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs()")]
+ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs(), or a Hugging "
+                                                "Face folder (config.json, *.safetensors) with --seq and --batch")]
 DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
                                                   help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
                                                        "whether its predicted peak fits; --recompute auto chooses "
@@ -70,7 +72,11 @@ SplitBefore = Annotated[list[str] | None, typer.Option("--split-before", help="c
 Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and make_inputs()")]
 LAYOUT_FLAGS = flags(Layout)
 AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
-STEP_FLAGS = flags(StepShape)  # --seq and --batch: where plan evaluates and --auto searches (fxshard/step_shape.py)
+FOLDER_FLAGS = flags(FolderOptions)  # MODEL a Hugging Face folder (fxshard/capture/folder_options.py)
+# --seq and --batch, one declaration each (fxshard/step_shape.py): a folder's example batch, what --auto searches
+# at, what plan evaluates at; verify takes them for a folder only, without --auto's old --global-batch
+STEP_FLAGS = flags(StepShape)
+VERIFY_STEP_FLAGS = [f for f in STEP_FLAGS if f.name != "global_batch"]
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -109,7 +115,7 @@ def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS, FOLDER_FLAGS)
 def compile(
     model: ModelArg,
     split_before: SplitBefore = None,
@@ -125,23 +131,33 @@ def compile(
     ctx: typer.Context = None,
     **flags,
 ):
-    """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards."""
-    from fxshard.cli.report import compile_report
+    """Compile MODEL for a layout into per-rank Python files, a manifest and weight shards.
 
+    MODEL is a model file, or a Hugging Face folder: fxshard writes its model file (OUT/model.py: the config's
+    AutoModelFor... and an example batch of --batch rows of --seq tokens) and each rank reads its slices of the
+    folder's safetensors at run time, as `compile OUT/model.py --weights FOLDER` does."""
+    from fxshard.cli.report import compile_report, folder_line
+
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.cost.costs import parse_size
     from fxshard.driver import compile as compile_
+    from fxshard.driver import model_source
 
-    auto, shape, layout = build(AutoOptions, flags), build(StepShape, flags), build(Layout, flags)
-    if auto.auto:  # search, print the ranking, then compile the first
-        layout = _plan_auto(model, auto, layout, shape, _user_plan(plan_file, split_before), seed, False, str(out),
-                            _given(ctx, "dtype")).result.ranked[0].layout
+    auto, layout, folder = build(AutoOptions, flags), build(Layout, flags), build(FolderOptions, flags)
     try:
-        auto.check_compile(shape)
-        device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-        user_plan = _user_plan(plan_file, split_before)
-        with console.status(f"compiling {model} ({layout.describe()})"):
-            result = compile_(model, layout, out=out, plan=user_plan, seed=seed, weights=weights, meta=meta,
-                              device_memory=device)
+        shape = build(StepShape, flags)
+        seq, batch = shape.seq, shape.batch
+        check_model_flags(model, seq, batch, auto.auto, weights=weights)
+        auto.check_compile()
+        with model_source(model, folder, seq, batch, weights=not meta) as source:
+            if auto.auto:  # search, print the ranking, then compile the first
+                layout = _plan_auto(source, auto, layout, shape, _user_plan(plan_file, split_before), seed, False,
+                                    str(out), _given(ctx, "dtype")).result.ranked[0].layout
+            device = parse_size(device_memory) if device_memory is not None else None  # before the compile
+            user_plan = _user_plan(plan_file, split_before)
+            with console.status(f"compiling {model} ({layout.describe()})"):
+                result = compile_(source.model_file, layout, out=out, plan=user_plan, seed=seed,
+                                  weights=source.weights or weights, meta=meta, device_memory=device)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
@@ -151,10 +167,12 @@ def compile(
                   "the new program, complete (your files in it kept)")
         _fail(f"compile interrupted by {signal_name}: {out} was left as it was")
     compile_report(console, result)
+    if source.folder is not None:
+        folder_line(console, source, out)
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS, FOLDER_FLAGS)
 def plan(
     model: ModelArg,
     split_before: SplitBefore = None,
@@ -170,17 +188,31 @@ def plan(
 ):
     """Cost a layout without writing code: per rank memory (model state, bytes saved for backward, microbatches
     alive, predicted peak), communication per mesh axis (sympy expressions in B and S) and the pipeline bubble;
-    with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them."""
+    with --hardware, the predicted step time. With --auto: search the layouts of --gpus devices and rank them.
+    MODEL may be a Hugging Face folder (with --seq and --batch; its config.json alone is enough)."""
+    from fxshard.driver import model_source
+
+    auto, shape = build(AutoOptions, flags), build(StepShape, flags)
+    seq, batch = shape.seq, shape.batch
+    try:
+        with model_source(model, build(FolderOptions, flags), seq, batch, weights=False) as source:
+            if auto.auto:
+                return _plan_auto(source, auto, build(Layout, flags), shape, _user_plan(plan_file, split_before),
+                                  seed, as_json, dtype_given=_given(ctx, "dtype"))
+            _plan(source.model_file, auto, flags, split_before, plan_file, batch, seq, device_memory, as_json, seed,
+                  data, pack)
+    except FxshardError as e:
+        _fail(e)
+
+
+def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory, as_json, seed, data, pack):
+    """``fxshard plan`` of a model file, without --auto."""
     import json
 
     from fxshard.cli.report import plan_report
 
     from fxshard.cost.costs import parse_size, plan_costs
 
-    auto, shape = build(AutoOptions, flags), build(StepShape, flags)
-    if auto.auto:
-        return _plan_auto(model, auto, build(Layout, flags), shape, _user_plan(plan_file, split_before), seed, as_json,
-                          dtype_given=_given(ctx, "dtype"))
     try:
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
@@ -188,7 +220,7 @@ def plan(
             from fxshard.cost.hardware import load_hardware
 
             load_hardware(auto.hardware)  # a bad profile refused before the compile
-        report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, shape.batch, shape.seq, device)
+        report = plan_costs(model, layout, _user_plan(plan_file, split_before), seed, batch, seq, device)
         found = None
         if data is not None or pack:
             from fxshard.capture.modelfile import load_model_file
@@ -238,23 +270,26 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def _plan_auto(model, auto: AutoOptions, layout: Layout, shape: StepShape, user_plan, seed, as_json: bool,
+def _plan_auto(source, auto: AutoOptions, layout: Layout, shape: StepShape, user_plan, seed, as_json: bool,
                out: str = "out/auto", dtype_given: bool = True):
-    """``fxshard plan --auto``: search, print the best layouts and the command that compiles the first; without
-    ``--dtype`` (``dtype_given`` False) in the dtype the hardware profile trains in."""
+    """``fxshard plan --auto`` of ``source`` (:class:`fxshard.capture.hf_folder.ModelSource`): search, print the best
+    layouts and the command that compiles the first; without ``--dtype`` (``dtype_given`` False) in the dtype the
+    hardware profile trains in."""
     import json
 
     from fxshard.cli.auto import auto_report
 
     from fxshard.cost.auto import compile_command, plan_auto
 
+    model = source.argv()[0]
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
-            found = plan_auto(model, layout.dtype if dtype_given else None, auto, shape.seq, layout, user_plan, seed,
-                              batch=shape.batch)
+            found = plan_auto(source.model_file, layout.dtype if dtype_given else None, auto, shape.seq, layout,
+                              user_plan, seed, batch=shape.batch)
     except FxshardError as e:
         _fail(e)
-    command = compile_command(model, found.result.ranked[0], out)
+    found.model = model  # a folder by its own name, not the model file written for it
+    command = compile_command(source.argv(), found.result.ranked[0], out)
     if as_json:
         r = found.result
         print(json.dumps({"gpus": r.gpus, "hardware": found.hardware.name, "dtype": found.dtype, "seq": r.setting.seq,
@@ -370,7 +405,9 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
         _fail(e)
 
 
-data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`.")
+data_app = typer.Typer(no_args_is_help=True, help="Training data: token files for `fxshard run --data`, and a "
+                                                  "generated corpus to try them on (text from a trained model is "
+                                                  "`fxshard generate`, not `data generate`).")
 app.add_typer(data_app, name="data")
 
 
@@ -388,9 +425,26 @@ def data_tokenize(
                                                                 "text"),
     eos: str = typer.Option(None, "--eos", help="the end-of-document token (default: tokenizer_config.json's "
                                                 "eos_token)"),
+    format: str = typer.Option(
+        "text", "--format", help="text (documents), chat (rows of messages, rendered with the tokenizer's "
+                                 "chat template, with a loss mask) or prompt-completion (rows of prompt and "
+                                 "completion)"),
+    train_on: str = typer.Option(
+        "assistant", "--train-on", help="chat and prompt-completion: the tokens trained: assistant (every "
+                                        "assistant turn; the completion), last-assistant, or all"),
+    seq: int = typer.Option(
+        None, "--seq", help="chat and prompt-completion: the longest conversation, in tokens (the sequence "
+                            "you compile); longer ones as --truncate says"),
+    truncate: str = typer.Option(
+        "refuse", "--truncate", help="a conversation longer than --seq: refuse (name its row), right (keep "
+                                     "its first tokens) or drop it"),
+    chat_template: Path = typer.Option(
+        None, "--chat-template", help="chat: a Jinja chat template file to render with instead of the "
+                                      "tokenizer's own"),
 ):
-    """Tokenize a text corpus into a token file (ids back to back, EOS after each document, Megatron's .idx and a
-    .json sidecar) for `fxshard run --data`."""
+    """Tokenize a corpus into a token file for `fxshard run --data`: text (ids back to back, EOS after each
+    document, Megatron's .idx and a .json sidecar), or chat and prompt-completion rows (.jsonl, .parquet or a
+    datasets folder) with a loss mask beside the ids (PATH.mask: which tokens are trained)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
     from fxshard.train.data.tokenize import tokenize as tokenize_
@@ -400,6 +454,14 @@ def data_tokenize(
             from fxshard.errors import OptionError
 
             raise OptionError(f"--validation {validation}: expected a fraction in [0, 1), e.g. 0.005")
+        if format != "text":
+            return _tokenize_chat(corpus, tokenizer, out, validation, format, train_on, seq, truncate,
+                                  chat_template)
+        if seq is not None or chat_template is not None or train_on != "assistant" or truncate != "refuse":
+            from fxshard.errors import OptionError
+
+            raise OptionError("--seq, --truncate, --train-on and --chat-template go with --format chat or "
+                              "prompt-completion; a text corpus is one stream of documents")
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TimeRemainingColumn(), console=err, transient=True) as bar:
             task = bar.add_task(f"tokenizing {corpus}", total=None)
@@ -412,24 +474,56 @@ def data_tokenize(
                   f"{done.vocab_size:,}")
 
 
+def _tokenize_chat(corpus, tokenizer, out, validation, fmt, train_on, seq, truncate, chat_template):
+    from fxshard.train.data.chat_tokenize import tokenize_chat
+
+    what = f"rendering and tokenizing {corpus}"
+    with console.status(what) as status:
+        done = tokenize_chat(corpus, tokenizer, out, fmt=fmt, train_on=train_on, seq=seq, truncate=truncate,
+                             validation=validation, chat_template=chat_template,
+                             progress=lambda rows: status.update(f"{what}: {rows:,} rows"))
+    cut = f"; {done.truncated:,} truncated and {done.dropped:,} dropped at --seq {seq}" if seq else ""
+    console.print(f"wrote {done.path} and its loss mask {done.path.with_suffix('.mask').name}: "
+                  f"{done.tokens:,} tokens ({done.dtype}) in {done.conversations:,} conversations (the "
+                  f"longest {done.longest:,}), "
+                  f"{done.trained_tokens:,} trained ({done.trained_tokens / done.tokens:.1%}; masked by "
+                  f"{done.method}){cut}; the last {done.validation_documents:,} the validation split")
+
+
 @data_app.command("generate")
 def data_generate(
     out: Path = typer.Argument(..., help="folder to write: OUT/corpus/*.jsonl and the tokenizer OUT/tokenizer"),
     documents: int = typer.Option(20_000, "--documents", help="documents to generate"),
     files: int = typer.Option(1, "--files", help=".jsonl files to spread them over"),
-    vocab: int = typer.Option(256, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS among them)"),
+    vocab: int = typer.Option(None, "--vocab", help="ids of the BPE tokenizer trained on the corpus (EOS "
+                                                    "among them; default 256, with --chat 512)"),
+    chat: bool = typer.Option(False, "--chat", help="conversations ({\"messages\": [...]} rows) and a "
+                                                    "byte-level tokenizer whose tokenizer_config.json holds "
+                                                    "a chat template: for `data tokenize --format chat`"),
     seed: Seed = 0,
 ):
     """Write a generated corpus (a Markov chain over made-up words, documents of 1 to 40 sentences) and a BPE
-    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download."""
+    tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
+    With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
+    template. (Text from a trained model is `fxshard generate CKPT`.)"""
     from fxshard.train.data.synthetic import train_tokenizer, write_corpus
 
+    vocab = vocab if vocab is not None else 512 if chat else 256
     try:
         if documents < 1 or files < 1 or vocab < 2:
             from fxshard.errors import OptionError
 
             raise OptionError(f"--documents {documents} --files {files} --vocab {vocab}: expected at least 1 document "
                               "and 1 file, and a vocabulary of 2 ids or more")
+        if chat:
+            from fxshard.train.data.synthetic_chat import train_chat_tokenizer, write_chat_corpus
+
+            with console.status(f"generating {documents:,} conversations"):
+                write_chat_corpus(out / "corpus", documents, seed)
+                train_chat_tokenizer(out / "corpus", out / "tokenizer", vocab)
+            console.print(f"wrote {out / 'corpus'} ({documents:,} conversations) and the tokenizer "
+                          f"{out / 'tokenizer'} (with a chat template)")
+            return
         with console.status(f"generating {documents:,} documents"):
             write_corpus(out / "corpus", documents, files, seed)
             train_tokenizer(out / "corpus", out / "tokenizer", vocab)
@@ -480,27 +574,72 @@ def report(
 @app.command()
 def export(
     checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
-    hf: Path = typer.Option(..., "--hf", help="write a Hugging Face model folder here"),
+    hf: Path = typer.Option(None, "--hf", help="write a Hugging Face model folder here"),
+    merge: bool = typer.Option(False, "--merge", help="with --hf, of a LoRA checkpoint: the merged model (each "
+                                                      "adapted weight W + scaling * B @ A)"),
+    peft: Path = typer.Option(None, "--peft", help="of a LoRA checkpoint: write its adapters here as peft saves "
+                                                   "them (adapter_model.safetensors, adapter_config.json)"),
     model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
 ):
     """Export a checkpoint's trained weights (of any layout) as a Hugging Face folder that
-    transformers' from_pretrained loads. DIR is new, empty, or an earlier export (its fxshard-export.json lists
-    what it wrote): written beside it and swapped in, a file of yours in it kept."""
-    from fxshard.train.export import export_hf
+    transformers' from_pretrained loads (--hf), or a LoRA checkpoint's adapters as a peft adapter folder (--peft).
+    DIR is new, empty, or an earlier export (its fxshard-export.json lists what it wrote): written beside it and
+    swapped in, a file of yours in it kept."""
+    from fxshard.train.export import export_hf, export_peft
 
+    if (hf is None) == (peft is None) or (merge and hf is None):
+        _fail(OptionError("fxshard export: expected one of --hf DIR (a whole model; --merge for a LoRA checkpoint) "
+                          "or --peft DIR (a LoRA checkpoint's adapters); found "
+                          + ("both" if hf is not None and peft is not None else "--merge without --hf"
+                             if merge and peft is None and hf is None else "--merge with --peft" if merge
+                             else "neither")))
+    target = hf if hf is not None else peft
     try:
-        path = export_hf(checkpoint, hf, model)
+        path = export_hf(checkpoint, hf, model, merge) if hf is not None else export_peft(checkpoint, peft, model)
     except FxshardError as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM while writing (fxshard.codegen.folder.Interrupted)
         signal_name = e.args[0] if e.args else "SIGINT"
-        _fail(f"export interrupted by {signal_name}: " + (f"{hf} holds the new export, complete" if getattr(
-            e, "swapped", False) else f"{hf} was left as it was"))
-    console.print(f"exported {path} to {hf}")
+        _fail(f"export interrupted by {signal_name}: " + (f"{target} holds the new export, complete" if getattr(
+            e, "swapped", False) else f"{target} was left as it was"))
+    console.print(f"exported {path} to {target}")
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS)
+def generate(
+    checkpoint: Path = typer.Argument(..., help="checkpoint folder (DIR, following DIR/latest, or DIR/step-<N>)"),
+    prompt: str = typer.Option(..., "--prompt", help="the text to continue (with --chat: the user's message)"),
+    chat: bool = typer.Option(False, "--chat", help="render the prompt as a user turn with the tokenizer's chat "
+                                                    "template, and decode the assistant's answer"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (the most likely token); above 0: sample "
+                                                                 "at this temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="with --temperature: sample from the most likely tokens whose "
+                                                     "probability adds up to P"),
+    seed: Seed = 0,
+    tokenizer: Path = typer.Option(None, "--tokenizer", help="tokenizer folder (default: the one the model file "
+                                                             "names, TOKENIZER; compile FOLDER names the folder's)"),
+    model: Path = typer.Option(None, "--model", help="model file (default: the copy saved in the checkpoint)"),
+):
+    """Decode text from a trained checkpoint (any layout), on one process, with transformers' generate: a quick
+    look at what training taught, not a serving engine (export for that). Not `fxshard data generate`, which writes
+    a corpus to train on. Runs the checkpoint's model file: generate only from checkpoints you trust."""
+
+    from fxshard.train.generate import Sampling
+    from fxshard.train.generate import generate as generate_
+
+    try:
+        sampling = Sampling(max_new_tokens, temperature, top_p, seed)
+        sampling.check()  # before the model is built
+        with console.status(f"generating from {checkpoint}"):
+            done = generate_(checkpoint, prompt, chat=chat, sampling=sampling, tokenizer=tokenizer, model_file=model)
+    except FxshardError as e:
+        _fail(e)
+    console.print(done.text, highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS, VERIFY_STEP_FLAGS, FOLDER_FLAGS)
 def verify(
     model: ModelArg,
     split_before: SplitBefore = None,
@@ -514,19 +653,27 @@ def verify(
     **flags,
 ):
     """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
-    differences of the losses and of the trained parameters; exit 1 above the tolerance."""
+    differences of the losses and of the trained parameters; exit 1 above the tolerance. MODEL may be a Hugging
+    Face folder (with --seq and --batch): both sides start from its weights."""
     from fxshard.cli.report import verify_report
 
+    from fxshard.capture.hf_folder import check_model_flags
     from fxshard.check.verify import check_verify_options
+    from fxshard.driver import model_source
     from fxshard.driver import verify as verify_
 
     try:
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
-        console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
-        result = verify_(model, layout, run.steps, run.optim, _user_plan(plan_file, split_before), seed, rtol,
-                         param_rtol, out, timeout_s=run.timeout, compile=run.compile, cpu_matmul=run.cpu_matmul)
+        shape = build(StepShape, flags)
+        seq, batch = shape.seq, shape.batch
+        check_model_flags(model, seq, batch, auto=False)
+        with model_source(model, build(FolderOptions, flags), seq, batch) as source:
+            console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
+            result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan_file, split_before), seed,
+                             rtol, param_rtol, out, timeout_s=run.timeout, compile=run.compile,
+                             cpu_matmul=run.cpu_matmul, weights=source.weights)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

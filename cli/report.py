@@ -105,6 +105,16 @@ def compile_report(console: Console, result) -> None:
                   highlight=False, markup=False, soft_wrap=True)
 
 
+def folder_line(console: Console, source, out: Path) -> None:
+    """What ``compile FOLDER`` wrote for the folder: its model file, and where the weights come from."""
+    f = source.folder
+    console.print(f"{Path(out) / 'model.py'}: the model file written for {f.folder} ({f.architecture}, "
+                  f"{f.task.name}; example batch {f.batch} x {f.seq} tokens), readable and editable; "
+                  + ("each rank reads its slices of the folder's safetensors at run time" if source.weights else
+                     "compiled --meta: no weights (recompile without --meta to read the folder's)"),
+                  highlight=False, markup=False, soft_wrap=True)
+
+
 def show_layout(console: Console, out: Path) -> None:
     manifest = read_manifest(out)
     _plan_lines(console, manifest)

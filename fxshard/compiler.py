@@ -25,6 +25,7 @@ import torch.fx as fx
 from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
+from fxshard.capture.lora import lora_modules
 from fxshard.capture.modelfile import (
     ModelFile,
     load_model_file,
@@ -154,7 +155,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "found auto; compile through fxshard.driver.compile or `fxshard compile` with "
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
-    mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
+    mf = (model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)).for_layout(layout)
     microbatches, batch, inputs = 1, None, None
     if program is None:
         inputs = mf.build_inputs(seed)
@@ -368,7 +369,8 @@ def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int,
         plan_source=ctx.plan.source, plan=tuple(ctx.plan.describe()), notes=tuple(ctx.notes), inputs=inputs,
         outputs=tuple(program.output_paths), tied=dict(sorted(program.tied.items())),
         custom_ops={**program.custom_ops, **{f"fxshard_fn::{name}": f.module for name, f in program.functions.items()}},
-        ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx), batch_couplings=tuple(ctx.batch_couplings))
+        ranks=tuple(ranks), pipeline=_pipeline_info(gm, ctx), batch_couplings=tuple(ctx.batch_couplings),
+        lora=tuple(lora_modules(program.model)))
 
 
 def _pipeline_info(gm: fx.GraphModule, ctx: CompileContext) -> PipelineInfo | None:

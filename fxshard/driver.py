@@ -17,11 +17,16 @@ written), and the output folder; ``verify`` compiles, trains on local processes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+from fxshard.capture.folder_options import FolderOptions
+from fxshard.capture.hf_folder import ModelSource
+from fxshard.capture.hf_folder import model_source as _model_source
 from fxshard.capture.modelfile import load_model_file
 from fxshard.check.check import COMPILER_BUG, check_program
 from fxshard.check.verify import (
@@ -40,6 +45,24 @@ from fxshard.cost.costs import plan_costs
 from fxshard.errors import FxshardError
 from fxshard.ir.layout import Layout
 from fxshard.train.optim import OptimConfig
+
+
+@contextlib.contextmanager
+def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq: int | None = None,
+                 batch: int | None = None, weights: bool = True) -> Iterator[ModelSource]:
+    """MODEL as the compiler takes it: a model file as it is, or a Hugging Face folder as the model file fxshard
+    writes for it (:mod:`fxshard.capture.hf_folder`) with the folder as its weights; a folder without safetensors is
+    refused here, before anything is captured (unless ``weights`` is False: ``plan``, ``compile --meta``)::
+
+        with model_source("qwen", seq=2048, batch=8) as source:
+            compile(source.model_file, Layout(tp=2), out="out/qwen", weights=source.weights)
+    """
+    with _model_source(path, options, seq, batch, weights) as source:
+        if source.weights is not None:
+            from fxshard.codegen.weights import tensor_files
+
+            tensor_files(source.weights)
+        yield source
 
 
 def compile(model_file: str | Path, layout: Layout, out: str | Path | None = None, plan: dict | None = None,
@@ -66,7 +89,7 @@ def compile(model_file: str | Path, layout: Layout, out: str | Path | None = Non
             layout = dataclasses.replace(layout, recompute=memory_plan.recompute)
         if memory_plan.microbatch_choice is not None:  # --microbatches not given: the count the plan chose
             layout = dataclasses.replace(layout, microbatches=memory_plan.microbatch_choice["chosen"])
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     result = compile_program(mf, layout, plan, seed, meta=meta or weights is not None)
     result.memory_plan = memory_plan
     shards = generate(result, mf, seed, weights, meta)
@@ -122,7 +145,7 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)
     ref_state: dict = {}
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
     if weights is not None:
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))

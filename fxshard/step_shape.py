@@ -1,8 +1,9 @@
 """The shape of a training step, as the command line sets it apart from the model file's example: ``--seq``,
 ``--batch``.
 
-``fxshard plan`` evaluates the cost model at it and ``--auto`` searches at it (``plan`` and ``compile``).  Declared
-once here (:mod:`fxshard.flags`), so every command that takes them takes the same two flags with the same meaning;
+A Hugging Face folder's example batch is this shape (:mod:`fxshard.capture.hf_folder`), ``fxshard plan`` evaluates
+the cost model at it and ``--auto`` searches at it (``plan`` and ``compile``).  Declared once here
+(:mod:`fxshard.flags`), so every command that takes them takes the same two flags with the same meaning;
 ``--global-batch``, the old name of ``--batch`` under ``--auto``, still parses, hidden, and warns::
 
     >>> StepShape(seq=4096, batch=512)
@@ -23,8 +24,10 @@ __all__ = ["StepShape", "flags"]
 
 @dataclass(frozen=True)
 class StepShape:
-    seq: int | None = option(None, "tokens per sequence (default: the example batch's)")
-    batch: int | None = option(None, "sequences per step, over all dp ranks (default: the example batch's)")
+    seq: int | None = option(None, "tokens per sequence: of a Hugging Face folder's example batch; --auto searches at "
+                                   "it; plan evaluates at it (default: the example's)")
+    batch: int | None = option(None, "sequences per step over all dp ranks: of a Hugging Face folder's example batch; "
+                                     "--auto searches at it; plan evaluates at it (default: the example's)")
     global_batch: int | None = option(None, "deprecated: the old name of --batch", hidden=True)
 
     def __post_init__(self):

@@ -41,6 +41,7 @@ from fxshard.plan.auto import auto_plan, complete_plan
 from fxshard.plan.demand import demanded_placements
 from fxshard.plan.experts import expert_split
 from fxshard.plan.layers import WeightOp, style_placements, weight_ops
+from fxshard.plan.lora import lora_layers, plan_lora
 from fxshard.plan.styles import ResolvedPlan
 from fxshard.plan.unsplit import unsplit_parameters
 from fxshard.runtime import tensor_parallel as rt_tp
@@ -56,11 +57,8 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     tp = ctx.layout.tp
     _refuse_parameter_writes(gm, ctx)
     ops = weight_ops(gm, ctx.params)
-    if tp == 1:  # nothing to split: every value stays replicated and no collective is inserted
-        ctx.plan = ResolvedPlan(source="none (tp=1)")
-    else:
-        ctx.plan = _planned(gm, ops, ctx, ctx.plan, tp)
-    weights, forced, roles = _weight_placements(ops, ctx.plan, ctx.notes, tp)
+    given = ResolvedPlan(source="none (tp=1)") if tp == 1 else ctx.plan  # at tp=1 nothing is split
+    ctx.plan, weights, forced, roles = _plan_placements(gm, ops, ctx, given, tp, ctx.notes)
     experts = expert_split(gm, ctx)
     weights |= experts.weights
     roles |= {fqn: "expert tensor-parallel" for fqn, *_ in experts.layers}
@@ -74,7 +72,7 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     if ctx.layout.sp and not prop.sequence:
         ctx.notes.append("--sp: no value is split over tokens (no row-parallel or vocab-parallel partial sum of "
                          "[.., S, H] tokens that a token-wise op reads): the layout runs as without --sp")
-    _check_divisible(gm, prop, tp, ctx, ops, experts.weights)
+    _check_divisible(gm, prop, tp, ctx, ops, experts.weights, given)
     experts.check(prop)
     apply_propagation(gm, prop, ctx, roles)
     for node in experts.dispatch:
@@ -85,24 +83,30 @@ def tensor_parallel_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     return gm
 
 
-def _planned(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, given: ResolvedPlan,
-             tp: int) -> ResolvedPlan:
+def _planned(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], user_inputs: set[fx.Node],
+             given: ResolvedPlan, tp: int) -> ResolvedPlan:
     """The plan at ``tp``: automatic pairing with no plan given, the model's own plan completed by it
     (:func:`fxshard.plan.auto.complete_plan`), a user's or decorators' plan as it is."""
+    if tp == 1:
+        return given
     if given.source == "auto":
-        return auto_plan(gm, ops, ctx.params, ctx.user_inputs, tp)
+        return auto_plan(gm, ops, params, user_inputs, tp)
     if given.source == "model":
-        return complete_plan(gm, ops, ctx.params, ctx.user_inputs, tp, given)
+        return complete_plan(gm, ops, params, user_inputs, tp, given)
     return dataclasses.replace(given, warnings=[])
 
 
-def _given(plan: ResolvedPlan) -> ResolvedPlan:
-    """The plan before automatic pairing was added to it (to plan again at another degree)."""
-    if plan.source == "auto" or "auto" not in plan.source.split("+"):
-        return plan
-    keep = [fqn for fqn, source in plan.sources.items() if source != "auto"]
-    return dataclasses.replace(plan, styles={k: plan.styles[k] for k in keep}, sources={k: plan.sources[k] for k in keep},
-                               source=plan.source.removesuffix("+auto"))
+def _plan_placements(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, given: ResolvedPlan, tp: int,
+                     notes: list[str]):
+    """The plan at ``tp`` and what it gives: ``(plan, weights' placements, forced outputs, roles)``.  A peft model's
+    LoRA layers are planned as their bases, their adapters placed by them (:mod:`fxshard.plan.lora`)."""
+    layers = lora_layers(gm, ops, ctx.program.model) if tp > 1 else []
+    if not layers:
+        plan = _planned(gm, ops, ctx.params, ctx.user_inputs, given, tp)
+        return (plan, *_weight_placements(ops, plan, notes, tp))
+    return plan_lora(gm, ops, layers, ctx.params, ctx.user_inputs,
+                     lambda view, o, params, inputs: _planned(view, o, params, inputs, given, tp),
+                     lambda o, plan: _weight_placements(o, plan, notes, tp), tp)
 
 
 def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext,
@@ -233,12 +237,12 @@ def _unsplittable(gm: fx.GraphModule, prop: Propagation, tp: int) -> tuple[fx.No
 
 
 def _check_divisible(gm: fx.GraphModule, prop: Propagation, tp: int, ctx: CompileContext,
-                     ops: list[WeightOp], experts: dict[fx.Node, Placement]) -> None:
+                     ops: list[WeightOp], experts: dict[fx.Node, Placement], given: ResolvedPlan) -> None:
     found = _unsplittable(gm, prop, tp)
     if found is not None:
         node, p, size = found
         per_block = next((b for i, b in enumerate(p.block_sizes(size)) if b % p.parts_of(i, tp)), size // p.blocks)
-        ok = _degrees_that_split(gm, ops, ctx, per_block, experts)
+        ok = _degrees_that_split(gm, ops, ctx, per_block, experts, given)
         raise ShardingError(_divisibility_message(node, p, size, per_block, tp, ctx, ok))
 
 
@@ -246,14 +250,13 @@ _LARGEST_TP = 1024  # degrees offered go no higher: each is checked by a propaga
 
 
 def _degrees_that_split(gm: fx.GraphModule, ops: list[WeightOp], ctx: CompileContext, size: int,
-                        experts: dict[fx.Node, Placement]) -> list[int]:
+                        experts: dict[fx.Node, Placement], given: ResolvedPlan) -> list[int]:
     """The tp degrees to suggest: those dividing the failing ``size`` (a necessary condition) for which the
     same plan (re-planned at that degree when automatic) passes the same check on every split value —
     heads, key/value heads, packed blocks, vocabulary — so a suggested degree never fails on the next size."""
     ok = []
     for d in (d for d in divisors(size) if d <= _LARGEST_TP):
-        plan = _planned(gm, ops, ctx, _given(ctx.plan), d)
-        weights, forced, _ = _weight_placements(ops, plan, [], d)
+        _, weights, forced, _ = _plan_placements(gm, ops, ctx, given, d, [])
         weights |= experts if d > 1 else {}
         if d == 1 or _unsplittable(gm, propagate(gm, weights, forced), d) is None:
             ok.append(d)

@@ -30,9 +30,9 @@ def assert_matches_single_device(case: str, path, layout, per_rank: list, manife
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
             assert abs(got - ref) <= rel * abs(ref), f"{case} rank {rank} step {step}: {got} vs {ref}"
     params = gather_parameters(manifest, states={r: st for r, (_, st, *_) in enumerate(per_rank)})
-    initial = dict(load_model_file(path).build_model(0).named_parameters(remove_duplicate=False))
+    initial = dict(load_model_file(path).for_layout(layout).build_model(0).named_parameters(remove_duplicate=False))
     rows = compare_parameters(params, single, initial)
-    assert {r["fqn"] for r in rows} == set(single)
+    assert {r["fqn"] for r in rows} == set(single) - set(manifest.tied)  # a tied weight: under the name kept
     share = update_share(rows)
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
     assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
@@ -81,13 +81,17 @@ def compile_and_train(cases: dict, tmp_path_factory, steps: int) -> dict:
 _SINGLE: dict[tuple, tuple[list[float], dict]] = {}
 
 
-def single_device(path, steps: int, optim, dtype: str = "fp32") -> tuple[list[float], dict]:
-    """One device's losses and trained parameters by FQN (cached per model, steps, optimizer and dtype)."""
-    if (path, steps, optim, dtype) not in _SINGLE:
+def single_device(path, steps: int, optim, dtype: str = "fp32", layout=None) -> tuple[list[float], dict]:
+    """One device's losses and trained parameters by FQN (cached per model, steps, optimizer, dtype and the
+    ``layout``'s LoRA adapters, which the model is built with)."""
+    from fxshard.capture.lora import LoraOptions
+
+    lora = LoraOptions.from_layout(layout) if layout is not None else None
+    if (path, steps, optim, dtype, lora) not in _SINGLE:
         from fxshard.capture.modelfile import load_model_file
         from fxshard.train.reference import reference_losses
 
         final: dict = {}
-        losses = reference_losses(load_model_file(path), steps, optim, dtype=dtype, final_state=final)
-        _SINGLE[path, steps, optim, dtype] = (losses, final)
-    return _SINGLE[path, steps, optim, dtype]
+        losses = reference_losses(load_model_file(path, lora), steps, optim, dtype=dtype, final_state=final)
+        _SINGLE[path, steps, optim, dtype, lora] = (losses, final)
+    return _SINGLE[path, steps, optim, dtype, lora]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"", "sh", "bash", "shell", "console"}
 # options whose value is a file or folder the command writes, not one that must exist
-WRITES = {"--out", "-o", "--metrics", "--trace", "--checkpoint", "--hf", "--final-state"}
+WRITES = {"--out", "-o", "--metrics", "--trace", "--checkpoint", "--hf", "--final-state", "--tensorboard"}
 
 
 def _blocks(text: str):

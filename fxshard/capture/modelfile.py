@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fxshard.capture.custom_ops import MODEL_FILE_MODULE
+from fxshard.capture.lora import LoraOptions, apply_lora
 from fxshard.errors import ModelFileError
 from fxshard.pyfile import import_file
 
@@ -32,9 +33,11 @@ class ModelFile:
     make_inputs: Callable[[], Any]
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     module: Any
+    lora: LoraOptions | None = None  # compile --lora: peft's adapters on what make_model() returns
 
     def build_model(self, seed: int = 0, meta: bool = False) -> torch.nn.Module:
-        """``make_model()`` after seeding; ``meta=True``: parameters on the meta device (no memory)."""
+        """``make_model()`` after seeding; ``meta=True``: parameters on the meta device (no memory).  With ``lora``,
+        wrapped by peft's LoRA (its adapters real even on a meta base: :mod:`fxshard.capture.lora`)."""
         torch.manual_seed(seed)
         with meta_parameters() if meta else contextlib.nullcontext():
             try:
@@ -47,7 +50,16 @@ class ModelFile:
                 f"{self.path}: make_model() returned {type(model).__name__}; expected a torch.nn.Module. "
                 "Return the model instance, e.g. `return GPT(config)`."
             )
+        if self.lora is not None:
+            model = apply_lora(model, self.lora, seed, self.path.name)
         return model
+
+    def for_layout(self, layout) -> ModelFile:
+        """This model file as ``layout`` builds it: with ``--lora``'s adapters (``layout.lora``), else as it is."""
+        import dataclasses
+
+        options = LoraOptions.from_layout(layout)
+        return self if options is None or options == self.lora else dataclasses.replace(self, lora=options)
 
     def build_inputs(self, seed: int = 0) -> Any:
         torch.manual_seed(seed + 1)
@@ -162,8 +174,8 @@ def check_inputs(inputs: Any, where: str) -> None:
         )
 
 
-def load_model_file(path: str | Path) -> ModelFile:
-    """Import ``path`` and check it follows the model-file convention."""
+def load_model_file(path: str | Path, lora: LoraOptions | None = None) -> ModelFile:
+    """Import ``path`` and check it follows the model-file convention; ``lora``: build it with those adapters."""
     path = Path(path).resolve()
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file; expected a Python file defining make_model().")
@@ -185,4 +197,5 @@ def load_model_file(path: str | Path) -> ModelFile:
         make_inputs=module.make_inputs,
         loss_fn=getattr(module, "loss_fn", None),
         module=module,
+        lora=lora,
     )

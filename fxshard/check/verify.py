@@ -136,6 +136,8 @@ def with_weights(mf, folder: Path):
 
     def make_model() -> torch.nn.Module:
         model = mf.make_model()
+        if any(p.is_meta for p in model.parameters()):
+            return model  # built on meta for its shapes alone (the --pack check): nothing to load into
         state: dict[str, torch.Tensor] = {}
         for file in sorted(set(tensor_files(folder).values())):
             state |= load_file(str(file))

@@ -324,6 +324,8 @@ class Manifest:
     digests: dict[str, str] | None = None  # generated file -> sha256, once written
     # passes/batch_norm_sync.py: ops mixing the examples of the batch ("FQN: op (what)"), which --grad-accum refuses
     batch_couplings: tuple[str, ...] = ()
+    # peft's LoRA layers (their wrappers' FQNs): checkpoints then hold the adapters alone (fxshard/train/checkpoint.py)
+    lora: tuple[str, ...] = ()
 
     @property
     def tied_across_stages(self) -> tuple[TiedWeight, ...]:
@@ -352,6 +354,8 @@ class Manifest:
             data["digests"] = self.digests
         if self.batch_couplings:  # written only where there are some: other manifests stay as they were
             data["batch_couplings"] = list(self.batch_couplings)
+        if self.lora:
+            data["lora"] = list(self.lora)
         return data
 
     @classmethod
@@ -369,7 +373,7 @@ class Manifest:
             pipeline=PipelineInfo.from_json(pipeline) if pipeline is not None else None,
             weights=WeightsSource.from_json(weights) if weights is not None else None,
             digests=digests if isinstance(digests, dict) else None,
-            batch_couplings=tuple(data.get("batch_couplings", ())))
+            batch_couplings=tuple(data.get("batch_couplings", ())), lora=tuple(data.get("lora", ())))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2) + "\n"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fxshard.capture.lora import base_name, peft_base
 from fxshard.capture.program import Program
 from fxshard.codegen.hub_layout import Piece, hub_names, hub_sources
 from fxshard.codegen.manifest import CheckpointPiece, CheckpointRef, Manifest, WeightsSource
@@ -97,15 +98,17 @@ def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
     folder = Path(folder).resolve()
     files = tensor_files(folder)
     _check_config(folder, program)
-    wanted = {s.fqn: tuple(program.tensors[s.fqn].shape) for s in program.state if s.kind != "constant"}
+    # a peft model's base is read by the base model's own names (base_name), its adapters not at all
+    wanted = {base_name(s.fqn): tuple(program.tensors[s.fqn].shape) for s in program.state
+              if s.kind != "constant" and base_name(s.fqn) is not None}
     try:
-        built = hub_names(program.model, files, wanted)
+        built = hub_names(peft_base(program.model)[0], files, wanted)
     except WeightsError as e:
         raise WeightsError(f"{folder}: {e}") from None
     names, pieces = {}, {}
     for spec in program.state:
-        if spec.kind == "constant":
-            continue
+        if spec.kind == "constant" or base_name(spec.fqn) is None:
+            continue  # a LoRA adapter (--lora): drawn at compile time, written with the rank shards
         name = _checkpoint_name(spec.fqn, program, files) or _checkpoint_name(spec.fqn, program, built)
         if name is None:
             if spec.kind == "buffer":
@@ -167,6 +170,7 @@ def _checkpoint_name(fqn: str, program: Program, files: dict) -> str | None:
     """``fqn`` or a name tied to it (a tied ``lm_head.weight`` is saved once, as the embedding)."""
     kept = program.tied.get(fqn, fqn)
     candidates = [fqn, kept] + sorted(a for a, k in program.tied.items() if k == kept)
+    candidates += [base_name(c) for c in candidates]  # a peft model's base, by the base model's own names
     return next((c for c in candidates if c in files), None)
 
 

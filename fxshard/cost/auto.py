@@ -123,10 +123,11 @@ def predict_layout(model: str | Path, layout: Layout, hardware: str, batch: int,
     return predict(Evaluator(profile, hw, layout.dtype), replace(layout, recompute=mode), setting), hw, setting
 
 
-def compile_command(model: str | Path, pred, out: str = "out/auto") -> str:
-    """The command line that compiles the layout of ``pred`` (and, at pp=1, how ``fxshard run`` accumulates)."""
+def compile_command(model: str | Path | list[str], pred, out: str = "out/auto") -> str:
+    """The command line that compiles the layout of ``pred`` (and, at pp=1, how ``fxshard run`` accumulates);
+    ``model``: the model file, or the arguments that name the model (a Hugging Face folder with its --seq ...)."""
     layout = pred.layout
-    args = ["fxshard", "compile", str(model)]
+    args = ["fxshard", "compile", *([str(model)] if isinstance(model, str | Path) else model)]
     for f in flags(Layout):
         if f.name == "microbatches" and layout.pp == 1:
             continue

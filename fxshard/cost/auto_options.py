@@ -39,11 +39,9 @@ class AutoOptions:
         if not self.auto and self.gpus_per_node is not None and self.hardware is None:
             raise OptionError("--gpus-per-node places the mesh on nodes for the time model: expected --hardware too")
 
-    def check_compile(self, shape) -> None:
-        """``fxshard compile`` predicts nothing: without ``--auto`` it refuses what only the search reads (``shape``:
-        the :class:`~fxshard.step_shape.StepShape` it was given)."""
-        given = [flag for flag, value in (("--hardware", self.hardware), ("--seq", shape.seq), ("--batch", shape.batch))
-                 if value is not None]
-        if given and not self.auto:
-            raise OptionError(f"{', '.join(given)} without --auto: compile reads them only to search (--auto); add "
-                              "--auto, or use `fxshard plan --hardware` to predict a layout's step")
+    def check_compile(self) -> None:
+        """``fxshard compile`` predicts nothing: without ``--auto`` it refuses ``--hardware``, which only the search
+        reads there (``--seq`` and ``--batch`` are :func:`fxshard.capture.hf_folder.check_model_flags`'s)."""
+        if self.hardware is not None and not self.auto:
+            raise OptionError("--hardware without --auto: compile reads it only to search (--auto); add --auto, or use "
+                              "`fxshard plan --hardware` to predict a layout's step")

@@ -159,7 +159,7 @@ def plan_costs(model_file: str | Path, layout: Layout, plan: dict | None = None,
         raise OptionError("--recompute auto: expected --device-memory SIZE (e.g. 80GiB) to choose the least "
                           "recompute that fits; found none; add --device-memory, or name a mode: "
                           "--recompute none|selective|full")
-    mf = load_model_file(model_file)
+    mf = load_model_file(model_file).for_layout(layout)
 
     def at_microbatches(m: int | None) -> CostReport:
         return _plan_at(mf, dataclasses.replace(layout, microbatches=m), plan, seed, batch, seq, device_memory)

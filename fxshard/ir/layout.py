@@ -39,9 +39,11 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; 
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.cost.costs.choose_recompute), resolved
 # before code generation
-_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap", "cp", "cp_mode")  # Layout fields newer than manifest format 1: absent
+_ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap", "cp", "cp_mode", "lora", "lora_alpha",
+          "lora_targets", "lora_dropout")  # Layout fields newer than manifest format 1: absent
 # from older manifests
-_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True, "cp": 1, "cp_mode": "allgather"}  # written only when set: manifests before them stay byte
+_SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True, "cp": 1, "cp_mode": "allgather",
+                  "lora": None, "lora_alpha": None, "lora_targets": None, "lora_dropout": None}  # written only when set: manifests before them stay byte
 # for byte
 
 
@@ -129,6 +131,16 @@ class Layout:
                                        "K/V, reduce-scatter their gradients), ring (send/recv K/V blocks around the cp "
                                        "ring, log-sum-exp merges), a2a (Ulysses: all-to-all from a sequence to a head "
                                        "split around attention)")
+    # LoRA (fxshard/capture/lora.py applies peft's before capture; fxshard/plan/lora.py places the adapters)
+    lora: int | None = option(None, "LoRA rank: peft's LoRA adapters on the --lora-targets linears, the rest of the "
+                                    "model frozen (no gradient, no optimizer state); the adapters follow their base's "
+                                    "split (docs/lora.md)")
+    lora_alpha: float | None = option(None, "LoRA alpha (the adapters' output is scaled by alpha/rank; default 8, as "
+                                            "peft's LoraConfig)")
+    lora_targets: str | None = option(None, "comma-separated modules to adapt: names or globs matched against the end "
+                                            "of each module path, as peft's target_modules (q_proj,v_proj; "
+                                            "layers.0.*.q_proj); default: peft's list for the model type")
+    lora_dropout: float | None = option(None, "dropout on the adapters' input (default 0)")
 
     def __post_init__(self):
         for axis in (TP, PP, DP, EP, CP):
@@ -178,6 +190,27 @@ class Layout:
             if self.pp == 1 and value not in unset:  # a pipeline's own flag without a pipeline: refused, not ignored
                 raise LayoutError(f"{flag} {value} applies to pipeline parallelism (--pp > 1); leave it unset at "
                                   "--pp 1")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """``--lora R`` and the flags that only mean something with it (their module: fxshard/capture/lora.py)."""
+        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets", "lora_dropout")
+                 if getattr(self, n) is not None]
+        if self.lora is None:
+            if given:
+                raise LayoutError(f"{', '.join(given)} set{'s' * (len(given) == 1)} up LoRA adapters, and --lora (their "
+                                  "rank) is not given; add --lora R (e.g. --lora 16) or drop "
+                                  f"{'it' if len(given) == 1 else 'them'}")
+            return
+        if self.lora < 1:
+            raise LayoutError(f"--lora {self.lora}: a LoRA rank is the inner size of each adapter (A: rank x in, B: "
+                              "out x rank) and must be at least 1; use e.g. --lora 16, or drop --lora to train every "
+                              "parameter")
+        if self.lora_dropout is not None and not 0 <= self.lora_dropout < 1:
+            raise LayoutError(f"--lora-dropout {self.lora_dropout}: a dropout probability is in [0, 1)")
+        if self.lora_targets is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise LayoutError(f"--lora-targets {self.lora_targets!r} names no module; give module names such as "
+                              "q_proj,v_proj")
 
     def _check_ep(self) -> None:
         """ep is carved out of dp (every other flag composes with it: the README's table)."""
@@ -353,6 +386,8 @@ class Layout:
             text += " sp"
         if not self.overlap:
             text += " no-overlap"
+        if self.lora is not None:
+            text += f" lora={self.lora}"
         return text
 
 

@@ -20,6 +20,7 @@ one compile note, not a warning: the user did not write that plan.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
 
@@ -313,7 +314,15 @@ def resolve(model: torch.nn.Module, user_plan: dict | None) -> ResolvedPlan:
     """Merge the plan sources in priority order; an empty result means 'plan automatically'.
 
     Mistakes in the user's plan or decorators (a key matching nothing) are in ``warnings``; what fxshard
-    does differently from the model's own plan is in ``notes``."""
+    does differently from the model's own plan is in ``notes``.  A peft model's plan names its base model's modules
+    (a LoRA layer by the name of the linear it wraps), as the same plan does without the adapters."""
+    from fxshard.capture.lora import peft_base
+
+    base, prefix = peft_base(model)
+    if prefix:
+        inner = resolve(base, user_plan)
+        return dataclasses.replace(inner, styles={prefix + k: v for k, v in inner.styles.items()},
+                                   sources={prefix + k: v for k, v in inner.sources.items()})
     modules = [fqn for fqn, _ in model.named_modules()]
     resolved = ResolvedPlan()
     if user_plan:

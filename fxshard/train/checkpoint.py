@@ -1,7 +1,7 @@
 """Training checkpoints that any layout can resume, and export to a Hugging Face folder.
 
-A checkpoint is a folder ``DIR/step-00000K/`` holding, for every source parameter (by FQN), the
-trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the tensor-parallel
+A checkpoint is a folder ``DIR/step-00000K/`` holding, for every source parameter (by FQN; of a LoRA compile, for
+every adapter: its frozen base is the compile's, :data:`FROZEN`), the trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the tensor-parallel
 *slices* the saving layout held, dp-gathered, one safetensors file per (pp, tp) coordinate::
 
     index.json                    step, model digest, layout, optimizer, {fqn: global shape + pieces}
@@ -46,6 +46,10 @@ LATEST = "latest"
 INDEX = "index.json"
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "step")
 CRASH_ENV = "FXSHARD_TEST_CRASH_IN_SAVE"  # tests: os._exit in the middle of the save at this step
+# the index's record of the parameters a LoRA compile's checkpoint leaves out, its frozen base: they never change,
+# so they are the compile's own (make_model() at the seed, or the --weights folder named here), read from there again
+# by a resumed run and by export (docs/lora.md)
+FROZEN = "frozen"
 
 
 class CheckpointError(FxshardError):
@@ -292,10 +296,13 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     tmp = folder / made[0]
     _agree(step, folder, [made[1]])
     views = {axis: (_optimizer_view(o), group) for axis, (o, group) in _optimizers(opt, dp_group, edp_group).items()}
-    tensors = {}
+    tensors, frozen = {}, set()
     for prefix, module in held.items():
         for pname, p in module.named_parameters():
             t = entry.tensors[prefix + pname]
+            if manifest.lora and not p.requires_grad:  # a LoRA base: the compile's weights hold it (FROZEN)
+                frozen.add(t.source)
+                continue
             view, group = views[t.axis]
             got = _gathered(p, *view(p), group)
             if got is not None:
@@ -312,9 +319,14 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
         os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
     _agree(step, folder, _gather(failed), tmp)
+    if manifest.lora:  # every stage's bases, named in the index
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, sorted(frozen))
+        frozen = {fqn for names in found for fqn in names}
     committed = None
     if rank == 0:
-        committed = _attempt(lambda: _commit(folder, tmp, step, Path(out), manifest, optim_config, trainer), folder)
+        committed = _attempt(lambda: _commit(folder, tmp, step, Path(out), manifest, optim_config, trainer, frozen),
+                             folder)
     _agree(step, folder, _gather(committed), tmp)
     if rank == 0:
         _prune(folder, folder / f"step-{step:08d}", keep_last, replace)
@@ -356,15 +368,17 @@ def _agree(step: int, folder: Path, failures: list, tmp: Path | None = None) -> 
                           "free space), then continue with --resume, or save to another --checkpoint folder")
 
 
-def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config, trainer=None) -> None:
-    """Rank 0, after every shard is written: index, model file, rename, then ``latest``."""
+def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, optim_config, trainer=None,
+            frozen: set[str] = frozenset()) -> None:
+    """Rank 0, after every shard is written: index, model file, rename, then ``latest``.  ``frozen``: the parameters
+    left out (a LoRA compile's bases), listed under :data:`FROZEN` with where they are read from."""
     from dataclasses import asdict
 
     pieces: dict[str, dict] = {}
     ep = manifest.layout.ep > 1
     for e in manifest.ranks:
         for t in e.tensors.values():
-            if t.kind != "parameter":
+            if t.kind != "parameter" or t.source in frozen:
                 continue
             rec = pieces.setdefault(t.source, {"global_shape": list(t.global_shape), "dtype": t.dtype,
                                                "aliases": list(t.aliases), "pieces": []})
@@ -375,6 +389,10 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
              "model_name": manifest.model_name, "model_digest": manifest.model_digest,
              "seed": manifest.seed, "layout": manifest.layout.to_json(), "optimizer": asdict(optim_config),
              "tensors": pieces} | ({"trainer": trainer} if trainer is not None else {})
+    if frozen:
+        weights = manifest.weights.dir if manifest.weights is not None else None
+        aliases = {a for e in manifest.ranks for t in e.tensors.values() if t.source in frozen for a in t.aliases}
+        index[FROZEN] = {"tensors": sorted(frozen | aliases), "weights": weights}
     shutil.copyfile(out / manifest.model_file, tmp / "model.py")
     _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     final = folder / f"step-{step:08d}"
@@ -447,6 +465,7 @@ class CheckpointReader:
         self._files: dict[str, object] = {}
         # tied weights are saved once, under the manifest's source name; their other names lead to it
         self.aliases = {a: fqn for fqn, rec in self.sources.items() for a in rec.get("aliases", [])}
+        self.frozen = set((self.index.get(FROZEN) or {}).get("tensors", []))  # not saved: the compile's values
 
     @property
     def sources(self) -> dict[str, dict]:
@@ -511,7 +530,7 @@ class CheckpointReader:
                 "with the model it was trained from, or pass --allow-changed-model to continue it with this one")
         want = {t.source: list(t.global_shape) for e in manifest.ranks for t in e.tensors.values()
                 if t.kind == "parameter"}
-        want = {self.canonical(f): shape for f, shape in want.items()}
+        want = {self.canonical(f): shape for f, shape in want.items() if f not in self.frozen}
         missing = sorted(set(want) - set(self.sources))
         wrong = sorted(f for f in set(want) & set(self.sources) if want[f] != self.sources[f]["global_shape"])
         if not missing and not wrong:
@@ -540,6 +559,8 @@ def load_trained(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp
         for prefix, module in held.items():
             for name, p in module.named_parameters():
                 t = entry.tensors[prefix + name]
+                if t.source in reader.frozen:  # a LoRA base, left out of the save: it keeps the compile's value
+                    continue
                 value = reader.tensor(t.source, "param", t.slice)
                 if tuple(value.shape) != tuple(p.shape):
                     raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "

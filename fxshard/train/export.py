@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from fxshard.capture.lora import is_peft_model
 from fxshard.capture.modelfile import load_model_file
 from fxshard.codegen.folder import JOURNAL, FolderKind, check_target, recover_interrupted, staged_output
 from fxshard.codegen.manifest import inside
@@ -45,10 +46,17 @@ def _exported_files(record: Path) -> set[str] | None:
 
 
 EXPORT = FolderKind("export", "export", "export", "--hf", EXPORT_RECORD, _exported_files)
+PEFT_EXPORT = FolderKind("export", "export", "export", "--peft", EXPORT_RECORD, _exported_files)
 
 
-def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) -> tuple[torch.nn.Module, Path]:
-    """The unmodified model with the checkpoint's trained parameters, and the checkpoint folder read."""
+def trained_model(checkpoint: str | Path, model_file: str | Path | None = None,
+                  meta_base: bool = False) -> tuple[torch.nn.Module, Path]:
+    """The unmodified model with the checkpoint's trained parameters, and the checkpoint folder read.  A LoRA
+    compile's checkpoint gives its peft model: the adapters trained, the base the compile's (``make_model()`` at the
+    seed, or the ``--weights`` folder it read); ``meta_base``: the base on meta tensors (for the adapters alone)."""
+    from fxshard.ir.layout import Layout
+    from fxshard.train.checkpoint import FROZEN
+
     reader = CheckpointReader(check_checkpoint(checkpoint, print))  # a damaged file named before any reading
     if model_file is None:
         model_file = inside(reader.path, "model.py", "the model copy", reader.path, CheckpointError)
@@ -56,9 +64,17 @@ def trained_model(checkpoint: str | Path, model_file: str | Path | None = None) 
     model_file = Path(model_file)
     if not model_file.is_file():
         raise CheckpointError(f"{model_file}: model file missing; pass the model with --model MODEL.py")
-    model = load_model_file(model_file).build_model(int(reader.index.get("seed", 0)))
+    mf = load_model_file(model_file)
+    if isinstance(reader.index.get("layout"), dict):  # --lora: the adapters it was compiled with
+        mf = mf.for_layout(Layout.from_json(reader.index["layout"]))
+    base_weights = (reader.index.get(FROZEN) or {}).get("weights")
+    if base_weights is not None and not meta_base:
+        from fxshard.check.verify import with_weights
+
+        mf = with_weights(mf, Path(base_weights))
+    model = mf.build_model(int(reader.index.get("seed", 0)), meta=meta_base)
     # one name per tied weight; the checkpoint may hold it under another of its names (an alias)
-    params = {reader.canonical(name): p for name, p in model.named_parameters()}
+    params = {reader.canonical(name): p for name, p in model.named_parameters() if name not in reader.frozen}
     missing = sorted(set(params) - set(reader.sources))
     extra = sorted(set(reader.sources) - set(params))
     if missing or extra:
@@ -88,13 +104,25 @@ def _refuse_edited_copy(model_file: Path, digest: str | None) -> None:
                               "model file you trust: --model MODEL.py")
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None) -> Path:
-    """Write the trained model to ``out_dir`` (Hugging Face layout); return the checkpoint folder read."""
+def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None,
+              merge: bool = False) -> Path:
+    """Write the trained model to ``out_dir`` (Hugging Face layout); return the checkpoint folder read.  A LoRA
+    checkpoint takes ``merge``: each adapted weight becomes ``W + scaling * B @ A`` (peft's ``merge_and_unload``),
+    the model the base's own class with its own names."""
     out_dir = Path(out_dir).resolve()
     _refuse_checkpoint_folder(Path(checkpoint), out_dir)
     recover_interrupted(out_dir, EXPORT)
     check_target(out_dir, set(), EXPORT)  # a folder not an export's: refused before the model is built
     model, path = trained_model(checkpoint, model_file)
+    if is_peft_model(model) and not merge:
+        raise CheckpointError(f"{path}: a LoRA checkpoint holds adapters on a frozen base; --hf writes a whole model, "
+                              "so add --merge (each adapted weight W + scaling * B @ A), or write the adapters alone "
+                              "with --peft DIR")
+    if merge and not is_peft_model(model):
+        raise CheckpointError(f"{path}: --merge merges LoRA adapters, and this checkpoint has none (its compile had "
+                              "no --lora and its model no peft adapters); drop --merge")
+    if merge:
+        model = model.merge_and_unload()
     with staged_output(out_dir, set(), EXPORT) as stage:
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(stage, safe_serialization=True)
@@ -117,3 +145,22 @@ def _refuse_checkpoint_folder(checkpoint: Path, out_dir: Path) -> None:
         inner = " (a folder inside it)" if out_dir.is_relative_to(step) and out_dir != step else ""
         raise OutputFolderError(f"--hf {out_dir}: is {what}{inner}, which the export reads; export into a folder of "
                                 f"its own, e.g. --hf {root}-hf")
+
+
+def export_peft(checkpoint: str | Path, out_dir: str | Path, model_file: str | Path | None = None) -> Path:
+    """Write a LoRA checkpoint's adapters to ``out_dir`` as peft saves them (``adapter_model.safetensors`` with peft's
+    key names, ``adapter_config.json``), which ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the base
+    model; return the checkpoint folder read.  The base is built on meta tensors: nothing of it is read or written."""
+    out_dir = Path(out_dir).resolve()
+    _refuse_checkpoint_folder(Path(checkpoint), out_dir)
+    recover_interrupted(out_dir, PEFT_EXPORT)
+    check_target(out_dir, set(), PEFT_EXPORT)
+    model, path = trained_model(checkpoint, model_file, meta_base=True)
+    if not is_peft_model(model):
+        raise CheckpointError(f"{path}: --peft writes LoRA adapters, and this checkpoint has none (its compile had no "
+                              "--lora and its model no peft adapters); export the whole model with --hf DIR")
+    with staged_output(out_dir, set(), PEFT_EXPORT) as stage:
+        model.save_pretrained(str(stage))
+        files = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
+        (stage / EXPORT_RECORD).write_text(json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n")
+    return path

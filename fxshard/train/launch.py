@@ -4,7 +4,8 @@ over the same :class:`fxshard.train.program.Program` that ``fxshard.load`` gives
 Each step takes ``--grad-accum`` batches of this dp rank's stream, runs ``train_step``, stops at a non-finite loss
 before the parameters change, steps the optimizer and the LR schedule (torch's ``LambdaLR``), and every
 ``--eval-every`` steps evaluates ``--eval-batches`` validation batches.  Rank 0 prints a line per step and, with
-``--metrics``, appends ``{"step", "loss", "lr", "seconds", "tokens"[, "eval_loss"]}`` JSON lines to a file.
+``--metrics``, appends ``{"step", "loss", "lr", "grad_norm", "seconds", "tokens"[, "eval_loss"]}`` JSON lines to a
+file; with ``--tensorboard``, the same figures go to TensorBoard (:mod:`fxshard.train.board`).
 Checkpoints hold the weights, the optimizer, the schedule and the data position; ``--resume`` continues with the
 next batch of the stream.
 """
@@ -157,7 +158,7 @@ class _Loop:
         self.scheduler = make_scheduler(program.optimizer, options.optim, options.steps)
         self.checkpoint = options.checkpoint_config()
         self.rank = dist.get_rank()
-        self.progress = self.sink = self.tokens = None
+        self.progress = self.sink = self.tokens = self.board = None
         self.saved = False  # whether this run saved a checkpoint yet (--overwrite replaces the folder's at the first)
 
     def run(self, final_state: dict | None, memory: dict | None) -> list[float]:
@@ -175,6 +176,10 @@ class _Loop:
                                          terminal=None if self.log is print else False)
             if options.metrics is not None:  # a resumed run appends to the metrics of the run it continues
                 self.sink = open_metrics(options.metrics, append=first > 1)
+            if options.tensorboard is not None:
+                from fxshard.train.board import Board
+
+                self.board = Board(options.tensorboard, first)
         losses = []
         try:
             for step in range(first, options.steps + 1):
@@ -192,6 +197,8 @@ class _Loop:
                 self.progress.close()
             if self.sink:
                 self.sink.close()
+            if self.board is not None:
+                self.board.close()
         if memory is not None:
             memory |= probe.sample | {"psi": program.parameter_count(), "frozen": program.frozen_count()}
         if final_state is not None:
@@ -214,7 +221,8 @@ class _Loop:
         options, progress = self.options, self.progress
         if progress is not None and options.compile and step == self.first:
             self._compile_note(step, seconds)
-        record = {"step": step, "loss": loss, "lr": lr, "seconds": round(seconds, 6), "tokens": self.tokens}
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": self.program.grad_norm,
+                  "seconds": round(seconds, 6), "tokens": self.tokens}
         if self.program.last_step_skipped:
             record["skipped"] = True
             if progress is not None:
@@ -230,6 +238,8 @@ class _Loop:
             if self.sink:
                 self.sink.write(json.dumps(record) + "\n")
                 self.sink.flush()
+            if self.board is not None:
+                self.board.write(record)
         if self.checkpoint is not None and self.checkpoint.save_every and step % self.checkpoint.save_every == 0:
             saved = self.program.save(self.checkpoint.folder, scheduler=self.scheduler, data=self.data,
                                       keep_last=self.checkpoint.keep_last,

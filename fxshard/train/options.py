@@ -28,6 +28,9 @@ class RunOptions:
     optim: OptimConfig = OptimConfig()  # --lr, --beta1, --beta2, --eps, --weight-decay, --clip-grad-norm, ...
     data: DataOptions = DataOptions()  # --data, --eval-data, --pack, --data-workers, --shuffle, --data-seed
     metrics: Path | None = option(None, "write one JSON line per step")
+    tensorboard: Path | None = option(None, "write what --metrics records (loss, eval loss, learning rate, tokens/s, "
+                                            "gradient norm) as TensorBoard scalars into DIR, from rank 0 (needs the "
+                                            "tensorboard extra)")
     timeout: float = option(300.0, "seconds before a collective that did not complete fails")
     compile: bool = option(False, "run each rank's generated forward (and so its backward) through torch.compile "
                                   "(inductor), collectives as functional collectives; the first step compiles")
@@ -152,6 +155,10 @@ def check_run_options(out: Path, options: RunOptions, say=print):
     refuse_link(Path(out) / RUN_RECORD, "the run record")  # written by rank 0 at the end: refused now, not then
     if metrics is not None:
         _check_metrics(out, metrics)
+    if options.tensorboard is not None:
+        from fxshard.train.board import check_tensorboard
+
+        check_tensorboard(options.tensorboard)
     check_cpu_matmul(options.cpu_matmul)
     if options.on_nonfinite not in NONFINITE:
         raise OptionError(f"--on-nonfinite {options.on_nonfinite}: expected one of {', '.join(NONFINITE)}")

@@ -123,6 +123,7 @@ class Program:
         self._accumulated = 0  # batches whose gradients wait for the optimizer step
         self._finished = self._clipped = False
         self._loss = self._norm = 0.0  # this step's loss (train_step's, summed) and gradient norm
+        self.grad_norm: float | None = None  # the last optimizer step's global gradient norm, before clipping
         self.skipped = 0  # steps whose update a non-finite loss or gradient norm skipped (--on-nonfinite skip)
         self.last_step_skipped = False
         self.skipped_what = ""  # why the last skipped step was skipped
@@ -246,6 +247,7 @@ class Program:
         if not self._clipped:  # the global norm, the same on every rank: clipped with --clip-grad-norm, else only read
             self.clip_grad_norm_(clip if clip is not None else math.inf)
         step = self.step_count + 1
+        self.grad_norm = float(self._norm)
         self.last_step_skipped = not (math.isfinite(self._loss) and math.isfinite(self._norm))
         if self.last_step_skipped:
             self._nonfinite(step)

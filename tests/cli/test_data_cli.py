@@ -96,3 +96,38 @@ def test_the_report_says_the_padding_packing_saved(tokens, tmp_path):
     assert padding["packed"] < padding["unpacked"] and not data.warnings
     page = " ".join(render(data).split())
     assert f"packing saves <b>{100 * (padding['unpacked'] - padding['packed']):.1f}%</b> of the positions" in page
+
+
+CHAT = ROOT / "tests" / "models" / "chat_llama.py"
+
+
+def test_generate_chat_tokenize_with_a_mask_and_run(tmp_path):
+    """The path a fine-tune takes with no download: generated conversations and a tokenizer with a chat
+    template, `tokenize --format chat`, `run --data --pack`; a bad row is one error line naming its line."""
+    gen = tmp_path / "gen"
+    made = _fxshard("data", "generate", gen, "--chat", "--documents", 120)
+    assert made.returncode == 0, made.stderr
+    assert "chat_template" in json.loads((gen / "tokenizer" / "tokenizer_config.json").read_text())
+    done = _fxshard("data", "tokenize", gen / "corpus", "--format", "chat", "--tokenizer", gen / "tokenizer",
+                    "--out", tmp_path / "chat.bin", "--seq", 128, "--truncate", "drop", "--validation", 0.1)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 0, done.stderr
+    assert "masked by prefix renderings" in said and "dropped at --seq 128" in said, said
+    tokens = json.loads((tmp_path / "chat.json").read_text())["tokens"]
+    assert (tmp_path / "chat.mask").stat().st_size == tokens
+    compile_model(CHAT, Layout(), out=tmp_path / "out")
+    ran = _fxshard("run", tmp_path / "out", "--steps", 2, "--data", tmp_path / "chat.bin", "--pack",
+                   "--data-workers", 0)
+    assert ran.returncode == 0, ran.stderr
+    said = " ".join(ran.stdout.split())
+    assert "conversations with their loss mask, packed in sequences of 128 tokens" in said
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no messages"}) + "\n")
+    bad = _fxshard("data", "tokenize", tmp_path / "bad.jsonl", "--format", "chat", "--tokenizer",
+                   gen / "tokenizer", "--out", tmp_path / "bad.bin")
+    said = " ".join(bad.stderr.split())
+    assert bad.returncode != 0 and f"error: {tmp_path}/bad.jsonl:1: no 'messages'" in said
+    assert "Traceback" not in bad.stderr
+    plain = _fxshard("data", "tokenize", tmp_path / "bad.jsonl", "--tokenizer", gen / "tokenizer",
+                     "--out", tmp_path / "p.bin", "--seq", 64)
+    said = " ".join(plain.stderr.split())
+    assert plain.returncode != 0 and "--seq, --truncate, --train-on and --chat-template go with" in said

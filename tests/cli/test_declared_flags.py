@@ -67,3 +67,15 @@ def test_plan_binds_to_one_name_on_every_command():
     for command in ("compile", "plan", "verify"):
         (found,) = [name for name, option in _options(command).items() if "--plan" in option.opts]
         assert found == "plan_file", (command, found)
+
+
+def test_compile_plan_and_verify_take_a_folders_flags_and_one_seq_and_batch():
+    from fxshard.capture.folder_options import FolderOptions
+
+    for command in ("compile", "plan", "verify"):
+        options = _options(command)
+        for flag in flags(FolderOptions):
+            assert _declared_as(options[flag.name], flag), (command, flag)
+    for name in ("seq", "batch"):
+        helps = {_options(c)[name].help for c in ("compile", "plan", "verify")}
+        assert len(helps) == 1, (name, helps)  # one declaration, one meaning

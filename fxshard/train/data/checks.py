@@ -89,6 +89,10 @@ def _check_tokens(source, mf, split: str) -> dict:
     out = {"tokens": part.hi - part.lo, "max_id": top, "vocab_size": vocab}
     if windows.padding() is not None:
         out["padding"] = windows.padding()
+    if windows.mask is not None:
+        from fxshard.train.data.loss_mask import mask_summary
+
+        out |= mask_summary(windows)
     return out
 
 
@@ -129,6 +133,11 @@ def describe(summary: dict) -> str:
         line = f"data ({split}): {s['source']}"
         if "examples" in s:
             line += f", {s['examples']:,} examples"
+        if "trained_tokens" in s:
+            line += (f"; {s['conversations']:,} conversations, {s['trained_tokens']:,} trained tokens "
+                     f"({s['trained_tokens'] / max(1, s['tokens']):.1%} of their tokens)")
+        if "conversation_padding" in s:
+            line += f"; one conversation per sequence: {s['conversation_padding']:.1%} padding"
         if "padding" in s:
             p = s["padding"]
             line += (f"; packed: {p['packed']:.1%} padding (one document per sequence: {p['unpacked']:.1%}; "

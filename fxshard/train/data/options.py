@@ -17,7 +17,8 @@ class DataOptions:
     data: Path | None = field(default=None, metadata=_help(
         "token file to train on: a flat binary file of uint16/uint32 token ids (nanoGPT's train.bin, Megatron's "
         ".bin) with a .json or Megatron .idx sidecar, as `fxshard data tokenize` writes; read in sequences of the "
-        "compiled length.  Wins over the model file's make_dataset() (said at launch)"))
+        "compiled length (a file with a loss mask, from --format chat: one conversation per sequence, trained where "
+        "the mask is 1).  Wins over the model file's make_dataset() (said at launch)"))
     eval_data: Path | None = field(default=None, metadata=_help(
         "token file of the validation split (default: the validation documents the sidecar of --data names, or "
         "val.bin beside a train.bin)"))

@@ -114,17 +114,19 @@ def unpacked_padding(lengths: np.ndarray, seq: int) -> float:
     return 1 - int(lengths.sum()) / slots if slots else 0.0
 
 
-def packed_row(ids: list[np.ndarray], seq: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One packed sequence from its documents' ids: input ids, labels and position ids, each ``seq`` long."""
+def packed_row(ids: list[np.ndarray], seq: int, pad_id: int, masks: list[np.ndarray] | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One packed sequence from its documents' ids: input ids, labels and position ids, each ``seq`` long.
+    ``masks``: each document's loss mask (:mod:`~fxshard.train.data.loss_mask`): -100 labels where it is 0."""
     used = sum(len(x) for x in ids)
     input_ids = np.full(seq, pad_id, dtype=np.int64)
     labels = np.full(seq, IGNORE, dtype=np.int64)
     positions = np.empty(seq, dtype=np.int64)
     at = 0
-    for x in ids:
+    for k, x in enumerate(ids):
         n = len(x)
         input_ids[at:at + n] = x
-        labels[at:at + n] = x
+        labels[at:at + n] = x if masks is None else np.where(masks[k].astype(bool), x, IGNORE)
         if at:
             labels[at] = IGNORE  # predicted from the previous document's last token: not a target
         positions[at:at + n] = np.arange(n)

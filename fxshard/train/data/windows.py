@@ -4,7 +4,9 @@ Unpacked, example ``i`` of a split is the ``S`` tokens from ``lo + i·S`` (the f
 and Megatron do: a sequence may span documents); packed (``--pack``), it is packed sequence ``i``
 (:mod:`fxshard.train.data.packing`).  The compiled forward names what an example fills (the Hugging Face causal-LM
 convention): ``input_ids`` and ``labels`` (the same ids: the model shifts them), ``position_ids`` (0..S-1, or
-restarting per document when packed) and ``attention_mask`` (ones; not with ``--pack``)::
+restarting per document when packed) and ``attention_mask`` (ones; not with ``--pack``).  A token file with a
+loss mask (chat data, :mod:`fxshard.train.data.loss_mask`) is read one conversation per example: right-padded
+unpacked, whole conversations packed; its labels are -100 where the mask is 0::
 
     source = token_source(model_file, spec, "train", DataOptions(data=Path("corpus.bin")))
     source.dataset[0]      # {"input_ids": tensor([...16 ids]), "labels": tensor([...])}
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from fxshard.errors import DataError
+from fxshard.train.data.loss_mask import LossMask, check_conversations_fit, conversation_row
 from fxshard.train.data.options import DataOptions
 from fxshard.train.data.packing import Packed, pack, packed_row, unpacked_padding
 from fxshard.train.data.spec import BatchSpec, Source
@@ -48,8 +51,9 @@ class SplitRange:
 class TokenWindows(torch.utils.data.Dataset):
     """The sequences of one split of a token file, as examples of the compiled row."""
 
-    def __init__(self, split: SplitRange, spec: BatchSpec, packed: Packed | None):
-        self.split, self.spec, self.packed = split, spec, packed
+    def __init__(self, split: SplitRange, spec: BatchSpec, packed: Packed | None,
+                 mask: LossMask | None = None):
+        self.split, self.spec, self.packed, self.mask = split, spec, packed, mask
         self.seq = _sequence_length(spec)
         self.pad_id = split.file.eos if split.file.eos is not None else 0
         self.fills = [c.key for c in spec.columns]
@@ -58,15 +62,24 @@ class TokenWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         if self.packed is not None:
             return self.packed.sequences
+        if self.mask is not None:  # one conversation per sequence
+            return self.split.last_doc - self.split.first_doc
         return (self.split.hi - self.split.lo) // self.seq
 
     def __getitem__(self, i: int) -> dict:
         if not 0 <= i < len(self):
             raise IndexError(i)
         if self.packed is not None:
-            ids = [self.split.file.read(s, n) for s, n in self.packed.segments(i)]
-            input_ids, labels, positions = packed_row(ids, self.seq, self.pad_id)
+            segments = self.packed.segments(i)
+            ids = [self.split.file.read(s, n) for s, n in segments]
+            masks = None if self.mask is None else [self.mask.read(s, n) for s, n in segments]
+            input_ids, labels, positions = packed_row(ids, self.seq, self.pad_id, masks)
             values = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+        elif self.mask is not None:
+            start, n = self._conversation(i)
+            ids, mask = self.split.file.read(start, n), self.mask.read(start, n)
+            input_ids, labels, attention = conversation_row(ids, mask, self.seq, self.pad_id)
+            values = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
         else:
             input_ids = self.split.file.read(self.split.lo + i * self.seq, self.seq)
             values = {"input_ids": input_ids, "labels": input_ids}
@@ -78,10 +91,19 @@ class TokenWindows(torch.utils.data.Dataset):
                 torch.ones(self.seq, dtype=self.dtypes[key])
         return torch.from_numpy(value).to(self.dtypes[key])
 
+    def _conversation(self, i: int) -> tuple[int, int]:
+        """File offset and length of the split's conversation ``i``."""
+        d = self.split.first_doc + i
+        f = self.split.file
+        end = int(f.starts[d + 1]) if d + 1 < len(f.starts) else f.tokens
+        return int(f.starts[d]), end - int(f.starts[d])
+
     def token_offset(self, i: int) -> int:
         """Where example ``i`` starts in the file."""
         if self.packed is not None:
             return int(self.packed.start[self.packed.first[i]])
+        if self.mask is not None:
+            return self._conversation(i)[0]
         return self.split.lo + i * self.seq
 
     def cursor(self, order, position: int) -> dict:
@@ -167,6 +189,9 @@ def token_source(mf, spec: BatchSpec, split: str, options: DataOptions, manifest
         path = options.eval_data or _nanogpt_val(options) or options.data
     file = TokenFile.open(path)
     part = split_range(file, split, options)
+    mask = LossMask.beside(file)
+    if mask is not None:
+        check_conversations_fit(file, part.document_table()[1], part.first_doc, _sequence_length(spec), split)
     packed = None
     if options.pack:
         if file.starts is None:
@@ -175,5 +200,8 @@ def token_source(mf, spec: BatchSpec, split: str, options: DataOptions, manifest
                             "with `fxshard data tokenize`")
         packed = _packed(part, _sequence_length(spec))
     what = "packed sequences" if packed is not None else "sequences"
+    if mask is not None:
+        how = "packed in" if packed is not None else "one per"
+        what = f"conversations with their loss mask, {how} sequences"
     return Source("tokens", f"{file.path} ({split}, {what} of {_sequence_length(spec)} tokens)",
-                  dataset=TokenWindows(part, spec, packed))
+                  dataset=TokenWindows(part, spec, packed, mask))
