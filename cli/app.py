@@ -374,23 +374,28 @@ def run(out: Path = typer.Argument(..., help="compiled output folder"), **flags)
     from fxshard.train.local import launch_local
     from fxshard.train.options import check_run_options, under_torchrun
 
-    try:
+    def checked() -> RunOptions:
         options = RunOptions.from_flags(flags)
         options.checkpoint_config()  # flags that need each other: said before anything reads OUT
         if not options.allow_edited:  # first: the option checks import model.py (make_dataset, make_batches)
             refuse_edited(out, read_manifest(out))
         check_run_options(out, options)
+        return options
+
+    try:
         if under_torchrun():
             from fxshard.cli.report import memory_table
 
             from fxshard.runtime.guard import recorded
 
-            with recorded():  # the launcher's summary then names this rank's error
+            with recorded():  # the launcher's summary then names this rank's error, its checks' refusals too
+                options = checked()
                 run_rank(out, options,
                          memory_report=(lambda rows: memory_table(console, rows)) if options.memory_report else None)
             from fxshard.train.supervise import exit_finished
 
             exit_finished()  # trained, written and torn down: no interpreter teardown to abort in
+        options = checked()
         manifest = read_manifest(out)
         world = manifest.layout.world_size
         if options.check:
@@ -506,7 +511,7 @@ def data_generate(
     tokenizer trained on it: data to try `fxshard data tokenize` and `fxshard run --data` with, no download.
     With --chat, conversations (a user asks for a phrase backwards) and a tokenizer with Qwen2's chat
     template. (Text from a trained model is `fxshard generate CKPT`.)"""
-    from fxshard.train.data.synthetic import train_tokenizer, write_corpus
+    from fxshard.train.data.synthetic import generate
 
     vocab = vocab if vocab is not None else 512 if chat else 256
     try:
@@ -525,8 +530,7 @@ def data_generate(
                           f"{out / 'tokenizer'} (with a chat template)")
             return
         with console.status(f"generating {documents:,} documents"):
-            write_corpus(out / "corpus", documents, files, seed)
-            train_tokenizer(out / "corpus", out / "tokenizer", vocab)
+            generate(out, documents, files, vocab, seed)
     except FxshardError as e:
         _fail(e)
     console.print(f"wrote {out / 'corpus'} ({documents:,} documents) and the tokenizer {out / 'tokenizer'}")
@@ -650,6 +654,9 @@ def verify(
                                           "update‖ over all parameters (default 1e-3; 0.25 under bf16)"),
     seed: Seed = 0,
     out: Path = typer.Option(None, "--out", help="keep the compiled program and the trained tensors here"),
+    fp64: bool = typer.Option(False, "--fp64", help="both sides in float64 (the model and its floating inputs "
+                              "converted): for a model whose training amplifies fp32 rounding past the tolerance "
+                              "(default tolerances 1e-9 and 1e-6)"),
     **flags,
 ):
     """Train MODEL distributed (local gloo processes, as `fxshard run`) and on one device; print the largest
@@ -670,10 +677,11 @@ def verify(
         seq, batch = shape.seq, shape.batch
         check_model_flags(model, seq, batch, auto=False)
         with model_source(model, build(FolderOptions, flags), seq, batch) as source:
-            console.print(f"verifying {model} at {layout.describe()}: {run.steps} steps distributed and on one device")
+            console.print(f"verifying {model} at {layout.describe()}{' in float64' if fp64 else ''}: {run.steps} "
+                          "steps distributed and on one device")
             result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan_file, split_before), seed,
                              rtol, param_rtol, out, timeout_s=run.timeout, compile=run.compile,
-                             cpu_matmul=run.cpu_matmul, weights=source.weights)
+                             cpu_matmul=run.cpu_matmul, weights=source.weights, fp64=fp64)
     except FxshardError as e:
         _fail(e)
     verify_report(console, result)

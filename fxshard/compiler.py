@@ -17,6 +17,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,10 +33,11 @@ from fxshard.capture.modelfile import (
 )
 from fxshard.capture.precision import capture_at
 from fxshard.capture.program import Program
+from fxshard.capture.rows import Rows, first_part, record_pairs
 from fxshard.codegen import emit_rank, rank_file_name
 from fxshard.codegen.collective_list import collective_entries
 from fxshard.codegen.emit import RankCode
-from fxshard.codegen.folder import staged_output
+from fxshard.codegen.folder import PROGRAM, STAGE, staged_output
 from fxshard.codegen.manifest import (
     MANIFEST,
     CollectiveEntry,
@@ -52,8 +54,9 @@ from fxshard.codegen.manifest import (
 from fxshard.codegen.stage_io import name_stage_values
 from fxshard.codegen.weights import checkpoint_source, external_weights, shard_metadata, weight_shards
 from fxshard.errors import LayoutError, PlanError, warn
+from fxshard.files import make_folder, path_for_library, write_bytes, write_text
 from fxshard.ir.autograd import requires_grad
-from fxshard.ir.batch import has_router_loss
+from fxshard.ir.batch import cross_batch_products, has_router_loss, is_mean_of_sums, whole_batch_region
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     BLOCKED,
@@ -68,6 +71,7 @@ from fxshard.ir.contracts import (
 from fxshard.ir.cut import choose_microbatches, find_blocks, label_markers
 from fxshard.ir.layout import EP, MESH_AXES, TP, Coords, Layout
 from fxshard.ir.placement import Replicate, Shard, local_shape, slice_spec
+from fxshard.ir.rows import BatchRows, batch_rows
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes import PASSES
@@ -115,10 +119,13 @@ def load_plan_file(path: str | Path) -> dict:
     return plan
 
 
-def batch_size(inputs, where: str) -> int | None:
-    """The leading size shared by the tensor inputs (the batch), or None without tensor inputs."""
+def batch_size(inputs, where: str, rows: Rows | None = None) -> int | None:
+    """The leading size shared by the tensor inputs (the batch), or None without tensor inputs; ``rows``: inputs
+    that do not lead with the batch (:class:`~fxshard.capture.rows.Rows`), checked apart."""
+    rows = rows or Rows(None)
+    skip = {f"[{k!r}]" for k in (*rows.counted, *rows.whole)}
     leaves = [(pytree.keystr(p), v) for p, v in pytree.tree_flatten_with_path(inputs)[0]
-              if isinstance(v, torch.Tensor)]
+              if isinstance(v, torch.Tensor) and pytree.keystr(p) not in skip]
     if not leaves:
         return None
     path, first = leaves[0]
@@ -156,12 +163,13 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = (model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)).for_layout(layout)
-    microbatches, batch, inputs = 1, None, None
+    microbatches, batch, inputs, split = 1, None, None, None
     if program is None:
         inputs = mf.build_inputs(seed)
+        where = f"{mf.path.name}: make_inputs()"
+        rows = Rows.of(inputs)
         if layout.pp > 1 or layout.dp > 1:
-            where = f"{mf.path.name}: make_inputs()"
-            batch = batch_size(inputs, where)
+            batch = batch_size(inputs, where, rows)
             if batch is None:
                 raise LayoutError(f"{where} has no tensor input to split over data-parallel ranks or microbatches")
             if batch % layout.dp:
@@ -171,8 +179,11 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             per_rank = batch // layout.dp
             microbatches = choose_microbatches(layout, per_rank, where) if layout.pp > 1 else 1
             size = per_rank // microbatches
-            inputs = pytree.tree_map(lambda v: v[:size].clone() if isinstance(v, torch.Tensor) else v, inputs)
+            split = " and ".join(([f"--dp {layout.dp}"] if layout.dp > 1 else [])
+                                 + ([f"{microbatches} microbatches"] if microbatches > 1 else [])) or None
+            inputs = first_part(inputs, rows, size, where, split or "the layout")
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
+        program = record_pairs(program, rows, where, split)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
     _check_scalar_parameters(program, layout)
@@ -204,6 +215,8 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                 ctx.params.add(node)
             elif node.name not in state:
                 ctx.user_inputs.add(node)
+    if batch is not None and layout.dp * microbatches > 1:
+        ctx.rows = _rows(mf, seed, program, ctx)
     gm = run_passes(gm, ctx)
     ctx.passes_run.insert(0, "capture")
     return CompiledProgram(None, ctx, gm)
@@ -219,6 +232,42 @@ def _sequence(mf: ModelFile, seed: int, inputs, program: Program, layout: Layout
     dtype = layout.compute_dtype if layout.mixed else None
     return sequence_dims(lambda other: capture_at(mf, seed, other, dtype, meta=True).gm, inputs, program.gm,
                          f"{mf.path.name}: make_inputs()")
+
+
+def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> BatchRows:
+    """Where the batch is split over dp ranks or microbatches: each captured value's placement over the batch's rows
+    and the ops that mix them, from a second capture (on meta tensors) at twice the rows (:mod:`fxshard.ir.rows`)."""
+    rows = next(i.shape[0] for i in program.inputs if i.is_tensor and i.shape)
+    layout = ctx.layout
+    second = _captured_twice(mf, seed, 2 * rows, layout.compute_dtype if layout.mixed else None)
+    gm = program.gm
+    exempt = {n.name: Replicate() for n in gm.graph.nodes if is_mean_of_sums(n)} if layout.dp > 1 and has_router_loss(
+        program.model) else {}  # passes/router_loss.py makes them whole-batch means
+    products = cross_batch_products(gm, ctx.user_inputs)  # passes/batch_gather.py computes them whole
+
+    def analyse(products):
+        return batch_rows(gm, second, {n.name for n in ctx.user_inputs}, f"{mf.path.name}: make_inputs()",
+                          {n.name for n in whole_batch_region(products)}, exempt)
+    rows = analyse(products)
+    paired = [p for p in products if rows.pairs_rows(*p.args[:2])]
+    return rows if paired == products else analyse(paired)  # a product of sizes equal to the rows by chance
+
+
+# the model captured at twice a part's rows, by (model file, its digest, seed, rows, dtype): the compiles of one
+# model at several layouts (fxshard plan's search, the tests) capture it once; the analysis only reads it
+_TWICE: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
+
+
+def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype) -> fx.GraphModule:
+    key = (str(mf.path), mf.digest(), seed, rows, str(dtype))
+    if key not in _TWICE:
+        inputs = pytree.tree_map(lambda v: v[:rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
+                                 mf.build_inputs(seed))
+        _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True).gm
+        while len(_TWICE) > 4:
+            _TWICE.popitem(last=False)
+    _TWICE.move_to_end(key)
+    return _TWICE[key]
 
 
 def _check_scalar_parameters(program: Program, layout: Layout) -> None:
@@ -361,7 +410,8 @@ def _manifest(gm: fx.GraphModule, ctx: CompileContext, mf: ModelFile, seed: int,
     """The whole compile's record: model, layout, plan, inputs, the rank files and the pipeline."""
     layout, program = ctx.layout, ctx.program
     inputs = tuple(InputEntry(name=i.name, path=i.path, is_tensor=i.is_tensor, dtype=i.dtype,
-                              shape=_batch_shape(i.shape, ctx) if i.is_tensor else (), microbatch_shape=tuple(i.shape))
+                              shape=_batch_shape(i.shape, ctx) if i.is_tensor and not i.whole else tuple(i.shape),
+                              microbatch_shape=tuple(i.shape), counted_by=i.counted_by, whole=i.whole)
                    for i in program.inputs)
     return Manifest(
         fxshard_version=__version__, model_file="model.py", model_name=mf.path.name, model_digest=ctx.model_digest,
@@ -394,7 +444,7 @@ def _batch_shape(shape, ctx: CompileContext) -> tuple[int, ...]:
 
 
 def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict) -> None:
-    """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.codegen.folder`):
+    """Write the program into a staging folder beside ``out`` and swap it in (:mod:`fxshard.files.staged`):
     a failed compile leaves ``out`` as it was, and files fxshard did not write are never deleted.  The manifest
     records the sha256 of every generated file, so ``check`` and ``run`` can refuse one edited afterwards."""
     model_bytes = mf.path.read_bytes()  # read once: it may be out/model.py itself
@@ -402,12 +452,13 @@ def write_output(out: Path, result: CompiledProgram, mf: ModelFile, shards: dict
     digests["model.py"] = hashlib.sha256(model_bytes).hexdigest()
     result.manifest = dataclasses.replace(result.manifest, digests=digests)
     names = {*result.sources, *shards, "model.py", MANIFEST}
-    with staged_output(out, names) as stage:
-        (stage / "weights").mkdir()
+    with staged_output(out, names, PROGRAM) as stage:
+        make_folder(stage / "weights", "the weight shards' folder")
         for name, text in result.sources.items():
-            (stage / name).write_text(text)
+            write_text(stage / name, text, "a rank file", owner=STAGE)
         for name, tensors in shards.items():
-            save_file(tensors, str(stage / name), metadata=shard_metadata(result.manifest, name))
-        (stage / "model.py").write_bytes(model_bytes)  # a new file: never written through a link in ``out``
+            with path_for_library(stage / name, "a weight shard", owner=STAGE) as tmp:
+                save_file(tensors, str(tmp), metadata=shard_metadata(result.manifest, name))
+        write_bytes(stage / "model.py", model_bytes, "the model file's copy", owner=STAGE)
         result.manifest.write(stage)
     result.out = out

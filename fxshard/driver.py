@@ -29,12 +29,14 @@ from fxshard.capture.hf_folder import ModelSource
 from fxshard.capture.hf_folder import model_source as _model_source
 from fxshard.capture.modelfile import load_model_file
 from fxshard.check.check import COMPILER_BUG, check_program
+from fxshard.check.fp64 import check_fp64, float64_model_file, rounding_floor
 from fxshard.check.verify import (
     DEFAULT_PARAM_RTOL,
     DEFAULT_RTOL,
     Verification,
     adamw_reach,
     compare_parameters,
+    compare_running_stats,
     gather_parameters,
     quiet_parameters,
     with_weights,
@@ -43,6 +45,7 @@ from fxshard.codegen.folder import check_target, recover_interrupted
 from fxshard.compiler import CompiledProgram, compile_program, generate, shard_shapes, write_output
 from fxshard.cost.costs import plan_costs
 from fxshard.errors import FxshardError
+from fxshard.files import make_folder
 from fxshard.ir.layout import Layout
 from fxshard.train.optim import OptimConfig
 
@@ -106,7 +109,7 @@ _compile = compile  # for verify, whose ``compile`` is the run's --compile
 def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimConfig = OptimConfig(),
            plan: dict | None = None, seed: int = 0, rtol: float | None = None, param_rtol: float | None = None,
            out: str | Path | None = None, timeout_s: float = 300.0, compile: bool = False,
-           cpu_matmul: str = "auto", weights: str | Path | None = None) -> Verification:
+           cpu_matmul: str = "auto", weights: str | Path | None = None, fp64: bool = False) -> Verification:
     """Compile, train ``steps`` steps on ``layout.world_size`` local processes and on one device; compare.
 
     The distributed run is the real thing: the compiled rank files launched as local gloo processes, exactly as
@@ -114,10 +117,13 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     trained parameters within ``param_rtol``: the norm of their difference over the norm of the single-device update,
     all parameters together (:data:`fxshard.check.verify.DEFAULT_PARAM_RTOL`) but those whose single-device gradient is
     zero up to rounding (:data:`~fxshard.check.verify.QUIET_GRAD`), which AdamW moves by noise: each of those within
-    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`).  ``compile``: the distributed run is
+    twice the farthest AdamW moves an element (:func:`~fxshard.check.verify.adamw_reach`); batch norms' running
+    statistics within ``param_rtol`` of their own change.  ``compile``: the distributed run is
     ``fxshard run --compile --cpu-matmul cpu_matmul`` (the single-device reference stays eager).  ``weights``: a Hugging
     Face folder, compiled as ``fxshard compile --weights`` (each rank reads its slices from it at run time); the
-    single-device model is ``make_model()`` with the folder's tensors loaded::
+    single-device model is ``make_model()`` with the folder's tensors loaded.  ``fp64``: both sides in float64
+    (:mod:`fxshard.check.fp64`), for a model whose training amplifies fp32 rounding past the tolerance; an fp32
+    verification that fails measures that (``Verification.floor``)::
 
         result = verify("samples/gpt.py", Layout(tp=2, pp=2), steps=3)
         assert result.ok, result.summary()
@@ -131,11 +137,15 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
     check_verify_options(steps, rtol, param_rtol)  # before anything is compiled or launched
     check_timeout(timeout_s)
     check_cpu_matmul(cpu_matmul)
+    if fp64:
+        check_fp64(layout, weights)
+    precision = "fp64" if fp64 else layout.dtype
     with tempfile.TemporaryDirectory(prefix="fxshard-verify-") as tmp:
+        source = float64_model_file(model_file, Path(tmp)) if fp64 else model_file
         out = Path(out) if out is not None else Path(tmp) / "out"
-        result = _compile(model_file, layout, out=out, plan=plan, seed=seed, weights=weights)
+        result = _compile(source, layout, out=out, plan=plan, seed=seed, weights=weights)
         metrics, final = out / "verify" / "metrics.jsonl", out / "verify" / "final"
-        metrics.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(metrics.parent, "verify's folder")
         options = RunOptions(steps=steps, optim=optim, metrics=metrics, timeout=timeout_s, compile=compile,
                              cpu_matmul=cpu_matmul, final_state=final)
         check_accumulated_loss(out, result.manifest, optim.grad_accum)  # as fxshard run, before it launches
@@ -144,18 +154,26 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         launch_local(out, options.argv(out), layout.world_size)
         distributed = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         trained = gather_parameters(result.manifest, final)
-    ref_state: dict = {}
-    mf = load_model_file(model_file).for_layout(layout)
-    if weights is not None:
-        mf = with_weights(mf, Path(weights))
-    initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
-    grad_sq: dict = {}
-    reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq)
-    quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, layout.dtype)
-    rows = compare_parameters(trained, ref_state, initial, quiet)
-    if len(distributed) != steps:
-        raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output above")
-    return Verification(result.ctx.layout, reference, distributed, rows,
-                        rtol if rtol is not None else DEFAULT_RTOL[layout.dtype],
-                        param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[layout.dtype],
-                        2 * adamw_reach(optim, steps))
+        ref_state: dict = {}
+        mf = load_model_file(source).for_layout(layout)
+        if weights is not None:
+            mf = with_weights(mf, Path(weights))
+        built = mf.build_model(seed)
+        initial = dict(built.named_parameters(remove_duplicate=False))
+        grad_sq, ref_buffers = {}, {}
+        reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq,
+                                     final_buffers=ref_buffers)
+        quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, precision)
+        rows = compare_parameters(trained, ref_state, initial, quiet)
+        stats = compare_running_stats(gather_parameters(result.manifest, final, kind="buffer"), ref_buffers, built)
+        if len(distributed) != steps:
+            raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output "
+                               "above")
+        verification = Verification(result.ctx.layout, reference, distributed, rows,
+                                    rtol if rtol is not None else DEFAULT_RTOL[precision],
+                                    param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[precision],
+                                    2 * adamw_reach(optim, steps), precision, stats=stats)
+        if not verification.ok and precision == "fp32":  # one device's own rounding: can fp32 judge this model?
+            verification.floor = rounding_floor(model_file, Path(tmp), layout, steps, optim, seed, reference,
+                                                ref_state, distributed, trained, verification.apart, weights)
+    return verification

@@ -44,8 +44,10 @@ class RandomnessError(FxshardError):
 
 
 def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order, for 'use tp in {...}' hints."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in increasing order, for 'use tp in {...}' hints (pairs up to its square root: a device
+    count of millions is as quick as one of eight)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 class DataError(FxshardError):

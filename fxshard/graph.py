@@ -5,13 +5,17 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
     ancestors([node])  # the node and what it is computed from (walk: the one graph walk)
+    model_line(node)   # 'modeling_llama.py:244': the line of the model's code that made it
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch.fx as fx
+
+NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")  # frames of a stack trace that are not the model's code
 
 
 def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
@@ -66,3 +70,12 @@ def ancestors(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
 def descendants(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
     """``start`` and every node computed from it (:func:`walk` by ``users``)."""
     return walk(start, lambda n: n.users)
+def model_line(node: fx.Node) -> str:
+    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
+    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(frames):
+        if not any(part in path for part in NOT_MODEL):
+            return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return ""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from fxshard.passes.batch_gather import batch_gather_pass
 from fxshard.passes.batch_norm_sync import batch_norm_sync_pass, has_batch_norm
+from fxshard.passes.batch_rows import batch_rows_pass
 from fxshard.passes.blocks import blocks_pass
 from fxshard.passes.causal_attention import causal_attention_pass, has_masked_attention
 from fxshard.passes.checks import checks_pass
@@ -45,6 +46,7 @@ from fxshard.ir.contracts import (
     MASKS_INVARIANT,
     OVERLAPPED,
     PLACED,
+    ROWS_WHOLE,
     SEQUENCE_SPLIT,
     STAGED,
     TOKEN_MEANS,
@@ -68,8 +70,13 @@ PASSES: tuple[Pass, ...] = (
     # microbatches refuse them) and rewrite nothing
     Pass(batch_norm_sync_pass, requires=(COMMUNICATED,), program_gate=lambda ctx: has_batch_norm(ctx.program.gm)),
     Pass(batch_gather_pass, requires=(COMMUNICATED,),
-         program_gate=lambda ctx: bool(cross_batch_products(ctx.program.gm, ctx.user_inputs))),
-    Pass(dropout_pass, requires=(COMMUNICATED,), ensures=(MASKS_INVARIANT,)),  # reads the final placements
+         program_gate=lambda ctx: bool(cross_batch_products(ctx.program.gm, ctx.user_inputs, ctx.rows))),
+    # where the batch is split (dp, microbatches) and the batch-row analysis (fxshard.ir.rows, run by the compiler)
+    # found values that need the whole batch: computed whole under --dp, refused with microbatches
+    Pass(batch_rows_pass, requires=(COMMUNICATED,), ensures=(ROWS_WHOLE,),
+         program_gate=lambda ctx: ctx.rows is not None and ctx.rows.acts),
+    # reads the final placements, and which values are computed on the whole batch (their draws' rows)
+    Pass(dropout_pass, requires=(COMMUNICATED, ROWS_WHOLE), ensures=(MASKS_INVARIANT,)),
     Pass(pipeline_pass, requires=(PLACED, COMMUNICATED), ensures=(STAGED,)),
     Pass(blocks_pass, requires=(COMMUNICATED, STAGED), ensures=(BLOCKED,)),
     # --no-overlap keeps copy_to and the linears; zero-bubble's split backward would run the fused backward twice

@@ -23,7 +23,9 @@ refused at launch for the same reason (the manifest's ``batch_couplings``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 
 import torch
 import torch.fx as fx
@@ -47,7 +49,7 @@ aten = torch.ops.aten
 
 
 def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    products = cross_batch_products(gm, ctx.user_inputs)
+    products = cross_batch_products(gm, ctx.user_inputs, ctx.rows)
     model = type(ctx.program.model).__name__
     found = [describe(n, model) for n in products]
     ctx.batch_couplings = [*ctx.batch_couplings, *found]
@@ -69,8 +71,7 @@ def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
         node.args = fx.node.map_arg(node.args, enter)
         node.kwargs = fx.node.map_arg(node.kwargs, enter)
     for a in whole:  # a part's labels only the region read: their whole-batch copy replaced them
-        if not a.users and a.op == "call_function":
-            gm.graph.erase_node(a)
+        _erase_unused(gm, a)
     _revalue(gm, region)
     ctx.notes.append(f"--dp {ctx.layout.dp}: {listed}: its operands gathered over dp (rt.gather_to, the gradient "
                      "reduce-scattered back), it and what follows from it computed on the whole batch on every rank: "
@@ -87,12 +88,7 @@ def _whole(gm: fx.GraphModule, user: fx.Node, a: fx.Node, b: int, dp: int, carri
     if not isinstance(val, torch.Tensor):
         return a
     if not carries:
-        if a.target is aten.arange.default and list(a.args) == [b]:
-            with gm.graph.inserting_after(a):
-                copy = gm.graph.call_function(aten.arange.default, (b * dp,), dict(a.kwargs))
-            copy.meta = dict(a.meta, val=val.new_empty(b * dp))
-            return copy
-        return a
+        return _whole_made(gm, a, b, dp)
     dims = [1] if user.target in (aten.matmul.default, aten.mm.default) and a is user.args[1] else \
         [0] if user.target in (aten.matmul.default, aten.mm.default) else \
         [d for d, size in enumerate(val.shape) if size == b]
@@ -110,6 +106,64 @@ def _whole(gm: fx.GraphModule, user: fx.Node, a: fx.Node, b: int, dp: int, carri
                      "fxshard": dataclasses.replace(spec(a), collective="gather_to", inputs=None,
                                                     role="examples of every dp rank")}
     return gathered
+
+
+# ops that make a tensor of the sizes they are given: ``arange(b)`` (a part's labels), ``eye(b)`` (SigLIP's
+# ``2 * eye(B) - 1`` targets), ``ones``/``zeros``/``full``/``empty`` of ``[b, b]``; the sizes they take, by position
+_SIZED = {aten.arange.default: (0,), aten.eye.default: (0,), aten.eye.m: (0, 1), aten.ones.default: (0,),
+          aten.zeros.default: (0,), aten.full.default: (0,), aten.empty.memory_format: (0,)}
+
+
+def _whole_made(gm: fx.GraphModule, a: fx.Node, b: int, dp: int) -> fx.Node:
+    """``a``, a value the whole-batch region reads that no example flows into, at the whole batch: where it is
+    computed from tensors made at the part's batch size ``b`` (``arange(b)``, ``eye(b)``, ``ones(b, b)``) and from
+    constants alone, that computation again with each such size ``b * dp`` (``2 * eye(B)``); else ``a`` as it is.
+    A made size that is not the batch (a width equal to ``b``) gives shapes the region's revaluation refuses."""
+    made, stack = [], [a]
+    while stack:  # a's ancestry: made tensors and ops on them; a parameter, buffer or input keeps ``a`` as it is
+        n = stack.pop()
+        if n.op != "call_function" or n in made:
+            if n.op != "call_function":
+                return a
+            continue
+        made.append(n)
+        stack.extend(n.all_input_nodes)
+    resized = [n for n in made if n.target in _SIZED and _sizes(n, b)]
+    if not resized:
+        return a
+    copies: dict[fx.Node, fx.Node] = {}
+    with gm.graph.inserting_before(a.next):
+        for n in [n for n in gm.graph.nodes if n in made]:  # graph order: an op after its arguments
+            args = fx.node.map_arg(n.args, lambda x: copies[x])
+            if n in resized:
+                args = tuple(_grown(v, b, dp) if i in _SIZED[n.target] else v for i, v in enumerate(args))
+            copies[n] = gm.graph.call_function(n.target, args, fx.node.map_arg(n.kwargs, lambda x: copies[x]))
+            copies[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
+    _revalue(gm, set(copies.values()))
+    return copies[a]
+
+
+def _erase_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then each of its arguments left so (``eye(b)`` under ``2 * eye(b)``)."""
+    if node.users or node.op != "call_function":
+        return
+    inputs = node.all_input_nodes
+    gm.graph.erase_node(node)
+    for n in inputs:
+        _erase_unused(gm, n)
+
+
+def _sizes(node: fx.Node, b: int) -> bool:
+    """Whether ``node`` (an op of ``_SIZED``) makes a dimension of size ``b``."""
+    return any(v == b or isinstance(v, (list, tuple)) and b in v
+               for i, v in enumerate(node.args) if i in _SIZED[node.target])
+
+
+def _grown(v, b: int, dp: int):
+    """A size argument with each ``b`` made ``b * dp``."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(b * dp if x == b else x for x in v)
+    return b * dp if v == b else v
 
 
 def _revalue(gm: fx.GraphModule, region: set[fx.Node]) -> None:
@@ -131,10 +185,22 @@ def _revalue(gm: fx.GraphModule, region: set[fx.Node]) -> None:
             kwargs = fx.node.map_arg(node.kwargs, fake)
             args = torch.utils._pytree.tree_map(fake, args)
             try:
-                value = node.target(*args, **kwargs)
+                with _quiet_fake_tensor_log():  # torch logs the failure's traceback; the LayoutError below says it
+                    value = node.target(*args, **kwargs)
             except Exception as e:
                 raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}) is computed on the "
                                   f"whole batch under --dp, and fails at its size: {type(e).__name__}: "
                                   f"{str(e).splitlines()[0]}; a size of the part's batch is fixed in it: compute it "
                                   "from the values' shapes, or train at --dp 1") from e
             node.meta["val"] = value
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)

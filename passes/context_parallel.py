@@ -124,6 +124,12 @@ class _Split:
                 decision, gathers = self._gathered_operand(node, args, trial), True
             if decision is None:
                 raise ShardingError(self._mixes(node, trial))
+            if decision.rewrite is not None:  # a tensor-parallel rewrite (a mean of parts): no cp form of it
+                raise ShardingError(
+                    f"{node_fqn(node) or 'model'}: {_op(node)} ({node.name}) reduces over the sequence, which --cp "
+                    f"{self.cp} splits (a mean or sum over the tokens: each cp rank holds 1/{self.cp} of them, and "
+                    "the result would need the parts of every cp rank, which fxshard does not write under cp); "
+                    "fxshard refuses rather than train wrongly: drop --cp for this model")
         self.apply(node, args, has, decision, gathers)
 
     def _seeded(self, node: fx.Node, args: list[fx.Node]) -> Decision | None:

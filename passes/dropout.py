@@ -10,12 +10,22 @@ so every rank computes exactly the decisions of its own elements::
 
     dropout_2 = rt.dropout(view_7, 0.1, site=2, shard=(1, 0, 2))  # S(1)  mask as on one device
 
+Every other random op of :data:`fxshard.runtime.draws.DRAWS` (``rand``, ``randn``, ``randint``, ``randperm``,
+``rand_like``, ``bernoulli_``, ``exponential_``, ``normal_``, ``uniform_``, ``multinomial``, ...) becomes
+``rt.draw(op, ..., site=k, rows=..., shard=...)``, numbered in graph order among themselves: each element is drawn by
+its place in one device's tensor (``fxshard/runtime/draws.py``), ``rows`` saying which dimension holds this rank's
+part of the batch (the batch-row analysis, :mod:`fxshard.ir.rows`: dp ranks x microbatches, in order) and ``shard``
+its tp slice::
+
+    rand = rt.draw(torch.ops.aten.rand.default, [2, 16], device=..., site=0, rows=(0, 2, 4))  # [2, 16] f32
+
 Runs after the collectives pass (placements are final) and before the pipeline cut.  Refused, with
 the module named: dropout inside ``scaled_dot_product_attention`` (the fused kernel draws its own
 mask), the channel-wise and alpha variants, and — when the batch is split over dp ranks or
-microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples; and every
-other op that draws random numbers (``rand_like``, ``exponential_``, ``bernoulli``, ``multinomial``, ...)
-under pipeline or data parallelism or split over tp ranks, where its values would differ from one device.
+microbatches — a dropout input whose dim 0 is not the batch, since rows are mapped to samples; a draw whose
+value has no part of the batch fxshard can map to rows, or split along the sequence under ``--cp``; and a random
+op outside ``DRAWS`` (``poisson``, ``rrelu``, a draw from the model's own generator) under pipeline or data
+parallelism or split over tp ranks, where its values would differ from one device.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from fxshard.graph import node_fqn
 from fxshard.ir.context import TP, CompileContext, RankValue, spec
 from fxshard.ir.placement import Replicate, Shard, slice_spec
 from fxshard.ir.sharding import argument
+from fxshard.runtime import draws as rt_draws
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten
@@ -47,11 +58,15 @@ _VARIANTS = {  # op -> what the user wrote
 def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     layout = ctx.layout
     rows = ctx.batch // layout.dp // ctx.microbatches if ctx.batch and layout.dp * ctx.microbatches > 1 else None
-    site = 0
+    site = drawn = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         _refuse_unreproducible(node)
+        if node.target in rt_draws.DRAWS and node.kwargs.get("generator") is None:
+            _as_draw(node, drawn, ctx)
+            drawn += 1
+            continue
         if node.target not in _DROPOUT:
             _refuse_other_randomness(node, ctx)
             continue
@@ -67,9 +82,11 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             node.replace_all_uses_with(x)
             gm.graph.erase_node(node)
             continue
-        if rows is not None:
-            _check_rows(node, x, rows, ctx)
         kwargs = {"site": here}
+        if ctx.rows is not None and node.name in set(ctx.rows.whole):  # on the whole batch: its rows from 0
+            kwargs["whole"] = True
+        elif rows is not None:
+            _check_rows(node, x, rows, ctx)
         placement = spec(node).placement
         if isinstance(placement, Shard) and layout.tp > 1:
             if placement.sizes or placement.blocks > 1 and placement.replicas:
@@ -86,6 +103,51 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         node.kwargs = kwargs
     gm.recompile()
     return gm
+
+
+def _shard(node: fx.Node, placement: Shard, tp: int, what: str) -> RankValue:
+    """Which slice of the global tensor each tp rank holds: ``(dim, index, parts[, blocks])``, None for all of it."""
+    if placement.sizes or placement.blocks > 1 and placement.replicas:
+        raise RandomnessError(f"{node_fqn(node) or 'model'}: {what} on a value split in unequal or replicated packed "
+                              f"blocks ({placement}) has no layout-invariant values yet; use it after the packed value "
+                              "is split into its parts")
+    slices = [slice_spec(placement, r, tp) for r in range(tp)]
+    return RankValue(TP, tuple((sl.dim, sl.index, sl.parts, *((sl.blocks,) if sl.blocks > 1 else ()))
+                               if sl.parts > 1 else None for sl in slices))
+
+
+def _as_draw(node: fx.Node, site: int, ctx: CompileContext) -> None:
+    """``op(...)`` as ``rt.draw(op, ..., site=site, rows=..., shard=...)``: this rank's elements of one device's draw."""
+    op, layout, fqn = node.target, ctx.layout, node_fqn(node) or "model"
+    kwargs = dict(node.kwargs, site=site)
+    rows = ctx.rows
+    if rows is not None and node.name not in set(rows.whole):  # computed on the whole batch: one device's tensor
+        p = rows.of(node)
+        if isinstance(p, Shard):
+            kwargs["rows"] = (p.dim, rows.rows, layout.dp * ctx.microbatches, *((p.blocks,) if p.blocks > 1 else ()))
+        elif p != Replicate():
+            raise RandomnessError(
+                f"{fqn}: {node.name} = {op} draws random numbers in training, and fxshard cannot map the value it "
+                f"draws to the batch's rows ({p}), which are split over {layout.dp} dp rank(s) x {ctx.microbatches} "
+                "microbatch(es); draw it for a value of the batch (torch.rand_like(x), x.new_empty(...).uniform_()) "
+                "or with a size that keeps the batch in one dimension, or train at --dp 1 without microbatches")
+    placement = spec(node).placement
+    if isinstance(placement, Shard) and layout.tp > 1:
+        if "rows" in kwargs and kwargs["rows"][0] == placement.dim:
+            raise RandomnessError(f"{fqn}: {node.name} = {op} draws a value split along its batch rows over tp too "
+                                  f"({placement}); fxshard maps one split of a dimension; train at --tp 1 or --dp 1")
+        kwargs["shard"] = _shard(node, placement, layout.tp, str(op))
+    elif not isinstance(placement, (Shard, Replicate)):
+        raise RandomnessError(f"{fqn}: {node.name} = {op} draws for a value placed {placement} over tp; expected it "
+                              "whole or split; train at --tp 1")
+    if isinstance(spec(node).seq, Shard):
+        raise RandomnessError(f"{fqn}: {node.name} = {op} draws random numbers split along the sequence under --cp "
+                              f"{layout.cp}; its layout-invariant values number the tokens of the whole sequence, which "
+                              "a cp rank's permuted part does not yet give them; draw it without a sequence dimension "
+                              "or drop --cp")
+    node.target = rt_draws.draw
+    node.args = (op, *node.args)
+    node.kwargs = kwargs
 
 
 def _refuse_unreproducible(node: fx.Node) -> None:
@@ -139,9 +201,9 @@ def _draws(node: fx.Node) -> bool:
 
 
 def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
-    """Refuse a random op other than dropout where its draws would differ from single-device training
-    (dropout alone gets masks keyed by sample and element): split over tp ranks (each would draw its own
-    slice), per pipeline microbatch or per dp rank.  Replicated at pp = dp = 1 it is exact: every tp rank
+    """Refuse a random op fxshard does not draw by position (outside dropout and ``DRAWS``: ``poisson``, ``rrelu``, a
+    draw from the model's own generator) where its draws would differ from single-device training: split over tp
+    ranks (each would draw its own slice), per pipeline microbatch or per dp rank.  Replicated at pp = dp = 1 it is exact: every tp rank
     draws the whole tensor from the same seeded generator in the model's order.  An op that only takes a
     ``dropout_p`` (attention) draws nothing at p = 0; p > 0 is refused by ``_refuse_unreproducible``."""
     tags = getattr(node.target, "tags", ())
@@ -156,10 +218,11 @@ def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
     if schema is not None and any(a.name == "dropout_p" for a in schema.arguments):
         return
     raise RandomnessError(
-        f"{node_fqn(node) or 'model'}: {node.name} = {node.target} draws random numbers in training; fxshard makes "
-        "only dropout draw the single-device values under any layout, and this op would draw other values per "
-        f"tp slice, pipeline microbatch or dp rank ({ctx.layout.describe()}), so training would differ from one "
-        "device (replicated at pp = dp = 1 it is exact). Draw the values outside the model and pass them in as an "
-        "input, switch the randomness off for training (e.g. a jitter/noise setting of the config), or use a "
-        "layout without pipeline and data parallelism"
+        f"{node_fqn(node) or 'model'}: {node.name} = {node.target} draws random numbers in training from torch's "
+        "generator; fxshard draws the single-device values under any layout for dropout and the ops of "
+        "fxshard.runtime.draws.DRAWS (rand, randn, randint, randperm, bernoulli, exponential_, normal, uniform_, "
+        "multinomial, ...), not this one, which would draw other values per tp slice, pipeline microbatch or dp "
+        f"rank ({ctx.layout.describe()}), so training would differ from one device (replicated at pp = dp = 1 it is "
+        "exact). Draw it with one of those ops, draw the values outside the model and pass them in as an input, or "
+        "use a layout without pipeline and data parallelism"
     )

@@ -40,7 +40,10 @@ aten = torch.ops.aten
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss = out.args[0][0]
-    whole = whole_batch_region(cross_batch_products(gm, ctx.user_inputs))
+    whole = whole_batch_region(cross_batch_products(gm, ctx.user_inputs, ctx.rows))
+    if ctx.rows is not None:  # values passes/batch_rows.py computes on the whole batch: a loss there is as it is
+        names = set(ctx.rows.whole)
+        whole |= {n for n in gm.graph.nodes if n.name in names}
     terms = counted_terms(loss, ctx.user_inputs, whole)
     if not terms:
         if (ctx.layout.dp > 1 or ctx.layout.pp > 1) and loss not in whole:

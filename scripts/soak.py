@@ -14,6 +14,8 @@ moments within a step depend on the machine's load).  At the end it checks, and 
 - the final checkpoints are equal bit for bit: every parameter, its Adam state (``exp_avg``, ``exp_avg_sq``,
   ``step``) and the index's trainer state (batches, learning-rate schedule, data position);
 - every step the soak trained, including the steps it trained again after a kill, has the reference's loss bit for bit;
+- every checkpoint kept (both folders, every ``step-<N>``) proves its content: each tensor read back has the digest
+  its save recorded (each resume already read its step through the same check: a damaged save would have stopped it);
 - no orphan: every process seen under the driver (it is the children's subreaper, so an orphan becomes its child
   and stays visible) has ended;
 - no stray file: the checkpoint folder holds only ``step-<N>`` folders (each with its index, model file and shards),
@@ -24,8 +26,10 @@ moments within a step depend on the machine's load).  At the end it checks, and 
   two saves' worth of steps (shorter segments are listed, not judged).
 
 It prints a Markdown summary (each kill: the rank, the step, whether the save of the last step trained was lost, the
-step resumed from, the steps lost, the seconds down; wall times; RSS first and last per rank and segment), writes it to ``--results``
-when given, and the figures as JSON to ``WORK/soak.json`` (tests/scripts/test_soak.py reads them).
+step resumed from, the steps lost, the seconds down; wall times; RSS first and last per rank and segment; what the
+checksums cost: hashing one rank's shard, as each save does, and reading it back with and without the check, as each
+resume does), writes it to ``--results`` when given, and the figures as JSON to ``WORK/soak.json``
+(tests/scripts/test_soak.py reads them).
 """
 
 from __future__ import annotations
@@ -267,6 +271,9 @@ class Soak:
     def report(self, ref, segments, ref_ckpt, ref_metrics, metrics, compiled_before, soak_s, total_s) -> dict:
         a = self.args
         differ, compared = compare_checkpoints(ref_ckpt, self.soak_ckpt)
+        verified, damaged = verify_steps(ref_ckpt)
+        more, damaged_soak = verify_steps(self.soak_ckpt)
+        verified, damaged = verified + more, damaged + damaged_soak
         ref_loss = {s: loss for s, loss, _ in _Tail(ref_metrics, 0).read()}
         trained = _Tail(metrics, 0).read()
         loss_differ = [s for s, loss, _ in trained if ref_loss.get(s) != loss]
@@ -285,6 +292,7 @@ class Soak:
             "resumes": len(segments) - 1, "steps_trained": len(trained),
             "identical": not differ, "tensors_compared": compared, "differ": differ[:20],
             "losses_compared": len(trained), "loss_differ": loss_differ[:20],
+            "tensors_verified": verified, "damaged": damaged[:20], "checksum_cost": checksum_cost(self.soak_ckpt),
             "orphans": orphans, "processes_seen": len(self.seen), "stray": stray,
             "rss_kib": rss, "rss_growth": growth, "rss_ok": all(g <= a.rss_growth for g in growth.values()),
             "wall_s": {"reference": ref.wall_s, "soak": round(soak_s, 1), "total": round(total_s, 1),
@@ -342,6 +350,55 @@ def compare_checkpoints(a: Path, b: Path) -> tuple[list[str], int]:
     return differ, compared
 
 
+def verify_steps(ckpt: Path) -> tuple[int, list[str]]:
+    """Read every tensor of every kept step of ``ckpt`` through the digest check; (tensors verified, what failed)."""
+    from fxshard.errors import FxshardError
+    from fxshard.train.checkpoint import CheckpointReader
+
+    verified, damaged = 0, []
+    for step in sorted(p for p in ckpt.iterdir() if STEP_DIR.fullmatch(p.name)):
+        try:
+            reader = CheckpointReader(step)
+            for fqn in sorted(reader.sources):
+                for kind in ["param"] + (["exp_avg", "exp_avg_sq", "step"] if reader.has_state(fqn) else []):
+                    reader.tensor(fqn, kind)
+                    verified += 1
+        except FxshardError as e:
+            damaged.append(f"{step.name}: {e}")
+    return verified, damaged
+
+
+def checksum_cost(ckpt: Path) -> dict:
+    """What the checksums cost on the latest step's largest shard (one rank's part of a save): hashing its tensors
+    (the save's extra work on that rank) and reading them back with the check and without (a resume's)."""
+    from safetensors import safe_open
+
+    from fxshard.train.checkpoint import find_checkpoint
+    from fxshard.train.digests import check_tensor, digests_of, tensor_digests
+
+    step = find_checkpoint(ckpt)
+    shard = max(step.glob("shard-*.safetensors"), key=lambda p: p.stat().st_size)
+
+    def read(checked: bool) -> dict:
+        with safe_open(str(shard), framework="pt") as f:
+            digests = digests_of(f.metadata(), str(shard))
+            return {k: check_tensor(f.get_tensor(k).clone(), digests[k], str(shard), k) if checked else
+                    f.get_tensor(k).clone() for k in f.keys()}
+
+    def seconds(fn, rounds=5):
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)  # the least disturbed by the machine's other work
+
+    tensors = read(False)
+    return {"shard": shard.name, "bytes": shard.stat().st_size, "tensors": len(tensors),
+            "hash_s": seconds(lambda: tensor_digests(tensors)), "read_s": seconds(lambda: read(False)),
+            "read_checked_s": seconds(lambda: read(True))}
+
+
 def _same_bytes(x, y) -> bool:
     return bool((x.contiguous().reshape(-1).view(dtype=_u8()) == y.contiguous().reshape(-1).view(dtype=_u8())).all())
 
@@ -378,12 +435,23 @@ def verdicts(r: dict) -> list[tuple[str, bool, str]]:
         ("every step trained (again after a kill too) has the uninterrupted run's loss, bit for bit",
          not r["loss_differ"], f"{r['losses_compared']} steps" + (f"; differ at {r['loss_differ']}" if r["loss_differ"]
                                                                    else "")),
+        ("every checkpoint kept proves its content: each tensor has the digest its save recorded", not r["damaged"],
+         f"{r['tensors_verified']} tensors verified" + (f"; damaged: {'; '.join(r['damaged'])}" if r["damaged"]
+                                                         else "")),
         ("no orphan process", not r["orphans"], f"{r['processes_seen']} processes seen"
          + (f"; alive: {r['orphans']}" if r["orphans"] else "")),
         ("no stray file", not r["stray"], "; ".join(r["stray"]) or "checkpoint folders, compiled folder, TMPDIR"),
         (f"host memory does not grow (each rank's RSS, after its first save to the end, by at most "
          f"{r['rss_growth_limit']:.0%})", r["rss_ok"], growth),
     ]
+
+
+def _checksum_line(c: dict) -> str:
+    return (f"Checksums (XXH3-128 of every tensor, checked on every read): one rank's shard ({c['shard']}, "
+            f"{c['bytes'] / 2**20:.1f} MiB, {c['tensors']} tensors) hashes in {c['hash_s'] * 1e3:.1f} ms, each save's "
+            f"extra work on that rank; reading it back takes {c['read_s'] * 1e3:.1f} ms unchecked and "
+            f"{c['read_checked_s'] * 1e3:.1f} ms checked, a resume's extra {(c['read_checked_s'] - c['read_s']) * 1e3:.1f}"
+            " ms (best of 5).")
 
 
 def summary(r: dict) -> str:
@@ -401,6 +469,8 @@ def summary(r: dict) -> str:
         f"Wall time: reference (uninterrupted) {r['wall_s']['reference']} s, soak {r['wall_s']['soak']} s "
         f"({r['resumes']} resumes, {r['steps_trained']} steps trained for {r['steps']}), all "
         f"{r['wall_s']['total']} s with the compile.",
+        "",
+        _checksum_line(r["checksum_cost"]),
         "",
         "Each kill: the step the run had trained when the signal went, the last step it finished, whether that step's "
         "save was lost with it, the step resumed from, the steps trained again, and the seconds from the signal to the "

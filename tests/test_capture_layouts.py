@@ -1,6 +1,6 @@
 """What capture must carry beyond parameters and buffers trains exactly under every layout: tensors a
-model makes inside ``forward`` (lifted constants), Hugging Face Falcon and T5 which make them.  What it
-cannot carry exactly is refused at compile: randomness other than dropout under a parallel layout.  A
+model makes inside ``forward`` (lifted constants), Hugging Face Falcon and T5 which make them.  Random
+ops other than dropout draw each rank's part of one device's values (the noisy-* cases).  A
 custom autograd.Function keeps its backward (an fxshard_fn custom op) and trains as on one device.
 
 Each case is compiled here and trained 3 AdamW steps on real gloo process groups through
@@ -20,7 +20,6 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
 from fxshard.codegen.manifest import read_manifest
 from fxshard.driver import compile as compile_model
-from fxshard.errors import RandomnessError
 from fxshard.ir.context import Layout
 from fxshard.testing import matrix, selected_cases
 from fxshard.train.reference import reference_losses
@@ -105,26 +104,13 @@ def test_constants_made_in_forward_reach_the_rank_files(tmp_path):
     assert {t.source for t in constants} >= {"lifted_tensor_0", "blocks.3.lifted_tensor_8"}
 
 
-# Phimoe's router multiplies through its own autograd.Function (kept as an fxshard_fn op, tests/test_autograd_functions.py)
-# and draws random numbers in training: per pipeline microbatch or dp rank refused, the drawing op named
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
-def test_phimoe_router_randomness_is_refused_naming_the_op(layout):
-    with pytest.raises(RandomnessError, match=r"^model\.layers\.0\.mlp\.router: exponential_ = "
-                                              r"aten\.exponential_\.default draws random numbers in training"):
-        compile_model(MODELS / "hf_phimoe.py", layout)
-
-
-# Random ops other than dropout would draw other values per pipeline microbatch or dp rank: refused, op named
-# (replicated over tp ranks they are exact: the noisy-tp2 cases above, also with the plan splitting their input)
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
-def test_randomness_other_than_dropout_is_refused_naming_the_op(layout):
-    with pytest.raises(RandomnessError, match=r"^blocks\.0: rand_like = aten\.rand_like\.default draws random"):
-        compile_model(MODELS / "noisy.py", layout)
-
-
-def test_randomness_compiles_for_one_device():
-    compile_model(MODELS / "noisy.py", Layout())
+# Random ops other than dropout draw each rank's elements of one device's values (fxshard.runtime.draws); trained
+# against one device at dp2 and pp2 in tests/test_rows_layouts.py.  One outside the ops fxshard draws so (rrelu, a
+# model's own generator) is refused under pipeline or data parallelism, naming it (tests/passes/test_dropout.py)
+@pytest.mark.parametrize("layout", [Layout(), Layout(pp=2), Layout(dp=2)], ids=["one-device", "pp2", "dp2"])
+def test_randomness_other_than_dropout_compiles_as_draws(layout):
+    code = compile_model(MODELS / "noisy.py", layout).sources["rank_pp0_tp0.py"]
+    assert "rt.draw(aten.rand_like.default, relu, pin_memory=False, site=0" in code
 
 
 def test_meta_compile_keeps_a_constant_made_inside_forward(tmp_path):

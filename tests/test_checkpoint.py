@@ -190,6 +190,11 @@ def test_a_tensor_missing_from_the_checkpoint_names_file_and_tensor(saved, tmp_p
     del tensors[victim]
     save_file(tensors, str(shard))
     out = _compile(tmp_path, "gpt2", Layout(), "gpt2-single")
+    msg = _resume_error(out, ckpt)  # the index recorded the shard's size and header: another file is named as such
+    assert "CheckpointError" in msg and str(shard) in msg and "the file is not the one saved with this checkpoint" in msg
+    index = json.loads((ckpt / "index.json").read_text())
+    del index["files"]  # as a checkpoint saved before fxshard recorded its shards: the missing tensor is named
+    (ckpt / "index.json").write_text(json.dumps(index))
     msg = _resume_error(out, ckpt)
     assert "CheckpointError" in msg and str(shard) in msg and "transformer.h.0.ln_1.weight" in msg
 

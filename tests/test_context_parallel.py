@@ -162,6 +162,13 @@ def test_a_sequence_that_2cp_does_not_divide_is_refused():
         compile_model(LLAMA, Layout(cp=3))
 
 
+def test_a_mean_over_the_split_sequence_is_refused_naming_it_not_an_assertion():
+    """Issue 45 item 13: a model pooling its tokens (a mean over the sequence) was an AssertionError in the pass."""
+    with pytest.raises(FxshardError, match=r"model: aten.mean.dim \(mean\) reduces over the sequence, which --cp 2 "
+                                           r"splits .*drop --cp for this model"):
+        compile_model(Path(__file__).parent / "models" / "sequence_mean.py", Layout(cp=2))
+
+
 def test_a2a_refuses_heads_that_cp_times_tp_does_not_divide():
     with pytest.raises(FxshardError, match=r"self_attn: --cp-mode a2a splits the 8 attention heads over cp x tp = 16"):
         compile_model(LLAMA, Layout(cp=4, tp=4, cp_mode="a2a"))

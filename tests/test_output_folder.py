@@ -146,7 +146,7 @@ def test_a_symlinked_model_copy_is_not_written_through(tmp_path):
 
 
 def test_a_read_only_folder_is_refused_before_any_work(tmp_path, monkeypatch):
-    import fxshard.codegen.folder as folder
+    import fxshard.files.staged as folder
 
     out = tmp_path / "o"
     compile_model(GPT, Layout(tp=2), out=out)

@@ -114,8 +114,10 @@ def model_source(path: str | Path, options: FolderOptions = FolderOptions(), seq
         return
     folder = read_folder(path, options, seq, batch)
     with tempfile.TemporaryDirectory(prefix="fxshard-folder-") as tmp:
-        model_file = Path(tmp) / "model.py"
-        model_file.write_text(model_file_text(folder))  # a private temporary file: compile copies it into OUT
+        from fxshard.files import write_text
+
+        model_file = write_text(Path(tmp) / "model.py", model_file_text(folder), "the folder's model file",
+                                owner="a private temporary folder")  # compile copies it into OUT
         yield ModelSource(model_file, folder.folder if weights else None, folder)
 
 

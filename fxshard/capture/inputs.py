@@ -18,6 +18,8 @@ class InputSpec(Protocol):
     path: str  # pytree key path into (args, kwargs)
     is_tensor: bool
     shape: Sequence[int]
+    counted_by: str  # an input that does not lead with the batch: the mask it is counted by (fxshard.capture.rows)
+    whole: bool  # ... or one never split
 
 
 def flatten_batch(batch: Any, specs: Sequence[InputSpec], rows: int | None = None) -> list[Any]:
@@ -26,6 +28,7 @@ def flatten_batch(batch: Any, specs: Sequence[InputSpec], rows: int | None = Non
     rank does not read may be None: :func:`fxshard.train.data.inputs_read`)."""
     args, kwargs = ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
     leaves = {pytree.keystr(p): v for p, v in pytree.tree_flatten_with_path((args, kwargs))[0]}
+    whole_rows = next((s.shape[0] for s in specs if s.is_tensor and s.shape and not _apart(s)), None)
     out = []
     for s in specs:
         if s.path not in leaves:
@@ -35,7 +38,8 @@ def flatten_batch(batch: Any, specs: Sequence[InputSpec], rows: int | None = Non
             )
         v = leaves[s.path]
         if s.is_tensor and not (rows is not None and v is None):
-            shape = list(s.shape) if rows is None else [rows, *s.shape[1:]]
+            shape = list(s.shape) if rows is None or s.whole else \
+                [s.shape[0] * rows // whole_rows, *s.shape[1:]] if s.counted_by else [rows, *s.shape[1:]]
             if not isinstance(v, torch.Tensor) or list(v.shape) != shape:
                 found = list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ModelFileError(
@@ -44,3 +48,8 @@ def flatten_batch(batch: Any, specs: Sequence[InputSpec], rows: int | None = Non
                 )
         out.append(v)
     return out
+
+
+def _apart(spec) -> bool:
+    """An input that does not lead with the batch (``counted_by`` a mask, or ``whole``: fxshard.capture.rows)."""
+    return bool(spec.counted_by or spec.whole)

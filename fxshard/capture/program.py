@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxshard.capture.batch_norm import check_batch_norms
 from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.modelfile import ModelFile
@@ -56,6 +57,8 @@ class InputSpec:
     is_tensor: bool
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    counted_by: str = ""  # the boolean input whose True positions its entries follow (fxshard.capture.rows)
+    whole: bool = False  # its first dimension is neither the batch nor counted: never split
 
 
 @dataclass
@@ -109,6 +112,7 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`."""
     model = model if model is not None else mf.build_model(seed)
     check_names(model, mf.path)
+    check_batch_norms(model, mf.path)
     inputs = inputs if inputs is not None else mf.build_inputs(seed)
     model.train()
     positional = not isinstance(inputs, dict)

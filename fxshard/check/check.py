@@ -209,7 +209,7 @@ def _check_sizes(manifest: Manifest, layout) -> list[str]:
     problems = []
     parts = layout.dp * ((layout.microbatches or 1) if layout.pp > 1 else 1)
     for i in manifest.inputs:
-        if i.is_tensor and i.shape and parts > 1 and i.shape[0] != i.microbatch_shape[0] * parts:
+        if i.is_tensor and i.shape and not i.whole and parts > 1 and i.shape[0] != i.microbatch_shape[0] * parts:
             problems.append(f"manifest.json: input {i.name} has batch {i.shape[0]}, which is not "
                             f"{parts} (dp x microbatches) x its microbatch of {i.microbatch_shape[0]}")
     for entry in manifest.ranks:

@@ -7,6 +7,10 @@ records into full tensors (:func:`gather_parameters`) and compared with the sing
     rows = compare_parameters(gather_parameters(manifest, folder), single, initial, quiet)
     update_share(rows)          # ||distributed - single|| / ||single - initial||
     judged_apart(rows, 1e-3)    # the quiet parameters that share cannot hold, judged by adamw_reach instead
+
+The batch norms' running statistics are compared alike (:func:`compare_running_stats`, from
+``gather_parameters(manifest, folder, kind="buffer")``): training never reads them, so only their own comparison
+finds them wrong.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
 from fxshard.runtime.slices import assemble
 
-DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
+DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-9}  # losses, relative
 # Parameters: ||distributed - single|| / ||single - initial|| over all trained parameters, the difference as
 # a share of what training changed.  Measured on samples/gpt.py after 3 steps: 1e-5 at fp32 in every
 # layout, 0.03-0.10 under bf16 (8 significant bits; Adam turns gradients at rounding-noise level into
@@ -31,7 +35,9 @@ DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative
 # own error against fp32 training, so two correct bf16 runs that round differently (ranks, GPU kernels) agree within
 # them: tests/check/test_verify_tolerance.py.  A per-tensor
 # ||diff|| / ||single|| is no test: a bias that starts at 0 has only its update as its norm.
-DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25}
+# Under --fp64 (fxshard.check.fp64) rounding is 2**29 times smaller: a ResNet whose fp32 training is 7e-2 of the
+# update off itself in float64 shows 1e-13 at dp2 and tp2 in float64, and a real error keeps its size.
+DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25, "fp64": 1e-6}
 # A parameter whose gradient is zero in exact arithmetic (a key projection's bias: softmax ignores a shift that all
 # keys share) gets rounding noise as its gradient, and AdamW divides a gradient by its own size: each run moves it by
 # up to lr per step, in directions the noise picks (CLIP's key biases: gradient RMS 4e-8 of the model's; their updates
@@ -41,7 +47,33 @@ DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25}
 # (:func:`adamw_reach`).  Small true gradients are quiet too (Bamba's and Falcon-H1's A_log and dt_bias: 1e-8 to 2e-6
 # of the model's RMS), and they train alike on both sides (differences 1e-10), so only the quiet parameters the strict
 # share cannot hold leave it (:func:`judged_apart`); a quiet parameter that agrees stays under the strict check.
-QUIET_GRAD = {"fp32": 1e-5, "bf16": 1e-3}
+QUIET_GRAD = {"fp32": 1e-5, "bf16": 1e-3, "fp64": 1e-10}
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How far one device in fp32 is from one device in float64 (its rounding, amplified by training), beside how
+    far the distributed run is from it: losses (largest relative difference) and parameters (share of the update).
+    Measured where an fp32 verification fails (:func:`fxshard.check.fp64.rounding_floor`)."""
+
+    loss_rel: float
+    param_rel: float
+    distributed_loss_rel: float
+    distributed_param_rel: float
+
+    def beyond(self, rtol: float, param_rtol: float) -> bool:
+        """Whether one device's own rounding exceeds the tolerance: fp32 training cannot judge the model."""
+        return self.loss_rel > rtol or self.param_rel > param_rtol
+
+    def describe(self, rtol: float, param_rtol: float) -> str:
+        measured = (f"one device in fp32 is {self.loss_rel:.1e} (losses) and {self.param_rel:.1e} of the update "
+                    f"(parameters) off one device in float64, the distributed run {self.distributed_loss_rel:.1e} "
+                    f"and {self.distributed_param_rel:.1e}")
+        if self.beyond(rtol, param_rtol):
+            return (f"{measured}: training this model amplifies rounding past the tolerance, so fp32 cannot tell "
+                    "an error of the distributed program from rounding; `fxshard verify --fp64` compares the same "
+                    "program in float64")
+        return f"{measured}: one device's rounding is within the tolerance, so the difference is the distributed run's"
 
 
 @dataclass
@@ -54,6 +86,11 @@ class Verification:
     rtol: float = 1e-5  # losses, relative
     param_rtol: float = 1e-3  # parameters: ||diff|| / ||update|| over all of them but those judged apart
     quiet_atol: float = 0.0  # quiet parameters judged apart (judged_apart): the largest difference, 2 * adamw_reach
+    precision: str = "fp32"  # the tolerances' key: the layout's dtype, or fp64 under --fp64
+    floor: Floor | None = None  # where an fp32 verification fails: one device's own rounding (Floor)
+    # per batch norm running statistic (running_stats): as params; judged by their share of their own change, at
+    # param_rtol.  Training never reads them, so a loss or parameter comparison cannot see them wrong
+    stats: list[dict] = field(default_factory=list)
 
     @property
     def loss_abs(self) -> float:
@@ -100,8 +137,14 @@ class Verification:
         return max(self.judged, key=lambda p: p["diff_sq"])
 
     @property
+    def stats_rel(self) -> float:
+        """The running statistics' ||distributed - single|| / ||single - initial||; 0 without batch norms."""
+        return update_share(self.stats) if self.stats else 0.0
+
+    @property
     def ok(self) -> bool:
-        return self.loss_rel <= self.rtol and self.param_rel <= self.param_rtol and self.quiet_abs <= self.quiet_atol
+        return (self.loss_rel <= self.rtol and self.param_rel <= self.param_rtol and self.quiet_abs <= self.quiet_atol
+                and self.stats_rel <= self.param_rtol)
 
     def summary(self) -> str:
         quiet = self.quiet
@@ -109,11 +152,16 @@ class Verification:
         apart = (f", and {len(quiet)} quiet parameters (gradient zero up to rounding, judged apart: {names}) max abs "
                  f"{self.quiet_abs:.3e} within {self.quiet_atol:.3e}, twice the farthest AdamW moves an element"
                  if quiet else "")
-        return (f"{self.layout.describe()}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
+        floor = f"; {self.floor.describe(self.rtol, self.param_rtol)}" if self.floor is not None else ""
+        where = f"{self.layout.describe()}{' in float64' if self.precision == 'fp64' else ''}"
+        # no colon in it: scripts/nccl_matrix.py reads the verdict after the first colon past the tolerance
+        stats = (f", and the batch norms' running statistics {self.stats_rel:.3e} of their update (most "
+                 f"{max(self.stats, key=lambda p: p['diff_sq'])['fqn']}) within the same" if self.stats else "")
+        return (f"{where}: losses max abs {self.loss_abs:.3e} rel {self.loss_rel:.3e}; "
                 f"parameters max abs {self.param_abs:.3e}, ||diff|| / ||update|| {self.param_rel:.3e} (most: "
                 f"{self.worst['fqn']}); tolerance: losses {self.rtol:g} relative, parameters {self.param_rtol:g} of "
-                f"the update{apart}: "
-                f"{'OK' if self.ok else 'FAILED'}")
+                f"the update{stats}{apart}: "
+                f"{'OK' if self.ok else 'FAILED'}{floor}")
 
 
 def check_verify_options(steps: int, rtol: float | None, param_rtol: float | None) -> None:
@@ -160,9 +208,10 @@ def _share(diff: float, update: float) -> float:
 
 
 def gather_parameters(manifest: Manifest, folder: Path | None = None,
-                      states: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """Full trained parameters by source FQN, from the slices the first dp rank of every rank entry wrote to
-    ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
+                      states: dict[int, dict[str, torch.Tensor]] | None = None,
+                      kind: str = "parameter") -> dict[str, torch.Tensor]:
+    """Full trained parameters (``kind="buffer"``: buffers) by source FQN, from the slices the first dp rank of every
+    rank entry wrote to ``folder/rank<R>.safetensors`` (or holds in ``states[R]``)."""
     layout = manifest.layout
     pieces: dict[str, dict] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -174,7 +223,7 @@ def gather_parameters(manifest: Manifest, folder: Path | None = None,
         seen.add(id(entry))
         state = states[rank] if states is not None else load_file(str(folder / f"rank{rank}.safetensors"))
         for key, t in entry.tensors.items():
-            if t.kind != "parameter":
+            if t.kind != kind:
                 continue
             # copies of a tied weight in several stages are identical (tested); one per slice suffices
             pieces.setdefault(t.source, {})[t.slice] = (t.slice, state[key])
@@ -190,13 +239,30 @@ def compare_parameters(trained: dict[str, torch.Tensor], single: dict[str, torch
     update share)."""
     rows = []
     for fqn, got in sorted(trained.items()):
-        want = single[fqn].float()
-        delta, update = got.float() - want, want - initial[fqn].detach().float()
+        # in float64: a float64 program's differences (1e-13) would vanish in an fp32 subtraction
+        want = single[fqn].double()
+        delta, update = got.double() - want, want - initial[fqn].detach().double()
         rows.append({"fqn": fqn, "shape": list(want.shape), "max_abs": delta.abs().max().item(),
                      "rel": _share(delta.norm().item(), update.norm().item()),
                      "diff_sq": delta.pow(2).sum().item(), "update_sq": update.pow(2).sum().item(),
                      "quiet": fqn in quiet})
     return rows
+
+
+def running_stats(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch norms' running means and variances of a model's ``named_buffers()``: what training in train mode
+    updates and never reads, so only a comparison of their own finds them wrong (a running variance made unbiased
+    over a dp rank's part instead of the whole batch: the losses and parameters agree)."""
+    return {n: b for n, b in buffers.items() if n.endswith((".running_mean", ".running_var")) and b.is_floating_point()}
+
+
+def compare_running_stats(trained: dict[str, torch.Tensor], single: dict[str, torch.Tensor],
+                          model: torch.nn.Module) -> list[dict]:
+    """:func:`compare_parameters` for the batch norms' running statistics (:func:`running_stats`) both sides hold,
+    against ``model``'s initial buffers: the rows of :attr:`Verification.stats`."""
+    initial = running_stats(dict(model.named_buffers()))
+    names = set(running_stats(single)) & set(trained) & set(initial)
+    return compare_parameters({n: trained[n] for n in names}, single, initial)
 
 
 def quiet_parameters(grad_sq: dict[str, list[float | None]], numel: dict[str, int], dtype: str = "fp32") -> set[str]:

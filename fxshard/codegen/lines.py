@@ -17,16 +17,18 @@ import re
 import torch
 import torch.fx as fx
 
+from fxshard.graph import NOT_MODEL as _NOT_MODEL
+from fxshard.graph import model_line
 from fxshard.ir.blocks import BlockUnit
 from fxshard.ir.comm import kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.layout import CP, DP, PP, TP
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
 from fxshard.runtime import collectives as rt_collectives
+from fxshard.runtime import draws as rt_draws
 from fxshard.runtime import random as rt_random
 
 # frames of these packages are not the model's: a group header names the innermost frame outside them
-_NOT_MODEL = ("/torch/", "/fxshard/", "/passes/", "<")
 
 
 # dtypes as the per-line comments write them
@@ -108,17 +110,6 @@ def assigned_name(node: fx.Node) -> str:
     return ""
 
 
-def model_line(node: fx.Node) -> str:
-    """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
-    ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    for path, line in reversed(frames):
-        if not any(part in path for part in _NOT_MODEL):
-            return f"{path.rsplit('/', 1)[-1]}:{line}"
-    return ""
-
-
 def replica_elements(node: fx.Node, tp: int) -> int:
     """The elements ``rt.sum_replicas`` all-reduces (on every rank alike): each replicated part in its slots."""
     total = 0
@@ -163,6 +154,8 @@ def line_note(node: fx.Node, tp: int) -> str:
         place = str(p) if isinstance(p, (Shard, Partial)) else ""
     if node.target is rt_random.dropout:  # see passes/dropout.py
         place = (place + "  " if place else "") + "layout-invariant mask, as on one device"
+    if node.target is rt_draws.draw:
+        place = (place + "  " if place else "") + "drawn as on one device"
     return f"{value} {place}".strip()
 
 
@@ -187,9 +180,7 @@ def call_text(node: fx.Node, names, coords) -> str:
         left, right = (arg_text(a, names, coords) for a in node.args)
         return f"{left} {_INFIX[target]} {right}"
     if isinstance(target, torch._ops.OpOverload):
-        ns = target.namespace
-        packet = target.overloadpacket.__name__.split(".")[-1]
-        fn = f"aten.{packet}.{target._overloadname}" if ns == "aten" else f"torch.ops.{ns}.{packet}.{target._overloadname}"
+        fn = op_text(target)
     elif target.__module__.startswith("fxshard.runtime"):
         fn = f"rt.{target.__name__}"
     else:
@@ -197,6 +188,13 @@ def call_text(node: fx.Node, names, coords) -> str:
     args = [arg_text(a, names, coords) for a in node.args]
     args += [f"{k}={arg_text(v, names, coords)}" for k, v in node.kwargs.items()]
     return f"{fn}({', '.join(args)})"
+
+
+def op_text(target: torch._ops.OpOverload) -> str:
+    """``aten.linear.default``; an op of another namespace by its full path."""
+    ns = target.namespace
+    packet = target.overloadpacket.__name__.split(".")[-1]
+    return f"aten.{packet}.{target._overloadname}" if ns == "aten" else f"torch.ops.{ns}.{packet}.{target._overloadname}"
 
 
 def arg_text(a, names, coords) -> str:
@@ -229,6 +227,8 @@ def arg_text(a, names, coords) -> str:
         return repr(a)
     if isinstance(a, (int, bool, str)) or a is None:
         return repr(a)
+    if isinstance(a, torch._ops.OpOverload):  # the op rt.draw draws as one device (passes/dropout.py)
+        return op_text(a)
     raise TypeError(f"fxshard codegen: cannot render argument {a!r} of type {type(a).__name__}")
 
 

@@ -45,7 +45,9 @@ class _Record:
 
     @classmethod
     def from_json(cls, data: dict):
-        return cls(**{f.name: _tuple(data[f.name]) for f in dataclasses.fields(cls)})
+        # a field with a default may be missing from a folder an older fxshard wrote
+        return cls(**{f.name: _tuple(data[f.name]) for f in dataclasses.fields(cls)
+                      if f.name in data or f.default is dataclasses.MISSING})
 
 
 def _json(value):
@@ -67,6 +69,16 @@ class InputEntry(_Record):
     dtype: str
     shape: tuple[int, ...]
     microbatch_shape: tuple[int, ...]
+    # an input that does not lead with the batch (fxshard.capture.rows): the boolean input whose True positions its
+    # entries follow (a dp rank or microbatch takes its rows' entries), or whole (never split)
+    counted_by: str = ""
+    whole: bool = False
+
+    def to_json(self) -> dict:
+        """As every record, without ``counted_by`` and ``whole`` where they hold their defaults: the manifest of a
+        batch whose inputs all lead with it reads as before they existed."""
+        data = super().to_json()
+        return {k: v for k, v in data.items() if not (k in ("counted_by", "whole") and not v)}
 
 
 @dataclass(frozen=True)
@@ -379,7 +391,10 @@ class Manifest:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     def write(self, folder: Path) -> None:
-        (Path(folder) / MANIFEST).write_text(self.dumps())
+        """Into a compile's staging folder (:mod:`fxshard.files.staged`), last: it lists what the folder holds."""
+        from fxshard.files import STAGE, write_text
+
+        write_text(Path(folder) / MANIFEST, self.dumps(), "the manifest", owner=STAGE)
 
 
 # ---------------------------------------------------------------- reading and validating a folder
@@ -474,16 +489,18 @@ def edited_files(out: Path, manifest: Manifest) -> list[str]:
             if manifest.digests.get(n) != file_digest(inside(out, n, f"digests[{n!r}]", out / MANIFEST))]
 
 
-def refuse_edited(out: Path, manifest: Manifest) -> None:
+def refuse_edited(out: Path, manifest: Manifest, override: str = "--allow-edited") -> None:
+    """Refuse a folder whose rank files or model.py differ from what the compile wrote, before any of it runs;
+    ``override`` names how the caller runs them anyway (``--allow-edited``, ``allow_edited=True``)."""
     if manifest.digests is None:
         raise OutputFolderError(f"{Path(out) / MANIFEST}: records no sha256 of the generated files (compiled by an "
-                                "older fxshard), so an edit cannot be ruled out; recompile, or pass --allow-edited "
+                                f"older fxshard), so an edit cannot be ruled out; recompile, or pass {override} "
                                 "to run the files as they are")
     edited = edited_files(Path(out), manifest)
     if edited:
         verb = "differs" if len(edited) == 1 else "differ"
         raise OutputFolderError(f"{out}: {', '.join(edited)} {verb} from what fxshard compile wrote (sha256 in "
-                                "manifest.json): edited after compile. Recompile, or pass --allow-edited to run "
+                                f"manifest.json): edited after compile. Recompile, or pass {override} to run "
                                 "the edited files anyway")
 
 

@@ -53,6 +53,9 @@ from fxshard.cost.hardware import ring_terms
 from fxshard.errors import OptionError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+PROFILE = "a hardware profile"  # what fxshard.files records the profile as
+PER_CORE = 4  # measuring processes per core at most: beyond, a measurement times the scheduler
+PER_PROCESS = 512 << 20  # memory one measuring process takes (torch, its buffers), for the bound on --procs
 
 
 def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None = None) -> dict:
@@ -66,12 +69,16 @@ def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None
         raise OptionError(f"--out {out}: expected a file to write the profile to; found a folder")
     if not out.parent.is_dir():
         raise OptionError(f"--out {out}: its folder {out.parent} does not exist; create it first")
+    from fxshard.files import check_replaceable
+
+    check_replaceable(out, PROFILE)  # a link, or a file fxshard did not write: refused before minutes of measuring
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         calibrate_rank(out, quick, model)
         return json.loads(out.read_text()) if out.exists() else {}
     if procs < 2:
         raise OptionError(f"--procs {procs}: expected at least 2 processes (collectives need a group); "
                           "use --procs 2 or more, or start it under torchrun")
+    check_procs(procs)
     import socket
 
     import torch.multiprocessing as mp
@@ -81,6 +88,40 @@ def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None
         port = s.getsockname()[1]
     mp.start_processes(_spawned, args=(procs, port, str(out), quick, model and str(model)), nprocs=procs, start_method="spawn")
     return json.loads(out.read_text())
+
+
+def check_procs(procs: int) -> None:
+    """Refuse more local processes than this machine holds: one per GPU (NCCL), else at most :data:`PER_CORE` per
+    core and what its available memory holds at :data:`PER_PROCESS` each."""
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if procs > gpus:
+            raise OptionError(f"--procs {procs}: this machine shows {gpus} GPU{'s' * (gpus != 1)}, and NCCL runs one "
+                              f"process per GPU; use --procs {gpus} or fewer, or calibrate across machines under "
+                              "torchrun")
+        return
+    cores = os.cpu_count() or 1
+    free = _available_memory()
+    limit = min(PER_CORE * cores, max(2, free // PER_PROCESS) if free else PER_CORE * cores)
+    if procs > limit:
+        raise OptionError(f"--procs {procs}: this machine holds at most {limit} measuring processes ({cores} cores, "
+                          f"at most {PER_CORE} processes per core" + (f"; {free / 2**30:.1f} GiB of memory "
+                                                                        f"available, about {PER_PROCESS >> 20} MiB "
+                                                                        "each" if free else "")
+                          + f"); use --procs {limit} or fewer (as many as the run will start), or calibrate across "
+                          "machines under torchrun")
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _spawned(rank: int, world: int, port: int, out: str, quick: bool, model: str | None) -> None:
@@ -148,7 +189,9 @@ def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) ->
         "default_dtype": "bf16" if cuda else "fp32",
         "measured": {k: v for k, v in links.items() if v},
     }
-    out.write_text(json.dumps(profile, indent=2) + "\n")
+    from fxshard.files import write_text
+
+    write_text(out, json.dumps(profile, indent=2) + "\n", PROFILE)
     if model is not None:
         profile = _with_compute_scale(out, profile, model, world, step)
     return profile
@@ -306,7 +349,9 @@ def _with_compute_scale(out: Path, profile: dict, model: Path, world: int, measu
     profile = profile | {"compute_scale": round(measured / predicted, 4)}
     profile["measured"] = profile["measured"] | {"model_step": {"model": str(model), "rows": rows, "seq": seq,
                                                                 "seconds": measured, "roofline_seconds": predicted}}
-    out.write_text(json.dumps(profile, indent=2) + "\n")
+    from fxshard.files import write_text
+
+    write_text(out, json.dumps(profile, indent=2) + "\n", PROFILE)
     return profile
 
 

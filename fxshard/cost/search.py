@@ -166,13 +166,40 @@ def _least_recompute(ev, c: Candidate, setting: Setting):
 
 
 def _nothing_divides(profile: ModelProfile, gpus: int, setting: Setting, dtype: str) -> str:
-    ok = [n for n in range(1, 2 * gpus + 1) if n != gpus and _divides(profile, n, setting, dtype)]
-    near = sorted(ok, key=lambda n: (abs(n - gpus), n))[:4]
+    near = _near_counts(profile, gpus, setting, dtype)
     tps = [t for t in range(1, setting.gpus_per_node + 1) if profile.valid_tp(t, False, {S: setting.seq, b: 1}) is None]
     return (f"--gpus {gpus}: expected a device count the layouts divide; found none: tp must divide the model's sizes "
             f"(tp in {tps}, at most --gpus-per-node {setting.gpus_per_node}), pp at most its {len(profile.kinds)} "
             f"repeated blocks, and dp the global batch of {setting.global_batch}; use --gpus in "
             f"{sorted(near) or '{}'} or a --batch that {gpus // max(1, max(tps))} or more ranks divide")
+
+
+def _near_counts(profile: ModelProfile, gpus: int, setting: Setting, dtype: str, want: int = 4,
+                 tries: int = 64) -> list[int]:
+    """The device counts nearest ``gpus`` that some layout divides, found without a loop over counts: a layout's count
+    is cp x tp x pp x dp with each factor in its own short list (tp the valid sizes within a node, pp up to the
+    blocks, dp a divisor of the global batch, cp up to 8), so the candidates are those products, nearest first, each
+    confirmed by :func:`layouts` (at most ``tries``: its schedules or microbatches may still refuse one)."""
+    blocks = max(1, len(profile.kinds))
+    counts = set()
+    for cp in _cp_sizes_any(setting):
+        tps = [t for t in range(1, setting.gpus_per_node + 1)
+               if any(profile.valid_tp(t, sp, {S: setting.seq // cp, b: 1}) is None for sp in (False, True))]
+        for tp in tps:
+            for pp in range(1, blocks + 1):
+                counts.update(cp * tp * pp * dp for dp in divisors(setting.global_batch))
+    counts.discard(gpus)
+    found = []
+    for n in sorted(counts, key=lambda n: (abs(n - gpus), n))[:tries]:
+        if _divides(profile, n, setting, dtype):
+            found.append(n)
+            if len(found) == want:
+                break
+    return sorted(found)
+
+
+def _cp_sizes_any(setting: Setting) -> list[int]:
+    return [c for c in range(1, 9) if setting.seq % (2 * c) == 0] if HAS_CP else [1]
 
 
 def _divides(profile, n: int, setting: Setting, dtype: str) -> bool:

@@ -52,9 +52,11 @@ def examples(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> set[fx.Node]:
     return found
 
 
-def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> list[fx.Node]:
+def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node], rows=None) -> list[fx.Node]:
     """The 2-D products ``[b, d] @ [d, b]`` of two values computed from the inputs: each example's row against
-    every example's column."""
+    every example's column.  ``rows``: where the batch is split, the batch-row analysis (:mod:`fxshard.ir.rows`),
+    which keeps the products whose operands do carry the examples there (a size equal to ``b`` by chance, as any
+    size at one row per part, is not the batch)."""
     b = local_batch(user_inputs)
     if b is None:
         return []
@@ -68,7 +70,7 @@ def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node]) -> list[
             continue
         lv, rv = left.meta.get("val"), right.meta.get("val")
         if isinstance(lv, torch.Tensor) and isinstance(rv, torch.Tensor) and lv.dim() == rv.dim() == 2 \
-                and lv.shape[0] == b and rv.shape[1] == b:
+                and lv.shape[0] == b and rv.shape[1] == b and (rows is None or rows.pairs_rows(left, right)):
             found.append(node)
     return found
 
@@ -98,3 +100,29 @@ def has_router_loss(model: torch.nn.Module) -> bool:
     microbatches and --cp for it, ``fxshard run`` --grad-accum)."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+
+
+# a layer's term of the load-balancing loss: its top-k ids counted (histc; scatter_add of the attention mask's
+# weights), its probabilities summed (passes/router_loss.py makes their means whole-batch means)
+COUNTS = {aten.histc.default, aten.scatter_add.default, aten.scatter_add_.default}
+SUMS = COUNTS | {aten.sum.dim_IntList}
+
+
+def is_mean_of_sums(node: fx.Node) -> bool:
+    """``sums / rows``, the sums an add chain of per-layer histc counts or row sums (from ``zeros``)."""
+    return (node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[0], fx.Node)
+            and bool(mean_terms(node.args[0])))
+
+
+def mean_terms(node: fx.Node) -> list[fx.Node]:
+    """The per-layer terms of an add chain ``zeros + t_0 + t_1 + ...`` (each a count or a sum over dim 0), or []."""
+    terms = []
+    while node.op == "call_function" and node.target is aten.add.Tensor:
+        a, b = node.args
+        if not (isinstance(b, fx.Node) and b.target in SUMS):
+            return []
+        if b.target is aten.sum.dim_IntList and list(b.args[1]) != [0]:
+            return []
+        terms.append(b)
+        node = a
+    return terms[::-1] if node.op == "call_function" and node.target is aten.zeros.default and terms else []

@@ -77,6 +77,10 @@ def _part(x: torch.Tensor, size: int, dim: int, index: int, parts: int, blocks: 
     return rtc.shard(x, dim, index, parts, blocks, sizes, replicas)
 
 
+def _part_zero(x: torch.Tensor, size: int, dim: int, blocks: int = 1, sizes=()) -> torch.Tensor:
+    return rtc.shard(x, dim, 0, size, blocks, sizes)  # the shape of one rank's part
+
+
 def _replicas(tensors: tuple, size: int, layouts=()) -> tuple[torch.Tensor, ...]:
     return tuple(t.clone() for t in tensors)
 
@@ -185,6 +189,10 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.own_part, None, None,
                    "S(d)/g -> S(d): this rank's share of a part tp/g ranks hold alike (no communication; "
                    "the gradient of the other shares is zero here)", _own, grouped=False),
+    # a value an op mixing the batch's rows computed on the whole batch (passes/batch_rows.py), back to dp rows
+    CollectiveKind(rtc.own_rows, None, None,
+                   "whole batch -> S(d): this dp rank's rows of a value every rank computed alike (no communication; "
+                   "the gradient of the other rows is zero here)", _part_zero),
     # a load-balancing loss's whole-batch means under a split batch (passes/router_loss.py), over dp
     CollectiveKind(rtc.batch_mean, "all_reduce", None,
                    "sums over this rank's rows -> the whole batch's mean: all-reduce over dp forward, / all rows; "

@@ -31,6 +31,7 @@ from fxshard.ir.layout import (  # noqa: F401  (the layout's names, for the pass
     Coords,
     Layout,
 )
+from fxshard.ir.rows import BatchRows
 from fxshard.ir.sequence import SequenceDims
 from fxshard.ir.spec import Group, NodeSpec, RankValue, spec, update_spec  # noqa: F401  (the node facts' names)
 
@@ -56,6 +57,9 @@ class CompileContext:
     token_count: fx.GraphModule | None = None  # passes/token_mean.py: inputs -> counted targets of a microbatch
     expert_params: dict[str, int] = field(default_factory=dict)  # passes/expert_parallel.py: FQN -> experts (dim 0)
     sequence: SequenceDims | None = None  # under --cp: each captured value's sequence dimensions (fxshard.ir.sequence)
+    # where the batch is split (--dp, microbatches): each value's placement over the batch's rows, and the ops that mix
+    # them (fxshard.ir.rows)
+    rows: BatchRows | None = None
     # passes/batch_norm_sync.py: the ops that mix the examples of the batch (batch norm in training), which
     # --grad-accum cannot make exact (the manifest lists them)
     batch_couplings: list[str] = field(default_factory=list)

@@ -177,6 +177,19 @@ PLACED = Fact("tensor-parallel placements decided: every node has a NodeSpec, ev
               "inputs", _unplaced)
 COMMUNICATED = Fact("collectives inserted: every op's inputs have the placements it needs", _uncommunicated)
 MASKS_INVARIANT = Fact("dropout rewritten: no torch dropout left, every mask layout-invariant", _torch_dropout)
+
+
+def _rows_split(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
+    rows = ctx.rows
+    if rows is None or ctx.layout.dp == 1 or ctx.microbatches > 1:
+        return None  # nothing split, or refused (microbatches) by the pass that ensures it
+    names = set(rows.whole)
+    mixed = next((name for name in rows.mixing if name not in names), None)
+    return None if mixed is None else f"{mixed} mixes the batch's rows but is not computed on the whole batch"
+
+
+ROWS_WHOLE = Fact("ops mixing the batch's rows computed on the whole batch under --dp (ctx.rows.whole names them)",
+                  _rows_split)
 STAGED = Fact("pipeline stages assigned: at pp > 1 every node computing the loss has its stage, in graph order",
               _unstaged)
 

@@ -30,7 +30,11 @@ def write_report(out: str | Path, device_memory: int | None = None, metrics: Pat
     its path, and what the last run recorded that could not be read (also on the page).  ``model``: the model file
     ``out`` was compiled from, for the plan's memory figures (nothing of ``out`` runs)."""
     data = report_data(out, device_memory, metrics, trace, model)
-    path = Path(path) if path is not None else Path(out) / REPORT
+    if path is None:  # in the compiled folder: fxshard's by its manifest, as run.json is
+        from fxshard.codegen.folder import OUT_OWNER
+
+        write_text(Path(out) / REPORT, render(data), "the report", owner=OUT_OWNER)
+        return Path(out) / REPORT, data.warnings
     write_text(path, render(data), "the report")
     return path, data.warnings
 

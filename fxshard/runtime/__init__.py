@@ -9,6 +9,7 @@ from fxshard.runtime.collectives import (
     copy_to_linears,
     gather_to,
     own_part,
+    own_rows,
     reduce_scatter,
     scatter,
     shard,
@@ -26,6 +27,7 @@ from fxshard.runtime.context_parallel import (
     seq_to_heads,
 )
 from fxshard.runtime.data_parallel import ddp, fully_shard
+from fxshard.runtime.draws import draw
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
@@ -35,11 +37,11 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "own_part", "sum_replicas",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "own_part", "own_rows", "sum_replicas",
            "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
-           "sum_tied_grads", "ddp", "fully_shard", "dropout", "recompute", "token_mean", "autograd_function",
+           "sum_tied_grads", "ddp", "fully_shard", "dropout", "draw", "recompute", "token_mean", "autograd_function",
            "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets", "cp_enter",
            "cp_causal_attention", "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
            "seq_to_heads", "heads_to_seq", "batch_stats",

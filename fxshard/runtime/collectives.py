@@ -16,6 +16,8 @@ sum_replicas   identity                 all-reduce of the parts several ranks ho
                                         summed over those ranks), one call for a layer's weights
 own_part       this rank's share of a   the gradient in that share, zeros elsewhere (no communication)
                part its replicas hold
+own_rows       this dp rank's rows of a the gradient in those rows, zeros elsewhere (no communication)
+               value computed whole
 =============  =======================  ==========================
 
 Splits of unequal packed blocks, or of parts several ranks hold alike (``sizes``, ``replicas``: see
@@ -56,7 +58,7 @@ from torch.distributed import _functional_collectives as funcol
 
 from fxshard.runtime.guard import call_site as _site
 from fxshard.runtime.guard import guarded
-from fxshard.runtime.slices import SliceSpec, place, take
+from fxshard.runtime.slices import SliceSpec, part_ranges, place, take
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +301,16 @@ def sum_replicas(tensors: tuple, group, layouts: tuple) -> tuple[torch.Tensor, .
     return _SumReplicas.apply(group, None if _compiling() else _site(), layouts, *tensors)
 
 
+def own_rows(x: torch.Tensor, group, dim: int, blocks: int = 1, sizes: tuple = ()) -> torch.Tensor:
+    """This rank's part along ``dim`` (inside each of ``blocks`` blocks, of ``sizes`` if unequal) of a value every
+    rank of ``group`` computed alike on the whole batch (an op that mixes the batch's rows, ``passes/batch_rows.py``).
+    Backward puts the gradient in that part, zeros elsewhere: the whole computation's ``gather_to`` sums the ranks'
+    gradients."""
+    spans = part_ranges(x.shape[dim], dist.get_rank(group), dist.get_world_size(group), blocks, tuple(sizes))
+    pieces = [x.narrow(dim, a, b - a) for a, b in spans]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
 def own_part(x: torch.Tensor, dim: int, index: int, parts: int) -> torch.Tensor:
     """Part ``index`` of ``parts`` of a local value that ``parts`` ranks hold alike: this rank's share (a key/value
     head's copy on each of its ranks, cut to the heads its queries read).  Backward puts the gradient in that share,
@@ -423,4 +435,4 @@ def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1, si
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
                "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears,
                "sum_replicas": sum_replicas}
-__all__ = [*COLLECTIVES, "batch_mean", "shard", "own_part"]
+__all__ = [*COLLECTIVES, "batch_mean", "shard", "own_part", "own_rows"]

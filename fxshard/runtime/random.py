@@ -101,15 +101,17 @@ def _coords(size: int, dim: int, shard, device) -> tuple[torch.Tensor, int]:
     return torch.cat([torch.arange(a, b, device=device, dtype=torch.int64) for a, b in ranges]), full
 
 
-def keep_mask(shape, p: float, site: int, shard=None, device=None) -> torch.Tensor:
+def keep_mask(shape, p: float, site: int, shard=None, device=None, whole: bool = False) -> torch.Tensor:
     """Boolean keep decisions of a local tensor of ``shape`` (see the module docstring).
 
     ``shard = (dim, index, parts[, blocks])``: the tensor is part ``index`` of ``parts`` along ``dim``
-    of the global one (inside each of ``blocks`` packed blocks); ``None``: the whole tensor."""
+    of the global one (inside each of ``blocks`` packed blocks); ``None``: the whole tensor.  ``whole``: its rows
+    are the whole batch's, not this rank's part (a value computed on the whole batch, ``passes/batch_rows.py``)."""
     ctx = _context
     shape = tuple(shape) or (1,)
     rows, global_rows = _coords(shape[0], 0, shard, device)
-    rows = rows + ctx.first_row + ctx.microbatch * global_rows  # microbatches split the rows in order
+    if not whole:
+        rows = rows + ctx.first_row + ctx.microbatch * global_rows  # microbatches split the rows in order
     prefix = _absorb(_absorb(_absorb(_SALT, ctx.seed), ctx.number), site)
     h_rows = _absorb(prefix, rows)
     # index of each element within its sample, in the unsharded tensor: local coordinates mapped to
@@ -129,7 +131,8 @@ def keep_mask(shape, p: float, site: int, shard=None, device=None) -> torch.Tens
     return h >= threshold
 
 
-def dropout(x: torch.Tensor, p: float, site: int, shard=None, inplace: bool = False) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, site: int, shard=None, inplace: bool = False, whole: bool = False
+            ) -> torch.Tensor:
     """``x * keep / (1 - p)`` with the layout-invariant mask of dropout number ``site`` of the forward.
 
     >>> begin_batch(seed=0, number=0); y = dropout(torch.ones(4, 8), 0.5, site=0)   # doctest: +SKIP
@@ -138,7 +141,7 @@ def dropout(x: torch.Tensor, p: float, site: int, shard=None, inplace: bool = Fa
         return x
     if p == 1:
         return x.mul_(0) if inplace else x * 0
-    noise = keep_mask(x.shape, p, site, shard, x.device).view(x.shape).to(x.dtype).div_(1 - p)
+    noise = keep_mask(x.shape, p, site, shard, x.device, whole).view(x.shape).to(x.dtype).div_(1 - p)
     return x.mul_(noise) if inplace else x * noise
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 MERGED = "trace.json"
+RANK_WHAT, MERGED_WHAT = "a rank's trace", "the joined trace"  # what fxshard.files records the files as
 DP_THREAD = 1  # the row of the collectives torch's DDP and FSDP2 run beside the rank's own work
 _OFF = contextlib.nullcontext()
 
@@ -93,8 +94,7 @@ def save() -> Path | None:
     path = tracer.folder / f"rank{tracer.rank}.json"
     from fxshard.files import write_text  # here: importing the runtime loads nothing else of fxshard
 
-    return write_text(path, json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}),
-                      "this rank's trace")
+    return write_text(path, json.dumps({"traceEvents": meta + tracer.events, "displayTimeUnit": "ms"}), RANK_WHAT)
 
 
 def merge(folder: str | Path, world: int) -> Path:
@@ -105,5 +105,4 @@ def merge(folder: str | Path, world: int) -> Path:
         events += json.loads((folder / f"rank{rank}.json").read_text())["traceEvents"]
     from fxshard.files import write_text
 
-    return write_text(folder / MERGED, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}),
-                      "the joined trace")
+    return write_text(folder / MERGED, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), MERGED_WHAT)

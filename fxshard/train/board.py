@@ -14,8 +14,6 @@ it resumes from::
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from pathlib import Path
 
 from fxshard.errors import OptionError
@@ -34,18 +32,15 @@ def check_tensorboard(folder: Path) -> None:
         raise OptionError(f"--tensorboard {folder}: needs the tensorboard package, which is not installed; "
                           "pip install 'fxshard[tensorboard]' (or pip install tensorboard), or drop --tensorboard "
                           "(--metrics writes the same figures as JSON lines)") from None
-    from fxshard.files import refuse_link
-
-    refuse_link(folder, "the TensorBoard events")
-    if folder.exists() and not folder.is_dir():
+    if folder.exists() and not folder.is_dir() and not folder.is_symlink():
         raise OptionError(f"--tensorboard {folder}: is a file; --tensorboard names a folder, e.g. {folder}-runs")
     if not folder.exists() and not folder.parent.is_dir():
         raise OptionError(f"--tensorboard {folder}: the folder {folder.parent} does not exist; create it first")
+    from fxshard.files import make_folder, try_writing
+
     try:
-        folder.mkdir(exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".fxshard-write-test-", dir=folder)  # a new file (O_EXCL): no link
-        os.close(fd)
-        os.unlink(probe)
+        make_folder(folder, "the TensorBoard events", parents=False)  # never a link
+        try_writing(folder / ".fxshard-write-test", "the TensorBoard events")  # a new temporary in it: no link
     except OSError as e:
         raise OptionError(f"--tensorboard {folder}: cannot be written ({e.strerror}); choose a folder you can write "
                           "to") from None
@@ -58,9 +53,9 @@ class Board:
     def __init__(self, folder: Path, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        from fxshard.files import refuse_link
+        from fxshard.files import make_folder
 
-        refuse_link(folder, "the TensorBoard events")  # checked before launch; again here, where it is opened
+        make_folder(folder, "the TensorBoard events")  # checked before launch; again here, where it is opened
         # resumed: an interrupted run's events after the step it saved are dropped, as the resumed run redoes them
         self.writer = SummaryWriter(log_dir=str(folder), purge_step=first_step if first_step > 1 else None)
 

@@ -20,9 +20,12 @@ the loader to assemble them by hand anyway, and export (no process group) would 
 for what is a plain set of safetensors files.  The layout above is readable with safetensors alone.
 
 A save is atomic: every rank writes into ``DIR/step-00000K.tmp-<uuid>/``; after a barrier rank 0
-writes the index, renames the folder to ``step-00000K`` and replaces ``DIR/latest`` (temp file +
-``os.replace``).  A crash anywhere before that leaves ``latest`` on the previous complete checkpoint;
+writes the index, renames the folder to ``step-00000K`` and replaces ``DIR/latest`` (all through
+:mod:`fxshard.files`).  A crash anywhere before that leaves ``latest`` on the previous complete checkpoint;
 partial folders are ignored.
+
+Every tensor's digest is in its shard's header, and every shard's size and header digest in the index
+(:mod:`fxshard.train.digests`): a resume and an export hash each tensor they read and refuse one that differs.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ import torch.distributed as dist
 from fxshard.codegen.manifest import Manifest, RankEntry, inside
 from fxshard.errors import FxshardError
 from fxshard.runtime.slices import SliceSpec, assemble, take
+from fxshard.train.digests import DigestError, check_tensor, digests_of, header_digest
 
 FORMAT = "fxshard-checkpoint/1"
 LATEST = "latest"
 INDEX = "index.json"
 STATE_KINDS = ("exp_avg", "exp_avg_sq", "step")
 CRASH_ENV = "FXSHARD_TEST_CRASH_IN_SAVE"  # tests: os._exit in the middle of the save at this step
+OWNER = "the checkpoint folder"  # its files are fxshard's by its index and steps (fxshard.files' owner)
 # the index's record of the parameters a LoRA compile's checkpoint leaves out, its frozen base: they never change,
 # so they are the compile's own (make_model() at the seed, or the --weights folder named here), read from there again
 # by a resumed run and by export (docs/lora.md)
@@ -118,92 +123,51 @@ def _complete_steps(path: Path) -> list[Path]:
     return steps
 
 
-def check_checkpoint(path: str | Path, say=None) -> Path:
-    """Before launch: the checkpoint ``path`` leads to is whole — its index parses and every shard file it names
-    exists with a safetensors header whose tensors fit in the file.  Returns the checkpoint folder; a damaged
-    one is a :class:`CheckpointError` naming the file, and the earlier step to resume from instead."""
-    folder = find_checkpoint(path, say)
+def read_index(path: Path) -> dict:
+    """A checkpoint's index, every field fxshard reads checked (a damaged or hand-edited value is named, never a
+    traceback at the first use)."""
+    damaged = f"{path}: not a readable checkpoint index"
     try:
-        try:
-            index = json.loads((folder / INDEX).read_text())
-            files = {piece["file"] for rec in index["tensors"].values() for piece in rec["pieces"]}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{folder / INDEX}: not a readable checkpoint index ({type(e).__name__}: {e}); "
-                                  "the checkpoint is damaged") from e
-        for name in sorted(files):
-            _check_shard(inside(folder, name, "a tensor piece's file", folder / INDEX, CheckpointError))
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}{_earlier(Path(path), folder)}") from e.__cause__
-    return folder
-
-
-def check_new_run(config: CheckpointConfig) -> None:
-    """A run without ``--resume`` into a folder that holds an earlier run's checkpoints would overwrite its steps and
-    move ``latest`` back: refused, unless ``--overwrite`` says to replace them."""
-    folder = Path(config.folder)
-    if config.resume or config.overwrite or not folder.is_dir():
-        return
-    steps = _complete_steps(folder)
-    if not steps and not (folder / LATEST).exists():
-        return
-    newest = f"newest {steps[-1].name}" if steps else f"{LATEST} but no complete step"
-    raise CheckpointError(f"--checkpoint {folder}: holds an earlier run's checkpoints ({len(steps)} step"
-                          f"{'s' * (len(steps) != 1)}, {newest}), which a new run would overwrite, moving "
-                          f"{LATEST} back; continue that run with --resume, choose another --checkpoint folder, or "
-                          "pass --overwrite to start over (its steps are deleted when this run saves its first)")
-
-
-RESTORED_SCHEDULE = ("lr", "lr_schedule", "warmup_steps", "min_lr", "decay_steps")  # the scheduler's saved state
-
-
-def check_resumable(reader: CheckpointReader, manifest: Manifest, out: Path, steps: int, optim_config,
-                    allow_changed_model: bool = False) -> None:
-    """Before launch, what a resumed run would refuse after it: a checkpoint of another model (its digest, unless
-    ``allow_changed_model``, and its parameters' names and shapes in any case), ``--steps`` at or below its step,
-    and a learning-rate schedule other than the one whose state it saved (a resumed run takes the saved state)."""
-    from dataclasses import asdict
-
-    reader.check_model(manifest, out, allow_changed_model)
-    if reader.step >= steps:
-        raise CheckpointError(f"{reader.path} is at step {reader.step}; --steps {steps} leaves nothing to run "
-                              f"(--steps counts from the start: pass more than {reader.step})")
-    saved, given = reader.index.get("optimizer") or {}, asdict(optim_config)
-    changed = [f"--{k.replace('_', '-')} {given[k]} (saved: {saved[k]})" for k in RESTORED_SCHEDULE
-               if k in saved and saved[k] != given[k]]
-    if changed and (reader.index.get("trainer") or {}).get("scheduler") is not None:
-        raise CheckpointError(f"{reader.path}: resumed with {', '.join(changed)}; the checkpoint's learning-rate "
-                              "schedule continues as it was saved, so the run would not be what these options say. "
-                              "Resume with the saved values, or start a new run (another --checkpoint folder)")
-
-
-def _earlier(path: Path, damaged: Path) -> str:
-    """How to resume from the complete step before ``damaged``, where ``path`` is a folder of steps."""
-    if damaged == path:  # a step folder given directly
-        return " — resume from an earlier step"
-    earlier = [p for p in _complete_steps(path) if p.name < damaged.name]
-    if not earlier:
-        return f" — no earlier complete step in {path}; start without --resume"
-    return f" — resume from {earlier[-1].name}, the newest complete step before it: echo {earlier[-1].name} > " \
-           f"{path / LATEST}"
-
-
-def _check_shard(file: Path) -> None:
-    """A safetensors file: an 8-byte header length, a JSON header, and the data its offsets promise."""
-    if not file.is_file():
-        raise CheckpointError(f"{file}: shard file missing from the checkpoint")
-    size = file.stat().st_size
-    try:
-        with open(file, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if size < 8 or 8 + length > size:
-                raise ValueError(f"header of {length} bytes in a file of {size}")
-            header = json.loads(f.read(length))
-        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{file}: not a whole safetensors file ({e}); the checkpoint is damaged") from e
-    if 8 + length + end > size:
-        raise CheckpointError(f"{file}: truncated ({size} bytes, its header promises {8 + length + end}); the "
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{damaged} ({type(e).__name__}: {e}); the checkpoint is damaged") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an fxshard checkpoint index of format {FORMAT}")
+    step = index.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise CheckpointError(f"{path}: step {step!r}; expected the number of steps trained (0 or more): the "
                               "checkpoint is damaged")
+    tensors = index.get("tensors")
+    if not isinstance(tensors, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("pieces"), list) and r["pieces"]
+            and all(isinstance(p, dict) and isinstance(p.get("file"), str) and "slice" in p for p in r["pieces"])
+            for r in tensors.values()):
+        raise CheckpointError(f"{damaged}: expected \"tensors\" to map each parameter to its pieces (a slice and a "
+                              "file each); the checkpoint is damaged")
+    for key in ("trainer", "optimizer", "files"):
+        if not isinstance(index.get(key) or {}, dict):
+            raise CheckpointError(f"{damaged}: its {key!r} is {type(index[key]).__name__}, expected an object; the "
+                                  "checkpoint is damaged")
+    return index
+
+
+def _check_recorded(shard: Path, recorded: dict | None) -> None:
+    """A shard is the one its index was written with: its size, and the digest of its header (which holds every
+    tensor's digest).  Indexes saved before fxshard recorded them skip this."""
+    if recorded is None:
+        return
+    size = shard.stat().st_size
+    if size != recorded.get("size"):
+        raise CheckpointError(f"{shard}: {size} bytes, the index recorded {recorded.get('size')}; the file is not "
+                              "the one saved with this checkpoint (damaged, or copied from another step)")
+    try:
+        found = header_digest(shard)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{shard}: its header cannot be read ({e}); the checkpoint is damaged") from None
+    if found != recorded.get("header"):
+        raise CheckpointError(f"{shard}: its header (tensor names, offsets, digests) differs from the one the index "
+                              "recorded; the file is not the one saved with this checkpoint (damaged, or copied from "
+                              "another step)")
 
 
 # ---------------------------------------------------------------- save
@@ -311,11 +275,8 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     failed = None
     # dp rank 0 (under --ep the first rank of each edp group) of cp rank 0: the cp ranks hold the same parameters
     if coords["dp"] < layout.ep and not _cp_index(coords):
-        from safetensors.torch import save_file
-
         shard = tmp / _shard_name(coords, layout.ep_rank(coords["dp"]) if layout.ep > 1 else None)
-        # on disk before the index says the checkpoint is complete
-        failed = _attempt(lambda: (save_file(tensors, str(shard)), _fsync(shard)), shard)
+        failed = _attempt(lambda: _write_shard(shard, tensors), shard)
     if os.environ.get(CRASH_ENV) == str(step) and rank == 0:
         os._exit(17)  # a kill in the middle of the save: some shards written, no index, no rename
     _agree(step, folder, _gather(failed), tmp)
@@ -331,6 +292,18 @@ def save_checkpoint(folder: Path, step: int, out: Path, held: dict, entry: RankE
     if rank == 0:
         _prune(folder, folder / f"step-{step:08d}", keep_last, replace)
     return folder / f"step-{step:08d}" if rank == 0 else None
+
+
+def _write_shard(shard: Path, tensors: dict) -> None:
+    """One shard file, each tensor's digest in its header; on disk before the index says the checkpoint is complete."""
+    from safetensors.torch import save_file
+
+    from fxshard.files import path_for_library
+    from fxshard.train.digests import shard_metadata, tensor_digests
+
+    metadata = shard_metadata(tensor_digests(tensors))
+    with path_for_library(shard, "a checkpoint shard", fsync=True, owner=OWNER) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def _cp_index(coords) -> int:
@@ -385,24 +358,24 @@ def _commit(folder: Path, tmp: Path, step: int, out: Path, manifest: Manifest, o
             if all(p["slice"] != t.slice.to_json() for p in rec["pieces"]):
                 file = _shard_name(e.coords, (e.coords["ep"] if t.axis == "ep" else 0) if ep else None)
                 rec["pieces"].append({"slice": t.slice.to_json(), "file": file})
+    from fxshard.files import publish_folder, write_bytes
+    from fxshard.train.digests import HASH
+
+    files = {name: {"size": (tmp / name).stat().st_size, "header": header_digest(tmp / name)}
+             for name in sorted({p["file"] for rec in pieces.values() for p in rec["pieces"]})}
     index = {"format": FORMAT, "step": step, "model_file": manifest.model_file,
              "model_name": manifest.model_name, "model_digest": manifest.model_digest,
              "seed": manifest.seed, "layout": manifest.layout.to_json(), "optimizer": asdict(optim_config),
-             "tensors": pieces} | ({"trainer": trainer} if trainer is not None else {})
+             "tensors": pieces, "digest": HASH, "files": files} | ({"trainer": trainer} if trainer is not None else {})
     if frozen:
         weights = manifest.weights.dir if manifest.weights is not None else None
         aliases = {a for e in manifest.ranks for t in e.tensors.values() if t.source in frozen for a in t.aliases}
         index[FROZEN] = {"tensors": sorted(frozen | aliases), "weights": weights}
-    shutil.copyfile(out / manifest.model_file, tmp / "model.py")
+    write_bytes(tmp / "model.py", (out / manifest.model_file).read_bytes(), "the checkpoint's model file", owner=OWNER)
     _write_atomic(tmp / INDEX, json.dumps(index, indent=1))
     final = folder / f"step-{step:08d}"
-    old = None
-    if final.exists():  # saving a step again (--overwrite, or resumed before it): swap, then drop the old one
-        old = final.rename(folder / f"{final.name}.old-{uuid.uuid4().hex[:8]}")
-    tmp.rename(final)
+    publish_folder(tmp, final)
     _write_atomic(folder / LATEST, final.name + "\n")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     for stale in folder.glob("step-*.tmp-*"):  # partial saves of killed runs: never loaded, now dropped
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
@@ -420,26 +393,21 @@ def _prune(folder: Path, final: Path, keep_last: int, replace: bool) -> None:
         drop = others[:max(0, len(others) + 1 - keep_last)]  # by step number: the newest N include final
     else:
         return
+    from fxshard.files import remove_folder
+
     for step in drop:
         try:
-            gone = step.rename(folder / f"{step.name}.old-{uuid.uuid4().hex[:8]}")
+            remove_folder(step)
         except OSError as e:  # the save is complete: a step that stays is no reason to stop training
             from fxshard.errors import warn
 
             warn(f"{step}: could not be deleted ({e.strerror or e}); it stays")
-            continue
-        shutil.rmtree(gone, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _write_atomic(path: Path, text: str) -> None:
     from fxshard.files import write_text
 
-    write_text(path, text, f"the checkpoint's {path.name}", fsync=True)
+    write_text(path, text, f"the checkpoint's {path.name}", fsync=True, owner=OWNER)
 
 
 # ---------------------------------------------------------------- load
@@ -455,14 +423,10 @@ class CheckpointReader:
 
     def __init__(self, path: str | Path):
         self.path = find_checkpoint(path)
-        try:
-            self.index = json.loads((self.path / INDEX).read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{self.path / INDEX}: not valid JSON ({e}); the checkpoint is damaged") from e
-        if self.index.get("format") != FORMAT:
-            raise CheckpointError(f"{self.path / INDEX}: not an fxshard checkpoint of format {FORMAT}")
-        self.step = int(self.index["step"])
+        self.index = read_index(self.path / INDEX)
+        self.step = self.index["step"]
         self._files: dict[str, object] = {}
+        self._digests: dict[str, dict | None] = {}
         # tied weights are saved once, under the manifest's source name; their other names lead to it
         self.aliases = {a: fqn for fqn, rec in self.sources.items() for a in rec.get("aliases", [])}
         self.frozen = set((self.index.get(FROZEN) or {}).get("tensors", []))  # not saved: the compile's values
@@ -478,7 +442,10 @@ class CheckpointReader:
             path = inside(self.path, name, "a tensor piece's file", self.path / INDEX, CheckpointError)
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard file missing from the checkpoint")
-            self._files[name] = safe_open(str(path), framework="pt")
+            _check_recorded(path, (self.index.get("files") or {}).get(name))
+            f = safe_open(str(path), framework="pt")
+            self._digests[name] = digests_of(f.metadata(), str(path))
+            self._files[name] = f
         return self._files[name]
 
     def has_state(self, fqn: str) -> bool:
@@ -502,7 +469,13 @@ class CheckpointReader:
         if key not in f.keys():
             raise CheckpointError(f"{self.path / piece['file']}: tensor {fqn} ({kind}, key {key!r}) is missing; "
                                   "the checkpoint is damaged — resume from an earlier one")
-        return f.get_tensor(key)
+        digests = self._digests[piece["file"]]
+        if digests is None:  # saved before fxshard recorded digests
+            return f.get_tensor(key)
+        try:
+            return check_tensor(f.get_tensor(key), digests.get(key), str(self.path / piece["file"]), key)
+        except DigestError as e:
+            raise CheckpointError(str(e)) from None
 
     def tensor(self, fqn: str, kind: str = "param", sl: SliceSpec | None = None) -> torch.Tensor:
         """``fqn``'s ``kind`` tensor, whole, or the part ``sl`` describes."""
@@ -546,80 +519,3 @@ class CheckpointReader:
             f"{self.index.get('model_digest')}) than {out} compiles ({manifest.model_name}, digest "
             f"{manifest.model_digest}): {detail} ({len(missing)} missing, {len(wrong)} of another shape); "
             "resume with the model the checkpoint was trained from")
-
-
-def load_trained(reader: CheckpointReader, opt, held: dict, entry: RankEntry, dp_group, edp_group=None) -> None:
-    """Give this rank's parameters, in place, and its optimizer the checkpoint's trained values and Adam state, each
-    where the layout keeps it: the parameter itself (DDP), its dp shard (FSDP2, a DTensor), the fp32 master and the
-    rounded parameter (mixed precision), this rank's part of its ZeRO-1 buckets; under --ep the experts' optimizer
-    gets this ep rank's slice of theirs (at ZeRO 1 the share of this rank of edp).  The set-up is the one the run
-    trains with, so a resumed run and an uninterrupted one hold the same values bit for bit."""
-    parts = _optimizers(opt, dp_group, edp_group)
-    with torch.no_grad():
-        for prefix, module in held.items():
-            for name, p in module.named_parameters():
-                t = entry.tensors[prefix + name]
-                if t.source in reader.frozen:  # a LoRA base, left out of the save: it keeps the compile's value
-                    continue
-                value = reader.tensor(t.source, "param", t.slice)
-                if tuple(value.shape) != tuple(p.shape):
-                    raise CheckpointError(f"{reader.path}: tensor {t.source} gives this rank shape "
-                                          f"{tuple(value.shape)}, the rank module expects {tuple(p.shape)}")
-                owner, group = parts[t.axis]
-                _give_value(owner, p, value)
-                if p.requires_grad and reader.has_state(t.source):  # frozen: no optimizer state to give
-                    _give_state(owner, group, p, {k: reader.tensor(t.source, k, t.slice) for k in STATE_KINDS})
-
-
-def _give_value(opt, p, value: torch.Tensor) -> None:
-    """Make ``value`` (fp32, p's tp slice) ``p``'s trained value wherever ``opt`` and the layout keep it."""
-    from fxshard.runtime.distributed_optimizer import DistributedOptimizer
-    from fxshard.runtime.mixed_precision import MasterWeightAdamW
-
-    if not p.requires_grad and not hasattr(p, "to_local"):  # frozen: no optimizer holds it
-        p.copy_(value)
-    elif isinstance(opt, DistributedOptimizer):
-        opt.load_value(p, value)  # the bucket's view, and this rank's part of the fp32 master shard
-    elif hasattr(p, "to_local"):  # FSDP2: this dp rank's shard (fp32 under mixed precision: the master)
-        from torch.distributed.tensor import distribute_tensor
-
-        local = p.to_local()
-        mine = distribute_tensor(value.to(local.device, local.dtype), p.device_mesh, p.placements, src_data_rank=None)
-        local.copy_(mine.to_local())
-    else:
-        if isinstance(opt, MasterWeightAdamW):
-            i = next(i for i, q in enumerate(opt.params) if q is p)
-            if i in opt.masters:
-                opt.masters[i].copy_(value)
-        p.copy_(value)  # rounded to the compute dtype under mixed precision, as split_masters rounds
-
-
-def _give_state(opt, group, p, state: dict) -> None:
-    """Make ``state`` ``p``'s Adam state in ``opt`` where ``opt`` keeps it (ZeRO 1: this rank's part of its buckets)."""
-    from fxshard.runtime.distributed_optimizer import DistributedOptimizer
-    from fxshard.runtime.mixed_precision import MasterWeightAdamW
-
-    if isinstance(opt, MasterWeightAdamW):
-        m = opt.masters.get(next(i for i, q in enumerate(opt.params) if q is p))
-        if m is not None:
-            opt.optim.state[m] = _on(state, m)
-    elif isinstance(opt, DistributedOptimizer):
-        opt.load_state(p, state)  # this rank's part of each of its buckets (ZeRO 1)
-    else:
-        opt.state[p] = _on(state, p)
-
-
-def _on(state: dict, p) -> dict:
-    """Adam state shaped like ``p``: moved to its device, or its dp shard when ``p`` is a DTensor (FSDP2)."""
-    out = {"step": state["step"].float().cpu()}
-    for k in ("exp_avg", "exp_avg_sq"):
-        v = state[k].to(p.dtype if not hasattr(p, "to_local") else p.to_local().dtype)
-        if hasattr(p, "to_local"):
-            from torch.distributed.tensor import distribute_tensor
-
-            v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            assert v.to_local().shape == p.to_local().shape, (k, v.to_local().shape, p.to_local().shape)
-        else:
-            v = v.to(p.device).clone()
-        out[k] = v
-    return out

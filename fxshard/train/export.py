@@ -9,7 +9,7 @@ replaced by the checkpoint's full tensor (assembled from the saved slices, whate
 
 A model that is not a Hugging Face ``PreTrainedModel`` gets ``model.safetensors`` of its state dict.
 
-The folder is treated as compile treats ``--out`` (:mod:`fxshard.codegen.folder`): only a new or empty folder, or
+The folder is treated as compile treats ``--out`` (:mod:`fxshard.files.staged`): only a new or empty folder, or
 one an earlier export wrote (``fxshard-export.json`` lists its files), is written; the export is written into a
 hidden sibling and swapped in, a user's own files in it (a tokenizer, a README) are kept, and the checkpoint's
 own folders are refused.
@@ -25,10 +25,20 @@ import torch
 
 from fxshard.capture.lora import is_peft_model
 from fxshard.capture.modelfile import load_model_file
-from fxshard.codegen.folder import JOURNAL, FolderKind, check_target, recover_interrupted, staged_output
 from fxshard.codegen.manifest import inside
 from fxshard.errors import OutputFolderError
-from fxshard.train.checkpoint import CheckpointError, CheckpointReader, check_checkpoint, find_checkpoint
+from fxshard.files import (
+    JOURNAL,
+    STAGE,
+    FolderKind,
+    check_target,
+    path_for_library,
+    recover_interrupted,
+    staged_output,
+    write_text,
+)
+from fxshard.train.checkpoint import CheckpointError, CheckpointReader, find_checkpoint
+from fxshard.train.resume_checks import check_checkpoint
 
 EXPORT_RECORD = "fxshard-export.json"  # the files an export wrote, so the next export may replace them
 EXPORT_FORMAT = "fxshard-export-1"
@@ -125,13 +135,15 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, model_file: str | Pat
         model = model.merge_and_unload()
     with staged_output(out_dir, set(), EXPORT) as stage:
         if hasattr(model, "save_pretrained"):
-            model.save_pretrained(stage, safe_serialization=True)
+            model.save_pretrained(stage, safe_serialization=True)  # transformers writes into the staging folder
         else:
             from safetensors.torch import save_model
 
-            save_model(model, str(stage / "model.safetensors"))
+            with path_for_library(stage / "model.safetensors", "the exported weights", owner=STAGE) as tmp:
+                save_model(model, str(tmp))
         files = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
-        (stage / EXPORT_RECORD).write_text(json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n")
+        write_text(stage / EXPORT_RECORD, json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n",
+                   "the export's record", owner=STAGE)
     return path
 
 
@@ -162,5 +174,6 @@ def export_peft(checkpoint: str | Path, out_dir: str | Path, model_file: str | P
     with staged_output(out_dir, set(), PEFT_EXPORT) as stage:
         model.save_pretrained(str(stage))
         files = sorted(p.name for p in stage.iterdir() if p.name != JOURNAL)
-        (stage / EXPORT_RECORD).write_text(json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n")
+        write_text(stage / EXPORT_RECORD, json.dumps({"format": EXPORT_FORMAT, "files": files}, indent=1) + "\n",
+                   "the export's record", owner=STAGE)
     return path

@@ -95,7 +95,7 @@ def train(out: Path, options: RunOptions, *, device: torch.device | None = None,
     checkpoint = options.checkpoint_config()
     locked = contextlib.nullcontext()
     if checkpoint is not None:
-        from fxshard.train.checkpoint import check_new_run
+        from fxshard.train.resume_checks import check_new_run
 
         check_new_run(checkpoint)  # on every rank, before any saves: an earlier run's steps are not overwritten
     if checkpoint is not None and dist.get_rank() == 0:
@@ -115,26 +115,25 @@ def write_final_state(folder: Path, rank: int, state: dict) -> Path:
     """``--final-state DIR``: this rank's trained tensors as ``DIR/rank<R>.safetensors``, written through
     :mod:`fxshard.files` (a new file renamed onto the name: a link planted there during the run is refused, never
     written through)."""
-    from safetensors.torch import save
+    from safetensors.torch import save_file
 
-    from fxshard.files import write_bytes
+    from fxshard.files import make_folder, path_for_library
 
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_bytes(folder / f"rank{rank}.safetensors", save({k: v.contiguous() for k, v in state.items()}),
-                       "a rank's trained tensors")
+    make_folder(folder, "the --final-state folder")
+    path = folder / f"rank{rank}.safetensors"
+    with path_for_library(path, "a rank's trained tensors") as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    return path
 
 
 def open_metrics(path: Path, append: bool):
     """``--metrics FILE`` for rank 0's lines: opened without following a link (one planted during the run is
-    refused by name; a hard link too), emptied unless ``append`` (a resumed run continues its run's file)."""
-    import os
+    refused by name; a hard link too) and only if fxshard made it, emptied unless ``append`` (a resumed run continues
+    its run's file)."""
+    from fxshard.files import open_log
+    from fxshard.train.options import METRICS
 
-    from fxshard.files import open_no_follow
-
-    fd = open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644, "the run's metrics")
-    if not append:
-        os.ftruncate(fd, 0)  # after the checks: never a file the name only led to
-    return os.fdopen(fd, "a")
+    return open_log(path, METRICS, append)
 
 
 def open_stream(program: Program, split: str, state: dict | None = None):
@@ -260,12 +259,17 @@ class _Loop:
     def _resume(self) -> None:
         """Continue from the checkpoint: weights, optimizer, schedule and data position; a checkpoint without a data
         position (saved before fxshard recorded one) replays the stream by its step count, as fxshard did then."""
-        from fxshard.train.checkpoint import CheckpointReader, check_resumable
+        from fxshard.train.checkpoint import CheckpointReader
+        from fxshard.train.resume_checks import check_resumable
 
         folder = self.checkpoint.folder
         reader = CheckpointReader(folder)
         check_resumable(reader, self.program.manifest, self.program.out, self.options.steps, self.options.optim,
                         self.checkpoint.allow_changed_model)  # as before launch: under torchrun, a rank's own check
+        from fxshard.train.data.resume import check_data_state, identity_of
+
+        check_data_state(reader.index.get("trainer") or {}, identity_of(self.data, digest=False),
+                         self.options.allow_data_change, str(reader.path))  # the digest: before launch, once
         say = self.log if self.rank == 0 else (lambda *_: None)
         state = self.program.load(folder, scheduler=self.scheduler, say=say)
         if state is not None:

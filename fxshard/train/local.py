@@ -224,6 +224,8 @@ def failure_lines(failures: dict) -> list[str]:
     for rank, failure in sorted(failures.items()):
         if failure.exitcode >= 0 or failure.error_file_data.get("message") != "<NONE>":  # torch's "no error file"
             msg = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+            if "pytorch.org/docs/stable/elastic/errors.html" in msg:  # torch's boilerplate: the rank wrote no message
+                msg = "it reported no error of its own (its output above says what it printed)"
             lines.append(f"rank {rank} exited with code {failure.exitcode}: {msg[:2000]}")
         elif failure.exitcode == -signal.SIGTERM and caused:
             first = ", ".join(f"rank {r}" for r in sorted(caused))

@@ -55,6 +55,9 @@ class RunOptions:
                                "0: keep all")
     allow_changed_model: bool = option(False, "--resume a checkpoint saved from another model file (its digest "
                                               "differs from the compiled one's) whose parameters fit this model")
+    allow_data_change: bool = option(False, "--resume with other data than the checkpoint trained on (another or a "
+                                            "changed token file, --data-seed, --shuffle, --pack): continue at its "
+                                            "saved position with the data given")
     on_nonfinite: str = option("stop", "a non-finite loss or gradient norm (checked on every rank before the "
                                        "optimizer step): stop the run, or skip the step (no update, the schedule "
                                        "waits)")
@@ -149,10 +152,11 @@ def check_run_options(out: Path, options: RunOptions, say=print):
                                                            if flag == "--eval-every" else "at least 1 batch"))
     timeout, metrics, final_state = options.timeout, options.metrics, options.final_state
     check_timeout(timeout)
-    from fxshard.files import refuse_link
-    from fxshard.train.record import RUN_RECORD
+    from fxshard.codegen.folder import OUT_OWNER
+    from fxshard.files import check_replaceable
+    from fxshard.train.record import RUN_RECORD, RUN_RECORD_WHAT
 
-    refuse_link(Path(out) / RUN_RECORD, "the run record")  # written by rank 0 at the end: refused now, not then
+    check_replaceable(Path(out) / RUN_RECORD, RUN_RECORD_WHAT, owner=OUT_OWNER)  # rank 0 writes it at the end
     if metrics is not None:
         _check_metrics(out, metrics)
     if options.tensorboard is not None:
@@ -167,12 +171,15 @@ def check_run_options(out: Path, options: RunOptions, say=print):
         if options.memory_report:
             _check_compiled_memory_report(out)
     if options.trace is not None:
-        _check_trace(options.trace)
+        _check_trace(options.trace, read_manifest(out).layout.world_size)
     if final_state is not None and final_state.exists() and not final_state.is_dir():
         raise OptionError(f"--final-state {final_state}: is a file; --final-state names a folder")
-    if final_state is not None and final_state.is_dir():
-        for path in final_state.glob("rank*.safetensors"):  # each rank writes its own: never through a link
-            refuse_link(path, "a rank's trained tensors")
+    if final_state is not None:
+        from fxshard.files import make_folder
+
+        make_folder(final_state, "the --final-state folder")
+        for rank in range(read_manifest(out).layout.world_size):  # each rank writes its own: never through a link
+            check_replaceable(final_state / f"rank{rank}.safetensors", "a rank's trained tensors")
     _check_data(out, options, say)
     if checkpoint is not None:
         try:
@@ -184,6 +191,7 @@ def check_run_options(out: Path, options: RunOptions, say=print):
 
 
 NONFINITE = ("stop", "skip")  # --on-nonfinite
+METRICS = "the run's metrics"  # what fxshard.files records a --metrics file as
 MAX_TIMEOUT = 365 * 24 * 3600  # a year: torch's stores and gloo take deadlines this far (1e10 s fails to connect)
 
 
@@ -250,8 +258,12 @@ def check_compile(out: Path) -> None:
         why.append("--schedule zero-bubble (its split backward walks the autograd graph inside each stage, which a "
                    "compiled stage holds as one node: torch fails 'stage backward input'; use 1f1b or "
                    "interleaved-1f1b)")
-    if any("rt.dropout(" in f.read_text() for f in Path(out).glob("rank_*.py")):
+    texts = [f.read_text() for f in Path(out).glob("rank_*.py")]
+    if any("rt.dropout(" in t for t in texts):
         why.append("dropout (its masks are keyed by the batch number, which would recompile every step)")
+    if any("rt.draw(" in t for t in texts):
+        why.append("random draws (rt.draw: their values are keyed by the batch number, which would recompile every "
+                   "step)")
     if why:
         raise OptionError(f"--compile: {out} was compiled with {'; '.join(why)}; run it without --compile, or "
                           "compile the model without that setting")
@@ -265,22 +277,17 @@ def _check_metrics(out: Path, metrics: Path) -> None:
             raise OptionError(f"--metrics {metrics}: is a folder; name a file, e.g. {metrics / 'metrics.jsonl'}")
         if not metrics.parent.is_dir():
             raise OptionError(f"--metrics {metrics}: the folder {metrics.parent} does not exist; create it first")
-        from fxshard.files import refuse_link
+        from fxshard.files import try_writing
 
-        refuse_link(metrics, "the run's metrics")  # rank 0 appends to it: never through a link
         _refuse_generated(out, metrics)
         if not under_torchrun() or os.environ["RANK"] == "0":  # the launcher, and the rank that writes it
-            existed = metrics.exists()
-            with open(metrics, "a"):  # as rank 0 will
-                pass
-            if not existed:
-                metrics.unlink()
+            try_writing(metrics, METRICS)  # never through a link, never a file fxshard did not write
     except OSError as e:
         raise OptionError(f"--metrics {metrics}: cannot be written ({e.strerror}); choose a file you can "
                           "write to") from None
 
 
-def _check_trace(trace: Path) -> None:
+def _check_trace(trace: Path, world: int) -> None:
     """--trace DIR: a folder that exists or can be made, and can be written (every rank writes a file into it)."""
     from fxshard.errors import OptionError
 
@@ -289,20 +296,13 @@ def _check_trace(trace: Path) -> None:
             raise OptionError(f"--trace {trace}: is a file; --trace names a folder, e.g. {trace}-trace")
         if not trace.exists() and not trace.parent.is_dir():
             raise OptionError(f"--trace {trace}: the folder {trace.parent} does not exist; create it first")
-        trace.mkdir(exist_ok=True)
-        import re
+        from fxshard.files import make_folder, try_writing
+        from fxshard.runtime.trace import MERGED, MERGED_WHAT, RANK_WHAT
 
-        from fxshard.files import refuse_link
-        from fxshard.runtime.trace import MERGED
-
-        for path in trace.iterdir():  # the files the ranks and the join will write: refused now, not after training
-            if path.name == MERGED or re.fullmatch(r"rank\d+\.json", path.name):
-                refuse_link(path, "a trace file")
-        import tempfile
-
-        fd, probe = tempfile.mkstemp(prefix=".fxshard-write-test-", dir=trace)  # a new file (O_EXCL): no link opened
-        os.close(fd)
-        os.unlink(probe)
+        make_folder(trace, "the --trace folder")
+        for rank in range(world):  # the files the ranks and the join will write: refused now, not after training
+            try_writing(trace / f"rank{rank}.json", RANK_WHAT)
+        try_writing(trace / MERGED, MERGED_WHAT)
     except OSError as e:
         raise OptionError(f"--trace {trace}: cannot be written ({e.strerror}); choose a folder you can write "
                           "to") from None
@@ -322,23 +322,31 @@ def _refuse_generated(out: Path, metrics: Path) -> None:
 
 def _check_checkpoint_option(out: Path, options: RunOptions, checkpoint, say) -> None:
     from fxshard.errors import OptionError
-    from fxshard.train.checkpoint import check_new_run
+    from fxshard.train.resume_checks import check_new_run
 
     if checkpoint.folder.exists() and not checkpoint.folder.is_dir():
         raise OptionError(f"--checkpoint {checkpoint.folder}: is a file; --checkpoint names a folder")
-    if checkpoint.save_every:  # first: a planted link is named as such, not taken for an earlier run's latest
-        from fxshard.files import refuse_link
-        from fxshard.train.checkpoint import LATEST
+    if checkpoint.save_every and checkpoint.folder.is_dir():  # first: a planted link is named as such, not taken
+        from fxshard.files import check_replaceable  # for an earlier run's latest
+        from fxshard.train.checkpoint import LATEST, OWNER
 
-        refuse_link(checkpoint.folder / LATEST, "the checkpoint's latest")  # rewritten by every save
+        check_replaceable(checkpoint.folder / LATEST, f"the checkpoint's {LATEST}", owner=OWNER)  # every save
     check_new_run(checkpoint)  # an earlier run's checkpoints: --resume, another folder, or --overwrite
     if checkpoint.resume:
         from fxshard.codegen.manifest import read_manifest
-        from fxshard.train.checkpoint import CheckpointReader, check_checkpoint, check_resumable
+        from fxshard.train.checkpoint import CheckpointReader
+        from fxshard.train.resume_checks import check_checkpoint, check_resumable
 
         check_checkpoint(checkpoint.folder, say)  # nothing to resume, or a damaged file: named before launch
-        check_resumable(CheckpointReader(checkpoint.folder), read_manifest(out), out, options.steps, options.optim,
+        reader = CheckpointReader(checkpoint.folder)
+        check_resumable(reader, read_manifest(out), out, options.steps, options.optim,
                         checkpoint.allow_changed_model)  # another model, nothing left to run, another schedule
+        if not under_torchrun() or os.environ["RANK"] == "0":  # the token file read once (under torchrun, by rank 0)
+            from fxshard.train.data.resume import check_data_state
+            from fxshard.train.resume_checks import current_identity
+
+            check_data_state(reader.index.get("trainer") or {}, current_identity(out, options.data),
+                             options.allow_data_change, str(reader.path))
     if not under_torchrun():
         from fxshard.train.supervise import check_unlocked
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fxshard.capture.inputs import flatten_batch
+from fxshard.capture.rows import check_entries
 from fxshard.codegen.manifest import import_rank_file, read_manifest
 from fxshard.errors import FxshardError, LayoutError
 from fxshard.ir.layout import DP, EDP
@@ -66,6 +67,10 @@ from fxshard.train.optim import clip_grad_norm_
 from fxshard.train.options import RunOptions, options_with
 
 
+class NoTargetsError(FxshardError):
+    """A step none of whose positions has a label: its token-mean loss is 0/0, whatever the model."""
+
+
 class NonFiniteError(FxshardError):
     """A step's loss or gradient norm is not finite (``--on-nonfinite stop``): raised on every rank before the update."""
 
@@ -74,11 +79,22 @@ def load(out: str | Path, options: RunOptions | None = None, *, device: torch.de
          **flags) -> Program:
     """This rank's compiled program of ``out``, in a process started by torchrun (the default process group is
     started here if it is not yet).  ``flags``: any of ``fxshard run``'s options by field name (``lr``,
-    ``weight_decay``, ``clip_grad_norm``, ``compile``, ...), over ``options``.
+    ``weight_decay``, ``clip_grad_norm``, ``compile``, ...), over ``options``.  As ``fxshard run``, it refuses rank
+    files or a model.py edited since the compile before importing any of them (``allow_edited=True`` runs them).
 
     >>> program = fxshard.load("out/llama-tp2-dp2", lr=3e-4)   # doctest: +SKIP
     """
+    from fxshard.codegen.manifest import refuse_edited
+    from fxshard.train.options import under_torchrun
+
     options = options_with(options or RunOptions(), flags)
+    if not options.allow_edited:
+        refuse_edited(Path(out), read_manifest(out), "allow_edited=True to fxshard.load")
+    if device is None and not dist.is_initialized() and not under_torchrun():
+        raise FxshardError(f"fxshard.load({str(out)!r}): runs as one rank of a distributed job, and this process is "
+                           "none (RANK and WORLD_SIZE are not set): start the script with torchrun "
+                           f"--nproc-per-node {read_manifest(out).layout.world_size} SCRIPT.py (one process per rank "
+                           f"of {out}), or train it with `fxshard run {out}`")
     if device is None:
         from fxshard.train.process import start_rank
 
@@ -116,7 +132,8 @@ class Program:
         self._weighted = norm_weights(self.held, self.entry, manifest, layout)
         self._count = getattr(code, "count_tokens", None)
         # this dp rank's rows of each batch (inputs a pipeline rank does not read may be None)
-        self._rows = next((i.shape[0] // layout.dp for i in manifest.inputs if i.is_tensor and i.shape), None)
+        self._rows = next((i.shape[0] // layout.dp for i in manifest.inputs
+                           if i.is_tensor and i.shape and not i.counted_by and not i.whole), None)
         self.step_count = 0
         self.probe = None  # fxshard run --memory-report's MemoryProbe, sampled by the step
         self._batches = 0  # batches trained since the start of training: they number the dropout masks
@@ -159,9 +176,10 @@ class Program:
         """This rank's share of a global batch (one batch as ``make_inputs()`` returns it): every tensor's rows of this
         dp rank, in dp order, as one device's batch splits into the dp ranks'.  Tensors stay on the CPU."""
 
+        from fxshard.capture.rows import Rows
         from fxshard.train.data.spec import local_slice
 
-        return local_slice(batch, self.coords[DP], self.layout.dp)
+        return local_slice(batch, self.coords[DP], self.layout.dp, Rows.of_inputs(self.manifest.inputs))
 
     # ------------------------------------------------------------ steps
 
@@ -293,7 +311,7 @@ class Program:
 
         trainer = {"batches": self._batches,
                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                   "data": _state_of(data)}
+                   "data": _state_of(data, digest=dist.get_rank() == 0)}  # rank 0's is saved
         with named_phase(f"the checkpoint save of step {self.step_count}", dist.group.WORLD):
             finish_param_sync(self._opt)  # the parameters of this step, not the gathers still in flight
             return save_checkpoint(folder, self.step_count, self.out, self.held, self.entry, self._opt, self.manifest,
@@ -306,14 +324,21 @@ class Program:
         state in place, ``step_count``, and the ``scheduler``'s and ``data``'s states.  Returns the saved data state,
         or None for a checkpoint without one (saved before fxshard recorded it): ``say`` is told the position is
         unknown, and the data is left where it is."""
-        from fxshard.train.checkpoint import CheckpointReader, load_trained
+        from fxshard.train.checkpoint import CheckpointReader
+        from fxshard.train.restore import load_trained
 
         reader = CheckpointReader(folder)
         reader.check_model(self.manifest, self.out, self.options.allow_changed_model)
+        trainer = reader.index.get("trainer") or {}
+        from fxshard.train.data.loader import Batches
+
+        if isinstance(data, Batches):  # the examples saved, cheaply (the token file's size; the launcher compared
+            from fxshard.train.data.resume import check_data_state, identity_of  # its digest)
+
+            check_data_state(trainer, identity_of(data, digest=False), self.options.allow_data_change, str(reader.path))
         finish_param_sync(self._opt)
         self._zero_grad()
         load_trained(reader, self._opt, self.held, self.entry, self.groups[self.layout.grad_axis], self.groups.get(EDP))
-        trainer = reader.index.get("trainer") or {}
         self.step_count = reader.step
         accum = reader.index.get("optimizer", {}).get("grad_accum", 1)
         self._batches = trainer.get("batches", reader.step * accum)
@@ -364,6 +389,7 @@ class Program:
                                        "of the rows): pass program.local_batch(batch)") from None
             raise FxshardError(f"{what}: {e}" + (f" (this dp rank's share: global rows / dp {self.layout.dp})"
                                                   if self.layout.dp > 1 else "")) from None
+        check_entries(self.manifest.inputs, leaves)  # an input counted by a mask: as many entries per microbatch
         mixed = self.layout.mixed
         return [v if not isinstance(v, torch.Tensor) else
                 v.to(self.device, self.layout.compute_dtype if mixed and v.is_floating_point() else v.dtype,
@@ -381,6 +407,11 @@ class Program:
 
             with guarded("all_reduce of the step's counted tokens over dp", self.groups[DP]):
                 dist.all_reduce(counted, group=self.groups[DP])
+        if not bool(counted.any()):  # every rank has the same counts: every rank stops here alike
+            raise NoTargetsError(f"step {self.step_count + 1}: no position of its batches has a label (every target is "
+                                 "-100, the ignored label), so its token-mean loss would be 0/0 and no update could "
+                                 "be made; the data holds sequences with nothing to predict (with --pack: documents "
+                                 "of one token, only their EOS). Give data with text to predict")
         # cp ranks count parts of each row: the divisor counts dp x cp parts
         return step_tokens(counted.tolist(), len(leaves) * self._rank.microbatches * self.layout.replicas)
 
@@ -439,12 +470,20 @@ def _count_tokens(count, leaves: list, manifest) -> tuple[int, ...]:
     """The targets a token-mean loss counts in one batch's leaves, one count per counted mean the loss adds
     (``count`` returns a scalar, or a vector for several): ``count`` runs on each microbatch-sized run of rows (the
     shapes it was compiled for), whichever microbatch those rows go to."""
-    rows = next((i.microbatch_shape[0] for i in manifest.inputs if i.is_tensor and i.microbatch_shape), None)
-    total = next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), None)
-    if rows is None or total is None or rows == total:
+    leading = [(i, v) for i, v in zip(manifest.inputs, leaves, strict=True)
+               if isinstance(v, torch.Tensor) and v.dim() and i.microbatch_shape and not i.counted_by and not i.whole]
+    if not leading or leading[0][0].microbatch_shape[0] == leading[0][1].shape[0]:
         return _ints(count(*leaves))
-    return _add(_ints(count(*[v[i:i + rows] if isinstance(v, torch.Tensor) and v.dim() else v for v in leaves]))
-                for i in range(0, total, rows))
+    runs = leading[0][1].shape[0] // leading[0][0].microbatch_shape[0]
+
+    def run(i, v, k: int):  # microbatch k's part of input i: its rows, a counted input's entries of them
+        if not isinstance(v, torch.Tensor) or not v.dim() or i.whole or not i.microbatch_shape:
+            return v
+        size = i.microbatch_shape[0]
+        return v[k * size:(k + 1) * size]
+
+    return _add(_ints(count(*[run(i, v, k) for i, v in zip(manifest.inputs, leaves, strict=True)]))
+                for k in range(runs))
 
 
 def _ints(counted) -> tuple[int, ...]:
@@ -471,7 +510,11 @@ def _torch_issued(layout, step: int, compiled: bool = False) -> str:
     return (what or "the step's communication") + f" in training step {step}"
 
 
-def _state_of(data):
+def _state_of(data, digest: bool = False):
+    from fxshard.train.data.loader import Batches
+
+    if isinstance(data, Batches):
+        return data.state_dict(digest)
     return None if data is None else data.state_dict() if hasattr(data, "state_dict") else data
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 RUN_RECORD = "run.json"
+RUN_RECORD_WHAT = "the run record"
 
 
 def write_run_record(out: Path, options, losses: list[float], memory_rows: list[dict] | None) -> Path | None:
@@ -27,10 +28,12 @@ def write_run_record(out: Path, options, losses: list[float], memory_rows: list[
               "metrics": _recorded(options.metrics, out), "trace": _recorded(options.trace, out),
               "memory": memory_rows, "digests": manifest.digests,
               "data": _data(out, options)}
+    from fxshard.codegen.folder import OUT_OWNER
     from fxshard.files import write_text
 
     with contextlib.suppress(OSError):  # a link planted at run.json is refused before launch (train/options.py)
-        return write_text(Path(out) / RUN_RECORD, json.dumps(record, indent=1, default=str) + "\n", "the run record")
+        return write_text(Path(out) / RUN_RECORD, json.dumps(record, indent=1, default=str) + "\n", RUN_RECORD_WHAT,
+                          owner=OUT_OWNER)
     return None
 
 

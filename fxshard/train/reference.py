@@ -8,6 +8,7 @@ from fxshard.capture.modelfile import ModelFile
 from fxshard.capture.precision import cast_inputs
 from fxshard.capture.program import _WithLoss
 from fxshard.ir.context import DTYPES
+from fxshard.runtime.draws import ReferenceDraws
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
 from fxshard.runtime.random import ReferenceDropout, begin_batch
 from fxshard.train.data import DataOptions, global_batches
@@ -60,8 +61,8 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
         for k, batch in enumerate(step_batches):
             if counts[k] == 0:
                 continue  # no counted token: no share of the step's loss or gradient
-            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks keyed as in Program.train_step
-            with ReferenceDropout():
+            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks and draws keyed as in Program.train_step
+            with ReferenceDropout(), ReferenceDraws():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
             share = counts[k] / sum(counts)
             (loss * share).backward()

@@ -179,7 +179,8 @@ def test_the_writers_themselves_never_write_through_a_link(compiled, tmp_path):
     with pytest.raises(UnsafePathError, match=r"trace\.json: is a symbolic link"):
         trace.merge(folder, 1)
     assert target.read_text() == "mine"
-    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "trace.json"]  # no temporary file left
+    # no temporary file left; the list of what fxshard wrote there beside them (fxshard.files)
+    assert sorted(p.name for p in folder.iterdir()) == [".fxshard-files.json", "rank0.json", "trace.json"]
 
 
 @pytest.mark.parametrize("link", ["symbolic", "hard"])
@@ -216,11 +217,11 @@ def test_a_checkpoint_latest_that_is_a_link_is_refused_before_launch(compiled, t
 
 def test_the_safe_writer_replaces_a_file_whole_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "f.txt"
-    path.write_text("old")
+    write_text(path, "old")
     inode = path.stat().st_ino
     write_text(path, "new")
     assert path.read_text() == "new" and path.stat().st_ino != inode  # a new file renamed in, not a rewrite
-    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fxshard-files.json", "f.txt"]  # and what wrote it
     fd = open_no_follow(tmp_path / "lock", os.O_RDWR | os.O_CREAT)
     os.close(fd)
 

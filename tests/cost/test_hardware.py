@@ -187,3 +187,25 @@ def test_calibrate_refuses_one_process_and_a_folder(tmp_path):
         calibrate(tmp_path / "x.json", procs=1)
     with pytest.raises(OptionError, match="found a folder"):
         calibrate(tmp_path, procs=2)
+
+
+# every field, every way a hand-edited profile goes wrong (issue 45 item 9): a NaN kernel_overhead ranked layouts
+# by "nan s" and recommended one; a NaN or infinite memory was a raw error
+FIELDS = {"kernel_overhead": ["NaN", "-1e-6", "Infinity", "true", '"x"'], "memory": ["NaN", "Infinity", "-5", "0"],
+          "memory_bandwidth": ["NaN", "-1", "Infinity"], "devices_per_node": ["NaN", "2.5", "0"],
+          "overlap": ["NaN", "1.5"], "contention": ["NaN", "Infinity", "0.5"],
+          "compute_scale": ["NaN", "Infinity", "-2"], "selective_overhead": ["NaN", "-1"],
+          "peak_flops": ['{"fp32": NaN}', '{"fp32": Infinity}', '{"fp32": -1}'],
+          "intra_node": ['{"bandwidth": NaN, "latency": 1e-6}', '{"bandwidth": 1e9, "latency": Infinity}',
+                         '{"bandwidth": 1e9, "latency": -1}'],
+          "groups": ['{"2": {"bandwidth": 1e9, "latency": NaN}}', '{"0": {"bandwidth": 1e9, "latency": 0}}'],
+          "efficiency": ['{"matmul": NaN}', '{"matmul": 2}'], "default_dtype": ['"fp8"', "3"], "name": ["7"]}
+
+
+@pytest.mark.parametrize("field, value", [(f, v) for f, values in FIELDS.items() for v in values])
+def test_every_field_of_a_profile_is_validated(tmp_path, field, value):
+    path = tmp_path / "bad.json"
+    text = json.dumps(GOOD | {field: "@"}).replace('"@"', value)
+    path.write_text(text)
+    with pytest.raises(OptionError, match=rf"hardware profile .*bad.json: .*{field}"):
+        load_hardware(path)

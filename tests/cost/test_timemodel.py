@@ -132,6 +132,27 @@ def test_a_device_count_nothing_divides_is_refused_with_counts_that_do(profile):
     assert "--gpus 7" in str(e.value) and "use --gpus in" in str(e.value)
 
 
+def test_a_refusal_of_a_huge_device_count_tries_a_few_counts_not_every_one(profile, monkeypatch):
+    """Issue 45 item 12: the counts near --gpus that divide came from trying every count up to 2 x --gpus (95 s at
+    16,384); they are products of the few sizes each axis takes, each confirmed, so the work is bounded."""
+    import fxshard.cost.search as module
+
+    tried = []
+    real = module._divides
+
+    def counted(profile_, n, setting, dtype):
+        tried.append(n)
+        assert len(tried) <= 100, f"the refusal tried {len(tried)} device counts: it loops over the counts"
+        return real(profile_, n, setting, dtype)
+
+    monkeypatch.setattr(module, "_divides", counted)
+    with pytest.raises(LayoutError) as e:  # 4 blocks, tp in {1, 2, 4, 8}, dp dividing a batch of 4: at most 128
+        search(profile, load_hardware("h100"), 65536, Setting(16, 4, 8))
+    assert "--gpus 65536" in str(e.value) and "use --gpus in [" in str(e.value)
+    near = [int(n) for n in str(e.value).split("use --gpus in [")[1].split("]")[0].split(", ")]
+    assert near and all(real(profile, n, Setting(16, 4, 8), "fp32") for n in near) and len(tried) <= 100
+
+
 def test_a_model_that_fits_no_layout_gets_its_smallest_overshoot_and_the_fixes(profile, tmp_path):
     small = json.loads(load_hardware("h100").path and open(load_hardware("h100").path).read())
     small["memory"] = 600_000  # bytes: below every layout of 2 devices, not of 8

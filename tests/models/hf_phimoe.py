@@ -1,7 +1,7 @@
 """Hugging Face ``PhimoeForCausalLM`` from a tiny config.  Its router multiplies through its own
 ``torch.autograd.Function`` (``PhimoeMultiplier``, kept as an fxshard_fn custom op) and, in training, samples
-experts with ``exponential_`` / ``rand_like``: under pipeline or data parallelism fxshard refuses it at
-compile, naming the op (see tests/test_capture_layouts.py)."""
+experts with ``exponential_`` / ``rand_like`` over the batch's flattened tokens: each rank draws its tokens' values
+of one device's, under pipeline and data parallelism too (tests/test_rows_layouts.py)."""
 
 import torch
 from transformers import PhimoeConfig, PhimoeForCausalLM

@@ -1,5 +1,6 @@
 """Randomness other than dropout in training: multiplicative noise from ``torch.rand_like`` (as Phimoe's
-jitter and router sampling draw).  Under a parallel layout fxshard refuses it, naming the op and module."""
+jitter and router sampling draw).  Under every layout each rank draws its elements of one device's values
+(fxshard.runtime.draws)."""
 
 import torch
 import torch.nn as nn

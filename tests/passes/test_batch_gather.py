@@ -15,6 +15,7 @@ from fxshard.ir.context import Layout
 from fxshard.train.modules import check_accumulated_loss
 
 CONTRASTIVE = Path(__file__).resolve().parents[1] / "models" / "contrastive.py"
+SIGLIP = Path(__file__).resolve().parents[1] / "models" / "hf_siglip.py"
 PRODUCT = r"Contrastive: aten.matmul.default \(a product of every example with every other\)"
 
 
@@ -27,6 +28,15 @@ def test_the_product_runs_on_features_gathered_over_dp():
     assert "rt.token_mean(" not in code  # the loss is the whole batch's mean on every rank, divided by nothing else
     assert [c for c in result.manifest.batch_couplings if "matmul" in c] == [
         "Contrastive: aten.matmul.default (a product of every example with every other)"]
+
+
+def test_siglip_targets_made_at_the_part_size_are_made_at_the_whole_batch():
+    # SigLIP's loss builds its targets as 2 * eye(B) - 1 from the logits' size: eye(2) on a part, which the
+    # whole-batch logits [4, 4] could not take ("fails at its size" before); made again at eye(4)
+    code = compile_model(SIGLIP, Layout(dp=2)).sources["rank_pp0_tp0.py"]
+    assert "aten.eye.default(4," in code and "aten.eye.default(2," not in code
+    assert "mul_tensor = aten.mul.Tensor(eye_default, 2)" in code  # the op on it made again, on the whole batch
+    assert code.count("rt.gather_to(") == 2  # text and image features; the targets are made, not gathered
 
 
 def test_one_device_records_the_product_and_rewrites_nothing():

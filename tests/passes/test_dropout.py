@@ -12,6 +12,7 @@ from fxshard.compiler import compile_program
 from fxshard.driver import compile as compile_model
 from fxshard.errors import RandomnessError
 from fxshard.ir.context import Layout
+from fxshard.runtime import draws as rt_draws
 from fxshard.runtime import random as rt_random
 
 aten = torch.ops.aten
@@ -111,12 +112,19 @@ def test_a_dropout_input_without_leading_batch_is_refused_when_the_batch_is_spli
         compile_program(path, Layout(dp=2))
 
 
-@pytest.mark.parametrize("layout", [Layout(pp=2), Layout(dp=2)], ids=["pp2", "dp2"])
-def test_other_random_ops_are_refused_under_pipeline_or_data_parallelism(tmp_path, layout):
+@pytest.mark.parametrize("layout", [Layout(dp=2), Layout(dp=2, tp=2)], ids=["dp2", "dp2-tp2"])
+def test_other_random_ops_draw_their_rows_of_one_devices_values(tmp_path, layout):
+    # numbered among themselves in graph order; the rows: 2 of the batch of 4, in 2 parts (the dp ranks)
+    path = _model_file(tmp_path, "h = h + torch.randn_like(h) + torch.rand(h.shape[0], 1, 1) + torch.rand(8)")
+    draws = [n for n in compile_program(path, layout).gm.graph.nodes if n.target is rt_draws.draw]
+    assert [(n.args[0], n.kwargs["site"], n.kwargs.get("rows")) for n in draws] == [
+        (aten.randn_like.default, 0, (0, 2, 2)), (aten.rand.default, 1, (0, 2, 2)), (aten.rand.default, 2, None)]
+
+
+def test_a_draw_split_along_the_sequence_under_cp_is_refused(tmp_path):
     path = _model_file(tmp_path, "h = h + torch.randn_like(h)")
-    compile_program(path, Layout())  # one device draws as the model does
-    with pytest.raises(RandomnessError, match=r"randn_like.* draws random numbers in training"):
-        compile_program(path, layout)
+    with pytest.raises(RandomnessError, match=r"randn_like.* split along the sequence under --cp 2"):
+        compile_program(path, Layout(cp=2))
 
 
 @pytest.mark.parametrize("call", ["F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)",

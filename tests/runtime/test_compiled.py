@@ -180,6 +180,13 @@ def test_compile_refuses_dropout_naming_the_fix(tmp_path):
         check_compile(out)
 
 
+def test_compile_refuses_random_draws_naming_the_fix(tmp_path):
+    out = tmp_path / "draws"
+    compile_model(Path(__file__).resolve().parents[1] / "models" / "noisy.py", Layout(tp=2), out=out)
+    with pytest.raises(OptionError, match=r"--compile: .* random draws \(rt.draw: .*run it without --compile"):
+        check_compile(out)
+
+
 def test_compile_refuses_the_split_backward_of_zero_bubble(tmp_path):
     out = tmp_path / "zb"
     compile_model(MODEL, Layout(pp=2, schedule="zero-bubble", microbatches=2), out=out)

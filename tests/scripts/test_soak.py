@@ -55,4 +55,6 @@ def test_short_soak_kills_three_ranks_and_ends_bit_identical_with_no_orphans(tmp
 
     # no orphan: no process carrying the soak's TMPDIR is alive (the killed ranks' peers, the launchers, their children)
     assert r["orphans"] == [] and r["stray"] == [], (r["orphans"], r["stray"])
+    # checksums on: every kept step read back through its digests, and what they cost said
+    assert r["damaged"] == [] and r["tensors_verified"] > 0 and r["checksum_cost"]["hash_s"] > 0, r["damaged"]
     assert _started_by(work / "tmp") == []

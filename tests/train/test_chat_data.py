@@ -60,9 +60,9 @@ def test_a_model_taking_an_attention_mask_gets_the_padding_masked(chat_corpus, t
     (tmp_path / "s.bin").write_bytes(ids.astype(np.uint16).tobytes())
     mask = (np.arange(40) % 3 == 0).astype(np.uint8)
     (tmp_path / "s.mask").write_bytes(mask.tobytes())
-    from fxshard.train.data.tokens import write_megatron_index
+    from fxshard.train.data.tokens import megatron_index_bytes
 
-    write_megatron_index(tmp_path / "s.idx", np.uint16, np.array([5, 16, 9, 10]))
+    (tmp_path / "s.idx").write_bytes(megatron_index_bytes(np.uint16, np.array([5, 16, 9, 10])))
     (tmp_path / "s.json").write_text(json.dumps({"dtype": "uint16", "eos": 0, "loss_mask": {
         "version": 1, "file": "s.mask", "dtype": "uint8"}}))
     batch = next(global_batches(PADDED, "train", DataOptions(data=tmp_path / "s.bin", shuffle=False)))

@@ -161,9 +161,12 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                           "fix the file, or write a measured one with `fxshard calibrate --out FILE`")
     memory = data["memory"]
     try:
-        memory = int(memory) if isinstance(memory, (int, float)) else parse_size(memory)
+        memory = int(memory) if _positive(memory) else parse_size(memory) if isinstance(memory, str) else None
     except OptionError as e:
         raise OptionError(f"hardware profile {path}: field memory: {e}") from e
+    if not (isinstance(memory, int) and memory > 0):
+        raise OptionError(f"hardware profile {path}: field memory: expected a positive number of bytes or a size "
+                          f"such as \"80GiB\"; found {data['memory']!r}")
     return Hardware(name=str(data.get("name", path.stem)), peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
                     memory_bandwidth=float(data["memory_bandwidth"]), memory=memory,
                     devices_per_node=int(data["devices_per_node"]),
@@ -182,7 +185,23 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
 
 
 def _malformed(data: dict) -> list[str]:
-    out = []
+    """Every field's problem, one entry each: types, finiteness (a NaN or an infinity would rank layouts by
+    ``nan s``), signs and ranges."""
+    out = [f"{key} (expected text, found {data[key]!r})" for key in ("name", "source", "device")
+           if key in data and not isinstance(data[key], str)]
+    if "default_dtype" in data and data["default_dtype"] not in DTYPE_PEAK:
+        out.append(f"default_dtype (expected one of {', '.join(DTYPE_PEAK)}, found {data['default_dtype']!r})")
+    kernel = data.get("kernel_overhead", 0.0)
+    if not (_number(kernel) and 0 <= kernel < 1):
+        out.append(f"kernel_overhead (expected seconds per kernel in [0, 1), found {kernel!r})")
+    if "devices_per_node" in data and not (isinstance(data["devices_per_node"], int) and
+                                           not isinstance(data["devices_per_node"], bool)):
+        out.append(f"devices_per_node (expected a whole number of devices, found {data['devices_per_node']!r})")
+    memory = data.get("memory")
+    if memory is not None and not (_positive(memory) or isinstance(memory, str)):
+        out.append(f"memory (expected a positive number of bytes or a size such as \"80GiB\", found {memory!r})")
+    if "measured" in data and not isinstance(data["measured"], dict):
+        out.append(f"measured (expected an object, found {type(data['measured']).__name__})")
     flops = data.get("peak_flops")
     if flops is not None and (not isinstance(flops, dict) or not flops or not all(_positive(v) for v in flops.values())):
         out.append("peak_flops (expected a non-empty object of dtype -> positive FLOP/s)")
@@ -196,7 +215,7 @@ def _malformed(data: dict) -> list[str]:
         if not isinstance(link, dict):
             out.append(f"{key} (expected {{\"bandwidth\": bytes/s, \"latency\": seconds}}, found {link!r})")
             continue
-        out += [f"{key}.{f} (expected a positive number)" for f in LINK_FIELDS
+        out += [f"{key}.{f} (expected a positive number, found {link.get(f)!r})" for f in LINK_FIELDS
                 if not (_positive(link.get(f)) or (f == "latency" and link.get(f) == 0))]
     groups = data.get("groups", {})
     if not isinstance(groups, dict) or not all(_link_ok(g, v) for g, v in groups.items()):
@@ -208,16 +227,16 @@ def _malformed(data: dict) -> list[str]:
         out.append("collectives (expected an object of collective (" + ", ".join(PASSES) + ") -> group size -> "
                    "{\"bandwidth\": bytes/s, \"latency\": seconds})")
     overlap = data.get("overlap", 1.0)
-    if not (isinstance(overlap, (int, float)) and 0 <= overlap <= 1):
+    if not (_number(overlap) and 0 <= overlap <= 1):
         out.append(f"overlap (expected a share in [0, 1], found {overlap!r})")
     contention = data.get("contention", 1.0)
-    if not (isinstance(contention, (int, float)) and contention >= 1):
+    if not (_number(contention) and contention >= 1):
         out.append(f"contention (expected a number >= 1, found {contention!r})")
     scale = data.get("compute_scale", 1.0)
     if not _positive(scale):
         out.append(f"compute_scale (expected a positive number, found {scale!r})")
     selective = data.get("selective_overhead", 0.0)
-    if not (isinstance(selective, (int, float)) and not isinstance(selective, bool) and 0 <= selective < 1):
+    if not (_number(selective) and 0 <= selective < 1):
         out.append(f"selective_overhead (expected seconds per op in [0, 1), found {selective!r})")
     eff = data.get("efficiency", {})
     if not isinstance(eff, dict) or not all(_positive(v) and v <= 1 for v in eff.values()):
@@ -226,9 +245,14 @@ def _malformed(data: dict) -> list[str]:
 
 
 def _link_ok(group, link) -> bool:
-    return str(group).isdigit() and isinstance(link, dict) and _positive(link.get("bandwidth")) and \
-        isinstance(link.get("latency"), (int, float)) and link["latency"] >= 0
+    return str(group).isdigit() and int(group) > 0 and isinstance(link, dict) and _positive(link.get("bandwidth")) \
+        and _number(link.get("latency")) and link["latency"] >= 0
+
+
+def _number(v) -> bool:
+    """A finite number (not a bool: JSON's true is not a quantity)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _positive(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)
+    return _number(v) and v > 0

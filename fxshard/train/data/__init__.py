@@ -46,18 +46,24 @@ def open_batches(model_file, manifest=None, split: str = "train", dp_rank: int =
         next(batches)["input_ids"].shape   # torch.Size([2, 16]): half of make_inputs()'s 4 rows
     """
     from fxshard.capture.modelfile import ModelFile, load_model_file
+    from fxshard.capture.rows import Rows
     from fxshard.train.data.sources import resolve_source
     from fxshard.train.data.spec import BatchSpec
 
     options = options if options is not None else DataOptions()
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)
     seed = manifest.seed if manifest is not None else seed or 0
-    spec = BatchSpec.of(mf.build_inputs(seed), f"{mf.path}: make_inputs()")
+    counted = Rows.of_inputs(manifest.inputs).counted if manifest is not None else None  # as the compile found
+    spec = BatchSpec.of(mf.build_inputs(seed), f"{mf.path}: make_inputs()", counted)
     source = resolve_source(mf, spec, split, options, seed, manifest)
     unread = frozenset(k for k in spec.keys if reads is not None and k not in reads)
+    from fxshard.train.data.ids import token_ids
+
     batches = Batches(source, spec, split, dp_rank, dp_size, seed=options.data_seed,
                       shuffle=options.shuffle and split == "train",
-                      workers=options.data_workers if workers is None else workers, unread=unread)
+                      workers=options.data_workers if workers is None else workers, unread=unread,
+                      ids=token_ids(mf) if source.kind in ("dataset", "stream") or "make_batches" in source.name
+                      else None)  # a token file's are checked as its sequences are read; make_inputs() at compile
     if state is not None:
         batches.load_state_dict(state)
     return batches

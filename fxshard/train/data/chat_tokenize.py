@@ -17,7 +17,6 @@ role, or nothing to train on::
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from fxshard.errors import DataError
+from fxshard.files import FileSet
 from fxshard.train.data.chat import TRAIN_ON, ChatRenderer, PromptCompletion, Rendered, load_hf_tokenizer
 from fxshard.train.data.loss_mask import MASK_VERSION
 from fxshard.train.data.rows import corpus_rows
-from fxshard.train.data.tokens import write_megatron_index
+from fxshard.train.data.tokens import megatron_index_bytes
 
 FORMATS = ("chat", "prompt-completion")
 TRUNCATE = ("refuse", "right", "drop")
@@ -125,17 +125,14 @@ def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "c
     renderer = _renderer(fmt, tokenizer_dir, train_on, chat_template)
     vocab = len(renderer.tokenizer)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
-    from fxshard.files import refuse_link, write_text
+    from fxshard.train.data.tokenize import token_file_members
 
-    for path in (out, out.with_suffix(".mask")):
-        refuse_link(path, "a token file")
-    tmp = {k: out.with_name(f".{out.with_suffix(k).name}.tmp-{os.getpid()}") for k in (".bin", ".mask")}
+    members = token_file_members(out)
+    binary, mask_file, idx, sidecar = members
     lengths: list[int] = []
     counts = {"truncated": 0, "dropped": 0, "trained": 0, "rows": 0}
-    try:
-        sinks = {k: os.fdopen(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb")
-                 for k, p in tmp.items()}
-        with sinks[".bin"] as ids_sink, sinks[".mask"] as mask_sink:
+    with FileSet(members) as staged:  # every member refused now (a link, a folder, not fxshard's), before the work
+        with staged.open(binary) as ids_sink, staged.open(mask_file) as mask_sink:
             for chunk in _chunks(corpus_rows(corpus)):
                 for (where, _), row in zip(chunk, _rendered(renderer, fmt, chunk), strict=True):
                     row, what = fitted(row, seq, truncate, where)
@@ -153,7 +150,8 @@ def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "c
             raise DataError(f"{corpus}: no conversation to write ({counts['rows']} rows read, "
                             f"{counts['dropped']} dropped by --truncate {truncate})")
         held = min(len(lengths) - 1, round(validation * len(lengths))) if validation else 0
-        write_megatron_index(out.with_suffix(".idx"), dtype, np.asarray(lengths))
+        index = megatron_index_bytes(dtype, np.asarray(lengths))
+        staged.write(idx, index)
         side = {"format": "fxshard-tokens", "dtype": dtype.name, "eos": renderer.tokenizer.eos_token_id,
                 "vocab_size": vocab, "tokens": int(sum(lengths)), "documents": len(lengths),
                 "validation_documents": held, "tokenizer": str(Path(tokenizer_dir).resolve()),
@@ -161,12 +159,9 @@ def tokenize_chat(corpus: Path, tokenizer_dir: Path, out: Path, *, fmt: str = "c
                 "loss_mask": {"version": MASK_VERSION, "file": out.with_suffix(".mask").name,
                               "dtype": "uint8", "trained_tokens": counts["trained"]},
                 "chat": {"format": fmt, "train_on": train_on, "masking": renderer.method, "seq": seq,
-                         "truncate": truncate, "longest": max(lengths)} | counts}
-        write_text(out.with_suffix(".json"), json.dumps(side, indent=1) + "\n", "a token file's sidecar")
-        os.replace(tmp[".mask"], out.with_suffix(".mask"))
-        os.replace(tmp[".bin"], out)  # renames: a link planted at the name since the check is replaced
-    finally:
-        for p in tmp.values():
-            p.unlink(missing_ok=True)
+                         "truncate": truncate, "longest": max(lengths)} | counts,
+                "files": {binary.name: int(sum(lengths)) * dtype.itemsize, mask_file.name: int(sum(lengths)),
+                          idx.name: len(index)}}
+        staged.write(sidecar, json.dumps(side, indent=1) + "\n")
     return ChatTokenized(out, side["tokens"], len(lengths), held, counts["trained"], counts["truncated"],
                          counts["dropped"], max(lengths), dtype.name, vocab, renderer.method)

@@ -3,8 +3,10 @@
 - ``--data`` and the model file's ``make_dataset`` both present: ``--data`` wins, and the launch says so;
 - an empty split, or one shorter than a global batch (a token file too short for one batch of sequences);
 - an example shaped unlike the compiled row (the first of each split, and every ``make_batches`` batch);
-- token ids at or above the model's vocabulary (the whole split is read, a chunk at a time);
-- ``--pack`` on a model whose attention cannot take document masks (:mod:`~fxshard.train.data.document_masks`).
+- token ids outside ``[0, vocabulary)`` (a token file's whole split is read, a chunk at a time; the first example of a
+  dataset and every ``make_batches`` batch; each example is checked again as it is read: :mod:`~fxshard.train.data.ids`);
+- ``--pack`` on a model whose attention cannot take document masks (:mod:`~fxshard.train.data.document_masks`), or
+  on documents of which none has a position to predict (only their EOS: every label would be ignored).
 
 It returns what it found, for the launch line, the run record and ``fxshard report``::
 
@@ -48,16 +50,25 @@ def check_model_data(mf, seed: int = 0, options: DataOptions = DataOptions(), sa
 
 def _check_source(source, spec, split: str, mf, options: DataOptions) -> dict:
     summary = {"source": source.name, "kind": source.kind}
+    from fxshard.train.data.ids import token_ids
+
+    ids = token_ids(mf)
     if source.kind == "batches":
         from fxshard.train.data.spec import BatchSpec
 
         for i, batch in enumerate(source.batches):
-            BatchSpec.check_batch(spec, batch, spec.rows, f"{source.name.split(': ')[0]}: batch {i}")
+            where = f"{source.name.split(': ')[0]}: {source.name.split(': ')[-1]} batch {i}"
+            BatchSpec.check_batch(spec, batch, spec.rows, where)
+            if ids is not None:
+                ids.check(batch, where)
         return summary
     if source.kind == "stream":
         from fxshard.train.data.loader import endless
 
-        spec.check_example(next(endless(source.dataset, source.name)), f"{source.name} (its first example)")
+        first, where = next(endless(source.dataset, source.name)), f"{source.name} (its first example)"
+        spec.check_example(first, where)
+        if ids is not None:
+            ids.check(first, where)
         return summary
     n = len(source.dataset)
     summary["examples"] = n
@@ -71,22 +82,31 @@ def _check_source(source, spec, split: str, mf, options: DataOptions) -> dict:
                         + ("give a longer token file, or compile a smaller batch or sequence"
                            if source.kind == "tokens" else "give the split at least one batch of examples"))
     if source.kind == "tokens":
-        summary |= _check_tokens(source, mf, split)
+        summary |= _check_tokens(source, mf, split, ids)
     else:
         spec.check_example(source.dataset[0], f"{source.name}[0]")
+        if ids is not None:
+            ids.check(source.dataset[0], f"{source.name}[0]")
     return summary
 
 
-def _check_tokens(source, mf, split: str) -> dict:
+def _check_tokens(source, mf, split: str, ids) -> dict:
     windows = source.dataset
     part = windows.split
-    vocab = vocabulary_size(mf)
-    top = part.file.max_id(part.lo, part.hi)
-    if vocab is not None and top >= vocab:
-        raise DataError(f"{part.file.path}: token id {top} in the {split} split, but {mf.path}'s model has a "
-                        f"vocabulary of {vocab} (ids 0..{vocab - 1}); tokenize with the model's own tokenizer, or "
-                        "give the model a vocabulary that holds every id")
+    vocab = ids.vocab if ids is not None else None
+    low, top = part.file.id_range(part.lo, part.hi)
+    if vocab is not None and (low < 0 or top >= vocab):
+        at = part.file.first_outside(0, vocab, part.lo, part.hi)
+        raise DataError(f"{part.file.path}: token id {part.file.read(at, 1)[0]} in the {split} split, but {mf.path}'s "
+                        f"model has a vocabulary of {vocab} (ids 0..{vocab - 1}); the first such id is token {at} of "
+                        "the file. Tokenize with the model's own tokenizer, or give the model a vocabulary that holds "
+                        "every id")
     out = {"tokens": part.hi - part.lo, "max_id": top, "vocab_size": vocab}
+    if windows.packed is not None and not windows.packed.targets:
+        raise DataError(f"--pack: {part.file.path}: no position of the {split} split has a label: each of its "
+                        f"{len(windows.split.document_table()[1]):,} documents is a single token (its EOS: empty "
+                        "documents), and a packed sequence predicts only within a document, so every label would be "
+                        "ignored and the loss be 0/0. Tokenize a corpus with text, or train it unpacked")
     if windows.padding() is not None:
         out["padding"] = windows.padding()
     if windows.mask is not None:
@@ -94,18 +114,6 @@ def _check_tokens(source, mf, split: str) -> dict:
 
         out |= mask_summary(windows)
     return out
-
-
-def vocabulary_size(mf) -> int | None:
-    """The model's vocabulary: a transformers config's ``vocab_size``, else the first embedding's rows."""
-    import torch
-
-    model = mf.build_model(meta=True)
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(size, int):
-        return size
-    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-    return embedding.num_embeddings if embedding is not None else None
 
 
 def data_record(out: Path, options: DataOptions) -> dict | None:

@@ -27,13 +27,15 @@ class Batches:
     """This dp rank's local batches of a split, forever (epoch after epoch); see :func:`open_batches`."""
 
     def __init__(self, source: Source, spec: BatchSpec, split: str, dp_rank: int, dp_size: int, *, seed: int = 0,
-                 shuffle: bool = True, workers: int = 2, unread: frozenset = frozenset(), pin: bool | None = None):
+                 shuffle: bool = True, workers: int = 2, unread: frozenset = frozenset(), pin: bool | None = None,
+                 ids=None):
         if spec.rows % dp_size:
             raise DataError(f"the global batch of {spec.rows} rows does not divide over dp={dp_size}")
         self.source, self.spec, self.split = source, spec, split
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle, self.workers = seed, shuffle and source.kind in ("dataset", "tokens"), workers
         self.unread = frozenset(unread)
+        self.ids = ids  # TokenIds: each example's token ids checked in the vocabulary as it is read (None: no check)
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.position = 0  # examples of the split consumed, by all dp ranks together
         self._it = None
@@ -57,26 +59,33 @@ class Batches:
         self.position += self.spec.rows
         return _arrived(batch) if self._loader is not None and self.workers else batch
 
-    def state_dict(self) -> dict:
-        """The data position, JSON-able: where the next batch starts."""
+    def state_dict(self, digest: bool = False) -> dict:
+        """The data position, JSON-able: where the next batch starts, and what the examples are (``identity``, a
+        token file's digest with ``digest``: :mod:`fxshard.train.data.resume`)."""
+        from fxshard.train.data.resume import identity_of
+
         n = len(self.source) if self.source.kind in ("dataset", "tokens") else None
         state = {"format": STATE_FORMAT, "source": self.source.name, "split": self.split, "position": self.position,
                  "global_batch": self.spec.rows, "dp_size": self.dp_size,
                  "examples_per_dp_rank": self.position // self.dp_size, "seed": self.seed, "shuffle": self.shuffle,
-                 "examples": n, "epoch": self.position // n if n else None}
+                 "examples": n, "epoch": self.position // n if n else None,
+                 "identity": {k: v for k, v in identity_of(self, digest).items() if k in ("kind", "packed", "file")}}
         if self.source.kind == "tokens":
             state["token_cursor"] = self.source.dataset.cursor(self._order(), self.position)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue at ``state``'s position (saved under any layout: the position counts global examples)."""
+        """Continue at ``state``'s position (saved under any layout: the position counts global examples).  The
+        order's seed and shuffle stay this stream's own: a resume checks they are the saved ones
+        (:func:`fxshard.train.data.resume.check_data_state`), or was told to continue with these."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or "position" not in state:
             raise DataError(f"a data position {state!r} this fxshard does not read (expected format "
                             f"{STATE_FORMAT} with a position)")
+        from fxshard.train.data.resume import check_position
+
+        position = check_position(state, None, "the saved data state")
         self.close()
-        self.position = int(state["position"])
-        self.seed = int(state.get("seed", self.seed))
-        self.shuffle = bool(state.get("shuffle", self.shuffle)) and self.source.kind in ("dataset", "tokens")
+        self.position = position
 
     def close(self) -> None:
         """Stop the worker processes (a later ``next`` starts them again at the position)."""
@@ -102,8 +111,11 @@ class Batches:
 
     def _sliced(self):
         batches, rows = self.source.batches, self.spec.rows
+        if self.ids is not None:
+            for i, batch in enumerate(batches):
+                self.ids.check(batch, f"{self.source.name} batch {i}")
         for n in itertools.count(self.position // rows):
-            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size)
+            batch = local_slice(batches[n % len(batches)], self.dp_rank, self.dp_size, self.spec.row_layout)
             yield _without(batch, self.unread, self.spec)
 
     def _order(self) -> EpochOrder:
@@ -120,10 +132,10 @@ class Batches:
                       prefetch_factor=2 if self.workers else None, persistent_workers=False)
         if self.source.kind == "stream":
             stream = _RankStream(Held(self.source.dataset, carry), self.spec, self.position, self.dp_rank,
-                                 self.dp_size, collate, self.source.name)
+                                 self.dp_size, collate, self.source.name, self.ids)
             return DataLoader(stream, batch_size=None, **common)
         rows = _Rows(Held(self.source.dataset, carry), self.spec, self.source.name,
-                     checked=self.source.kind != "tokens")
+                     checked=self.source.kind != "tokens", ids=self.ids)
         sampler = _RankSampler(self._order(), self.position, self.spec.rows, self.dp_rank, self.dp_size)
         return DataLoader(rows, batch_sampler=sampler, collate_fn=collate, **common)
 
@@ -168,8 +180,8 @@ class _RankSampler(Sampler):
 class _Rows(torch.utils.data.Dataset):
     """A map-style dataset whose examples are checked against the compiled row as they are read."""
 
-    def __init__(self, dataset: Held, spec: BatchSpec, name: str, checked: bool = True):
-        self.dataset, self.spec, self.name, self.checked = dataset, spec, name, checked
+    def __init__(self, dataset: Held, spec: BatchSpec, name: str, checked: bool = True, ids=None):
+        self.dataset, self.spec, self.name, self.checked, self.ids = dataset, spec, name, checked, ids
 
     def __len__(self) -> int:
         return len(self.dataset.obj)
@@ -178,6 +190,8 @@ class _Rows(torch.utils.data.Dataset):
         example = self.dataset.obj[i]
         if self.checked:
             self.spec.check_example(example, f"{self.name}[{i}]")
+            if self.ids is not None:
+                self.ids.check(example, f"{self.name}[{i}]")
         return example
 
 
@@ -246,8 +260,9 @@ class _RankStream(IterableDataset):
     so they arrive in order); the other rows are passed over, never held."""
 
     def __init__(self, dataset: Held, spec: BatchSpec, position: int, dp_rank: int, dp_size: int, collate: _Collate,
-                 name: str):
+                 name: str, ids=None):
         self.dataset, self.spec, self.position, self.collate, self.name = dataset, spec, position, collate, name
+        self.ids = ids
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
     def __iter__(self):
@@ -264,7 +279,10 @@ class _RankStream(IterableDataset):
             for i in range(rows):
                 example = next(stream)
                 if mine and first <= i < first + local:
-                    self.spec.check_example(example, f"{self.name} (example {self.position + n * rows + i})")
+                    where = f"{self.name} (example {self.position + n * rows + i})"
+                    self.spec.check_example(example, where)
+                    if self.ids is not None:
+                        self.ids.check(example, where)
                     kept.append(example)
             if mine:
                 yield self.collate(kept)

@@ -45,6 +45,11 @@ class Packed:
         return int(self.length.sum())
 
     @property
+    def targets(self) -> int:
+        """Positions with a label to predict: all but the first of each segment (a document predicts only within)."""
+        return int(np.maximum(self.length.astype(np.int64) - 1, 0).sum())
+
+    @property
     def padding(self) -> float:
         """The fraction of the sequences' positions that are padding."""
         return 1 - self.tokens / (self.sequences * self.seq) if self.sequences else 0.0

@@ -43,6 +43,12 @@ def _dataset_source(mf, spec: BatchSpec, split: str, make_dataset, seed: int) ->
     from torch.utils.data import IterableDataset
 
     where = f"{mf.path}: make_dataset({split!r})"
+    if spec.apart:
+        c = spec.apart[0]
+        how = f"an entry per True position of {c.counted_by!r}" if c.counted_by is not None else "no batch dimension"
+        raise DataError(f"{where}: input {c.key!r} of make_inputs() does not lead with the batch ({how}), and a "
+                        "dataset's examples are rows of the batch; give such batches whole with make_batches(), or "
+                        "give the input a leading batch dimension")
     if spec.nested:
         raise DataError(f"{where}: make_inputs() holds nested containers ({sorted(map(str, spec.constants))}); a "
                         "dataset's examples are rows of tensor inputs: make the batch a flat dict or tuple")

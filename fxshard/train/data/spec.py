@@ -28,9 +28,21 @@ class Column:
     key: str | int
     row_shape: tuple[int, ...]
     dtype: torch.dtype
+    # an input that does not lead with the batch (fxshard.capture.rows): the mask whose True positions its entries
+    # follow (row_shape: one entry's), or whole (row_shape: all of it)
+    counted_by: str | int | None = None
+    whole: bool = False
 
     def describe(self) -> str:
         return f"{list(self.row_shape)} {str(self.dtype).removeprefix('torch.')}"
+
+    def shape_in(self, batch: dict, rows: int) -> tuple[int, ...]:
+        """Its shape in ``batch``, a batch of ``rows`` rows."""
+        if self.whole:
+            return self.row_shape
+        if self.counted_by is not None:
+            return (int(batch[self.counted_by].sum()), *self.row_shape)
+        return (rows, *self.row_shape)
 
 
 @dataclass(frozen=True)
@@ -42,18 +54,27 @@ class BatchSpec:
     nested: bool = False  # the example batch holds containers: only whole batches (make_batches) can feed it
 
     @classmethod
-    def of(cls, example: Any, where: str = "make_inputs()") -> BatchSpec:
-        """The spec of the example batch ``example`` (the model file's ``make_inputs()``)."""
+    def of(cls, example: Any, where: str = "make_inputs()", counted: dict | None = None) -> BatchSpec:
+        """The spec of the example batch ``example`` (the model file's ``make_inputs()``); ``counted``: its inputs
+        counted by a mask as the compile found them (:class:`fxshard.capture.rows.Rows`), else as the example
+        shows them."""
+        from fxshard.capture.rows import Rows
+
         positional = not isinstance(example, dict)
         items = list(enumerate(example)) if positional else list(example.items())
+        apart = Rows.of(example, counted)
         columns, constants, nested, rows = [], {}, False, set()
         for key, v in items:
             if isinstance(v, torch.Tensor):
                 if v.dim() == 0:
                     raise DataError(f"{where}: input {key!r} is a 0-d tensor; every tensor of a batch has the batch "
                                     "as its first dimension")
-                columns.append(Column(key, tuple(v.shape[1:]), v.dtype))
-                rows.add(v.shape[0])
+                if key in apart.whole:
+                    columns.append(Column(key, tuple(v.shape), v.dtype, whole=True))
+                    continue
+                columns.append(Column(key, tuple(v.shape[1:]), v.dtype, apart.counted.get(key)))
+                if key not in apart.counted:
+                    rows.add(v.shape[0])
             elif isinstance(v, (dict, list, tuple)):
                 nested = True
                 constants[key] = v
@@ -63,6 +84,19 @@ class BatchSpec:
             raise DataError(f"{where}: the tensors' first dimensions differ ({sorted(rows)}); every tensor input "
                             "holds the batch along its first dimension")
         return cls(positional, rows.pop() if rows else 1, tuple(columns), constants, nested)
+
+    @property
+    def apart(self) -> list[Column]:
+        """The tensor inputs that do not lead with the batch (counted by a mask, or whole)."""
+        return [c for c in self.columns if c.counted_by is not None or c.whole]
+
+    @property
+    def row_layout(self):
+        """How the batch's inputs hold its rows, as :class:`fxshard.capture.rows.Rows` (what splits them)."""
+        from fxshard.capture.rows import Rows
+
+        return Rows(self.rows, {c.key: c.counted_by for c in self.columns if c.counted_by is not None},
+                    tuple(c.key for c in self.columns if c.whole))
 
     @property
     def keys(self) -> list[str | int]:
@@ -118,7 +152,8 @@ class BatchSpec:
             if c.key in unread:
                 continue
             v = got.get(c.key)
-            want = (rows, *c.row_shape)
+            want = c.shape_in(got, rows) if c.counted_by is None or c.counted_by not in unread else \
+                (v.shape[0] if isinstance(v, torch.Tensor) and v.dim() else -1, *c.row_shape)
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != c.dtype:
                 found = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
                 raise DataError(f"{where}: input {c.key!r} is {found}; expected {list(want)} "
@@ -129,13 +164,17 @@ def _get(example, key):
     return example[key]
 
 
-def local_slice(batch: Any, dp_rank: int, dp_size: int) -> Any:
+def local_slice(batch: Any, dp_rank: int, dp_size: int, rows=None) -> Any:
     """This dp rank's rows of a whole global batch: each tensor split along its first dimension (as the batch
-    divides over dp), other values as they are."""
+    divides over dp), other values as they are; ``rows``: the batch's inputs that do not lead with it
+    (:class:`fxshard.capture.rows.Rows`: a counted input split by its mask's rows)."""
     from torch.utils import _pytree as pytree
 
     if dp_size == 1:
         return batch
+    if rows is not None and not rows.leading:
+        part = rows.batch // dp_size
+        return rows.take(batch, dp_rank * part, (dp_rank + 1) * part)
     return pytree.tree_map(lambda v: v.tensor_split(dp_size)[dp_rank] if isinstance(v, torch.Tensor) and v.dim()
                            else v, batch)
 

@@ -6,6 +6,10 @@ to learn), cut into sentences and documents of widely varying length (so packing
 
     write_corpus(Path("corpus"), documents=1000)           # corpus/part-000.jsonl ...
     train_tokenizer(Path("corpus"), Path("tok"), vocab=256)  # tok/tokenizer.json, tok/tokenizer_config.json
+    generate(Path("gen"), documents=1000)                  # both: gen/corpus, gen/tokenizer (fxshard data generate)
+
+Each is written as a set (:class:`fxshard.files.FileSet`) into a folder fxshard names (never a link), replacing only
+the files an earlier generate wrote: the corpus's ``part-*.jsonl`` of an earlier, larger corpus go with it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 EOS = "<eos>"
+CORPUS_FILE = "a generated corpus file"
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vi", "do", "pe", "zu", "ha", "bo", "ri", "an", "el"]
 
 
@@ -52,22 +57,56 @@ def documents(count: int, seed: int = 0, words: int = 300, sentences: tuple[int,
     return out
 
 
+def generate(out: Path, documents_count: int, files: int = 1, vocab: int = 256, seed: int = 0) -> None:
+    """``fxshard data generate OUT``: the corpus ``OUT/corpus`` and the tokenizer ``OUT/tokenizer`` trained on it."""
+    from fxshard.errors import OptionError
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"{out}: is a file; data generate writes a folder (OUT/corpus, OUT/tokenizer): name a "
+                          "new or existing folder")
+    write_corpus(out / "corpus", documents_count, files, seed)
+    train_tokenizer(out / "corpus", out / "tokenizer", vocab)
+
+
 def write_corpus(folder: Path, documents_count: int, files: int = 1, seed: int = 0,
                  sentences: tuple[int, int] = (1, 40), chunk: int = 10_000) -> list[Path]:
     """A corpus of ``documents_count`` documents in ``files`` .jsonl files under ``folder`` (generated ``chunk``
     documents at a time)."""
-    from fxshard.files import write_text
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     per = -(-documents_count // files)
-    paths = []
-    for k in range(files):
+
+    def part(k: int) -> str:
         n = min(per, documents_count - k * per)
-        lines = [json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
-                 for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences)]
-        paths.append(write_text(folder / f"part-{k:03d}.jsonl", "".join(lines), "a generated corpus file"))
+        return "".join(json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
+                       for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences))
+
+    return save_corpus(folder, files, part)
+
+
+def save_corpus(folder: Path, files: int, part) -> list[Path]:
+    """``folder/part-000.jsonl`` .. ``part-{files-1}``, ``part(k)`` the text of file ``k``: one set, which also drops
+    the ``part-*.jsonl`` an earlier, larger generated corpus left (a tokenize of the folder would read them)."""
+    from fxshard.files import FileSet, make_folder
+
+    folder = make_folder(folder, "the corpus folder")
+    paths = [folder / f"part-{k:03d}.jsonl" for k in range(files)]
+    members = dict.fromkeys(sorted({*paths, *folder.glob("part-*.jsonl")}), CORPUS_FILE)
+    with FileSet(members) as staged:
+        for k, path in enumerate(paths):
+            staged.write(path, part(k))
     return paths
+
+
+def save_tokenizer(out: Path, tokenizer: str, config: dict) -> Path:
+    """A Hugging Face tokenizer folder: ``tokenizer.json`` and ``tokenizer_config.json``, one set."""
+    from fxshard.files import FileSet, make_folder
+
+    out = make_folder(out, "the tokenizer folder")
+    with FileSet({out / "tokenizer.json": "a tokenizer", out / "tokenizer_config.json": "a tokenizer's configuration"}
+                 ) as staged:
+        staged.write(out / "tokenizer.json", tokenizer)
+        staged.write(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n")
+    return out
 
 
 def train_tokenizer(corpus: Path, out: Path, vocab: int = 256) -> Path:
@@ -83,10 +122,4 @@ def train_tokenizer(corpus: Path, out: Path, vocab: int = 256) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], show_progress=False)
     texts = (t for p in corpus_files(corpus) for t in read_documents(p))
     tokenizer.train_from_iterator(texts, trainer)
-    from fxshard.files import write_text
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text(out / "tokenizer.json", tokenizer.to_str(), "a tokenizer")
-    write_text(out / "tokenizer_config.json", json.dumps({"eos_token": EOS}) + "\n", "a tokenizer's configuration")
-    return out
+    return save_tokenizer(out, tokenizer.to_str(), {"eos_token": EOS})

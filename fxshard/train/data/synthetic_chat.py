@@ -52,12 +52,10 @@ def conversations(count: int, seed: int = 0, words: tuple[int, int] = (2, 8)) ->
 
 def write_chat_corpus(folder: Path, count: int, seed: int = 0) -> Path:
     """``folder/part-000.jsonl``: ``count`` conversations, one ``{"messages": [...]}`` per line."""
-    from fxshard.files import write_text
+    from fxshard.train.data.synthetic import save_corpus
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"messages": m}) + "\n" for m in conversations(count, seed)]
-    return write_text(folder / "part-000.jsonl", "".join(lines), "a generated chat corpus")
+    return save_corpus(folder, 1, lambda k: "".join(json.dumps({"messages": m}) + "\n"
+                                                     for m in conversations(count, seed)))[0]
 
 
 def train_chat_tokenizer(corpus: Path, out: Path, vocab: int = 512) -> Path:
@@ -66,8 +64,8 @@ def train_chat_tokenizer(corpus: Path, out: Path, vocab: int = 512) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from fxshard.errors import DataError
-    from fxshard.files import write_text
     from fxshard.train.data.rows import corpus_rows
+    from fxshard.train.data.synthetic import save_tokenizer
 
     if vocab < 256 + len(SPECIALS) + 1:
         raise DataError(f"--vocab {vocab}: a byte-level tokenizer holds the 256 bytes and {len(SPECIALS)} "
@@ -79,13 +77,8 @@ def train_chat_tokenizer(corpus: Path, out: Path, vocab: int = 512) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     texts = (f"{m['role']}\n{m['content']}" for _, r in corpus_rows(corpus) for m in r["messages"])
     tokenizer.train_from_iterator(texts, trainer)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "bos_token": None, "model_max_length": 32768,
               "chat_template": CHAT_TEMPLATE}
-    write_text(out / "tokenizer.json", tokenizer.to_str(), "a tokenizer")
-    write_text(out / "tokenizer_config.json", json.dumps(config, indent=1) + "\n",
-               "a tokenizer's configuration")
-    return out
+    return save_tokenizer(out, tokenizer.to_str(), config)
 

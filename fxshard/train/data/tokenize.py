@@ -6,7 +6,9 @@ column; needs ``pyarrow``).  DIR is a local Hugging Face tokenizer folder (its `
 ``tokenizers`` library; the end-of-document token from ``tokenizer_config.json``'s ``eos_token`` or ``--eos``).
 Each document's ids are followed by EOS.  Written: ``PATH`` (ids back to back, uint16 for a vocabulary of up to
 65,536 ids, else int32), ``PATH.idx`` with ``.bin`` replaced (Megatron's index: one sequence per document) and the
-``.json`` sidecar (dtype, eos, vocabulary size, counts, how many of the last documents are the validation split)::
+``.json`` sidecar (dtype, eos, vocabulary size, counts, how many of the last documents are the validation split, the
+sizes of its two partners), as one set (:class:`fxshard.files.FileSet`, :func:`token_file_members`): the old set
+stays whole until the new one is complete, and a file fxshard did not write is never replaced::
 
     summary = tokenize("corpus/", Path("tok"), Path("data/corpus.bin"), validation=0.005)
     summary.tokens, summary.documents
@@ -15,7 +17,6 @@ Each document's ids are followed by EOS.  Written: ``PATH`` (ids back to back, u
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from fxshard.errors import DataError
-from fxshard.train.data.tokens import write_megatron_index
+from fxshard.files import FileSet
+from fxshard.train.data.tokens import megatron_index_bytes
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 CHUNK = 512  # documents encoded together (the tokenizers library spreads a batch over its threads)
@@ -57,8 +59,26 @@ def corpus_files(corpus: Path) -> list[Path]:
     return files
 
 
+def token_file_members(out: Path) -> dict[Path, str]:
+    """The files of the token file ``out`` (``PREFIX.bin``), what each is: one set, written together.  A member a
+    write does not write (the loss mask of plain text) is deleted with the switch, if an earlier write left one."""
+    prefix = Path(out).with_suffix("")
+    return {prefix.with_suffix(".bin"): "a token file's ids",
+            prefix.with_suffix(".mask"): "a token file's loss mask",
+            prefix.with_suffix(".idx"): "a token file's index",
+            prefix.with_suffix(".json"): "a token file's sidecar"}  # last: it records its partners' sizes
+
+
 def documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The documents of one corpus file."""
+    """The documents of one corpus file; text that is not UTF-8 is named with its file and line."""
+    try:
+        yield from _documents(path, text_field)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start} of a "
+                        f"line, {e.reason}); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _documents(path: Path, text_field: str) -> Iterator[str]:
     if path.suffix == ".txt":
         yield from _txt_documents(path)
     elif path.suffix == ".jsonl":
@@ -114,12 +134,15 @@ def load_tokenizer(folder: Path, eos: str | None = None):
     if not file.is_file():
         raise DataError(f"--tokenizer {folder}: no tokenizer.json; give a local Hugging Face tokenizer folder (as "
                         "save_pretrained writes it) or its tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library's own error: a message, not a type to catch
+        raise DataError(f"--tokenizer {folder}: {file} is not a tokenizer the tokenizers library reads ({e}); give "
+                        "the tokenizer.json that save_pretrained wrote") from None
     if eos is None:
         config = file.parent / "tokenizer_config.json"
         if config.is_file():
-            value = json.loads(config.read_text()).get("eos_token")
-            eos = value.get("content") if isinstance(value, dict) else value
+            eos = _configured_eos(config)
     if eos is None:
         raise DataError(f"--tokenizer {folder}: no eos_token in tokenizer_config.json; name the end-of-document "
                         "token with --eos, e.g. --eos '</s>'")
@@ -129,53 +152,70 @@ def load_tokenizer(folder: Path, eos: str | None = None):
     return tokenizer, eos_id
 
 
+def _configured_eos(config: Path) -> str | None:
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{config}: not JSON ({e}); fix it, or name the end-of-document token with --eos") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{config}: a JSON {type(data).__name__}, expected an object holding \"eos_token\"; fix it, "
+                        "or name the end-of-document token with --eos")
+    value = data.get("eos_token")
+    value = value.get("content") if isinstance(value, dict) else value
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{config}: eos_token {value!r}, expected the token's text; fix it, or pass --eos")
+    return value
+
+
 def tokenize(corpus: Path, tokenizer_dir: Path, out: Path, validation: float = 0.0, text_field: str = "text",
              eos: str | None = None, progress: Callable[[int, int], None] | None = None) -> Tokenized:
     """Tokenize ``corpus`` into the token file ``out`` (see the module docstring).  ``validation``: the fraction
     of documents (the last ones) held out as the validation split.  ``progress(done, total)`` gets corpus bytes."""
-    files = corpus_files(corpus)
-    tokenizer, eos_id = load_tokenizer(tokenizer_dir, eos)
-    vocab = tokenizer.get_vocab_size()
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
     out = Path(out)
     if out.suffix != ".bin":
         raise DataError(f"--out {out}: name the token file PATH.bin (its .idx and .json sidecars go beside it)")
     if not out.parent.is_dir():
         raise DataError(f"--out {out}: the folder {out.parent} does not exist; create it first")
-    total = sum(p.stat().st_size for p in files)
-    lengths: list[int] = []
-    from fxshard.files import refuse_link, write_text
-
-    refuse_link(out, "the token file")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    done = 0
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-        with os.fdopen(fd, "wb") as sink:
-            for path in files:
-                for chunk in _chunks(documents(path, text_field)):
-                    for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
-                        ids = np.asarray(enc.ids + [eos_id], dtype=dtype)
-                        sink.write(ids.tobytes())
-                        lengths.append(len(ids))
-                    if progress is not None:  # bytes of text: an estimate within a file, exact at its end
-                        done = min(total, done + sum(len(t.encode()) for t in chunk))
-                        progress(done, total)
-                if progress is not None:
-                    done = sum(p.stat().st_size for p in files[:files.index(path) + 1])
-                    progress(done, total)
+    files = corpus_files(corpus)
+    tokenizer, eos_id = load_tokenizer(tokenizer_dir, eos)
+    vocab = tokenizer.get_vocab_size()
+    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
+    members = token_file_members(out)
+    binary, _, idx, sidecar = members
+    with FileSet(members) as staged:  # every member refused now (a link, a folder, not fxshard's), before the work
+        with staged.open(binary) as sink:
+            lengths = _encode(files, tokenizer, eos_id, dtype, text_field, sink, progress)
         if not lengths:
             raise DataError(f"{corpus}: holds no document (no text in {', '.join(p.name for p in files)})")
         held = min(len(lengths) - 1, round(validation * len(lengths))) if validation else 0
-        write_megatron_index(out.with_suffix(".idx"), dtype, np.asarray(lengths))
+        index = megatron_index_bytes(dtype, np.asarray(lengths))
+        staged.write(idx, index)
         side = {"format": "fxshard-tokens", "dtype": dtype.name, "eos": eos_id, "vocab_size": vocab,
                 "tokens": int(sum(lengths)), "documents": len(lengths), "validation_documents": held,
-                "tokenizer": str(Path(tokenizer_dir).resolve()), "corpus": str(Path(corpus).resolve())}
-        write_text(out.with_suffix(".json"), json.dumps(side, indent=1) + "\n", "a token file's sidecar")
-        os.replace(tmp, out)  # a rename: a link planted at the name since the check is replaced, not followed
-    finally:
-        tmp.unlink(missing_ok=True)
+                "tokenizer": str(Path(tokenizer_dir).resolve()), "corpus": str(Path(corpus).resolve()),
+                "files": {binary.name: int(sum(lengths)) * dtype.itemsize, idx.name: len(index)}}
+        staged.write(sidecar, json.dumps(side, indent=1) + "\n")
     return Tokenized(out, side["tokens"], len(lengths), held, dtype.name, eos_id, vocab)
+
+
+def _encode(files: list[Path], tokenizer, eos_id: int, dtype, text_field: str, sink, progress) -> list[int]:
+    """Write every document's ids and its EOS to ``sink``; the documents' lengths."""
+    total = sum(p.stat().st_size for p in files)
+    lengths: list[int] = []
+    done = 0
+    for path in files:
+        for chunk in _chunks(documents(path, text_field)):
+            for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
+                ids = np.asarray(enc.ids + [eos_id], dtype=dtype)
+                sink.write(ids.tobytes())
+                lengths.append(len(ids))
+            if progress is not None:  # bytes of text: an estimate within a file, exact at its end
+                done = min(total, done + sum(len(t.encode()) for t in chunk))
+                progress(done, total)
+        if progress is not None:
+            done = sum(p.stat().st_size for p in files[:files.index(path) + 1])
+            progress(done, total)
+    return lengths
 
 
 def _chunks(texts: Iterator[str]) -> Iterator[list[str]]:

@@ -55,6 +55,7 @@ class TokenFile:
                             "nanoGPT's prepare.py, or Megatron's preprocess_data.py) wrote")
         idx, side = prefix.with_suffix(".idx"), prefix.with_suffix(".json")
         meta = _read_json(side) if side.is_file() else {}
+        _check_partners(side, meta, (binary, idx, prefix.with_suffix(".mask")))
         if idx.is_file():
             dtype, starts = read_megatron_index(idx, binary)
         elif "dtype" in meta:
@@ -69,10 +70,17 @@ class TokenFile:
         if size % np.dtype(dtype).itemsize:
             raise DataError(f"{binary}: {size} bytes is not a whole number of {np.dtype(dtype).name} token ids; the "
                             f"sidecar's dtype is wrong or the file is cut short")
-        out = cls(binary, np.dtype(dtype), size // np.dtype(dtype).itemsize, starts, meta.get("eos"),
-                  meta.get("vocab_size"), int(meta.get("validation_documents", 0)), idx if idx.is_file() else side)
+        tokens = size // np.dtype(dtype).itemsize
+        eos, vocab = _side_int(meta, "eos", side, 0, None), _side_int(meta, "vocab_size", side, 1, None)
+        out = cls(binary, np.dtype(dtype), tokens, starts, eos, vocab, 0, idx if idx.is_file() else side)
         if out.starts is None and out.eos is not None:
             out.starts = out._starts_after_eos()
+        held = _side_int(meta, "validation_documents", side, 0, out.documents or 0) or 0
+        if held and held >= (out.documents or 0):
+            raise DataError(f"{side}: validation_documents {held} leaves no training document of the "
+                            f"{out.documents or 0} the file holds; expected fewer (tokenize with a smaller "
+                            "--validation)")
+        out.validation_documents = held
         return out
 
     @property
@@ -99,15 +107,31 @@ class TokenFile:
         _release(array, start, count)
         return out
 
-    def max_id(self, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> int:
-        """The largest id in ``[start, stop)``, read a chunk at a time (its pages given back)."""
+    def id_range(self, start: int = 0, stop: int | None = None, chunk: int = 1 << 24) -> tuple[int, int]:
+        """The smallest and the largest id in ``[start, stop)`` (as int64: a uint file's are never negative, an int
+        file's may be), read a chunk at a time (its pages given back); ``(0, -1)`` when empty."""
         stop = self.tokens if stop is None else stop
-        best = -1
+        low, high = None, -1
         for lo in range(start, stop, chunk):
             n = min(chunk, stop - lo)
-            best = max(best, int(self._array()[lo:lo + n].max()))
+            part = self._array()[lo:lo + n]
+            low = int(part.min()) if low is None else min(low, int(part.min()))
+            high = max(high, int(part.max()))
             _release(self._array(), lo, n)
-        return best
+        return (0 if low is None else low), high
+
+    def first_outside(self, low: int, high: int, start: int = 0, stop: int | None = None,
+                      chunk: int = 1 << 24) -> int | None:
+        """The offset of the first id outside ``[low, high)`` in ``[start, stop)``, or None."""
+        stop = self.tokens if stop is None else stop
+        for lo in range(start, stop, chunk):
+            n = min(chunk, stop - lo)
+            part = self._array()[lo:lo + n].astype(np.int64)
+            bad = np.flatnonzero((part < low) | (part >= high))
+            _release(self._array(), lo, n)
+            if len(bad):
+                return lo + int(bad[0])
+        return None
 
     def _starts_after_eos(self, chunk: int = 1 << 24) -> np.ndarray:
         """Documents end after each end-of-document id (nanoGPT appends one after every document)."""
@@ -143,6 +167,37 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _side_int(meta: dict, key: str, where: Path, low: int, high: int | None) -> int | None:
+    """The sidecar's integer ``key`` (None when absent), in ``[low, high]``: a hand-made sidecar's ``"two"`` or
+    ``-3`` is named, never a traceback or a split that reads outside the file."""
+    if key not in meta:
+        return None
+    value = meta[key]
+    if not (isinstance(value, int) and not isinstance(value, bool)) or value < low or \
+            (high is not None and value > high):
+        bound = f" and at most {high}" if high is not None else ""
+        raise DataError(f"{where}: {key} {value!r}; expected a whole number of at least {low}{bound}; fix the "
+                        "sidecar, or write the file again with `fxshard data tokenize`")
+    return value
+
+
+def _check_partners(side: Path, meta: dict, partners: tuple[Path, ...]) -> None:
+    """The sizes the sidecar recorded of its set's other files (``fxshard data tokenize`` writes them): a ``.bin``
+    or ``.idx`` of another write beside it (a copy, a write cut short) is refused, never read as this one."""
+    recorded = meta.get("files")
+    if not isinstance(recorded, dict):
+        return
+    for path in partners:
+        want = recorded.get(path.name)
+        if want is None:
+            continue
+        found = path.stat().st_size if path.is_file() else None
+        if found != want:
+            raise DataError(f"{path}: {'missing' if found is None else f'{found} bytes'}, but its sidecar {side} "
+                            f"was written with a {path.suffix} of {want} bytes: the files are not one token file's "
+                            "(copied from different writes, or a write cut short); tokenize again")
+
+
 def _side_dtype(name, where: Path) -> np.dtype:
     if name not in SIDE_DTYPES:
         raise DataError(f"{where}: dtype {name!r}; expected one of {', '.join(SIDE_DTYPES)}")
@@ -160,6 +215,10 @@ def read_megatron_index(idx: Path, binary: Path) -> tuple[np.dtype, np.ndarray]:
     if version != 1 or code not in MEGATRON_DTYPES:
         raise DataError(f"{idx}: Megatron index version {version} with dtype code {code}; this reader knows "
                         f"version 1 with codes {sorted(MEGATRON_DTYPES)}")
+    if len(raw) != 34 + 12 * sequences + 8 * doc_indices:
+        raise DataError(f"{idx}: {len(raw)} bytes, but its header declares {sequences} sequences and {doc_indices} "
+                        f"document indices ({34 + 12 * sequences + 8 * doc_indices} bytes): the index is cut short or "
+                        "damaged; write it again (`fxshard data tokenize`, or Megatron's preprocess_data.py)")
     dtype = np.dtype(MEGATRON_DTYPES[code])
     lengths = np.frombuffer(raw, np.int32, sequences, 34).astype(np.int64)
     pointers = np.frombuffer(raw, np.int64, sequences, 34 + 4 * sequences)
@@ -167,20 +226,21 @@ def read_megatron_index(idx: Path, binary: Path) -> tuple[np.dtype, np.ndarray]:
     if sequences and not np.array_equal(pointers, np.concatenate([[0], np.cumsum(lengths[:-1])]) * dtype.itemsize):
         raise DataError(f"{idx}: its sequences do not lie back to back in {binary.name}; fxshard reads a token file "
                         "as one stream of documents (rewrite it with Megatron's merge, or `fxshard data tokenize`)")
-    if sequences and int(lengths.sum()) * dtype.itemsize != binary.stat().st_size:
+    if int(lengths.sum()) * dtype.itemsize != binary.stat().st_size:
         raise DataError(f"{idx}: indexes {int(lengths.sum())} tokens but {binary} holds "
                         f"{binary.stat().st_size // dtype.itemsize}; the two files are not a pair")
+    if (lengths < 0).any() or (doc_indices and (docs[0] != 0 or docs[-1] != sequences or (np.diff(docs) < 0).any())):
+        raise DataError(f"{idx}: its sequence lengths or document indices are not a partition of its {sequences} "
+                        "sequences; the index is damaged: write it again")
     token_starts = np.concatenate([[0], np.cumsum(lengths)])
     return dtype, token_starts[docs[:-1]] if len(docs) > 1 else np.zeros(0, np.int64)
 
 
-def write_megatron_index(idx: Path, dtype: np.dtype, document_lengths: np.ndarray) -> None:
+def megatron_index_bytes(dtype: np.dtype, document_lengths: np.ndarray) -> bytes:
     """Megatron's ``.idx`` of a file of documents back to back, one sequence per document."""
-    from fxshard.files import write_bytes
-
     lengths = np.asarray(document_lengths, dtype=np.int64)
     codes = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64) * np.dtype(dtype).itemsize
+    pointers = np.concatenate([[0], np.cumsum(lengths)])[:-1].astype(np.int64) * np.dtype(dtype).itemsize
     header = MEGATRON_HEADER + struct.pack("<QBQQ", 1, codes[np.dtype(dtype)], len(lengths), len(lengths) + 1)
-    write_bytes(idx, header + lengths.astype(np.int32).tobytes() + pointers.tobytes()
-                + np.arange(len(lengths) + 1, dtype=np.int64).tobytes(), "a token file's Megatron index")
+    return header + lengths.astype(np.int32).tobytes() + pointers.tobytes() \
+        + np.arange(len(lengths) + 1, dtype=np.int64).tobytes()

@@ -52,8 +52,8 @@ class TokenWindows(torch.utils.data.Dataset):
     """The sequences of one split of a token file, as examples of the compiled row."""
 
     def __init__(self, split: SplitRange, spec: BatchSpec, packed: Packed | None,
-                 mask: LossMask | None = None):
-        self.split, self.spec, self.packed, self.mask = split, spec, packed, mask
+                 mask: LossMask | None = None, ids=None, name: str = "train"):
+        self.split, self.spec, self.packed, self.mask, self.ids, self.name = split, spec, packed, mask, ids, name
         self.seq = _sequence_length(spec)
         self.pad_id = split.file.eos if split.file.eos is not None else 0
         self.fills = [c.key for c in spec.columns]
@@ -72,18 +72,28 @@ class TokenWindows(torch.utils.data.Dataset):
         if self.packed is not None:
             segments = self.packed.segments(i)
             ids = [self.split.file.read(s, n) for s, n in segments]
+            self._check(np.concatenate(ids) if ids else np.zeros(0, np.int64), i)
             masks = None if self.mask is None else [self.mask.read(s, n) for s, n in segments]
             input_ids, labels, positions = packed_row(ids, self.seq, self.pad_id, masks)
             values = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
         elif self.mask is not None:
             start, n = self._conversation(i)
             ids, mask = self.split.file.read(start, n), self.mask.read(start, n)
+            self._check(ids, i)
             input_ids, labels, attention = conversation_row(ids, mask, self.seq, self.pad_id)
             values = {"input_ids": input_ids, "labels": labels, "attention_mask": attention}
         else:
             input_ids = self.split.file.read(self.split.lo + i * self.seq, self.seq)
+            self._check(input_ids, i)
             values = {"input_ids": input_ids, "labels": input_ids}
         return {k: self._tensor(values.get(k), k) for k in self.fills}
+
+    def _check(self, ids: np.ndarray, i: int) -> None:
+        """The ids of sequence ``i`` are in the vocabulary, as they are read (the file may have changed since the
+        check before launch, or never had one: a user's own loop)."""
+        if self.ids is not None:
+            self.ids.check_array(ids, f"{self.split.file.path}: sequence {i} of the {self.name} split (from token "
+                                      f"{self.token_offset(i)})")
 
     def _tensor(self, value, key: str) -> torch.Tensor:
         if value is None:  # unpacked position ids, and the attention mask (no padding)
@@ -203,5 +213,7 @@ def token_source(mf, spec: BatchSpec, split: str, options: DataOptions, manifest
     if mask is not None:
         how = "packed in" if packed is not None else "one per"
         what = f"conversations with their loss mask, {how} sequences"
+    from fxshard.train.data.ids import token_ids
+
     return Source("tokens", f"{file.path} ({split}, {what} of {_sequence_length(spec)} tokens)",
-                  dataset=TokenWindows(part, spec, packed, mask))
+                  dataset=TokenWindows(part, spec, packed, mask, token_ids(mf), split))

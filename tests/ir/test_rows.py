@@ -1,0 +1,140 @@
+"""Tier 1: the batch-row analysis (``fxshard/ir/rows.py``) on programs exported at two batch sizes.
+
+A value is split by rows only where each row is computed from its own; every way of mixing rows the issue names (a
+view across the batch, a reshape across batch and sequence, flattened rows split at another size, a sum over the batch
+fed back, a sort or a cumulative sum over the batch) is found and named with its module and the model's line, and the
+ways models compute row by row (a classifier's ``logits[arange(B), last]``, an MAE's gathers, a batch of images through
+convolutions, a boolean-mask loss, views that keep the batch) are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.export import export
+from torch.export.graph_signature import InputKind
+
+from fxshard.errors import LayoutError
+from fxshard.ir.placement import Partial, Replicate, Shard
+from fxshard.ir.rows import batch_rows
+from fxshard.ir.rows_rules import Ids
+
+B, S, H = 2, 6, 8
+
+
+class Body(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.fn = fn
+
+    def forward(self, x, ids):
+        return self.fn(self, self.proj(x), ids)
+
+
+def _analyse(fn, rows: int = B):
+    """The analysis of ``fn(module, h [b, S, H], ids [b, S])`` exported at ``rows`` rows and twice as many."""
+    torch.manual_seed(0)
+    module = Body(fn)
+
+    def inputs(b):
+        return torch.randn(b, S, H), torch.randint(0, S, (b, S))
+
+    one, two = (export(module, inputs(b), strict=False) for b in (rows, 2 * rows))
+    users = {s.arg.name for s in one.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    return batch_rows(one.graph_module, two.graph_module, users, "model.py"), one.graph_module
+
+
+def _node(gm, target):
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+MIXING = {  # id -> (forward body, the op named)
+    "view across the batch": (lambda m, h, ids: h.reshape(-1, H).view(2, h.shape[0] * S, -1).softmax(0).sum(),
+                              "aten.view.default"),
+    "reshape across batch and sequence": (lambda m, h, ids: h.reshape(S, h.shape[0], H).softmax(0).sum(),
+                                          "aten.reshape.default"),
+    "flatten then split at another size": (lambda m, h, ids: torch.cat([p.tanh() for p in h.flatten(0, 1).split(
+        [5, h.shape[0] * S - 5])]).sum(), "aten.split_with_sizes.default"),
+    "sum over the batch fed back": (lambda m, h, ids: (h * h.sum(0)).sum(), "aten.mul.Tensor"),
+    "sort over the batch": (lambda m, h, ids: h.sort(dim=0).values[0].sum(), "aten.sort.default"),
+    "cumsum over the batch": (lambda m, h, ids: h.cumsum(0).pow(2).mean(), "aten.cumsum.default"),
+    "softmax over the batch": (lambda m, h, ids: h.softmax(0).pow(2).mean(), "aten.softmax.int"),
+    "a size of the batch as a number": (lambda m, h, ids: (h * h.shape[0]).mean(), "aten.mul.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXING))
+def test_every_way_of_mixing_rows_is_found_and_named(case):
+    fn, op = MIXING[case]
+    rows, _ = _analyse(fn)
+    found = list(rows.mixing.values())
+    assert found, f"{case}: nothing found"
+    assert any(op in f and "test_rows.py:" in f and "mixes the rows of the batch" in f for f in found), found
+
+
+SEPARATE = {  # id -> forward body computing each row from its own
+    "indexing": lambda m, h, ids: (h[torch.arange(h.shape[0]), ids[:, -1]].pow(2).mean()  # pooled by row numbers
+                                   + torch.gather(h, 1, torch.argsort(ids, 1).unsqueeze(-1).repeat(1, 1, H)).mean()
+                                   + h[:, torch.randperm(S)].softmax(1).mean()),  # an MAE's gathers, a permutation
+    "views": lambda m, h, ids: (h.view(h.shape[0], S * H).view(h.shape[0] * S, H).tanh().mean()  # batch-first views
+                                + F.cross_entropy(h.transpose(0, 1).reshape(-1, H), ids.t().reshape(-1) % H)
+                                + torch.cat([h, 2 * h]).split(h.shape[0])[1].mean()  # along the batch and back
+                                + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
+                                + h.sort(1).values.cumsum(1).mean()),  # along the tokens
+    "boolean mask": lambda m, h, ids: F.cross_entropy(h[ids > 2], ids[ids > 2] % H),
+    "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
+                                                                   2), 1).mean(),
+}
+
+
+@pytest.mark.parametrize("case", list(SEPARATE))
+def test_programs_computing_each_row_from_its_own_mix_nothing(case):
+    rows, gm = _analyse(SEPARATE[case])
+    assert not rows.mixing, rows.mixing
+    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert rows.place[loss.name] == Partial("avg")  # a mean over the batch: the parts' losses average to it
+
+
+def test_the_rows_are_followed_through_views_transposes_and_row_numbers():
+    rows, gm = _analyse(lambda m, h, ids: (h.transpose(0, 1).flatten(1, 2)
+                                            + h[torch.arange(h.shape[0]), ids[:, 0]].sum()).sum())
+    assert rows.place[_node(gm, torch.ops.aten.transpose.int).name] == Shard(1)
+    assert rows.place[_node(gm, torch.ops.aten.flatten.using_ints).name] == Shard(1)
+    assert rows.place[_node(gm, torch.ops.aten.arange.default).name] == Ids(0)
+    assert rows.place[_node(gm, torch.ops.aten.index.Tensor).name] == Shard(0)
+    assert rows.place["p_proj_weight"] == Replicate()
+
+
+def test_a_sum_over_the_batch_divided_by_its_rows_is_a_mean_and_a_sum_a_sum():
+    rows, gm = _analyse(lambda m, h, ids: h.sum() / h.shape[0])
+    assert not rows.mixing and rows.place[_node(gm, torch.ops.aten.div.Tensor).name] == Partial("avg")
+    rows, gm = _analyse(lambda m, h, ids: h.sum((0, 1)).sum())
+    assert not rows.mixing and rows.place[_node(gm, torch.ops.aten.sum.default).name] == Partial("sum")
+    rows, _ = _analyse(lambda m, h, ids: h.sum() / h.shape[0] + h.sum())  # a mean plus a sum: the parts' losses
+    assert rows.mixing  # average to neither
+
+
+def test_a_draw_of_the_batch_size_keeps_its_rows():
+    rows, gm = _analyse(lambda m, h, ids: (h * torch.rand(h.shape[0], S, 1)).mean())
+    assert not rows.mixing
+    assert rows.place[_node(gm, torch.ops.aten.rand.default).name] == Shard(0)
+
+
+def test_a_permutation_of_the_batch_needs_the_whole_batch():
+    rows, gm = _analyse(lambda m, h, ids: h[torch.randperm(h.shape[0])].pow(2).mean())
+    assert _node(gm, torch.ops.aten.randperm.default).name in rows.whole  # drawn whole on every rank, as one device
+
+
+def test_pieces_of_a_fixed_size_cut_from_the_batch_are_refused():
+    # their number follows the batch: no program of the captured size computes the whole batch's
+    with pytest.raises(LayoutError, match=r"aten.split.Tensor \(split, test_rows.py:\d+\) gives 3 values at the "
+                                          r"captured rows and 5 at twice as many"):
+        _analyse(lambda m, h, ids: torch.stack([p.sum() for p in h.flatten(0, 1).split(5)]).mean())
+
+
+def test_a_program_that_branches_on_the_batch_size_is_refused():
+    with pytest.raises(LayoutError, match=r"model.py: the model's program at twice the rows differs .*\(no branch "
+                                          r"on the batch size\)"):
+        _analyse(lambda m, h, ids: (h * 2 if h.shape[0] > 2 else h.tanh().exp()).mean())
