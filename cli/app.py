@@ -673,7 +673,7 @@ def verify(
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
-        shape = build(StepShape, flags)
+        shape = build(StepShape, flags | {"global_batch": None})  # verify takes no --global-batch
         seq, batch = shape.seq, shape.batch
         check_model_flags(model, seq, batch, auto=False)
         with model_source(model, build(FolderOptions, flags), seq, batch) as source:
