@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fxshard-installed
 
-.PHONY: setup browser demo test test-matrix test-fast test-compat lint bench zoo soak clean
+.PHONY: setup browser demo test test-matrix test-fast test-compat peers lint bench zoo soak clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,18 @@ test-compat: $(COMPAT_STAMP)
 	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -n 2 --dist loadfile -p no:cacheprovider
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_DISTRIBUTED)
 
+# The real peers in a third environment, .venv-peers (`make setup`'s .venv is not touched): torchtitan, Megatron-Core
+# and DeepSpeed (where it installs) beside fxshard, for `python -m benchmarks.run --only peers`.  Not part of
+# `make test` or CI; benchmarks/peers/test_peers.py runs only where it exists.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.fxshard-installed
+
+$(PEERS_STAMP): pyproject.toml scripts/setup_peers.sh
+	bash scripts/setup_peers.sh $(PEERS_VENV)
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+
 # The model zoo: every architecture of zoo/models at tp=2, pp=2 and dp=2 against one device -> zoo/RESULTS.md
 zoo: setup
 	$(PY) -m zoo.run
@@ -73,4 +85,4 @@ lint: setup
 	$(PY) -m ruff check fxshard passes cli tests samples scripts benchmarks zoo
 
 clean:
-	rm -rf out $(VENV) $(COMPAT_VENV) .pytest_cache
+	rm -rf out $(VENV) $(COMPAT_VENV) $(PEERS_VENV) .pytest_cache

@@ -1,155 +1,186 @@
-"""The time model against published recipes: fxshard's predicted tokens/s per GPU at each recipe's own layout, next
-to the published figure, and fxshard's own choice (``plan --auto``) for the same model, devices and sequence.
+"""The time and memory model against published runs: at each recipe's own layout, precision and recompute
+(:mod:`benchmarks.recipes`, every figure cited), fxshard's predicted tokens/s per GPU beside the published one,
+each term of the predicted step, each rank's predicted memory beside Megatron's theoretical formula
+(:mod:`benchmarks.megatron_memory`) or the memory the publication measured, and fxshard's own choice
+(``plan --auto``) for the same model, devices and batch.
 
     python -m benchmarks.auto_recipes                 # results/auto-recipes.md and .json
-    python -m benchmarks.auto_recipes --only llama3-8b
+    python -m benchmarks.auto_recipes --only llama3-8b --no-search
+    python -m benchmarks.auto_recipes --page-only      # the page again from the JSON (its texts edited)
 
-Every figure is a prediction on the shipped ``h100`` profile (datasheet peaks, assumed efficiencies); nothing here
-ran on a GPU. Where a recipe's layout uses what fxshard does not have (cp, FP8, torch.compile's fused kernels), the
-table says what was predicted instead.
+Every figure of fxshard's is a prediction (the shipped h100 profile: datasheet peaks, stated efficiencies; nothing
+here ran on a GPU), of fxshard's own program at that layout: transformers' modules op by op, its collectives as its
+runtime issues them.  Where the recipe does what fxshard does not, the page says what, and by how much it counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fxshard.ir.layout import Layout  # noqa: E402
+from benchmarks.recipes import RECIPES, Recipe  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-MEGATRON = "Megatron-Bridge performance summary (as issue 33 quotes it)"
-TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+GIB = 2**30
 
 
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    model: str
-    gpus: int
-    seq: int
-    global_batch: int
-    layout: Layout  # what fxshard predicts: the recipe's layout, or the nearest fxshard has
-    recompute: str  # the recipe's activation checkpointing, as fxshard's mode
-    published: float  # tokens/s per GPU
-    source: str
-    published_layout: str
-    notes: str
-
-
-RECIPES = [
-    Recipe("llama3-70b", "samples/llama70b.py", 64, 8192, 128,
-           Layout(tp=4, pp=8, dp=2, schedule="interleaved-1f1b", virtual_stages=5, microbatches=64, dtype="bf16",
-                  sp=True), "auto", 1664, MEGATRON, "TP4 PP8 VP5, BF16",
-           "sequence 8192 and global batch 128 assumed (Megatron-Bridge's Llama 3 70B pretraining defaults); "
-           "Megatron runs sequence parallelism with TP"),
-    Recipe("llama3.1-405b", "samples/llama405b.py", 1024, 8192, 512,
-           Layout(tp=8, pp=8, cp=2, dp=8, schedule="interleaved-1f1b", virtual_stages=8, microbatches=64,
-                  dtype="bf16", sp=True), "auto", 326, MEGATRON, "TP8 PP8 CP2 VP8, BF16",
-           "cp is costed analytically (the pieces compiled at cp=1, attention against the whole sequence, the keys' "
-           "and values' all-gather); sequence 8192, global batch 512 assumed; 126 layers over 64 virtual stages are "
-           "uneven (Megatron's recipe drops layers from the first and last)"),
-    Recipe("deepseek-v3", "benchmarks/models/deepseek_v3.py", 1024, 4096, 8192,
-           Layout(tp=2, pp=8, dp=64, ep=64, microbatches=128, dtype="bf16", sp=True), "auto", 1297, MEGATRON,
-           "TP2 PP8 EP64, BF16",
-           "sequence 4096 and global batch 8192 assumed; no multi-token-prediction module in transformers' model; "
-           "Megatron's grouped GEMM and DeepEP dispatch kernels are not modelled (the all-to-all is a ring formula)"),
-    Recipe("llama3-8b", "benchmarks/models/llama3_8b.py", 8, 8192, 16,
-           Layout(dp=8, zero=3, dtype="bf16"), "selective", 5762, TITAN, "FSDP 8, BF16, eager, selective AC",
-           "local batch 2; torchtitan's H100s are the 96 GB HBM2e parts at 500 W (2.4 TB/s), the profile is the "
-           "80 GB SXM at 700 W"),
-    Recipe("llama3-70b-titan", "samples/llama70b.py", 256, 8192, 512,
-           Layout(tp=8, dp=32, zero=3, dtype="bf16", sp=True), "full", 829, TITAN,
-           "FSDP 32 x TP 8, torch.compile + Float8, full AC",
-           "published with Float8 linears and torch.compile: fxshard predicts BF16 without them (FP8 doubles the "
-           "matmul peak); local batch 16"),
-]
-
-
-def run(names: list[str] | None = None, top: int = 3) -> list[dict]:
+def hardware(name: str):
+    """A shipped profile, or torchtitan's H100s: the h100 profile with the H100 NVL's dense peaks (the lower bound
+    of the page's "between SXM and NVL"), 2.4 TB/s of HBM2e and 96 GB."""
     from fxshard.cost.hardware import load_hardware
-    from fxshard.cost.profile import model_profile
+
+    if name != "h100-hbm2e-500w":
+        return load_hardware(name)
+    hw = load_hardware("h100")
+    return dataclasses.replace(hw, name="H100 96GB HBM2e at 500 W (torchtitan's)", memory_bandwidth=2.4e12,
+                               memory=96 * 10**9, peak_flops=hw.peak_flops | {"bf16": 835e12, "fp16": 835e12,
+                                                                              "fp8": 1671e12})
+
+
+def predict_recipe(recipe: Recipe, profile, search_too: bool = True) -> dict:
+    """The row of one recipe: the prediction at its own recompute, at the least recompute that fits (when its own
+    does not), the memory terms of the worst rank, Megatron's formula where it applies, and the search's choice."""
     from fxshard.cost.search import Candidate, _least_recompute, search
     from fxshard.cost.timemodel import Evaluator, Setting, predict
 
-    hw = load_hardware("h100")
+    hw = hardware(recipe.hardware)
+    layout = recipe.layout
+    ev = Evaluator(profile, hw, "fp8" if recipe.precision == "fp8" else layout.dtype)
+    setting = Setting(recipe.seq, recipe.global_batch, hw.devices_per_node)
+    own = predict(ev, layout, setting)
+    row = {"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,
+           "global_batch": recipe.global_batch, "hardware": hw.name, "memory_limit": hw.memory,
+           "published": recipe.published, "published_memory": recipe.memory, "source": recipe.source,
+           "recipe_text": recipe.recipe, "differs": recipe.differs, "precision": recipe.precision, "own": _summary(own, recipe, ev)}
+    if not own.fits:
+        fit, _ = _least_recompute(ev, Candidate(layout), setting)
+        row["fitting"] = _summary(predict(ev, fit.layout, setting), recipe, ev) if fit else None
+    if recipe.megatron and "llama" in recipe.model:
+        row["megatron"] = megatron_row(recipe, ev, own, setting)
+    if search_too:
+        started = time.perf_counter()
+        try:
+            found = search(profile, hw, recipe.gpus, setting, layout.dtype, top=3, evaluator=ev)
+            best = found.ranked[0]
+            row["auto"] = _summary(best, recipe) | {"accumulate": best.accumulate, "seconds": found.seconds,
+                                                     "cpu_seconds": found.cpu_seconds, "considered": found.considered,
+                                                     "fitting": found.fitting}
+        except Exception as e:  # a refusal is a result too
+            row["auto"] = {"error": str(e), "seconds": time.perf_counter() - started}
+    return row
+
+
+def _summary(pred, recipe: Recipe, ev=None) -> dict:
+    worst = max(range(len(pred.peaks)), key=pred.peaks.__getitem__)
+    out = {"layout": pred.layout.describe(), "tokens_per_s": pred.tokens_per_s,
+           "ratio": pred.tokens_per_s / recipe.published, "step": pred.step, "mfu": pred.mfu, "terms": pred.terms,
+           "peak": pred.peak, "fits": pred.fits, "worst_rank": worst, "memory": pred.memory_terms[worst]}
+    if ev is not None:
+        out["compute_split"] = compute_split(ev, pred.layout, recipe)
+    return out
+
+
+def compute_split(ev, layout, recipe: Recipe) -> dict:
+    """The compute term of the busiest pp rank (forward and backward, without recompute), split by what runs:
+    the matmuls (and grouped expert matmuls) at the roofline, attention, and the other ops at the memory bandwidth
+    (norms, activations, residuals, RoPE, the loss; under fp8 also the casts), seconds a step."""
+    from fxshard.cost.timemodel import BACKWARD, Setting, _prepared
+
+    m, _, stages, cost = _prepared(ev, layout, Setting(recipe.seq, recipe.global_batch, ev.hw.devices_per_node))
+    best: dict = {}
+    for r in range(layout.pp):
+        own = [stages[s] for s in (layout.stages_of(r) if layout.pp > 1 else [0])]
+        split = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+        for stage in own:
+            for name, n in stage:
+                c = cost[name]
+                mm, att = (1 + BACKWARD["matmul"]) * c.wgrad, (1 + BACKWARD["attention"]) * c.attention
+                split["matmul"] += m * n * mm
+                split["attention"] += m * n * att
+                split["other ops"] += m * n * (c.fwd + c.bwd - mm - att)
+        if sum(split.values()) > sum(best.values()):
+            best = split
+    return best
+
+
+def megatron_row(recipe: Recipe, ev, pred, setting) -> dict:
+    """Megatron's theoretical memory at the recipe's configuration beside fxshard's most loaded rank, term by term:
+    the model state, one layer's activations for one microbatch, and the layer-microbatches the first pipeline
+    rank holds."""
+    from benchmarks.megatron_memory import SOURCE, from_llama, theoretical_memory
+    from fxshard.cost.timemodel import _prepared
+
+    config = _config(recipe.model)
+    rows = recipe.global_batch // (recipe.layout.dp * (recipe.layout.microbatches or 1))
+    formula = theoretical_memory(from_llama(config, recipe.layout, recipe.seq, rows), recipe.layout.microbatches)
+    _, _, _, cost = _prepared(ev, recipe.layout, setting)
+    mode = recipe.layout.recompute
+    layer = cost["block0"].saved[mode]
+    ours = pred.memory_terms[0]  # the first pipeline rank, the formula's
+    state = ours["parameters"] + ours["gradients"] + ours["optimizer"] + ours["experts"]
+    return {"source": SOURCE, "formula": formula,
+            "fxshard": {"model_state": state, "layer_activations": layer, "activations": ours["activations"],
+                        "layer_microbatches": ours["activations"] / layer, "other": ours["transient"] +
+                        ours["recompute"], "total": sum(ours.values())},
+            "formula_layer_microbatches": formula["activations"] / formula["layer_activations"]}
+
+
+def _config(model_file: str):
+    import torch
+
+    from fxshard.capture.modelfile import load_model_file
+
+    with torch.device("meta"):
+        return load_model_file(ROOT / model_file).make_model().config
+
+
+def run(names: list[str] | None = None, search_too: bool = True) -> list[dict]:
+    from fxshard.cost.profile import model_profile
+
     rows, profiles = [], {}
     for recipe in RECIPES:
         if names and recipe.name not in names:
             continue
+        key = (recipe.model, recipe.layout.dtype)
         started = time.perf_counter()
-        if recipe.model not in profiles:
-            profiles[recipe.model] = model_profile(ROOT / recipe.model, dtype="bf16")
-        profile = profiles[recipe.model]
-        captured = time.perf_counter() - started
-        ev = Evaluator(profile, hw, "bf16")
-        setting = Setting(recipe.seq, recipe.global_batch, 8)
-        layout = recipe.layout
-        if recipe.recompute == "auto":  # the least recompute that fits, as the search does
-            fit, _ = _least_recompute(ev, Candidate(layout), setting)
-            layout = fit.layout if fit else replace(layout, recompute="full")
-        else:
-            layout = replace(layout, recompute=recipe.recompute)
-        at_recipe = predict(ev, layout, setting)
-        started = time.perf_counter()
-        try:
-            found = search(profile, hw, recipe.gpus, setting, "bf16", top=top, evaluator=ev)
-            best, searched = found.ranked[0], {"seconds": found.seconds, "cpu_seconds": found.cpu_seconds,
-                                               "considered": found.considered, "fitting": found.fitting}
-        except Exception as e:  # a refusal is a result too
-            best, searched = None, {"seconds": time.perf_counter() - started, "error": str(e)}
-        rows.append({"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,
-                     "global_batch": recipe.global_batch, "source": recipe.source,
-                     "published_layout": recipe.published_layout, "published": recipe.published,
-                     "predicted_layout": layout.describe(), "predicted": at_recipe.tokens_per_s,
-                     "ratio": at_recipe.tokens_per_s / recipe.published, "mfu": at_recipe.mfu,
-                     "fits": at_recipe.fits, "peak": at_recipe.peak, "terms": at_recipe.terms,
-                     "auto_layout": best.layout.describe() if best else None,
-                     "auto_predicted": best.tokens_per_s if best else None, "auto_accumulate": best.accumulate if best else None,
-                     "search": searched, "capture_s": captured, "notes": recipe.notes})
-        print(f"{recipe.name}: predicted {at_recipe.tokens_per_s:,.0f} tok/s/GPU vs published {recipe.published:,} "
-              f"({at_recipe.tokens_per_s / recipe.published:.2f}); auto {rows[-1]['auto_layout']} "
-              f"({searched['seconds']:.0f} s)", flush=True)
+        if key not in profiles:
+            profiles[key] = model_profile(ROOT / recipe.model, dtype=recipe.layout.dtype)
+        row = predict_recipe(recipe, profiles[key], search_too) | {"capture_s": time.perf_counter() - started}
+        rows.append(row)
+        print(f"{recipe.name}: predicted {row['own']['tokens_per_s']:,.0f} tok/s/GPU vs published "
+              f"{recipe.published:,} ({row['own']['ratio']:.2f}), peak {row['own']['peak'] / GIB:.0f} GiB", flush=True)
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| recipe | GPUs | seq | published layout | published tok/s/GPU | fxshard predicts at | predicted tok/s/GPU | "
-             "ratio | MFU | fits 80 GB | fxshard's own choice | its prediction | search time |",
-             "|---|---:|---:|---|---:|---|---:|---:|---:|---|---|---:|---:|"]
-    for r in rows:
-        auto = r["auto_layout"] or f"refused: {r['search'].get('error', '')[:120]}"
-        if r["auto_layout"] and r["auto_accumulate"] and r["auto_accumulate"] > 1:
-            auto += f" grad-accum={r['auto_accumulate']}"
-        lines.append(f"| {r['recipe']} | {r['gpus']} | {r['seq']} | {r['published_layout']} | {r['published']:,} | "
-                     f"{r['predicted_layout']} | {r['predicted']:,.0f} | {r['ratio']:.2f} | {r['mfu']:.0%} | "
-                     f"{'yes' if r['fits'] else 'no'} ({r['peak'] / 2**30:.0f} GiB) | {auto} | "
-                     + (f"{r['auto_predicted']:,.0f}" if r["auto_predicted"] else "-")
-                     + f" | {r['search']['seconds']:.0f} s"
-                     + (f" ({r['search']['cpu_seconds']:.0f} s CPU)" if "cpu_seconds" in r["search"] else "") + " |")
-    lines += ["", "Where each misses, and why:", ""]
-    lines += [f"- **{r['recipe']}** ({r['source']}): {r['notes']}." for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.recipes_page import page
+
     parser = argparse.ArgumentParser(prog="python -m benchmarks.auto_recipes", description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=[r.name for r in RECIPES])
+    parser.add_argument("--no-search", action="store_true", help="leave out plan --auto's own choice")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--page-only", action="store_true",
+                        help="rewrite the page from the JSON beside it (the recipes' texts from benchmarks.recipes)")
     args = parser.parse_args(argv)
-    rows = run(args.only)
     name = "auto-recipes" if not args.only else "auto-recipes-" + "-".join(args.only)
+    if args.page_only:
+        text = {r.name: r for r in RECIPES}
+        rows = [row | {"recipe_text": text[row["recipe"]].recipe, "differs": text[row["recipe"]].differs,
+                       "source": text[row["recipe"]].source, "precision": text[row["recipe"]].precision}
+                for row in json.loads((args.out / f"{name}.json").read_text())]
+    else:
+        rows = run(args.only, search_too=not args.no_search)
+    # the repository's results, as benchmarks.common.write_results writes them (not a user's file)
     (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    head = ("`python -m benchmarks.auto_recipes`: fxshard's time model on the shipped h100 profile (predictions "
-            "only, no GPU ran), against published throughput.\n\n")
-    (args.out / f"{name}.md").write_text(head + markdown(rows) + "\n")
+    (args.out / f"{name}.md").write_text(page(rows) + "\n")
 
 
 if __name__ == "__main__":

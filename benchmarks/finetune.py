@@ -122,6 +122,7 @@ def write_folder(work: Path, quick: bool, log=print) -> Path:
     config = dict(QWEN_05B, num_hidden_layers=2) if quick else QWEN_05B
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**config, eos_token_id=0, pad_token_id=0)).to(torch.bfloat16)
+    shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder)
     for f in (work / "data" / "tokenizer").iterdir():
         shutil.copy(f, folder / f.name)
@@ -170,17 +171,21 @@ def main(argv: list[str] | None = None) -> dict:
     lora_steps = opts.lora_steps or (3 if opts.quick else 20)
     full_steps = opts.full_steps or (3 if opts.quick else 5)
     work = opts.work
-    if work.exists():
-        import shutil
+    import shutil
 
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    for stale in ("lora", "lora-ckpt", "full", "full-ckpt", "adapter", "chats"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    cli("data", "generate", work / "data", "--chat", "--documents", 2000)
-    folder = write_folder(work, opts.quick)
-    data = work / "chats.bin"
+    if not (work / "data" / "tokenizer").is_dir():
+        cli("data", "generate", work / "data", "--chat", "--documents", 2000)
+    # the folder of an earlier run of the same size is kept: writing 0.5 B random weights takes minutes
+    folder = work / "qwen-hf" if (work / "qwen-hf" / "config.json").exists() and not opts.quick else \
+        write_folder(work, opts.quick)
+    (work / "chats").mkdir()
+    data = work / "chats" / "chats.bin"
     print(cli("data", "tokenize", work / "data" / "corpus", "--tokenizer", folder, "--format", "chat",
-              "--seq", opts.seq, "--out", data).strip().splitlines()[-1])
+              "--seq", opts.seq, "--truncate", "drop", "--out", data).strip().splitlines()[-1])
     lora = train(work, folder, data, "lora", lora_steps, ["--lora", 16, "--lora-alpha", 32, "--lora-targets",
                                                          TARGETS], opts.seq, opts.batch)
     full = train(work, folder, data, "full", full_steps, [], opts.seq, opts.batch)
@@ -239,7 +244,10 @@ LoRA: `--lora 16 --lora-alpha 32 --lora-targets {TARGETS}`.
 - `fxshard export CKPT --peft DIR`: {gib(results['adapter_bytes'])}; `peft.PeftModel.from_pretrained` loads it
   ({results['peft_loaded']}).
 - `fxshard generate CKPT --chat --prompt "say hello backwards"` answered: `{results['generated'][:120]}`
-  (20 steps from random weights: the point is that it runs, not what it says).
+  (20 steps from random weights: the point is that it runs, not what it says; an empty answer is an end-of-text
+  token first).
+- Measured on a shared machine (other jobs ran beside it): absolute times are inflated, the LoRA ÷ full ratios,
+  taken from the same run, are the figures.
 - Peak RSS is each rank's `VmHWM`, sampled twice a second; the full fine-tune holds fp32 weights, gradients and
   two Adam moments of its half of the model, the LoRA run its half of the base weights and the adapters' state.
 """

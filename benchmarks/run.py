@@ -22,6 +22,9 @@
                                             # (step time, bytes sent, the ring's hidden transfer: results/cp-cpu.*)
     python -m benchmarks.run --only data    # a 50M-token file at tp=2 dp=2: step time against the example
                                             # batch, peak RSS over 10 and 2,000 steps (results/data-cpu.*)
+    .venv-peers/bin/python -m benchmarks.run --only peers  # fxshard against torchtitan, Megatron-Core and
+                                            # DeepSpeed (make peers) at tp2, dp2, pp2, tp2·dp2: step time ratios,
+                                            # peak memory, losses from the same weights (results/peers-cpu.*)
 """
 
 from __future__ import annotations
@@ -57,10 +60,11 @@ from benchmarks import (  # noqa: E402
     zero1,
 )
 from benchmarks.common import BACKEND_OF, cpu_line, environment, write_results  # noqa: E402
+from benchmarks.peers import bench as peers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
-ALONE = ("single", "data", "auto", "cp")  # parts run only when --only names them, into results files of their own
+ALONE = ("single", "data", "auto", "cp", "peers")  # parts run only when --only names them, into results files of their own
 GPU_PARTS = ("tp", "single")  # what --device cuda runs
 
 
@@ -103,6 +107,8 @@ SECTIONS = {
     "auto": ("auto", [("The time model against measured steps (12 layouts at world size 4, gloo)", auto.markdown)]),
     "cp": ("cp", [("Context parallelism: step time against cp=1, bytes sent, the ring's hidden transfer",
                    context_parallel.markdown)]),
+    "peers": ("peers", [("fxshard against torchtitan, Megatron-Core and DeepSpeed on the same Llama, weights and batch",
+                         peers.markdown)]),
 }
 
 
@@ -133,6 +139,8 @@ def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "
         return auto.run(work, quick)
     if part == "cp":
         return context_parallel.run(work, settings["cp_rounds"], settings["cp_warmup"], quick)
+    if part == "peers":
+        return peers.run(work, quick)
     if part == "single":
         return single.run(settings["single_size"], work, settings["single_rounds"], settings["single_warmup"], device)
     assert part == "compile"

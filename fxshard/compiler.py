@@ -163,7 +163,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
                           "--device-memory, which choose the mode by the plan")
     plan, split_before = _split_plan(plan)
     mf = (model_file if isinstance(model_file, ModelFile) else load_model_file(model_file)).for_layout(layout)
-    microbatches, batch, inputs, split = 1, None, None, None
+    microbatches, batch, inputs, split, peers = 1, None, None, None, []
     if program is None:
         inputs = mf.build_inputs(seed)
         where = f"{mf.path.name}: make_inputs()"
@@ -181,8 +181,11 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
             size = per_rank // microbatches
             split = " and ".join(([f"--dp {layout.dp}"] if layout.dp > 1 else [])
                                  + ([f"{microbatches} microbatches"] if microbatches > 1 else [])) or None
-            inputs = first_part(inputs, rows, size, where, split or "the layout")
-        program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta)
+            inputs, whole = first_part(inputs, rows, size, where, split or "the layout"), inputs
+            # every rank's rows and every microbatch: the program specialized on the first must hold on the rest
+            peers = [pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                     rows.take(whole, k, k + size)) for k in range(size, batch, size)]
+        program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta, peers)
         program = record_pairs(program, rows, where, split)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
     _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
@@ -201,6 +204,7 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         raise LayoutError(f"--recompute {layout.recompute}: {type(program.model).__name__} has no repeated blocks "
                           "(a ModuleList of layers, such as a transformer's), which are what "
                           "fxshard recomputes; drop --recompute")
+    ctx.notes.extend(program.notes)  # capture's: data-dependent code specialized on the example batch
     if layout.tp > 1:  # at tp=1 no plan applies, so there is nothing to say about one
         ctx.notes.extend(resolved.notes)
     if markers and layout.pp == 1:

@@ -37,6 +37,7 @@ from fxshard.check.verify import (
     adamw_reach,
     compare_parameters,
     compare_running_stats,
+    default_tolerances,
     gather_parameters,
     quiet_parameters,
     with_weights,
@@ -161,19 +162,23 @@ def verify(model_file: str | Path, layout: Layout, steps: int = 3, optim: OptimC
         built = mf.build_model(seed)
         initial = dict(built.named_parameters(remove_duplicate=False))
         grad_sq, ref_buffers = {}, {}
+        fp8 = result.ctx.layout.fp8_recipe  # its scales are per forward: one device runs the same parts of a batch
+        chunks = result.ctx.layout.dp * result.ctx.microbatches if fp8 else 1
         reference = reference_losses(mf, steps, optim, seed, layout.dtype, final_state=ref_state, grad_sq=grad_sq,
-                                     final_buffers=ref_buffers)
+                                     final_buffers=ref_buffers, fp8=fp8, chunks=chunks)
         quiet = quiet_parameters(grad_sq, {n: p.numel() for n, p in initial.items()}, precision)
         rows = compare_parameters(trained, ref_state, initial, quiet)
         stats = compare_running_stats(gather_parameters(result.manifest, final, kind="buffer"), ref_buffers, built)
         if len(distributed) != steps:
             raise FxshardError(f"the distributed run reported {len(distributed)} of {steps} steps; see its output "
                                "above")
+        tolerances = (DEFAULT_RTOL[precision], DEFAULT_PARAM_RTOL[precision]) if fp64 else default_tolerances(layout)
         verification = Verification(result.ctx.layout, reference, distributed, rows,
-                                    rtol if rtol is not None else DEFAULT_RTOL[precision],
-                                    param_rtol if param_rtol is not None else DEFAULT_PARAM_RTOL[precision],
+                                    rtol if rtol is not None else tolerances[0],
+                                    param_rtol if param_rtol is not None else tolerances[1],
                                     2 * adamw_reach(optim, steps), precision, stats=stats)
         if not verification.ok and precision == "fp32":  # one device's own rounding: can fp32 judge this model?
             verification.floor = rounding_floor(model_file, Path(tmp), layout, steps, optim, seed, reference,
-                                                ref_state, distributed, trained, verification.apart, weights)
+                                                ref_state, distributed, trained, verification.apart, weights,
+                                                train=reference_losses)
     return verification

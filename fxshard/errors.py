@@ -19,6 +19,11 @@ class CaptureError(FxshardError):
     """torch.export could not capture the model."""
 
 
+class NeedsRealWeights(CaptureError):
+    """Data-dependent code a capture on meta tensors cannot specialize (fxshard.capture.specialize runs the model on
+    the example batch): a capture with the model's real weights can."""
+
+
 class PlanError(FxshardError):
     """A plan, decorator or layout flag is inconsistent with the model."""
 

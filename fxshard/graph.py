@@ -5,11 +5,14 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
     ancestors([node])  # the node and what it is computed from (walk: the one graph walk)
+    static_shape(val)  # a value's shape as ints, a size the data decides standing as a number of its own
+    largest_shape(val) # the same, a size the data decides at its largest: what estimates count
     model_line(node)   # 'modeling_llama.py:244': the line of the model's code that made it
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 
@@ -70,6 +73,61 @@ def ancestors(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
 def descendants(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
     """``start`` and every node computed from it (:func:`walk` by ``users``)."""
     return walk(start, lambda n: n.users)
+
+
+def static_shape(value) -> tuple[int, ...]:
+    """``value``'s shape (a tensor's, as ``node.meta["val"]`` holds it) as ints.  A size only the data decides
+    (``nonzero``, ``masked_select``, a boolean index: an unbacked symbol ``u3`` of torch.export, or an expression
+    of such, ``4*u3``) stands as a number of its own: each symbol a distinct prime above 10**7, so a size equals
+    another only where both are the same expression, and no size of the model, and products stay consistent
+    (a view of ``[u3, 64]`` as ``[u3, 4, 16]`` keeps its first dimension).  For the analyses that compare sizes;
+    a size the generated code must hold is the graph's own (a node), never this number::
+
+        static_shape(torch.empty(4, 16))   # (4, 16)
+    """
+    return tuple(d if isinstance(d, int) else _stand_in(d) for d in value.shape)
+
+
+def largest_shape(value) -> tuple[int, ...]:
+    """``value``'s shape (a tensor's, or a shape itself) with each size the data decides at the largest its shape
+    environment allows (a boolean index of ``[4, 16]`` selects at most 64 rows): what a memory or traffic estimate
+    counts, never less than the program can hold.  A size without a finite bound counts 0 (unlike
+    :func:`static_shape`'s stand-in, no size an estimate could scale)::
+
+        largest_shape(torch.empty(4, 16))   # (4, 16)
+    """
+    shape = value.shape if hasattr(value, "shape") else value
+    return tuple(d if isinstance(d, int) else _largest(d) for d in shape)
+
+
+def _largest(size) -> int:
+    node = size.node
+    try:
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        return int(upper) if upper.is_finite else 0
+    except (TypeError, AttributeError, ValueError):
+        return 0
+
+
+def data_sized(node: fx.Node) -> bool:
+    """Whether a size of ``node``'s value is one only the data decides (see :func:`static_shape`)."""
+    val = node.meta.get("val")
+    return hasattr(val, "shape") and any(not isinstance(d, int) for d in val.shape)
+
+
+def _stand_in(size) -> int:
+    expr = size.node.expr
+    return int(expr.xreplace({s: _prime(s.name) for s in expr.free_symbols}))
+
+
+@functools.cache
+def _prime(name: str) -> int:
+    import sympy
+
+    index = int("".join(c for c in name if c.isdigit()) or 0)
+    return int(sympy.nextprime(10**7 * (index + 1)))
+
+
 def model_line(node: fx.Node) -> str:
     """``modeling_llama.py:244``: the innermost line of the model's own code (or its library's) that made
     ``node``, from the stack trace torch.export keeps; "" when the node has none (nodes fxshard inserted)."""

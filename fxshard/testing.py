@@ -381,8 +381,13 @@ def seq2seq_batch(vocab: int, pad: int, seq: int = 16, target: int = 8) -> dict:
 
 
 def without_dropout(config):
-    """``config`` with every dropout probability at 0 (the zoo compares training without dropout)."""
-    for name in list(vars(config)):
-        if ("dropout" in name or "pdrop" in name or name.endswith("_drop")) and isinstance(getattr(config, name), float):
-            setattr(config, name, 0.0)
+    """``config`` with every dropout probability at 0 (the zoo compares training without dropout), its sub-configs'
+    too (a vision-language model's text and vision configs); layer drop and stochastic depth (``layerdrop``,
+    ``drop_path_rate``), which skip whole layers at random, are dropout of layers and go to 0 as well."""
+    for name, value in list(vars(config).items()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            without_dropout(value)
+        elif any(k in name for k in ("dropout", "pdrop", "layerdrop", "drop_path")) or name.endswith("_drop"):
+            if isinstance(value, float):
+                setattr(config, name, 0.0)
     return config

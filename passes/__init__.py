@@ -32,6 +32,7 @@ from fxshard.passes.collectives import collectives_pass
 from fxshard.passes.context_parallel import context_parallel_pass
 from fxshard.passes.dropout import dropout_pass
 from fxshard.passes.expert_parallel import expert_parallel_pass
+from fxshard.passes.fp8 import fp8_pass
 from fxshard.passes.overlap import overlap_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.router_loss import router_loss_pass
@@ -62,6 +63,9 @@ PASSES: tuple[Pass, ...] = (
          layout_gate=lambda layout: layout.cp > 1),
     Pass(tensor_parallel_pass, requires=(TOKEN_MEANS, CAUSAL_MASKS, SEQUENCE_SPLIT), ensures=(PLACED,)),
     Pass(collectives_pass, requires=(PLACED,), ensures=(COMMUNICATED,)),
+    # --fp8 / --dtype fp8: the eligible linears' products in float8, scales over tp where tp splits a weight; before
+    # overlap, which fuses aten.linear alone
+    Pass(fp8_pass, requires=(COMMUNICATED,), layout_gate=lambda layout: layout.fp8_recipe is not None),
     Pass(expert_parallel_pass, requires=(COMMUNICATED,), layout_gate=lambda layout: layout.ep > 1),
     # under --dp, where the model adds transformers' load-balancing loss: its two means made whole-batch means
     Pass(router_loss_pass, requires=(COMMUNICATED,), layout_gate=lambda layout: layout.dp > 1,

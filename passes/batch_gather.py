@@ -72,6 +72,11 @@ def batch_gather_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
         node.kwargs = fx.node.map_arg(node.kwargs, enter)
     for a in whole:  # a part's labels only the region read: their whole-batch copy replaced them
         _erase_unused(gm, a)
+    if ctx.rows is not None:  # values the rows analysis wants whole that this pass made whole (eye(b)) are gone
+        alive = {n.name for n in gm.graph.nodes}
+        ctx.rows = dataclasses.replace(ctx.rows, whole=tuple(n for n in ctx.rows.whole if n in alive),
+                                       ratios=tuple(n for n in ctx.rows.ratios if n in alive),
+                                       mixing={n: why for n, why in ctx.rows.mixing.items() if n in alive})
     _revalue(gm, region)
     ctx.notes.append(f"--dp {ctx.layout.dp}: {listed}: its operands gathered over dp (rt.gather_to, the gradient "
                      "reduce-scattered back), it and what follows from it computed on the whole batch on every rank: "

@@ -50,6 +50,8 @@ import operator
 
 import torch.fx as fx
 
+from fxshard.errors import ShardingError
+from fxshard.graph import data_sized, node_fqn
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import KINDS
 from fxshard.ir.context import TP, CompileContext, Group, NodeSpec, RankValue, spec
@@ -84,7 +86,22 @@ def collectives_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if replace:
             node.args = fx.node.map_arg(node.args, lambda a: replace.get(a, a))
             node.kwargs = fx.node.map_arg(node.kwargs, lambda a: replace.get(a, a))
+    _refuse_data_sized(made.values())
     return gm
+
+
+def _refuse_data_sized(collectives) -> None:
+    """A collective whose tensor has a size only the data decides (the rows a boolean index selects) cannot be
+    listed, costed or checked before the program runs: refused, naming the module, before any code is written."""
+    for node in collectives:
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else node
+        if data_sized(node) or data_sized(source):
+            raise ShardingError(
+                f"{node_fqn(source) or 'model'}: {source.name} has a size the data decides "
+                f"({list(source.meta['val'].shape)}: a boolean index, nonzero or masked_select upstream), and the "
+                f"layout would send it between tp ranks (rt.{getattr(node.target, '__name__', node.target)}); "
+                "fxshard lists every collective with its shape at compile time. Replicate this module in the plan "
+                "(it then needs no collective), or make the size fixed (pad to a maximum and mask)")
 
 
 def _token_splits(gm: fx.GraphModule) -> dict[fx.Node, Shard]:

@@ -16,7 +16,9 @@ training averages gradients and losses), every layout trains exactly as one devi
 A loss adding several such means (masked LM plus sentence order; extractive QA's start and end losses, whose
 ignore index is the sequence length) is rewritten term by term: ``rt.token_mean(..., term=k)`` divides each by its
 own count over the step, and ``count_tokens`` returns the counts of all terms (a vector).  Plain means with the
-same number of values in every part of the batch, and terms the batch does not enter, stay as they are.
+same number of values in every part of the batch, and terms the batch does not enter, stay as they are; a mean
+over the values a boolean mask of the batch selects (ELECTRA's discriminator loss, ``loss[mask].mean()``) is a sum
+over the count of the mask's true elements.
 
 Which terms are such means, and the graph that counts their targets, is :mod:`fxshard.ir.token_means` (the
 single-device reference counts with it too).  A loss this pass cannot prove a token mean (class weights, a loss
@@ -31,7 +33,7 @@ import torch.fx as fx
 from fxshard.graph import node_fqn
 from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.context import CompileContext, NodeSpec
-from fxshard.ir.token_means import MEAN, SUM, count_graph, counted_terms
+from fxshard.ir.token_means import ELEMENT_LOSSES, LOSSES, MEAN, PLAIN_MEANS, SUM, count_graph, counted_terms
 from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
@@ -53,20 +55,27 @@ def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     several = len(terms) > 1
     for k, (node, target, ignore_index) in enumerate(terms):
-        _as_token_mean(gm, node, target, ignore_index, k if several else None)
+        if node.target in LOSSES:
+            _as_token_mean(gm, node, target, ignore_index, k if several else None)
+        else:
+            _as_masked_mean(gm, node, target, k if several else None)
     ctx.token_count = count_graph(gm, ctx.user_inputs, [(t, i) for _, t, i in terms])
     if several:
         ctx.notes.append(f"the loss: {len(terms)} means over counted targets ("
-                         + ", ".join(f"{node_fqn(n) or n.name} counting targets other than {i}" for n, _, i in terms)
+                         + ", ".join(f"{node_fqn(n) or n.name} counting {_counted(n, i)}" for n, _, i in terms)
                          + "), each generated as a sum divided by its own count over the step (count_tokens in each "
                          "rank file): every layout and --grad-accum weighs each by its own global count, as one device")
     else:
         node, _, ignore_index = terms[0]
-        ctx.notes.append(f"{node_fqn(node) or 'the loss'}: a token mean (targets other than {ignore_index} counted), "
+        ctx.notes.append(f"{node_fqn(node) or 'the loss'}: a token mean ({_counted(node, ignore_index)} counted), "
                          "generated as a sum divided by the step's count (count_tokens in each rank file): every "
                          "layout and --grad-accum trains as one device on the whole step")
     gm.recompile()
     return gm
+
+
+def _counted(loss: fx.Node, ignore_index: int) -> str:
+    return f"targets other than {ignore_index}" if loss.target in LOSSES else "the values a mask of the batch selects"
 
 
 def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: int, term: int | None) -> None:
@@ -83,3 +92,22 @@ def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_in
     mean.meta = {"val": loss.meta["val"], "nn_module_stack": loss.meta.get("nn_module_stack", {}),
                  "fxshard": NodeSpec(fqn=node_fqn(loss), role="token mean")}
     loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)  # the returned .loss too
+
+
+def _as_masked_mean(gm: fx.GraphModule, loss: fx.Node, mask: fx.Node, term: int | None) -> None:
+    """``loss`` (a mean over the values a boolean ``mask`` selects) as their sum over ``rt.token_mean``'s divisor,
+    which counts the mask's true elements (ignore index 0: ``mask != 0``)."""
+    if loss.target in PLAIN_MEANS:
+        loss.target, loss.args, loss.kwargs = aten.sum.default, loss.args[:1], {}
+    else:
+        at = ELEMENT_LOSSES[loss.target]
+        args = list(loss.args) + [None] * (at + 1 - len(loss.args))
+        args[at] = SUM
+        loss.args = tuple(args)
+        loss.kwargs = {k: v for k, v in loss.kwargs.items() if k != "reduction"}
+    kwargs = {"ignore_index": 0} | ({"term": term} if term is not None else {})
+    with gm.graph.inserting_after(loss):
+        mean = gm.graph.call_function(rt_loss.token_mean, (loss, mask), kwargs)
+    mean.meta = {"val": loss.meta["val"], "nn_module_stack": loss.meta.get("nn_module_stack", {}),
+                 "fxshard": NodeSpec(fqn=node_fqn(loss), role="token mean")}
+    loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)

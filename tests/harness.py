@@ -24,7 +24,7 @@ def assert_matches_single_device(case: str, path, layout, per_rank: list, manife
     the ranks' states (``per_rank``: (losses, state, ...) per rank), within ``fxshard verify``'s share of the update
     of one device's ``single``; returns the per-parameter rows of the comparison."""
     from fxshard.capture.modelfile import load_model_file
-    from fxshard.check.verify import DEFAULT_PARAM_RTOL, compare_parameters, gather_parameters, update_share
+    from fxshard.check.verify import compare_parameters, default_tolerances, gather_parameters, update_share
 
     for rank, (losses, *_) in enumerate(per_rank):
         for step, (got, ref) in enumerate(zip(losses, want, strict=True), start=1):
@@ -35,7 +35,7 @@ def assert_matches_single_device(case: str, path, layout, per_rank: list, manife
     assert {r["fqn"] for r in rows} == set(single) - set(manifest.tied)  # a tied weight: under the name kept
     share = update_share(rows)
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
-    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
+    assert share <= default_tolerances(layout)[1], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
     return rows
 
 
@@ -81,17 +81,22 @@ def compile_and_train(cases: dict, tmp_path_factory, steps: int) -> dict:
 _SINGLE: dict[tuple, tuple[list[float], dict]] = {}
 
 
-def single_device(path, steps: int, optim, dtype: str = "fp32", layout=None) -> tuple[list[float], dict]:
-    """One device's losses and trained parameters by FQN (cached per model, steps, optimizer, dtype and the
-    ``layout``'s LoRA adapters, which the model is built with)."""
+def single_device(path, steps: int, optim, dtype: str = "fp32", layout=None, chunks: int = 1
+                  ) -> tuple[list[float], dict]:
+    """One device's losses and trained parameters by FQN (cached per model, steps, optimizer, dtype, the
+    ``layout``'s LoRA adapters, which the model is built with, and its fp8 recipe, run on ``chunks`` parts of each
+    batch: the manifest's dp x microbatches)."""
     from fxshard.capture.lora import LoraOptions
 
     lora = LoraOptions.from_layout(layout) if layout is not None else None
-    if (path, steps, optim, dtype, lora) not in _SINGLE:
+    fp8 = layout.fp8_recipe if layout is not None else None
+    key = (path, steps, optim, dtype, lora, fp8, chunks if fp8 else 1)
+    if key not in _SINGLE:
         from fxshard.capture.modelfile import load_model_file
         from fxshard.train.reference import reference_losses
 
         final: dict = {}
-        losses = reference_losses(load_model_file(path, lora), steps, optim, dtype=dtype, final_state=final)
-        _SINGLE[path, steps, optim, dtype, lora] = (losses, final)
-    return _SINGLE[path, steps, optim, dtype, lora]
+        losses = reference_losses(load_model_file(path, lora), steps, optim, dtype=dtype, final_state=final, fp8=fp8,
+                                  chunks=key[-1])
+        _SINGLE[key] = (losses, final)
+    return _SINGLE[key]

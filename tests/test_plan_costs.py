@@ -341,3 +341,15 @@ def test_plan_of_a_moe_model_without_and_with_ep():
             # of the microbatch here and E = 4 twice that at the plan's second capture size (it read 4096*B)
             assert rank["transient"].expr == 2 * 4 * (MOE_E // ep) * 2 * MOE_I * MOE_H
         assert any("balanced (expected) volume" in n for n in report.notes)
+
+
+@pytest.mark.slow
+def test_plan_of_a_model_whose_python_reads_tensor_values():
+    # `if flags.any().item():`, a loop over `hit.nonzero()`: the meta compile cannot specialize them (no values),
+    # so the plan compiles on the model's weights; the cost trace runs item() and nonzero() on fake tensors, a
+    # size the data decides counted at its largest. It failed with "compile without --meta", then on item()
+    report = plan_costs(ROOT / "tests" / "models" / "read_values.py", Layout(tp=2))
+    (rank,) = report.ranks
+    for cost in ("peak", "saved", "tp_allreduce"):
+        assert rank[cost].expr.free_symbols == {B, S} and rank[cost].value > 0, (cost, rank[cost].expr)
+        assert rank[cost].value == float(rank[cost].expr.subs({B: 2, S: 4}))  # the example batch: 2 rows of 4

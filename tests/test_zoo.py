@@ -56,3 +56,12 @@ def test_resume_keeps_every_cell_of_the_page(tmp_path):
     page.write_text(results_page(results, 3, 12.4, ("tp=2", "pp=2", "dp=2"), 9) + older)  # a section after: not read
     assert "not run yet" in page.read_text()  # bart pp=2, dp=2 and others: left out of what resume keeps
     assert read_page(page) == (results, 12.0)
+
+
+def test_only_takes_names_with_commas_and_refuses_an_unknown_one(tmp_path, capsys):
+    from zoo.run import main
+
+    with pytest.raises(SystemExit):  # llama is known: only the misspelt name is named, before any case runs
+        main(["--only", "llama,lama", "t5", "--out", str(tmp_path / "RESULTS.md")])
+    assert "--only lama: no such architecture" in capsys.readouterr().err
+    assert not (tmp_path / "RESULTS.md").exists()

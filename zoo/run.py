@@ -4,7 +4,7 @@ single-device training by ``fxshard verify`` (3 AdamW steps; losses within 1e-5 
 within 1e-3 of the update), in its own process with a time limit so one case cannot stall the matrix.
 
     python -m zoo.run                      # the whole matrix -> zoo/RESULTS.md
-    python -m zoo.run --only llama t5      # some architectures
+    python -m zoo.run --only llama t5      # some architectures (or --only llama,t5)
     python -m zoo.run --only mamba2 --layouts tp=2 tp=2,pp=2 --out /tmp/zoo.md   # some layouts
     python -m zoo.run --jobs 2             # two cases at once (the page is rewritten after every case)
     python -m zoo.run --jobs 2 --resume    # a run cut short: measure only the cases its page does not hold yet
@@ -53,7 +53,7 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="architectures (file names without .py)")
+    parser.add_argument("--only", nargs="*", help="architectures (file names without .py; spaces or commas between)")
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="layouts (default: all)")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at once (each its own processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "RESULTS.md")
@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the cells the page at --out holds and measure only the rest (its minutes add up)")
     args = parser.parse_args(argv)
     layouts = {name: flags for name, flags in LAYOUTS.items() if not args.layouts or name in args.layouts}
-    models = sorted(p for p in MODELS.glob("*.py") if not args.only or p.stem in args.only)
+    only = {name for names in args.only or () for name in names.split(",") if name}
+    unknown = sorted(only - {p.stem for p in MODELS.glob("*.py")})
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: no such architecture in {MODELS} (a file name without .py)")
+    models = sorted(p for p in MODELS.glob("*.py") if not only or p.stem in only)
     results, before = read_page(args.out) if args.resume and args.out.exists() else ({}, 0.0)
     cases = [(model, name) for model in models for name in layouts if (model.stem, name) not in results]
     columns = tuple(name for name in LAYOUTS if name in layouts or any(n == name for _, n in results))

@@ -15,13 +15,14 @@ from fxshard.capture.modelfile import ModelFile, buffers_to_meta, meta_as_cpu, t
 from fxshard.capture.program import Program, capture
 
 
-def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = None, meta: bool = False) -> Program:
+def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = None, meta: bool = False,
+               peers: list | None = None) -> Program:
     """Capture at the compute ``dtype`` (None: as the model is), on meta tensors with ``meta``.  Under a lower dtype
     (``--dtype bf16``) the parameters (not the buffers: rotary tables, masks keep their dtype) and floating inputs are
     cast before capture, so every dtype conversion in the graph is the one the model makes in bf16; the program's
     tensors are the fp32 initial values, the master weights the optimizer starts from."""
     if dtype is None and not meta:
-        return capture(mf, seed, inputs=inputs)
+        return capture(mf, seed, inputs=inputs, peers=peers)
     model = mf.build_model(seed, meta=meta)
     # on meta, buffers and inputs join the parameters there (a plain model mixes them: logits and targets);
     # the buffers' real values are what the program keeps
@@ -32,6 +33,7 @@ def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = Non
         masters = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
         cast_parameters(model, dtype)
         inputs = cast_inputs(inputs, dtype)
+        peers = [cast_inputs(p, dtype) for p in peers or ()]
     if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
         with meta_as_cpu(model, inputs) as fake_inputs:
             program = capture(mf, seed, model=model, inputs=fake_inputs)
@@ -39,7 +41,7 @@ def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = Non
         program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
                            if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}
     else:
-        program = capture(mf, seed, model=model, inputs=inputs)
+        program = capture(mf, seed, model=model, inputs=inputs, peers=peers)
     for fqn in program.tensors:
         if fqn in masters or fqn in real:
             program.tensors[fqn] = masters[fqn] if fqn in masters else real[fqn]

@@ -15,8 +15,11 @@ The result is a :class:`Program`: the GraphModule, and for every placeholder wha
 from __future__ import annotations
 
 import contextlib
+import io
 import linecache
+import logging
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +30,19 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxshard.capture.batch_norm import check_batch_norms
+from fxshard.capture.conversions import unchanged_conversions
 from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
+from fxshard.capture.losses import traceable_losses
 from fxshard.capture.modelfile import ModelFile
-from fxshard.errors import CaptureError, ModelFileError
+from fxshard.capture.specialize import (
+    guard_messages,
+    record_reads,
+    refuse_other_reads,
+    replaying,
+    runs_eagerly,
+)
+from fxshard.errors import CaptureError, ModelFileError, NeedsRealWeights
 from fxshard.graph import node_fqn
 from fxshard.runtime.functions import NAMESPACE as FUNCTION_NAMESPACE
 
@@ -108,8 +120,11 @@ class _WithLoss(torch.nn.Module):
         return loss, out
 
 
-def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None) -> Program:
-    """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`."""
+def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None,
+            peers: list | None = None) -> Program:
+    """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`.  ``peers``: the other parts
+    of the batch the same program runs on (dp ranks' rows, pipeline microbatches), where ``inputs`` is the first:
+    data-dependent code specialized on ``inputs`` must read the same values on each of them."""
     model = model if model is not None else mf.build_model(seed)
     check_names(model, mf.path)
     check_batch_norms(model, mf.path)
@@ -118,22 +133,64 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     positional = not isinstance(inputs, dict)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
-    try:
-        with wrapped_functions(model) as (functions, refusals), grouped_experts(model):
-            ep = torch.export.export(wrapper, args, kwargs, strict=False)
-    except ModelFileError:
-        raise
-    except Exception as e:
-        if refusals:  # a Function refused runs unwrapped, and may be what export failed on: the refusal says more
-            raise refusals[0] from e
-        raise CaptureError(_explain_export_failure(e, mf.path)) from e
-    if refusals:
-        raise refusals[0]
+    ep, functions, record = _export(wrapper, args, kwargs, mf.path)
+    if record is not None:
+        for peer in peers or ():
+            refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
+    notes = guard_messages(ep.graph_module, record)
     program = _to_program(ep, model, args, kwargs)
+    program.notes += notes
     used = {n.target._schema.name.split("::")[1] for n in program.gm.graph.nodes
             if n.op == "call_function" and getattr(n.target, "namespace", None) == FUNCTION_NAMESPACE}
     program.functions = {name: functions[name] for name in sorted(used)}
     return program
+
+
+def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path):
+    """``(exported program, wrapped Functions, record)``: torch.export of the wrapper; where the model's Python
+    reads a tensor's value (data-dependent control flow), a second export answers those reads from an eager run
+    on the example batch (:mod:`fxshard.capture.specialize`; ``record`` is None when none was needed)."""
+    record = None
+    while True:
+        try:
+            with wrapped_functions(wrapper.model) as (functions, refusals), grouped_experts(wrapper.model), \
+                    unchanged_conversions(), traceable_losses(), \
+                    replaying(record) if record else contextlib.nullcontext(), _partial_graph_unprinted():
+                ep = torch.export.export(wrapper, args, kwargs, strict=False)
+        except ModelFileError:
+            raise
+        except Exception as e:
+            if record is None and _data_dependent(e) and (record := record_reads(wrapper, args, kwargs)):
+                continue  # again, the reads answered
+            if refusals:  # a Function refused runs unwrapped, and may be what export failed on: it says more
+                raise refusals[0] from e
+            why = "specialized" if record is not None else "meta" if not runs_eagerly(wrapper, args, kwargs) else ""
+            error = NeedsRealWeights if why == "meta" and _data_dependent(e) else CaptureError
+            raise error(_explain_export_failure(e, path, why)) from e
+        if refusals:
+            raise refusals[0]
+        return ep, functions, record
+
+
+@contextlib.contextmanager
+def _partial_graph_unprinted():
+    """torch.export prints the graph traced so far to stderr when it fails (``e.partial_fx_graph``): a capture that
+    goes on (the retry with reads answered) or refuses with its own message keeps it out of the user's terminal.
+    What else is written to stderr meanwhile is written there once export returns."""
+    buffer = io.StringIO()
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")  # its advice on the failure, said better
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    finally:
+        shapes.setLevel(level)
+    sys.stderr.write(buffer.getvalue())
+
+
+def _data_dependent(e: Exception) -> bool:
+    return "data-dependent" in str(e) or "DataDependent" in type(e).__name__
 
 
 @contextlib.contextmanager
@@ -374,6 +431,9 @@ def _drop_noise(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+_NOT_MODEL = (str(Path(torch.__file__).resolve().parent), str(Path(__file__).resolve().parent.parent))
+
+
 def _raises_after(frame) -> bool:
     """Whether the statement after ``frame``'s line (an ``if``) raises: a check of the inputs."""
     for k in range(1, 4):
@@ -383,11 +443,12 @@ def _raises_after(frame) -> bool:
     return False
 
 
-def _explain_export_failure(e: Exception, model_path: Path) -> str:
-    """Say which construct failed and where in the user's source."""
+def _explain_export_failure(e: Exception, model_path: Path, specialized: str = "") -> str:
+    """Say which construct failed and where in the model's source (transformers' code included).  ``specialized``:
+    "specialized" when data-dependent code failed even with its reads answered from the example batch, "meta"
+    when it could not be (no real weights or batch to run)."""
     frames = traceback.extract_tb(e.__traceback__)
-    site = "/site-packages/"
-    user = [f for f in frames if site not in f.filename and "/fxshard/" not in f.filename]
+    user = [f for f in frames if not f.filename.startswith(_NOT_MODEL) and not f.filename.startswith("<")]
     where = ""
     if user:
         f = user[-1]
@@ -398,8 +459,13 @@ def _explain_export_failure(e: Exception, model_path: Path) -> str:
     lifted = re.search(r"model\.([\w.]+)\.lifted_tensor_\d+", str(e))
     if "data-dependent" in str(e) or "GuardOnDataDependent" in kind or "DataDependent" in kind:
         hint = (
-            "Python control flow that depends on tensor values cannot be captured; "
-            "use torch.where / torch.cond, or make the condition depend only on shapes or config"
+            "Python control flow that depends on tensor values cannot be captured"
+            + {"specialized": " even specialized on the example batch (fxshard answers the model's reads of tensor "
+                              "values from a run on it; this read torch makes itself, where fxshard cannot answer)",
+               "meta": " without real weights and batch (fxshard specializes it on the example batch, behind a "
+                       "runtime guard, from a run of the model: compile without --meta / --weights)"}.get(specialized,
+                                                                                                      "")
+            + "; use torch.where / torch.cond, or make the condition depend only on shapes or config"
         )
         if user and _raises_after(user[-1]):  # a check of the inputs (a CTC head's labels.max() >= vocab_size)
             hint += ("; this one only checks the inputs and raises: compute the loss in the model file's "

@@ -100,22 +100,22 @@ class Float64Stream(torch.utils.data.IterableDataset):
 
 def rounding_floor(model_file: str | Path, folder: Path, layout, steps: int, optim, seed: int,
                    reference: list[float], single: dict, distributed: list[float], trained: dict,
-                   apart: set[str] = frozenset(), weights: Path | None = None):
+                   apart: set[str] = frozenset(), weights: Path | None = None, *, train):
     """One device trained in float64 as the measure of an fp32 verification that failed: how far one device in fp32
     (``reference`` losses, ``single`` trained parameters) and the distributed run (``distributed``, ``trained``) each
     are from it (:class:`fxshard.check.verify.Floor`; ``layout``: the verified one, whose --lora adapters the model
-    takes; ``apart``: the quiet parameters the comparison judged apart).
+    takes; ``apart``: the quiet parameters the comparison judged apart; ``train``:
+    :func:`fxshard.train.reference.reference_losses`, passed in by the driver: fxshard.check sits below fxshard.train).
     Where one device is itself beyond the tolerance, fp32 cannot judge the model, and ``--fp64`` can."""
     from fxshard.capture.modelfile import load_model_file
     from fxshard.check.verify import Floor, compare_parameters, update_share, with_weights
-    from fxshard.train.reference import reference_losses
 
     mf = load_model_file(float64_model_file(model_file, folder)).for_layout(layout)
     if weights is not None:
         mf = with_weights(mf, Path(weights))
     initial = dict(mf.build_model(seed).named_parameters(remove_duplicate=False))
     exact: dict = {}
-    losses = reference_losses(mf, steps, optim, seed, "fp32", final_state=exact)
+    losses = train(mf, steps, optim, seed, "fp32", final_state=exact)
 
     def rel(got: list[float]) -> float:
         return max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, losses, strict=True))

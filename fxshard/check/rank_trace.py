@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import inspect
 import re
 import sys
@@ -178,19 +179,20 @@ class Recorder:
 
     def _note(self, kind, group, t, direction, call, site) -> None:
         name = group.name if isinstance(group, FakeGroup) else f"<not a process group: {group!r}>"
-        self.events.append(Collective(kind, name, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+        self.events.append(Collective(kind, name, _shape(t), str(t.dtype).removeprefix("torch."),
                                       direction, call, site[1], self._file, site[0], site[2]))
 
     def _collective(self, kind, x, group, **kwargs):
         """What the runtime's ``kind`` would do: note its forward operation now, its backward operation when
         autograd reaches it (charged to this line), and return the local value it makes."""
         site = self._site()
+        buffer = _buffer_of(kind, x, kwargs)
         if kind.forward:
-            self._note(kind.forward, group, x, "forward", kind.name, site)
+            self._note(kind.forward, group, buffer("forward") if buffer else x, "forward", kind.name, site)
         size = group.size if isinstance(group, FakeGroup) else 1
 
         def note(g):
-            self._note(kind.backward, group, g, "backward", kind.name, site)
+            self._note(kind.backward, group, buffer("backward") if buffer else g, "backward", kind.name, site)
 
         if kind.backward and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
@@ -212,6 +214,16 @@ class Recorder:
 
 
 _SEVERAL_OUTPUTS = ("copy_to_linears", "ring_attention_step")  # whose backward collective is noted on the input
+
+
+def _buffer_of(kind, x, kwargs):
+    """``direction -> the buffer`` of a kind whose buffer is neither its input nor its output (fp8_linear_tp's
+    amaxes: float32), else None."""
+    if kind.buffer is None:
+        return None
+    weight = tuple(kwargs["weight"].shape)
+    return lambda direction: x.new_empty((int(kind.buffer(x.numel(), weight, kwargs, direction)),),
+                                         dtype=torch.float32)
 
 
 def _recording(kind):
@@ -265,17 +277,21 @@ def trace_class(trace: RankTrace, recorder: Recorder, cls_name: str, groups: dic
         module = cls(groups, "meta")
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             result.tensors[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        start = len(recorder.events)
-        out = module(*inputs, **(keywords or {}))
-        result.forward = recorder.events[start:]
-        leaves = _leaves(out)
-        result.outputs = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves]
-        roots = leaves[:1] if backward == "first" else leaves
-        roots = [t for t in roots if t.requires_grad]
-        start = len(recorder.events)
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-        result.backward = recorder.events[start:]
+        mark = len(recorder.events)
+        try:
+            _run_class(result, recorder, module, inputs, keywords, backward)
+        except CheckError:
+            raise
+        except Exception as on_meta:
+            # meta tensors hold no values: a value the code reads (item(), a nonzero() size, a boolean index)
+            # fails there. Fake tensors with a shape environment give it a symbol instead; the first error stands
+            # if they fail too
+            del recorder.events[mark:]
+            try:
+                with fake_values():
+                    _run_class(result, recorder, module, inputs, keywords, backward)
+            except Exception:
+                raise on_meta from None
     except CheckError:
         raise
     except Exception as e:
@@ -284,6 +300,37 @@ def trace_class(trace: RankTrace, recorder: Recorder, cls_name: str, groups: dic
                          ) from None
     trace.classes[cls_name] = result
     return result
+
+
+def _run_class(result: ClassTrace, recorder: Recorder, module, inputs: list, keywords: dict | None,
+               backward: str) -> None:
+    start = len(recorder.events)
+    out = module(*inputs, **(keywords or {}))
+    result.forward = recorder.events[start:]
+    leaves = _leaves(out)
+    result.outputs = [(_shape(t), str(t.dtype).removeprefix("torch.")) for t in leaves]
+    roots = leaves[:1] if backward == "first" else leaves
+    roots = [t for t in roots if t.requires_grad]
+    start = len(recorder.events)
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+    result.backward = recorder.events[start:]
+
+
+@contextlib.contextmanager
+def fake_values():
+    """Run meta tensors as fake ones with a shape environment: a value read from a tensor (``item()``) or a size
+    that depends on the data (``nonzero``, ``masked_select``) is an unbacked symbol, as in torch.export."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True):
+        yield
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    """``t``'s shape, a size that depends on the data written as its symbol (``u3``)."""
+    return tuple(d if isinstance(d, int) else str(d) for d in t.shape)
 
 
 def trace_tied(trace: RankTrace, recorder: Recorder, stage_classes: dict[int, str], groups: dict) -> None:

@@ -27,7 +27,7 @@ from fxshard.errors import FxshardError
 from fxshard.ir.context import Layout
 from fxshard.runtime.slices import assemble
 
-DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-9}  # losses, relative
+DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-9, "fp8": 2e-2}  # losses, relative
 # Parameters: ||distributed - single|| / ||single - initial|| over all trained parameters, the difference as
 # a share of what training changed.  Measured on samples/gpt.py after 3 steps: 1e-5 at fp32 in every
 # layout, 0.03-0.10 under bf16 (8 significant bits; Adam turns gradients at rounding-noise level into
@@ -37,7 +37,30 @@ DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-9}  # losses, relative
 # ||diff|| / ||single|| is no test: a bias that starts at 0 has only its update as its norm.
 # Under --fp64 (fxshard.check.fp64) rounding is 2**29 times smaller: a ResNet whose fp32 training is 7e-2 of the
 # update off itself in float64 shows 1e-13 at dp2 and tp2 in float64, and a real error keeps its size.
-DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25, "fp64": 1e-6}
+DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25, "fp64": 1e-6, "fp8": 0.25}  # fp8: bf16 with fp8 linears
+# fp8 linears over an fp32 model (--fp8 at --dtype fp32): losses within 2e-4, parameters within 1e-2 of the update.
+# A float8 rounding is a step (one e4m3 step is 1/8 of a value, one e5m2 step 1/4), so an fp32-rounding difference
+# upstream (tp's partial sums) moves an element sitting on a boundary by a whole step, and Adam's first, sign-like
+# step carries it on.  Measured on samples/llama.py, 3 steps, tensorwise, one device: weights perturbed by a relative
+# 1e-7 (fp32 rounding) move the losses by up to 7.9e-5 (fp32 training: 0) and by 1e-6 up to 1.1e-4; tp2 with sp
+# differs from one device by 7.9e-5, tp2 x dp2 by 4e-8, dp2 by 0.  The same recipe with its scales over half batches
+# (a missed amax reduction) differs by 1.5e-4, 4.5e-4, 7.3e-4 over the 3 steps, and fp8 from fp32 training by 2.9e-4.
+# Parameters, without tp (every forward one device's): within 1e-2 of the update (dp, pp: met).  Under tp, bf16's 0.25:
+# tensorwise, one device's weights perturbed by a relative 1e-7 move the parameters by 0.142 of the update (a scale
+# moves every element's rounding, and Adam's sign-like first step turns small flipped gradients into +-lr), and tp2
+# differs by 0.142; rowwise tp2 by 0.151 (its products come out in bf16, so tp's partial sums round at bf16).  A
+# missed amax reduction moves them by 0.23, within reach of that noise: under tp the losses and
+# tests/runtime/test_fp8_tp.py (each rank's products against one device's, bit for bit) catch it, not this share.
+FP8_RTOL, FP8_PARAM_RTOL, FP8_TP_PARAM_RTOL = 2e-4, 1e-2, 0.25
+
+
+def default_tolerances(layout: Layout) -> tuple[float, float]:
+    """The losses' relative tolerance and the parameters' share of the update that ``layout``'s dtype allows."""
+    if layout.fp8_recipe is not None and not layout.mixed:
+        return FP8_RTOL, FP8_PARAM_RTOL if layout.tp == 1 else FP8_TP_PARAM_RTOL
+    return DEFAULT_RTOL[layout.dtype], DEFAULT_PARAM_RTOL[layout.dtype]
+
+
 # A parameter whose gradient is zero in exact arithmetic (a key projection's bias: softmax ignores a shift that all
 # keys share) gets rounding noise as its gradient, and AdamW divides a gradient by its own size: each run moves it by
 # up to lr per step, in directions the noise picks (CLIP's key biases: gradient RMS 4e-8 of the model's; their updates
@@ -47,7 +70,7 @@ DEFAULT_PARAM_RTOL = {"fp32": 1e-3, "bf16": 0.25, "fp64": 1e-6}
 # (:func:`adamw_reach`).  Small true gradients are quiet too (Bamba's and Falcon-H1's A_log and dt_bias: 1e-8 to 2e-6
 # of the model's RMS), and they train alike on both sides (differences 1e-10), so only the quiet parameters the strict
 # share cannot hold leave it (:func:`judged_apart`); a quiet parameter that agrees stays under the strict check.
-QUIET_GRAD = {"fp32": 1e-5, "bf16": 1e-3, "fp64": 1e-10}
+QUIET_GRAD = {"fp32": 1e-5, "bf16": 1e-3, "fp64": 1e-10, "fp8": 1e-3}
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,13 @@ def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1, cp: int = 1) -> li
     out = []
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
-        if op and kind.name == "sum_replicas":
+        if op and kind.buffer is not None:  # fp8_linear_tp: its amaxes, float32
+            x, w = node.args[0], node.kwargs["weight"]
+            elements = kind.buffer(math.prod(local_shape(tuple(x.meta["val"].shape), spec(x).placement, tp)),
+                                   local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp), node.kwargs,
+                                   direction)
+            out.append(_Issue(direction, op, (int(elements),), torch.float32, ranks))
+        elif op and kind.name == "sum_replicas":
             out.append(_Issue(direction, op, (replica_elements(node, tp),), node.args[0][0].meta["val"].dtype, ranks))
         elif op:
             whole = node.args[0] if buffer_is_input(kind, direction) else node

@@ -115,7 +115,8 @@ def predict_layout(model: str | Path, layout: Layout, hardware: str, batch: int,
     from fxshard.cost.timemodel import Evaluator, predict
 
     hw = load_hardware(hardware)
-    profile = model_profile(model, dtype=layout.dtype, seed=seed, plan=plan)
+    # --fp8 at any --dtype: modelled as --dtype fp8 (bf16 beside tensorwise fp8 linears; docs/fp8.md)
+    profile = model_profile(model, dtype="fp8" if layout.fp8_recipe else layout.dtype, seed=seed, plan=plan)
     setting = setting_for(profile, hw, gpus_per_node, seq, batch)
     if setting.global_batch % layout.dp:
         raise OptionError(f"--batch {setting.global_batch}: expected a multiple of --dp {layout.dp}")

@@ -33,8 +33,8 @@ from fxshard.capture.precision import capture_at
 from fxshard.cost.alive import alive_counts
 from fxshard.cost.saved import trace_saved
 from fxshard.cost.zero_memory import formula, frozen_formula, peak_params
-from fxshard.errors import LayoutError, OptionError
-from fxshard.graph import loss_cone
+from fxshard.errors import LayoutError, NeedsRealWeights, OptionError
+from fxshard.graph import largest_shape, loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.blocks import block_units
 from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
@@ -180,7 +180,10 @@ def _plan_at(mf, layout: Layout, plan, seed, batch, seq, device_memory) -> CostR
 
     asked = layout.recompute
     # recompute changes how the generated code calls the blocks, not the graph: compile once, trace each mode
-    result = compile_program(mf, dataclasses.replace(layout, recompute="none"), plan, seed, meta=True)  # shapes only: a 70B shape costs in seconds
+    try:  # shapes only, on meta tensors: a 70B shape costs in seconds
+        result = compile_program(mf, dataclasses.replace(layout, recompute="none"), plan, seed, meta=True)
+    except NeedsRealWeights:  # data-dependent code, specialized from a run of the model on the example batch
+        result = compile_program(mf, dataclasses.replace(layout, recompute="none"), plan, seed)
     ctx, gm = result.ctx, result.gm
     layout = ctx.layout
     micro = [i for i in ctx.program.inputs if i.is_tensor]
@@ -295,7 +298,7 @@ def _symbolic_shapes(mf, layout, seed, gm, b: int, s: int | None, state: set[fx.
         split = _cp_split(node, layout.cp)  # under --cp: the dimension holding this rank's 1/cp of the tokens
         out[node.name] = tuple(_fit(d1 * layout.cp, d2, b, s or 1, 2 * b, s2 or 1) / layout.cp if d == split else
                                _fit(d1, d2, b, s or 1, 2 * b, s2 or 1)
-                               for d, (d1, d2) in enumerate(zip(val.shape, val2.shape, strict=True)))
+                               for d, (d1, d2) in enumerate(zip(largest_shape(val), largest_shape(val2), strict=True)))
     if unfitted and second is not None:
         notes.append(f"{unfitted} values kept numeric shapes (no counterpart at the second size)")
     return out, notes
@@ -313,9 +316,12 @@ def _capture_second(mf, layout, seed, b: int, s: int | None, s2: int | None, not
             v = v[:, :s2]
         return torch.cat([v, v])
 
+    dtype = layout.compute_dtype if layout.mixed else None
     try:
-        return capture_at(mf, seed, pytree.tree_map(resize, inputs), layout.compute_dtype if layout.mixed else None,
-                          meta=True).gm
+        try:
+            return capture_at(mf, seed, pytree.tree_map(resize, inputs), dtype, meta=True).gm
+        except NeedsRealWeights:
+            return capture_at(mf, seed, pytree.tree_map(resize, inputs), dtype).gm
     except Exception as e:  # a model that only runs at its example size: costs stay numbers
         notes.append(f"shapes stay numeric: the model does not capture at another size ({type(e).__name__})")
         return None
@@ -418,8 +424,8 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     micro = sympy.Rational(1, 1) * B / per_step_b
 
     def dims(node) -> tuple:  # local dimensions of one microbatch
-        g = tuple(node.meta["val"].shape)
-        mine = local.get(node) or local_shape(g, spec(node).placement, layout.tp)
+        g = largest_shape(node.meta["val"])
+        mine = largest_shape(local[node]) if node in local else local_shape(g, spec(node).placement, layout.tp)
         return tuple((expr * sympy.Rational(n, d) if d else expr).subs(_b, micro)
                      for expr, n, d in zip(sym[node.name], mine, g, strict=True))
 
@@ -433,7 +439,7 @@ def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> 
     psi = sum(math.prod(local_shape(tuple(n.meta["val"].shape), spec(n).placement, layout.tp))
               for n in state if n in ctx.params)
     m = ctx.microbatches
-    moved = _tp_elements([n for n in nodes if spec(n).collective], numel)  # rt.copy_to_linears: a tuple
+    moved = _tp_elements([n for n in nodes if spec(n).collective], numel, layout.tp)  # rt.copy_to_linears: a tuple
     row = {"pp_rank": pp_rank,
            "global_ranks": [r for r in range(layout.world_size) if layout.coords(r).pp == pp_rank],
            "psi": Cost(sympy.Integer(psi), at)}
@@ -612,7 +618,7 @@ def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
     return total
 
 
-def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
+def _tp_elements(collectives, numel, tp: int) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
     moved: dict[str, sympy.Expr] = {}
@@ -622,7 +628,12 @@ def _tp_elements(collectives, numel) -> dict[str, sympy.Expr]:
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)
-            if op:
+            if op and kind.buffer is not None:  # fp8_linear_tp: its amaxes (float32; counted as elements here)
+                w = n.kwargs["weight"]
+                moved[op] = moved.get(op, sympy.Integer(0)) + sympy.nsimplify(kind.buffer(
+                    numel(n.args[0]), local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp),
+                    n.kwargs, direction))
+            elif op:
                 whole = numel(n.args[0]) if buffer_is_input(kind, direction) else numel(n)
                 moved[op] = moved.get(op, sympy.Integer(0)) + whole
     return moved

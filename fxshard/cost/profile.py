@@ -9,9 +9,10 @@ and the passes run on copies of that capture at tp=1, at the smallest tp > 1 the
 with ``--sp``.  Each node's local dimensions then follow ``b`` (microbatch rows), ``S`` (sequence) and ``T`` (tp):
 a dimension tp splits at the compiled tp is split by ``T``.  Per piece, for each of the three structures:
 
-- forward FLOPs by op class (matmul, attention, grouped expert matmuls), counted as
+- forward FLOPs by op class (matmul, attention, grouped expert matmuls, fp8 linears: :mod:`fxshard.cost.fp8`), as
   :mod:`torch.utils.flop_counter` counts them (``2·m·n·k``; attention ``2·b·h·s_q·s_k·(d_q+d_v)``), on the
-  node's local symbolic shapes; and the bytes every other op reads and writes (views move nothing);
+  node's local symbolic shapes, and whether an attention is causal (``is_causal``: its kernel computes only the
+  scores at or below the diagonal); and the bytes every other op reads and writes (views move nothing);
 - the tp collectives of one microbatch, forward and backward, with the weight-gradient matmuls a fused
   ``copy_to_linears`` overlaps its all-reduce with (:mod:`fxshard.ir.comm`);
 - the bytes autograd saves per recompute mode (:mod:`fxshard.cost.saved`, the plan's own trace), the values that
@@ -36,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
+from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
 from fxshard.ir.comm import KINDS, buffer_is_input
@@ -44,6 +46,7 @@ from fxshard.ir.cut import find_blocks
 from fxshard.ir.experts import grouped_mm_ops, weight_param
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
+from fxshard.ir.sharding import argument
 from fxshard.runtime import collectives as rtc
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
@@ -75,7 +78,9 @@ class Piece:
 
     name: str
     flops: dict[str, sympy.Expr] = field(default_factory=dict)  # matmul, attention, grouped
-    ops: list[tuple] = field(default_factory=list)  # (class, FLOPs, bytes read + written) per matmul-like op
+    # (class, FLOPs, bytes read + written, causal) per matmul-like op; causal: an attention whose kernel skips the
+    # scores above the diagonal (the FLOPs stay flop_counter's count, which has all of them)
+    ops: list[tuple] = field(default_factory=list)
     traffic: sympy.Expr = sympy.Integer(0)  # bytes read + written by the other ops
     kernels: int = 0
     comms: list[Comm] = field(default_factory=list)
@@ -295,6 +300,14 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
                     _nbytes(u, dims))
             _note_value(piece, u, dims)
         return
+    if node.target in FP8_TARGETS:  # --dtype fp8: the product at the fp8 peak, the casts memory-bound
+        flops, mm, casts, copies = fp8_costs(node, dims)
+        _add_op(piece, "fp8", flops, mm)
+        piece.traffic += casts
+        piece.kernels += CAST_KERNELS
+        _note_value(piece, node, dims)
+        piece.largest += [copies] if copies not in piece.largest else []
+        return
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or _is_view(node):
         return
@@ -302,7 +315,8 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     if flops is not None:
         cls, n = flops
         ins = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        _add_op(piece, cls, n, sum((_nbytes(a, dims) for a in ins), _nbytes(node, dims)))
+        _add_op(piece, cls, n, sum((_nbytes(a, dims) for a in ins), _nbytes(node, dims)),
+                cls == "attention" and bool(argument(node, "is_causal", False)))
         _note_value(piece, node, dims)
         if cls == "attention":
             piece.kv += sum((_nbytes(a, dims) for a in node.args[1:3]), sympy.Integer(0))
@@ -323,9 +337,9 @@ def _note_value(piece: Piece, node: fx.Node, dims) -> None:
             piece.largest.append(expr)
 
 
-def _add_op(piece: Piece, cls: str, flops: sympy.Expr, nbytes: sympy.Expr) -> None:
+def _add_op(piece: Piece, cls: str, flops: sympy.Expr, nbytes: sympy.Expr, causal: bool = False) -> None:
     piece.flops[cls] = piece.flops.get(cls, 0) + flops
-    piece.ops.append((cls, flops, nbytes))
+    piece.ops.append((cls, flops, nbytes, causal))
     piece.kernels += 1
 
 
@@ -359,6 +373,9 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
     for direction in ("forward", "backward"):
         op = getattr(kind, direction)
         if not op:
+            continue
+        if kind.buffer is not None:  # fp8_linear_tp: its amaxes
+            piece.comms.append(Comm(op, axis, direction, amax_bytes(node, dims, direction), sympy.Integer(0)))
             continue
         buffer = node.args[0] if buffer_is_input(kind, direction) else node
         if not isinstance(buffer.meta.get("val"), torch.Tensor):

@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fxshard.graph import largest_shape
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import kind_of
-from fxshard.ir.fake import argument_values, fake_value
+from fxshard.ir.fake import argument_values, fake_mode, fake_value
 from fxshard.ir.layout import Coords
 from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
@@ -99,7 +99,8 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
         _own(producer, env[node], node)
 
     flops = _Flops()
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.enable_grad(), flops, watching_kept(pack), \
+    # a shape environment: a value read (item()) or a size the data decides (nonzero) is a symbol, as in capture
+    with fake_mode(), torch.enable_grad(), flops, watching_kept(pack), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         i = 0
         while i < len(nodes):
@@ -134,7 +135,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
         if key in seen or is_state(owner):
             continue
         seen.add(key)
-        expr = _storage_expr(t, storage.nbytes(), owner, op, env, dims)
+        expr = _storage_expr(t, _count(storage.nbytes()), owner, op, env, dims)
         total += expr
         key = block if block is not None else (op.name if op is not None else "")
         by[key] = by.get(key, sympy.Integer(0)) + expr
@@ -181,7 +182,7 @@ class _Flops(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = flop_registry.get(_FLOPS_AS.get(func._overloadpacket, func._overloadpacket))
         if formula is not None:
-            n = formula(*args, **kwargs, out_val=out)
+            n = _count(formula(*args, **kwargs, out_val=out))
             self.counts["forward"] += n
             if self.block is not None:
                 self.counts["blocks"] += n
@@ -219,6 +220,11 @@ def _is_float(v) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
+def _count(n) -> int:
+    """A size or count as an int; one the data decides (an unbacked symbol) at its largest (graph.largest_shape)."""
+    return largest_shape((n,))[0]
+
+
 def _bytes(dims: tuple, t: torch.Tensor) -> sympy.Expr:
     return sympy.expand(math.prod(dims, start=sympy.Integer(1)) * t.element_size())
 
@@ -229,10 +235,11 @@ def _storage_expr(t: torch.Tensor, nbytes: int, owner: fx.Node | None, op: fx.No
     is than the maker's value (1 but for ops whose value views a larger buffer)."""
     if owner is not None and isinstance(env.get(owner), torch.Tensor):
         made = env[owner]
-        size = made.numel() * made.element_size()
+        size = _count(made.numel()) * made.element_size()
         return _bytes(dims(owner), made) * (sympy.Rational(nbytes, size) if size else 1)
-    shape_dims = _matched(tuple(t.shape), op, env, dims) if op is not None else [sympy.Integer(d) for d in t.shape]
-    size = t.numel() * t.element_size()
+    shape = largest_shape(t)
+    shape_dims = _matched(shape, op, env, dims) if op is not None else [sympy.Integer(d) for d in shape]
+    size = _count(t.numel()) * t.element_size()
     return _bytes(tuple(shape_dims), t) * (sympy.Rational(nbytes, size) if size else 1)
 
 
@@ -243,7 +250,7 @@ def _matched(shape: tuple, op: fx.Node, env: dict, dims) -> list:
     dimension of the tensor took (a value holds its tokens once): at a microbatch of one row, sizes coincide, and
     the embedding's ``[b, S, 1]`` mask read as b x S x b, the vocab-parallel loss's ``[tokens, tp, 2]`` (8 tokens
     per rank at tp=8) as tokens x tokens (25 GiB of the 70B cp plan's 62 GiB on pp rank 1)."""
-    known = [(tuple(env[n].shape), dims(n)) for n in (*op.all_input_nodes, op)
+    known = [(largest_shape(env[n]), dims(n)) for n in (*op.all_input_nodes, op)
              if isinstance(env.get(n), torch.Tensor) and not isinstance(n.meta.get("val"), (tuple, list))]
     out = []
     for i, size in enumerate(shape):

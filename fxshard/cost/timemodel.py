@@ -1,12 +1,13 @@
 """The time model: one training step of a layout on a hardware profile, from the model's pieces.
 
-Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype times the op
-class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
+Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype (an fp8
+linear's at the fp8 peak: :mod:`fxshard.cost.fp8`) times the op class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
 ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1 on the shipped profiles;
 ``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
 (attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
 block's forward again (``full``) or its memory-bound ops plus the selective policy's cost per op (``selective``,
-:func:`selective_redo`), with its tp collectives.
+:func:`selective_redo`), with its tp collectives.  Under ``fp8`` (an Evaluator's dtype: bf16 with float8
+products) the matmuls run at the fp8 peak and each pass pays its operands' dynamic casts (:func:`fp8_cast_seconds`).
 
 Communication, at the link each axis lands on (within a node or across nodes, from the mesh order dp, cp, pp, tp
 and the devices per node): each collective by the ring formula (bandwidth) plus a ring or tree latency
@@ -49,9 +50,13 @@ from fxshard.cost.zero_memory import formula, peak_params
 from fxshard.ir.cut import balance
 from fxshard.ir.layout import EDP, Layout
 
-BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5}  # backward FLOPs per forward FLOP
+BACKWARD = {"matmul": 2.0, "grouped": 2.0, "attention": 2.5, "fp8": 2.0}  # backward FLOPs per forward FLOP
 OPTIMIZER_BYTES = 28  # AdamW per parameter of the shard: master, gradient, two moments read; three written, a copy
+FP8_CAST_BYTES = 2.5  # a dynamic float8 cast per bf16 byte: read for the amax, read again, write half the bytes
 DDP_BUCKET = 25 * 2**20  # the last bucket DDP reduces after backward (fxshard.runtime.data_parallel)
+# what a rank's predicted peak is made of: the model state (the experts' apart), what backward keeps of the
+# microbatches alive, the transient (twice the largest value), the block recompute runs again
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "experts", "activations", "transient", "recompute")
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class Prediction:
     memory: int = 0
     notes: list = field(default_factory=list)
     accumulate: int = 1  # pp=1: batches accumulated per step (fxshard run --grad-accum)
+    memory_terms: list = field(default_factory=list)  # per pp rank: its peak as MEMORY_TERMS -> bytes
 
     @property
     def peak(self) -> float:
@@ -118,8 +124,15 @@ class Evaluator:
 
     def __init__(self, profile: ModelProfile, hw: Hardware, dtype: str | None = None):
         self.profile, self.hw = profile, hw
-        self.dtype = dtype or profile.dtype
+        dtype = dtype or profile.dtype
+        # fp8: bf16 mixed precision whose matmuls take float8 operands (--dtype fp8): those run at the fp8 peak
+        # and pay their operands' casts (FP8_CAST_BYTES); attention and every other op stay bf16.  A profile of
+        # a program compiled at --dtype fp8 holds its fp8 linears as ops of their own (class "fp8",
+        # fxshard.cost.fp8, casts counted in its traffic): only a bf16 profile evaluated as fp8 is emulated here
+        self.fp8 = dtype == "fp8" and profile.dtype != "fp8"
+        self.dtype = "bf16" if dtype == "fp8" else dtype
         self.peak = hw.peak(self.dtype)
+        self.matmul_peak = hw.peak("fp8") if self.fp8 else self.peak
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
                      for name, piece in pieces.items()}
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
@@ -130,12 +143,12 @@ class Evaluator:
         hw, eff = self.hw, self.hw.efficiency
         ops = values["ops"]
         k = hw.compute_scale  # the op mix of a measured step over the roofline's prediction of it (calibrate --model)
-        t_ops = {c: k * sum(max(f / (self.peak * eff.get(c if c != "grouped" else "matmul", 0.7)),
-                                by / (hw.memory_bandwidth * eff["memory"])) for cc, f, by in ops if cc == c)
-                 for c in ("matmul", "attention", "grouped")}
+        t_ops = {c: k * sum(self._op_seconds(cc, f, by, causal, seq) for cc, f, by, causal in ops if cc == c)
+                 for c in BACKWARD}
         t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
-        fwd = sum(t_ops.values()) + t_mem
-        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem
+        t_cast = k * fp8_cast_seconds(ops, hw) if self.fp8 else 0.0  # forward's casts, and backward's again
+        fwd = sum(t_ops.values()) + t_mem + t_cast
+        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem + t_cast
         tp_fwd = tp_bwd = 0.0
         for op, axis, direction, nbytes, overlap in values["comms"]:
             if axis != "tp" or tp == 1:
@@ -144,13 +157,28 @@ class Evaluator:
             if direction == "forward":
                 tp_fwd += t
             else:
-                tp_bwd += hw.exposed(t, k * overlap / (self.peak * eff["matmul"]))
-        flops = sum(f for _, f, _ in ops)
+                tp_bwd += hw.exposed(t, k * overlap / (self.matmul_peak * eff["matmul"]))
+        flops = sum(op[1] for op in ops)
         redo = {"none": 0.0, "selective": selective_redo(t_mem, values["kernels"], hw), "full": fwd}
-        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"], redo,
+        return PieceCost(fwd, bwd, t_ops["matmul"] + t_ops["grouped"] + t_ops["fp8"], redo,
                          tp_fwd, tp_bwd, tp_fwd, values["saved"], values["largest"], values["params"], values["frozen"],
                          values["experts"], values["tied"], values["boundary"], values["boundary_grad"], values["kv"],
                          values["dispatched"], flops, t_ops["attention"])
+
+    def _op_seconds(self, cls: str, flops: float, nbytes: float, causal: bool, seq: int) -> float:
+        """One matmul-like op at the roofline: the FLOPs its kernel executes at the peak times its class's
+        efficiency (attention's by sequence length where the profile has a curve, :meth:`Hardware.attention_efficiency`;
+        a causal attention executes :func:`causal_share` of the scores flop_counter counts), or its bytes at the
+        memory bandwidth, whichever takes longer."""
+        hw = self.hw
+        if cls == "attention":
+            work, rate = flops * (causal_share(seq) if causal else 1.0), self.peak * hw.attention_efficiency(seq)
+        elif cls == "fp8":  # a compiled fp8 linear (--fp8, fxshard.cost.fp8): its product at the fp8 peak
+            work, rate = flops, hw.fp8_peak() * hw.efficiency.get("matmul", 0.7)
+        else:  # fp8: the linears' products (torchao's float8 recipe covers nn.Linear, not grouped experts)
+            peak = self.matmul_peak if cls == "matmul" else self.peak
+            work, rate = flops, peak * hw.efficiency.get("matmul" if cls == "grouped" else cls, 0.7)
+        return max(work / rate, nbytes / (hw.memory_bandwidth * hw.efficiency["memory"]))
 
     def _stage_split(self, stages: int) -> tuple[tuple[tuple[str, int], ...], ...]:
         """Each stage's pieces with counts, cut where the compiler's pipeline pass would cut: its balance of block
@@ -175,6 +203,31 @@ class Evaluator:
         return tuple(out)
 
 
+def fp8_cast_seconds(ops, hw: Hardware) -> float:
+    """The float8 casts of one pass of a piece's matmuls under dynamic tensorwise scaling, as eager torchao runs
+    them: each bf16 operand is read for its amax, read again and written as float8, ``FP8_CAST_BYTES`` (2.5) bytes
+    per bf16 byte, counted on the op's operands and result (``nbytes``): forward casts the input and the weight,
+    backward the output's gradient and the saved bf16 input and weight again (torchao saves them unscaled).
+
+    >>> from fxshard.cost.hardware import Hardware, Link
+    >>> fp8_cast_seconds([("matmul", 1e9, 4e6, False)], Hardware("x", {}, 1e12, 1, 1, Link(1, 0), Link(1, 0),
+    ...                                                  efficiency={"memory": 0.5}))
+    2e-05
+    """
+    nbytes = sum(by for cls, _, by, _ in ops if cls == "matmul")
+    return FP8_CAST_BYTES * nbytes / (hw.memory_bandwidth * hw.efficiency["memory"])
+
+
+def causal_share(seq: int) -> float:
+    """The share of an S x S score matrix a causal attention kernel computes: each query against the keys at and
+    before it, ``(S + 1) / 2S`` (flash kernels skip the tiles above the diagonal; the counted FLOPs have them all).
+
+    >>> causal_share(4), causal_share(8192)
+    (0.625, 0.50006103515625)
+    """
+    return (seq + 1) / (2 * seq)
+
+
 def selective_redo(t_mem: float, kernels: float, hw: Hardware) -> float:
     """What selective recompute adds to a block's backward: its memory-bound ops run again (``t_mem``), and every
     op of the block pays the policy's dispatch (``hw.selective_overhead`` per op, calibrate's measure of torch's
@@ -190,8 +243,8 @@ def _compile(piece: Piece):
              "boundary_grad": piece.boundary_grad, "kv": piece.kv, "dispatched": piece.dispatched}
     exprs |= {f"largest:{i}": e for i, e in enumerate(piece.largest or [sympy.Integer(0)])}
     exprs |= {f"saved:{m}": e for m, e in piece.saved.items()}
-    ops = [(c, f, by) for c, f, by in piece.ops]
-    exprs |= {f"op{i}:f": f for i, (_, f, _) in enumerate(ops)} | {f"op{i}:b": by for i, (_, _, by) in enumerate(ops)}
+    ops = piece.ops
+    exprs |= {f"op{i}:f": op[1] for i, op in enumerate(ops)} | {f"op{i}:b": op[2] for i, op in enumerate(ops)}
     exprs |= {f"comm{i}": c.nbytes for i, c in enumerate(piece.comms)} | \
         {f"overlap{i}": c.overlap for i, c in enumerate(piece.comms)}
     keys = list(exprs)
@@ -199,7 +252,7 @@ def _compile(piece: Piece):
     square = [e.coeff(S, 2) * S**2 if e.is_polynomial(S) else sympy.Integer(0) for e in full]
     f_all = sympy.lambdify((b, S, T), full, "math")
     f_sq = sympy.lambdify((b, S, T), square, "math")
-    return keys, f_all, f_sq, [c for c, _, _ in ops], [(c.op, c.axis, c.direction) for c in piece.comms]
+    return keys, f_all, f_sq, [(op[0], op[3]) for op in ops], [(c.op, c.axis, c.direction) for c in piece.comms]
 
 
 def _values(fns, rows: int, seq: int, tp: int, cp: int) -> dict:
@@ -212,7 +265,7 @@ def _values(fns, rows: int, seq: int, tp: int, cp: int) -> dict:
     out = {k: v[k] for k in keys if ":" not in k and not k.startswith(("comm", "overlap"))}
     out["saved"] = {k.split(":")[1]: v[k] for k in keys if k.startswith("saved:")}
     out["largest"] = max(v[k] for k in keys if k.startswith("largest:"))
-    out["ops"] = [(c, v[f"op{i}:f"], v[f"op{i}:b"]) for i, c in enumerate(op_classes)]
+    out["ops"] = [(c, v[f"op{i}:f"], v[f"op{i}:b"], causal) for i, (c, causal) in enumerate(op_classes)]
     out["comms"] = [(*c, v[f"comm{i}"], v[f"overlap{i}"]) for i, c in enumerate(comms)]
     return out
 
@@ -481,18 +534,19 @@ def _dp_after(ev, layout, setting, stages, cost, durations) -> tuple[float, floa
 def _memory(ev: Evaluator, layout: Layout, stages, cost, pred: Prediction) -> None:
     """Predicted peak per pp rank, as ``fxshard plan`` predicts it (model state + saved x alive + transient)."""
     mode = layout.recompute if layout.recompute in ("selective", "full") else "none"
-    pred.peaks = _peaks(ev, layout, stages, cost, pred.microbatches, (mode,))[mode]
+    pred.memory_terms = _peaks(ev, layout, stages, cost, pred.microbatches, (mode,), parts=True)[mode]
+    pred.peaks = [sum(parts.values()) for parts in pred.memory_terms]
 
 
-def _peaks(ev: Evaluator, layout: Layout, stages, cost, m: int, modes) -> dict[str, list[float]]:
+def _peaks(ev: Evaluator, layout: Layout, stages, cost, m: int, modes, parts: bool = False) -> dict[str, list]:
     """The peak of each pp rank under each recompute mode of ``modes`` (the model state and the microbatches alive
-    are the same for all: worked out once)."""
+    are the same for all: worked out once); with ``parts``, each rank's peak as its :data:`MEMORY_TERMS`."""
     mixed = Layout(dtype=ev.dtype).mixed
     group = layout.dp * getattr(layout, "cp", 1)
     counts = alive_counts(layout.schedule, layout.pp,
                           capped_microbatches(layout.schedule, layout.pp, m, layout.stages_per_rank),
                           layout.stages_per_rank) if layout.pp > 1 else {0: [{0: 1}]}
-    out: dict[str, list[float]] = {mode: [] for mode in modes}
+    out: dict[str, list] = {mode: [] for mode in modes}
     for r in range(layout.pp):
         own = {s: stages[s] for s in (layout.stages_of(r) if layout.pp > 1 else [0])}
         psi = sum(_dense(st, cost, layout) for st in own.values())
@@ -503,15 +557,17 @@ def _peaks(ev: Evaluator, layout: Layout, stages, cost, m: int, modes) -> dict[s
         blocks = [cost[name].params + cost[name].frozen for st in own.values() for name, n in st
                   if name.startswith("block") for _ in range(n)]
         state = formula(layout.zero, group, mixed, psi)  # gradients and optimizer state of the trained alone
-        held = peak_params(layout.zero, group, mixed, psi + frozen, blocks) + state["grads"] + state["optimizer"]
         # the experts' own ZeRO 1 group: the ranks holding the same experts, dp/ep of them times cp (Layout.size)
-        held += formula(1 if layout.zero == 1 else 0, layout.size(EDP), mixed, experts)["total"]
-        held += 2 * max(cost[name].largest for st in own.values() for name, _ in st)
+        held = {"parameters": peak_params(layout.zero, group, mixed, psi + frozen, blocks),
+                "gradients": state["grads"], "optimizer": state["optimizer"],
+                "experts": formula(1 if layout.zero == 1 else 0, layout.size(EDP), mixed, experts)["total"],
+                "transient": 2 * max(cost[name].largest for st in own.values() for name, _ in st)}
         combos = [[(c, own[s]) for s, c in combo.items() if s in own] for combo in counts[r]]
         for mode in modes:
             saved = {id(st): sum(n * cost[name].saved[mode] for name, n in st) for st in own.values()}
             activations = max(sum(c * saved[id(st)] for c, st in combo) for combo in combos)
             extra = max((cost[name].saved["none"] - cost[name].saved[mode] for st in own.values() for name, _ in st
                          if name.startswith("block")), default=0.0)
-            out[mode].append(held + activations + extra)
+            rank = held | {"activations": activations, "recompute": extra}
+            out[mode].append(rank if parts else sum(rank.values()))
     return out

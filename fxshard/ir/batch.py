@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn, walk
+from fxshard.graph import node_fqn, static_shape, walk
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.mm.default}
@@ -70,7 +70,8 @@ def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node], rows=Non
             continue
         lv, rv = left.meta.get("val"), right.meta.get("val")
         if isinstance(lv, torch.Tensor) and isinstance(rv, torch.Tensor) and lv.dim() == rv.dim() == 2 \
-                and lv.shape[0] == b and rv.shape[1] == b and (rows is None or rows.pairs_rows(left, right)):
+                and static_shape(lv)[0] == b and static_shape(rv)[1] == b \
+                and (rows is None or rows.pairs_rows(left, right)):
             found.append(node)
     return found
 

@@ -23,6 +23,7 @@ import torch
 from fxshard.runtime import collectives as rtc
 from fxshard.runtime import context_parallel as rcp
 from fxshard.runtime import experts as rte
+from fxshard.runtime import fp8 as rfp8
 
 # the bytes a rank sends, as a multiple of the collective's whole buffer, for ring algorithms over n ranks
 WIRE: dict[str, Callable[[int], float]] = {
@@ -51,6 +52,9 @@ class CollectiveKind:
     fake: Callable[..., torch.Tensor]
     grouped: bool = True  # takes a process group (``shard`` does not: it keeps a part, no communication)
     outputs: tuple[str, ...] = ()  # a kind returning several values: their names in a rank file (``attn_out``, ...)
+    # a kind whose whole buffer is neither its input nor its output: (input elements, local weight shape, keyword
+    # arguments, direction) -> the float32 elements it moves (fp8_linear_tp: its amaxes)
+    buffer: Callable[..., object] | None = None
 
     @property
     def name(self) -> str:
@@ -99,6 +103,16 @@ def _reduced_part(x: torch.Tensor, size: int, dim: int, blocks: int = 1) -> torc
 
 def _linears(x: torch.Tensor, size: int, weights: tuple = (), biases: tuple = ()) -> tuple[torch.Tensor, ...]:
     return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+
+
+def _fp8_linear(x: torch.Tensor, size: int, weight=None, bias=None, **_) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)  # the shape, and the gradients' path for fxshard check
+
+
+def _amaxes(x_elements, weight_shape, kwargs: dict, direction: str):
+    out_features, in_features = weight_shape
+    return rfp8.amax_elements(kwargs.get("recipe", "tensorwise"), x_elements / in_features, in_features,
+                              out_features, direction, kwargs.get("split", "in"))
 
 
 def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:
@@ -182,6 +196,11 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.shard, None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
+    # fp8 linears whose weight tp splits (passes/fp8.py): each scale the whole tensor's
+    CollectiveKind(rfp8.fp8_linear_tp, "all_reduce", "all_reduce",
+                   "fp8 linear (casts and scales, torchao's recipe) of a weight split over tp: its amaxes all-reduced "
+                   "with MAX, forward (input, weight) and backward (gradient), a few float32 values each",
+                   _fp8_linear, buffer=_amaxes),
     # parts several tp ranks hold alike (key/value heads fewer than tp, a Mamba-2 mixer's B and C under fewer groups)
     CollectiveKind(rtc.sum_replicas, None, "all_reduce",
                    "S(d)/g weights (g parts over tp ranks): identity forward; backward sums the gradients of each part "

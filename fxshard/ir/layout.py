@@ -35,15 +35,18 @@ CP_MODES = ("allgather", "ring", "a2a")  # --cp-mode: how attention exchanges ke
 EP, EDP = "ep", "edp"
 SIZED_AXES = (*MESH_AXES, EP)  # the axes a --flag sizes
 TIED = "tied:"  # a tied-weight group's name: "tied:<fqn>" (the weight held by stages on several pp ranks)
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # --dtype: the compute dtype; master weights stay fp32
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}  # --dtype: the compute dtype; master weights stay
+# fp32; fp8 is bf16 with the linears' products in float8 (--fp8's recipe, tensorwise by default: docs/fp8.md)
+FP8_RECIPES = ("tensorwise", "rowwise")  # --fp8: torchao's float8 training recipes (fxshard/runtime/fp8.py)
 RECOMPUTE = ("none", "selective", "full", "auto")  # --recompute: what a repeated block keeps for backward; auto:
 # the least of the three that fits --device-memory by the plan (fxshard.cost.costs.choose_recompute), resolved
 # before code generation
 _ADDED = ("virtual_stages", "dtype", "recompute", "sp", "ep", "overlap", "cp", "cp_mode", "lora", "lora_alpha",
-          "lora_targets", "lora_dropout")  # Layout fields newer than manifest format 1: absent
+          "lora_targets", "lora_dropout", "fp8")  # Layout fields newer than manifest format 1: absent
 # from older manifests
 _SINCE_DEFAULT = {"recompute": "none", "sp": False, "ep": 1, "overlap": True, "cp": 1, "cp_mode": "allgather",
-                  "lora": None, "lora_alpha": None, "lora_targets": None, "lora_dropout": None}  # written only when set: manifests before them stay byte
+                  "lora": None, "lora_alpha": None, "lora_targets": None, "lora_dropout": None,
+                  "fp8": None}  # written only when set: manifests before them stay byte
 # for byte
 
 
@@ -108,7 +111,8 @@ class Layout:
     virtual_stages: int | None = option(None, "stages per pp rank for interleaved-1f1b (default 2) and zero-bubble "
                                               "(default 1)")
     # the compute dtype of the generated code; bf16: mixed precision, fp32 master weights
-    dtype: str = option("fp32", "fp32, or bf16: mixed precision (bf16 compute, fp32 master weights and Adam state)")
+    dtype: str = option("fp32", "fp32; bf16: mixed precision (bf16 compute, fp32 master weights and Adam state); fp8: "
+                                "bf16 with the linears' products in float8 (--fp8's recipe, default tensorwise)")
     # activation recompute of the repeated blocks (auto is resolved by the driver before the compile)
     recompute: str = option("none", "activation recompute of each repeated block: none; selective (keep matmul outputs, "
                                     "recompute the rest in backward); full (keep only the block's inputs); auto (the "
@@ -141,6 +145,10 @@ class Layout:
                                             "of each module path, as peft's target_modules (q_proj,v_proj; "
                                             "layers.0.*.q_proj); default: peft's list for the model type")
     lora_dropout: float | None = option(None, "dropout on the adapters' input (default 0)")
+    # FP8 linears (passes/fp8.py, fxshard/runtime/fp8.py): torchao's recipe on every eligible nn.Linear
+    fp8: str | None = option(None, "float8 products in the linears with torchao's recipe: tensorwise or rowwise "
+                                   "(dynamic scales; e4m3, e5m2 gradients under tensorwise); the rest computes at "
+                                   "--dtype (--dtype fp8: bf16); docs/fp8.md")
 
     def __post_init__(self):
         for axis in (TP, PP, DP, EP, CP):
@@ -191,6 +199,19 @@ class Layout:
                 raise LayoutError(f"{flag} {value} applies to pipeline parallelism (--pp > 1); leave it unset at "
                                   "--pp 1")
         self._check_lora()
+        self._check_fp8()
+
+    def _check_fp8(self) -> None:
+        """``--fp8`` and ``--dtype fp8`` (their module: fxshard/runtime/fp8.py)."""
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            raise LayoutError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
+        if self.fp8_recipe is not None and self.cp > 1:
+            raise LayoutError(f"--cp {self.cp} with fp8 linears: a tensorwise or rowwise scale over the tokens would "
+                              "need every cp rank's amax, which fxshard does not gather; drop --cp, or train in "
+                              "--dtype bf16")
+        if self.fp8_recipe is not None and self.ep > 1:
+            raise LayoutError(f"--ep {self.ep} with fp8 linears: not tested against one device yet (experts' grouped "
+                              "products stay bf16 either way); drop --ep, or train in --dtype bf16")
 
     def _check_lora(self) -> None:
         """``--lora R`` and the flags that only mean something with it (their module: fxshard/capture/lora.py)."""
@@ -223,6 +244,11 @@ class Layout:
     def mixed(self) -> bool:
         """Mixed precision: bf16 parameters, activations and gradients; fp32 master weights and Adam state."""
         return self.dtype != "fp32"
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The float8 recipe of the linears (``--fp8``; ``--dtype fp8`` alone: tensorwise), None without fp8."""
+        return self.fp8 or ("tensorwise" if self.dtype == "fp8" else None)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -380,6 +406,8 @@ class Layout:
                 text += f" virtual-stages={self.stages_per_rank}"
         if self.mixed:
             text += f" dtype={self.dtype}"
+        if self.fp8 is not None:
+            text += f" fp8={self.fp8}"
         if self.recompute != "none":
             text += f" recompute={self.recompute}"
         if self.sp:

@@ -14,9 +14,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.errors import ShardingError
+from fxshard.graph import node_fqn
 from fxshard.ir.placement import Shard, local_shape
 from fxshard.ir.sharding import argument, set_argument, shape, squeezed_dims
 from fxshard.ir.sharding_mixers import local_groups, local_repeats
+from fxshard.ir.twins import op_name
 
 aten = torch.ops.aten
 SIZED = {aten.view.default: "size", aten.reshape.default: "shape", aten._unsafe_view.default: "size",
@@ -27,7 +30,11 @@ def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
     """Make the global sizes export baked into ``node`` (a ``view``'s shape, a ``split``'s sizes) this rank's, for
     its output placed ``out`` and its first input ``first_input`` over ``parts`` ranks (tp, or cp)."""
     if node.target in SIZED:
-        set_argument(node, SIZED[node.target], list(local_shape(shape(node), out, parts)))
+        sizes = argument(node, SIZED[node.target])
+        if all(isinstance(s, int) for s in [*sizes, *node.meta["val"].shape]):
+            set_argument(node, SIZED[node.target], list(local_shape(shape(node), out, parts)))
+        else:
+            set_argument(node, SIZED[node.target], _local_symbolic_sizes(node, sizes, out, parts))
     elif node.target is aten.unflatten.int and isinstance(out, Shard):
         dim = argument(node, "dim") % len(shape(node.args[0]))
         sizes = local_shape(shape(node), out, parts)[dim:dim + len(argument(node, "sizes"))]
@@ -44,6 +51,21 @@ def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
         set_argument(node, "groups", local_groups(node, first_input, parts))
     elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(first_input, Shard):
         _localize_squeeze(node, first_input, parts)
+
+
+def _local_symbolic_sizes(node: fx.Node, sizes: list, out, parts: int) -> list:
+    """A view's sizes where one is computed at run time (a size the data decides, an fx node): the sizes as
+    written, the split dimension's made this rank's."""
+    if not isinstance(out, Shard) or parts == 1:
+        return list(sizes)
+    local = list(sizes)
+    size = sizes[out.dim]
+    if not isinstance(size, int):
+        raise ShardingError(f"{node_fqn(node) or 'model'}: {node.name} = {op_name(node)} gives dimension {out.dim} a "
+                            "size the data decides, which cannot be split over ranks; replicate this module")
+    if size != -1:
+        local[out.dim] = out.local_size(size, parts)
+    return local
 
 
 def _localize_split(node: fx.Node, outs, p: Shard, parts: int) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import ShardingError
+from fxshard.graph import static_shape
 from fxshard.ir.experts import grouped_mm_ops
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard
 
@@ -62,7 +63,7 @@ def _is_tensor(n: fx.Node) -> bool:
 
 
 def shape(n: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in n.meta["val"].shape)
+    return static_shape(n.meta["val"])
 
 
 def _norm(dim: int, ndim: int) -> int:

@@ -1,9 +1,11 @@
 """Which terms of a loss are means over counted targets, and the graph that counts those targets.
 
 ``F.cross_entropy(logits, target, ignore_index=-100)`` (and ``nll_loss``) divides the summed token losses by the
-number of targets that are not ``ignore_index``: a part of the batch counts its own.  :func:`counted_terms` finds
-such means in a loss (itself, or an affine combination of them and of means over fixed counts);
-:func:`count_graph` is a graph of the user inputs returning how many targets each counts.  The token-mean pass
+number of targets that are not ``ignore_index``: a part of the batch counts its own.  So does a mean over the
+values a boolean mask of the batch selects (``loss[mask].mean()``, ``F.mse_loss(x[mask], y[mask])``), which counts
+the mask's true elements (ignore index 0).  :func:`counted_terms` finds such means in a loss (itself, or an affine
+combination of them and of means over fixed counts); :func:`count_graph` is a graph of the user inputs returning
+how many targets each counts.  The token-mean pass
 (``passes/token_mean.py``) rewrites the terms to divide by the count of the whole step; the single-device reference
 (:mod:`fxshard.train.reference`) weighs accumulated batches by the same count (:func:`token_counter`)::
 
@@ -27,8 +29,11 @@ MEAN, SUM = 1, 2  # the losses' reduction argument
 _DIV = {aten.div.Tensor, aten.div.Scalar}
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar} | _DIV
 _COMBINE = {aten.add.Tensor, aten.sub.Tensor} | _SCALE
-_PLAIN_MEANS = {aten.mean.default, aten.mean.dim}
-_ELEMENT_LOSSES = {aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default}  # reduction: arg 2
+PLAIN_MEANS = {aten.mean.default, aten.mean.dim}
+# elementwise losses -> the position of their reduction argument
+ELEMENT_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                  aten.huber_loss.default: 2, aten.binary_cross_entropy_with_logits.default: 4,
+                  aten.binary_cross_entropy.default: 3}
 
 
 def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozenset()
@@ -43,7 +48,7 @@ def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozens
     for node in walk([loss], lambda n: operands.pop(n, ())):
         if not isinstance(node, fx.Node) or node in whole:
             continue
-        counted = _token_mean_loss(node, user_inputs)
+        counted = _token_mean_loss(node, user_inputs) or _masked_mean_loss(node, user_inputs)
         if counted is not None:
             terms.append((node, *counted))
         elif node.op == "call_function" and node.target in _COMBINE:
@@ -81,6 +86,40 @@ def _token_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | N
     return target, int(ignore_index)
 
 
+def _masked_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | None:
+    """``(mask, 0)`` when ``loss`` is a mean over ``x[mask]``: a boolean index of all of ``x``'s dimensions by a
+    mask computed from the inputs alone (ELECTRA's discriminator loss over the tokens its attention mask keeps).
+    Each part of the batch selects its own number of values, so a mean of parts' means weighs them wrongly."""
+    if not isinstance(loss, fx.Node) or loss.op != "call_function" or not _reduces_to_mean(loss):
+        return None
+    selected = loss.args[0]
+    if not isinstance(selected, fx.Node) or selected.target is not aten.index.Tensor:
+        return None
+    source, indices = selected.args[:2]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        return None
+    mask, val = indices[0], indices[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.shape != source.meta["val"].shape:
+        return None
+    if any(n.op == "placeholder" and n not in user_inputs for n in ancestors([mask])) or \
+            not _reads_inputs(mask, user_inputs):
+        return None
+    return mask, 0
+
+
+def _reduces_to_mean(node: fx.Node) -> bool:
+    """A scalar mean over every value of its input: ``x.mean()`` or an elementwise loss with reduction mean."""
+    if node.meta["val"].dim() != 0:
+        return False
+    if node.target in PLAIN_MEANS:
+        return len(node.args) == 1 or node.args[1] in (None, [], list(range(node.args[0].meta["val"].dim())))
+    at = ELEMENT_LOSSES.get(node.target)
+    if at is None:
+        return False
+    reduction = node.args[at] if len(node.args) > at else node.kwargs.get("reduction", MEAN)
+    return reduction == MEAN
+
+
 def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
     """A term that averaging equal parts of the batch keeps exact as it is: a value the batch does not enter, or a
     scalar mean over all it reduces (every part holds the same number of values: ``x.mean()``, ``F.mse_loss``)."""
@@ -88,10 +127,12 @@ def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
         return True
     if node.op != "call_function" or node.target in LOSSES or node.meta["val"].dim() != 0:
         return False
-    if node.target in _PLAIN_MEANS:
+    if any(not isinstance(d, int) for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
+           for d in a.meta["val"].shape):
+        return False  # over a number of values the data decides (masked_select, a boolean index): no fixed mean
+    if node.target in PLAIN_MEANS:
         return True
-    return (node.target in _ELEMENT_LOSSES and node.args[2:3] in ((), (MEAN,))
-            and node.kwargs.get("reduction", MEAN) == MEAN)
+    return node.target in ELEMENT_LOSSES and _reduces_to_mean(node)
 
 
 def _reads_inputs(node: fx.Node, user_inputs: set[fx.Node]) -> bool:

@@ -22,7 +22,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from fxshard.graph import ancestors, node_fqn, walk
+from fxshard.graph import ancestors, data_sized, node_fqn, walk
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.placement import Replicate
 from fxshard.ir.sharding import propagate
@@ -171,6 +171,9 @@ def auto_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], use
     plan = ResolvedPlan(source="auto")
     fixed = fixed or {}
     gathered = {op.node: Replicate() for op, st in fixed.items() if st.gather_output}
+    # a Linear over a number of rows the data decides (the tokens routed to one expert by a Python loop): split,
+    # its collectives would carry that size, which no rank can know before it runs; it stays whole
+    ops = [op for op in ops if not data_sized(op.node)]
     pairs = [(row, cols) for row, cols in _row_candidates(gm, ops, params)
              if not _named(row.fqn, named) and not any(_named(c.fqn, named) for c in cols)]
     role: dict[fx.Node, str] = {}

@@ -21,6 +21,7 @@ import math
 import torch
 import torch.fx as fx
 
+from fxshard.graph import static_shape
 from fxshard.ir.placement import Shard
 
 aten = torch.ops.aten
@@ -30,7 +31,7 @@ _DEPTH = 16
 
 
 def _shape(n: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in n.meta["val"].shape)
+    return static_shape(n.meta["val"])
 
 
 def _packet(n: fx.Node):

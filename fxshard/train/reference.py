@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fxshard.capture.modelfile import ModelFile
 from fxshard.capture.precision import cast_inputs
 from fxshard.capture.program import _WithLoss
+from fxshard.errors import FxshardError
 from fxshard.ir.context import DTYPES
 from fxshard.runtime.draws import ReferenceDraws
+from fxshard.runtime.fp8 import fp8_reference
 from fxshard.runtime.mixed_precision import MasterWeightAdamW, split_masters
-from fxshard.runtime.random import ReferenceDropout, begin_batch
+from fxshard.runtime.random import ReferenceDropout, begin_batch, local_rows
 from fxshard.train.data import DataOptions, global_batches
 from fxshard.train.optim import OptimConfig, clip_grad_norm_
 
@@ -18,7 +21,8 @@ from fxshard.train.optim import OptimConfig, clip_grad_norm_
 def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig(), seed: int = 0,
                      dtype: str = "fp32", final_state: dict | None = None, data: DataOptions = DataOptions(),
                      eval_every: int = 0, eval_batches: int = 4, evals: dict | None = None,
-                     final_buffers: dict | None = None, grad_sq: dict | None = None) -> list[float]:
+                     final_buffers: dict | None = None, grad_sq: dict | None = None, fp8: str | None = None,
+                     chunks: int = 1) -> list[float]:
     """Losses of ``steps`` AdamW steps on one device, from the same initial weights and the same global batches
     (:func:`fxshard.train.data.global_batches` of ``data``), with the same weight-decay groups and learning-rate
     schedule (torch's LambdaLR of :func:`fxshard.train.schedule.lr_schedule`).
@@ -27,13 +31,19 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     gradients, AdamW on fp32 master weights).  ``eval_every``: every that many steps, ``evals[step]`` gets the loss
     of the first ``eval_batches`` validation batches in ``model.eval()`` mode, as ``fxshard run --eval-every``.
     ``grad_sq``: every parameter's squared gradient norm at each step (before clipping), by FQN, as verify judges
-    a parameter whose gradient is zero up to rounding (:func:`fxshard.check.verify.quiet_parameters`)."""
+    a parameter whose gradient is zero up to rounding (:func:`fxshard.check.verify.quiet_parameters`).
+
+    ``fp8``: the linears :func:`fxshard.runtime.fp8.fp8_module` admits compute with that float8 recipe, and each
+    batch runs as ``chunks`` consecutive parts of its rows (dp x pipeline microbatches: the batches the distributed
+    run's forwards see), their gradients accumulated: an fp8 scale is an amax over the tokens one forward sees."""
     from torch.optim.lr_scheduler import LambdaLR
 
     from fxshard.train.schedule import lr_schedule
 
     model = mf.build_model(seed)
     model.train()
+    if fp8 is not None:
+        fp8_reference(model, fp8)
     stream = global_batches(mf, "train", data, seed)
     batches = [next(stream) for _ in range(steps * optim.grad_accum)]
     positional = not isinstance(batches[0], dict)
@@ -48,20 +58,28 @@ def reference_losses(mf: ModelFile, steps: int, optim: OptimConfig = OptimConfig
     scheduler = LambdaLR(getattr(opt, "optim", opt), lr_schedule(optim, steps))
     if dtype != "fp32":
         batches = [cast_inputs(b, getattr(torch, DTYPES[dtype])) for b in batches]
-    counter = _token_counter(mf, seed) if optim.grad_accum > 1 or (eval_every and eval_batches > 1) else None
+    counter = _token_counter(mf, seed) if optim.grad_accum > 1 or chunks > 1 or (eval_every and eval_batches > 1) \
+        else None
     losses = []
     for i in range(steps):
         total = 0.0
-        step_batches = batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]
+        step_batches = [part for b in batches[i * optim.grad_accum:(i + 1) * optim.grad_accum]
+                        for part in _rows_split(b, chunks)]
         # --grad-accum k is one step over the k batches: a token-mean loss weighs each batch by its counted tokens
         counts = [counter(b) for b in step_batches] if counter is not None else [(1,)] * len(step_batches)
+        if len(counts[0]) > 1 and chunks > 1:  # fp8's parts would each need their own share of every mean
+            raise FxshardError("fp8 linears under dp or microbatches, on a model whose loss holds several token "
+                               "means (a load-balancing loss): the single-device reference cannot weigh its parts "
+                               "as the ranks do; verify it at dp=1 without microbatches, or without --fp8")
         if len(counts[0]) > 1:  # several counted means: one forward on the step's batches as one batch weighs each
             step_batches, counts = [_concatenated(step_batches)], [(1,)]  # by its own count
         counts = [c[0] for c in counts]
         for k, batch in enumerate(step_batches):
             if counts[k] == 0:
                 continue  # no counted token: no share of the step's loss or gradient
-            begin_batch(seed, i * optim.grad_accum + k)  # dropout masks and draws keyed as in Program.train_step
+            # dropout masks and draws keyed as in Program.train_step: the batch number, the part's first row in it
+            first = (k % chunks) * local_rows(pytree.tree_leaves(batch))
+            begin_batch(seed, i * optim.grad_accum + k // chunks, first)
             with ReferenceDropout(), ReferenceDraws():
                 loss, _ = step_fn(*batch) if positional else step_fn(**batch)
             share = counts[k] / sum(counts)
@@ -118,8 +136,6 @@ def _evaluate(model, step_fn, batches: list, counter, positional: bool) -> float
 
 def _token_counter(mf: ModelFile, seed: int):
     """``batch -> counted targets`` when the model's loss is a token mean (from its captured graph), else None."""
-    from torch.utils import _pytree as pytree
-
     from fxshard.capture.program import capture
     from fxshard.ir.token_means import token_counter
 
@@ -140,10 +156,17 @@ def _token_counter(mf: ModelFile, seed: int):
     return count
 
 
+def _rows_split(batch, chunks: int) -> list:
+    """``batch`` as ``chunks`` batches of consecutive rows (each tensor split along its first dimension)."""
+    if chunks == 1:
+        return [batch]
+    leaves, tree = pytree.tree_flatten(batch)
+    parts = [v.tensor_split(chunks) if isinstance(v, torch.Tensor) and v.dim() else [v] * chunks for v in leaves]
+    return [pytree.tree_unflatten([p[c] for p in parts], tree) for c in range(chunks)]
+
+
 def _concatenated(batches: list):
     """The batches of one step as one batch (their tensors concatenated along the batch dimension)."""
-    from torch.utils import _pytree as pytree
-
     flat = [pytree.tree_flatten(b) for b in batches]
     leaves = [torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() else parts[0]
               for parts in zip(*(f[0] for f in flat), strict=True)]

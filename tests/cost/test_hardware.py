@@ -189,6 +189,22 @@ def test_calibrate_refuses_one_process_and_a_folder(tmp_path):
         calibrate(tmp_path, procs=2)
 
 
+def test_attention_efficiency_follows_the_profiles_curve_by_sequence(tmp_path):
+    """Between two points of ``attention_by_seq`` linear in log2 of the length, held beyond the ends; without a
+    curve the flat ``efficiency.attention``; a malformed curve is refused naming the field."""
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps(GOOD | {"efficiency": {"attention": 0.4},
+                                       "attention_by_seq": {"1024": 0.2, "4096": 0.3, "16384": 0.34}}))
+    hw = load_hardware(path)
+    assert [hw.attention_efficiency(s) for s in (256, 1024, 2048, 4096, 8192, 65536)] == pytest.approx(
+        [0.2, 0.2, 0.25, 0.3, 0.32, 0.34])
+    path.write_text(json.dumps(GOOD | {"efficiency": {"attention": 0.4}}))
+    assert load_hardware(path).attention_efficiency(2048) == 0.4
+    path.write_text(json.dumps(GOOD | {"attention_by_seq": {"long": 0.3, "512": 1.5}}))
+    with pytest.raises(OptionError, match="attention_by_seq"):
+        load_hardware(path)
+
+
 # every field, every way a hand-edited profile goes wrong (issue 45 item 9): a NaN kernel_overhead ranked layouts
 # by "nan s" and recommended one; a NaN or infinite memory was a raw error
 FIELDS = {"kernel_overhead": ["NaN", "-1e-6", "Infinity", "true", '"x"'], "memory": ["NaN", "Infinity", "-5", "0"],
@@ -199,7 +215,7 @@ FIELDS = {"kernel_overhead": ["NaN", "-1e-6", "Infinity", "true", '"x"'], "memor
           "intra_node": ['{"bandwidth": NaN, "latency": 1e-6}', '{"bandwidth": 1e9, "latency": Infinity}',
                          '{"bandwidth": 1e9, "latency": -1}'],
           "groups": ['{"2": {"bandwidth": 1e9, "latency": NaN}}', '{"0": {"bandwidth": 1e9, "latency": 0}}'],
-          "efficiency": ['{"matmul": NaN}', '{"matmul": 2}'], "default_dtype": ['"fp8"', "3"], "name": ["7"]}
+          "efficiency": ['{"matmul": NaN}', '{"matmul": 2}'], "default_dtype": ['"int4"', "3"], "name": ["7"]}
 
 
 @pytest.mark.parametrize("field, value", [(f, v) for f, values in FIELDS.items() for v in values])

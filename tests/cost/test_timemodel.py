@@ -17,7 +17,15 @@ from fxshard.cost.costs import plan_costs
 from fxshard.cost.hardware import load_hardware
 from fxshard.cost.profile import model_profile
 from fxshard.cost.search import explain, search
-from fxshard.cost.timemodel import Evaluator, Setting, model_flops, predict
+from fxshard.cost.timemodel import (
+    MEMORY_TERMS,
+    Evaluator,
+    Setting,
+    causal_share,
+    fp8_cast_seconds,
+    model_flops,
+    predict,
+)
 from fxshard.errors import LayoutError
 from fxshard.ir.layout import Layout
 
@@ -65,6 +73,59 @@ def test_the_memory_is_the_plans_verdict(h100, layout):
     report = plan_costs(MODEL, layout)
     planned = [row["peak"].value for row in report.ranks]
     assert pred.peaks == pytest.approx(planned, rel=0.02)
+    assert [sum(parts.values()) for parts in pred.memory_terms] == pytest.approx(pred.peaks)
+    assert all(set(parts) == set(MEMORY_TERMS) for parts in pred.memory_terms)
+
+
+def test_a_causal_attention_is_timed_on_the_scores_its_kernel_computes(profile):
+    """samples/llama.py's mask is the causal triangle (passes/causal_attention.py calls SDPA with is_causal): its
+    kernel computes (S+1)/2S of the scores flop_counter counts, at the profile's attention efficiency for S."""
+    (attention,) = [op for op in profile.pieces("tp1")["block0"].ops if op[0] == "attention"]
+    assert attention[3] is True
+    full = dataclasses.replace(profile, structures={st: {n: dataclasses.replace(
+        p, ops=[(c, f, by, False) for c, f, by, _ in p.ops]) for n, p in pieces.items()}
+        for st, pieces in profile.structures.items()})
+    hw = load_hardware("h100")
+    causal = Evaluator(profile, hw).piece("tp1", "block0", 8, 2048, 1, 1, 1)
+    square = Evaluator(full, hw).piece("tp1", "block0", 8, 2048, 1, 1, 1)
+    assert causal.attention == pytest.approx(square.attention * causal_share(2048))
+    assert causal.flops == square.flops  # MFU counts flop_counter's FLOPs either way
+
+
+def test_attention_runs_at_the_profiles_efficiency_for_its_sequence(profile):
+    """A flash kernel's rate climbs with the sequence its tiles amortize over: on the h100 curve (FlashAttention-2,
+    causal, head dim 128) 0.19 of the peak at 512 and 0.34 at 8k, per FLOP the kernel executes."""
+    from fxshard.cost.timemodel import _values
+
+    hw = load_hardware("h100")
+    ev = Evaluator(profile, hw)
+    per_flop = {}
+    for seq in (512, 8192):
+        ops = _values(ev._fns[("tp1", "block0")], 1, seq, 1, 1)["ops"]
+        executed = sum(f for c, f, _, _ in ops if c == "attention") * causal_share(seq)
+        per_flop[seq] = ev.piece("tp1", "block0", 1, seq, 1, 1, 1).attention / executed
+    assert per_flop[512] == pytest.approx(1 / (ev.peak * hw.attention_efficiency(512)))
+    assert per_flop[8192] == pytest.approx(1 / (ev.peak * hw.attention_efficiency(8192)))
+    assert per_flop[512] > 1.7 * per_flop[8192]
+
+
+def test_fp8_runs_the_matmuls_at_the_fp8_peak_and_pays_their_casts(profile):
+    """--dtype fp8: the linears' products at the profile's fp8 peak (attention, the other ops and MFU's FLOPs stay
+    bf16's), and each forward and backward pays the dynamic casts of the matmuls' operands."""
+    from fxshard.cost.timemodel import _values
+
+    hw = load_hardware("h100")
+    fast = dataclasses.replace(hw, memory_bandwidth=1e21)  # every matmul compute-bound, casts free
+    b16, f8 = (Evaluator(profile, fast, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
+    assert f8.wgrad == pytest.approx(b16.wgrad * hw.peak("bf16") / hw.peak("fp8"))
+    assert (f8.attention, f8.flops) == (b16.attention, b16.flops)
+    ev = Evaluator(profile, hw, "fp8")
+    assert (ev.dtype, ev.peak, ev.matmul_peak) == ("bf16", hw.peak("bf16"), hw.peak("fp8"))
+    b16, f8 = (Evaluator(profile, hw, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
+    cast = fp8_cast_seconds(_values(ev._fns[("tp1", "block0")], 8, 2048, 1, 1)["ops"], hw)
+    assert cast > 0
+    assert f8.fwd - b16.fwd == pytest.approx(f8.wgrad - b16.wgrad + cast)
+    assert f8.bwd - b16.bwd == pytest.approx(2 * (f8.wgrad - b16.wgrad) + cast)
 
 
 def test_each_term_moves_as_its_layout_says(h100):
@@ -233,10 +294,11 @@ def test_calibrate_sets_compute_scale_to_the_measured_step_over_the_roofline(pro
     calibrate's ``compute_scale`` is a measured step over it, written into the profile, which then loads with it."""
     from fxshard.cost.calibrate import _with_compute_scale
     from fxshard.cost.timemodel import single_step
+    from fxshard.files import write_text
     from tests.cost.test_hardware import GOOD
 
-    out = tmp_path / "p.json"
-    out.write_text(json.dumps(GOOD | {"measured": {}}))
+    out = tmp_path / "p.json"  # written as calibrate writes a profile: fxshard rewrites only its own files
+    write_text(out, json.dumps(GOOD | {"measured": {}}), "a hardware profile")
     ev = Evaluator(profile, load_hardware(out), "fp32")
     expected = sum(c * (ev.piece("tp1", n, 2, 16, 1, 1, 1).fwd + ev.piece("tp1", n, 2, 16, 1, 1, 1).bwd)
                    for n, c in [("before", 1), ("block0", 4), ("after", 1)])

@@ -1,4 +1,5 @@
-"""Data-dependent Python control flow: torch.export cannot capture it."""
+"""Data-dependent Python control flow: torch.export cannot capture it; fxshard specializes it on the example batch
+(behind a runtime guard) when the weights are real, and refuses it under --meta."""
 
 import torch
 import torch.nn as nn

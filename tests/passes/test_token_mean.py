@@ -91,3 +91,15 @@ def test_a_loss_over_boolean_indexed_tokens_is_counted_and_checked_with_a_symbol
     batch = load_model_file(MODELS / "bool_index_loss.py").build_inputs(0)
     count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
     assert int(count(batch["idx"], batch["labels"])) == 5 + 8 + 8 + 2
+
+
+def test_a_mean_over_the_tokens_a_mask_keeps_is_counted_by_the_mask():
+    # ELECTRA's discriminator loss: BCE over logits[mask]; dp rank 0 holds rows keeping 16 and 3 tokens, rank 1 9 and 5
+    result = compile_model(MODELS / "masked_bce_loss.py", Layout(dp=2))
+    code = result.sources["rank_pp0_tp0.py"]
+    assert "aten.binary_cross_entropy_with_logits.default(" in code and ", None, None, 2)" in code  # summed
+    assert "rt.token_mean(binary_cross_entropy_with_logits, " in code and "ignore_index=0)" in code
+    batch = load_model_file(MODELS / "masked_bce_loss.py").build_inputs(0)
+    count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
+    assert int(count(*[batch[k][:2] for k in ("idx", "attention_mask", "labels")])) == 16 + 3
+    assert any("the values a mask of the batch selects counted" in note for note in result.ctx.notes)

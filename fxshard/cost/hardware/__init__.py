@@ -22,7 +22,11 @@ measured forward and backward over the time model's roofline for it, 1.0 unless 
 measured it: the op mix of a real step, small products and elementwise ops, against the square product the peak
 comes from), ``selective_overhead`` (seconds per op that selective recompute's policy adds, beside running the op
 again: torch's selective checkpoint dispatches every op of the block through a Python mode in forward and in the
-recompute; 0 unless measured), ``measured`` (calibrate's points, kept for reference)::
+recompute; 0 unless measured), ``attention_by_seq`` (attention's efficiency by sequence length, ``{"512": 0.19,
+"8192": 0.34, ...}``, interpolated in log2 of the length and held at the ends: a flash kernel's rate climbs with the
+length its tiles amortize over; without it ``efficiency.attention`` at every length; either is a share of the peak
+on the FLOPs the kernel executes, which for a causal attention are about half the counted ones),
+``measured`` (calibrate's points, kept for reference)::
 
     hw = load_hardware("h100")
     hw.collective_seconds("all_reduce", 2**30, group=8, spread=1)     # 1 GiB over 8 GPUs of one node
@@ -49,7 +53,8 @@ REQUIRED = {
 LINK_FIELDS = ("bandwidth", "latency")
 DEFAULT_EFFICIENCY = {"matmul": 0.7, "attention": 0.5, "memory": 0.7}
 PASSES = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1, "all_to_all": 1}  # over the buffer
-DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32"}  # Layout.dtype -> the peak_flops key its matmuls run at
+DTYPE_PEAK = {"bf16": "bf16", "fp32": "fp32", "fp8": "bf16"}  # Layout.dtype -> the peak_flops key its matmuls run at
+# (fp8: the ops beside its fp8 linears, which run at peak_flops["fp8"]: Hardware.fp8_peak)
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Hardware:
     contention: float = 1.0  # one rank's compute rate alone over each one's when all compute (ranks > cores)
     compute_scale: float = 1.0  # a model's measured forward + backward over the roofline's (calibrate --model)
     selective_overhead: float = 0.0  # seconds per op of a selectively recomputed block (its policy, twice)
+    attention_by_seq: dict[int, float] = field(default_factory=dict)  # sequence length -> attention's efficiency
     default_dtype: str = "bf16"
     source: str = ""
     path: str = ""
@@ -88,6 +94,29 @@ class Hardware:
                               "measures every dtype) or choose --dtype " + " or ".join(
                                   d for d, k in DTYPE_PEAK.items() if k in self.peak_flops))
         return self.peak_flops[key]
+
+    def attention_efficiency(self, seq: int) -> float:
+        """Attention's share of the peak at sequence length ``seq``: the profile's curve (``attention_by_seq``),
+        linear in log2 of the length between its points and held beyond them, else ``efficiency.attention``.
+
+        >>> Hardware("x", {}, 1.0, 1, 1, Link(1, 0), Link(1, 0), attention_by_seq={1024: 0.2, 4096: 0.3}
+        ...          ).attention_efficiency(2048)
+        0.25
+        """
+        if not self.attention_by_seq:
+            return self.efficiency["attention"]
+        points = sorted(self.attention_by_seq.items())
+        if seq <= points[0][0]:
+            return points[0][1]
+        for (s0, e0), (s1, e1) in zip(points, points[1:], strict=False):
+            if seq <= s1:
+                return e0 + (e1 - e0) * (math.log2(seq) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+        return points[-1][1]
+
+    def fp8_peak(self) -> float:
+        """Peak FLOP/s of an fp8 linear's product (``peak_flops["fp8"]``, dense); a profile without one (an A100, a
+        CPU: no fp8 matrix units) runs it at bf16's, its casts then pure cost."""
+        return self.peak_flops.get("fp8") or self.peak("bf16")
 
     def link(self, spread: int, group: int = 0, op: str = "") -> Link:
         """The link a group of ``group`` devices uses for collective ``op``: within one node when its members sit on
@@ -180,6 +209,7 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
                     overlap=float(data.get("overlap", 1.0)), contention=float(data.get("contention", 1.0)),
                     compute_scale=float(data.get("compute_scale", 1.0)),
                     selective_overhead=float(data.get("selective_overhead", 0.0)),
+                    attention_by_seq={int(k): float(v) for k, v in data.get("attention_by_seq", {}).items()},
                     default_dtype=str(data.get("default_dtype", "bf16")), source=str(data.get("source", "")),
                     path=str(path))
 
@@ -238,6 +268,10 @@ def _malformed(data: dict) -> list[str]:
     selective = data.get("selective_overhead", 0.0)
     if not (_number(selective) and 0 <= selective < 1):
         out.append(f"selective_overhead (expected seconds per op in [0, 1), found {selective!r})")
+    curve = data.get("attention_by_seq", {})
+    if not isinstance(curve, dict) or not all(str(k).isdigit() and int(k) > 0 and _positive(v) and v <= 1
+                                              for k, v in curve.items()):
+        out.append("attention_by_seq (expected an object of sequence length -> share of the peak in (0, 1])")
     eff = data.get("efficiency", {})
     if not isinstance(eff, dict) or not all(_positive(v) and v <= 1 for v in eff.values()):
         out.append("efficiency (expected an object of op class -> share of the peak in (0, 1])")

@@ -1,0 +1,74 @@
+"""FP8 linears: each eligible ``nn.Linear`` becomes ``rt.fp8_linear`` (``--fp8``, ``--dtype fp8``).
+
+A dtype policy on linears, written where a reader sees it: every ``aten.linear`` of an ``nn.Linear`` that
+:func:`fxshard.runtime.fp8.fp8_module` admits (not the output head, not a LoRA adapter, sizes multiples of 16) is
+rewritten in place into a call that casts and scales its operands and multiplies in float8, torchao's recipe
+(:mod:`fxshard.runtime.fp8`).  Where tp splits the weight the call is ``rt.fp8_linear_tp``, whose amaxes are
+all-reduced with MAX over tp, forward and backward, so each scale is the whole tensor's (a collective kind of
+:mod:`fxshard.ir.comm`)::
+
+    linear_3 = rt.fp8_linear_tp(copy_to_2, self.tp, weight=self.fc_in_weight, bias=self.fc_in_bias,
+                                recipe="tensorwise", split="out")
+    linear_4 = rt.fp8_linear(gelu, self.proj_weight, None, recipe="tensorwise")
+
+It runs after the collectives pass (the placements are final) and before the overlap pass, which then leaves these
+linears and their ``copy_to`` unfused.  Refused, naming the module: a split weight whose parts several ranks hold
+alike (key/value heads fewer than tp: each rank's gradient of such a part is partial, so its amax is not the whole
+gradient's), and a linear whose input tp splits along its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard.errors import ShardingError
+from fxshard.ir.context import TP, CompileContext, Group, spec, update_spec
+from fxshard.ir.placement import Shard
+from fxshard.runtime import fp8 as rt_fp8
+
+aten = torch.ops.aten
+
+
+def fp8_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    recipe = ctx.layout.fp8_recipe
+    modules = dict(ctx.program.model.named_modules())
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        fqn = spec(node).fqn
+        module = modules.get(fqn)
+        if module is None or not rt_fp8.fp8_module(fqn, module):
+            continue
+        x, weight, bias = (*node.args, None)[:3]
+        split = _split(node, x, weight, fqn, ctx.layout.tp)
+        if split is None:
+            node.target, node.args = rt_fp8.fp8_linear, (x, weight, bias)
+        else:
+            # weight and bias by keyword: a collective kind's fake and the checks' recorder read them so
+            node.target, node.args = rt_fp8.fp8_linear_tp, (x, Group(TP))
+            node.kwargs = {"weight": weight, "bias": bias, "recipe": recipe, "split": split}
+            update_spec(node, collective="fp8_linear_tp")
+            continue
+        node.kwargs = {"recipe": recipe}
+    gm.recompile()
+    return gm
+
+
+def _split(node: fx.Node, x: fx.Node, weight: fx.Node, fqn: str, tp: int) -> str | None:
+    """Which dimension of the weight tp splits: ``"out"`` (column-parallel), ``"in"`` (row-parallel), None."""
+    w, xp = spec(weight).placement, spec(x).placement
+    if tp == 1 or not isinstance(w, Shard):
+        if isinstance(xp, Shard) and tp > 1:
+            raise ShardingError(f"{fqn}: an fp8 linear whose input is split along dimension {xp.dim} over tp (its "
+                                "tokens): its scales would need every rank's amax over the tokens; replicate this "
+                                "module in the plan, or train without --fp8")
+        return None
+    if w.general:
+        raise ShardingError(f"{fqn}: fp8 on a weight whose parts several tp ranks hold alike ({w}): each rank's "
+                            "gradient of such a part is partial, so its amax is not the whole gradient's; use a tp "
+                            "that divides the key/value heads, or train without --fp8")
+    if isinstance(xp, Shard) and xp.dim % len(x.meta["val"].shape) != len(x.meta["val"].shape) - 1:
+        raise ShardingError(f"{fqn}: an fp8 linear whose input is split along dimension {xp.dim} over tp (its tokens) "
+                            "as well as its weight; replicate this module in the plan, or train without --fp8")
+    return "out" if w.dim % 2 == 0 else "in"  # weight [out, in]: dim 0 (-2) out, dim 1 (-1) in

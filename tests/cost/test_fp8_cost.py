@@ -1,0 +1,62 @@
+"""The time model at ``--dtype fp8``: the linears' products move to the fp8 class at the fp8 peak, with the same
+FLOPs; their casts are memory traffic; under tp their amaxes are a few float32 values; the head stays bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import sympy
+
+from fxshard.cost.hardware import load_hardware
+from fxshard.cost.profile import S, T, b, model_profile
+from fxshard.cost.timemodel import Evaluator
+
+MODEL = "samples/llama.py"  # 4 layers, hidden 64, 8 heads (4 kv), vocabulary 256
+AT = {b: 2, S: 16, T: 2}
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return {dtype: model_profile(MODEL, dtype=dtype) for dtype in ("bf16", "fp8")}
+
+
+def _flops(piece) -> dict:
+    return {c: float(sympy.sympify(f).subs(AT)) for c, f in piece.flops.items()}
+
+
+@pytest.mark.slow
+def test_the_linears_move_to_the_fp8_class_with_the_same_flops(profiles):
+    for structure in ("tp1", "tp"):
+        for name, piece in profiles["bf16"].pieces(structure).items():
+            fp8 = _flops(profiles["fp8"].pieces(structure)[name])
+            assert sum(fp8.values()) == pytest.approx(sum(_flops(piece).values())), (structure, name)
+    block = _flops(profiles["fp8"].pieces("tp1")["block0"])
+    assert block["fp8"] > 0 and block.get("matmul", 0) == 0  # every linear of a block: q, k, v, o, gate, up, down
+    assert _flops(profiles["fp8"].pieces("tp1")["after"])["matmul"] > 0  # the head: bf16 (torchtitan's filter)
+    casts = profiles["fp8"].pieces("tp1")["block0"].traffic - profiles["bf16"].pieces("tp1")["block0"].traffic
+    assert float(casts.subs(AT)) > 0
+
+
+@pytest.mark.slow
+def test_the_fp8_products_run_at_the_fp8_peak(profiles):
+    hw = dataclasses.replace(load_hardware("h100"), memory_bandwidth=1e30, kernel_overhead=0.0)  # compute alone
+    costs = {d: Evaluator(p, hw).piece("tp1", "block0", 2, 16, 1, 1, 1) for d, p in profiles.items()}
+    linears = {d: c.fwd - c.attention for d, c in costs.items()}
+    assert linears["fp8"] == pytest.approx(linears["bf16"] * hw.peak_flops["bf16"] / hw.peak_flops["fp8"])
+    assert Evaluator(profiles["fp8"], hw).peak == hw.peak_flops["bf16"]  # the rest, and MFU, against bf16's
+
+
+@pytest.mark.slow
+def test_under_tp_the_amaxes_are_a_few_float32_values(profiles):
+    comms = profiles["fp8"].pieces("tp")["block0"].comms
+    small = [c for c in comms if not sympy.sympify(c.nbytes).free_symbols]
+    # tensorwise: per linear tp splits, the input's and the weight's amax forward, the gradient's backward
+    assert sorted(float(c.nbytes) for c in small) == [4.0] * 7 + [8.0] * 7
+    assert len(comms) - len(small) == len(profiles["bf16"].pieces("tp")["block0"].comms)
+
+
+def test_a_profile_without_an_fp8_peak_runs_its_products_at_bf16s():
+    cpu, h100 = load_hardware("cpu-gloo"), load_hardware("h100")
+    assert "fp8" not in cpu.peak_flops and cpu.fp8_peak() == cpu.peak("bf16")
+    assert h100.fp8_peak() == 1979e12 and h100.peak("fp8") == h100.peak("bf16")

@@ -1,0 +1,71 @@
+"""``rt.fp8_linear_tp`` on two ranks (threads) is the one-device fp8 linear: every scale the whole tensor's.
+
+Where a rank's values are whole products on one device (a column-parallel output's columns, a row-parallel input
+gradient's columns, every weight gradient's part) they are equal bit for bit; partial sums (a row-parallel output,
+a column-parallel input gradient) agree to fp32 rounding.  A per-feature amax of features tp splits must stay each
+rank's own: all-reducing it too mixes rank 0's feature i with rank 1's (an error the loss tolerances cannot see).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from threaded_group import run_cases
+
+from fxshard.runtime import fp8 as rt_fp8
+
+TOKENS, IN, OUT = 24, 64, 32
+
+
+def _threaded_max(amaxes, group, what, site):
+    every = group.exchange([a.clone() for a in amaxes])
+    return [torch.stack([mine[i] for mine in every]).amax(0) for i in range(len(amaxes))]
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)  # not the global one: the rank threads draw at once
+    x = torch.randn(TOKENS, IN, generator=g) * torch.linspace(0.1, 20, IN)  # unlike ranges
+    # features 1e6 apart, so a scale from another rank's feature would push this one's into e4m3's subnormals
+    w = torch.randn(OUT, IN, generator=g) * torch.logspace(-3, 3, OUT)[:, None] * torch.logspace(-3, 3, IN)
+    grad = torch.randn(TOKENS, OUT, generator=g) * 1e-2
+    return x, w, grad
+
+
+def _rank(group, recipe: str, split: str):
+    x, w, grad = _inputs()
+    r = group.rank()
+    if split == "out":
+        x, w, grad = x.clone(), w.chunk(2)[r].clone(), grad.chunk(2, dim=-1)[r].clone()
+    else:
+        x, w = x.chunk(2, dim=-1)[r].clone(), w.chunk(2, dim=-1)[r].clone()
+    x.requires_grad_()
+    w.requires_grad_()
+    y = rt_fp8.fp8_linear_tp(x, group, w, None, recipe, split)
+    y.backward(grad)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("recipe", list(rt_fp8.RECIPES))
+@pytest.mark.parametrize("split", ["out", "in"])
+def test_fp8_linear_tp_is_the_one_device_linear(monkeypatch, recipe, split):
+    monkeypatch.setattr(rt_fp8, "_reduced", _threaded_max)
+    x, w, grad = _inputs()
+    x.requires_grad_()
+    w.requires_grad_()
+    y = rt_fp8.fp8_linear(x, w, None, recipe)
+    y.backward(grad)
+    (rank0, rank1), = run_cases(_rank, 2, [("case", (recipe, split))]).values()
+
+    def close(parts, whole):  # a sum of parts: fp32's rounding; rowwise products come out in bf16 (torchao's)
+        bits = 8 if rt_fp8.RECIPES[recipe].rowwise else 22
+        atol = 4 * 2.0**-bits * float(whole.detach().abs().max())
+        torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=atol)
+
+    if split == "out":  # column-parallel: output columns and weight rows whole; input gradient a partial sum
+        assert torch.equal(torch.cat([rank0[0], rank1[0]], dim=-1), y)
+        assert torch.equal(torch.cat([rank0[2], rank1[2]]), w.grad)
+        close((rank0[1], rank1[1]), x.grad)
+    else:  # row-parallel: input-gradient and weight columns whole; the output a partial sum
+        assert torch.equal(torch.cat([rank0[1], rank1[1]], dim=-1), x.grad)
+        assert torch.equal(torch.cat([rank0[2], rank1[2]], dim=-1), w.grad)
+        close((rank0[0], rank1[0]), y)
