@@ -17,6 +17,7 @@ from fxshard.errors import FxshardError, FxshardWarning, OptionError
 from fxshard.flags import build as _build_flags
 from fxshard.flags import flags
 from fxshard.ir.layout import Layout
+from fxshard.step_shape import StepShape
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -61,14 +62,6 @@ def _fail(e: Exception) -> None:
 
 ModelArg = Annotated[Path, typer.Argument(help="model file defining make_model() and make_inputs(), or a Hugging "
                                                 "Face folder (config.json, *.safetensors) with --seq and --batch")]
-# one declaration each: a folder's example batch (fxshard/capture/hf_folder.py), the length --auto searches at, the
-# size plan evaluates at
-Seq = Annotated[int | None, typer.Option("--seq", help="tokens per sequence: of a Hugging Face folder's example "
-                                                       "batch; --auto searches at it; plan evaluates at it (default: "
-                                                       "the example's)")]
-Batch = Annotated[int | None, typer.Option("--batch", help="sequences per step over all dp ranks: of a Hugging Face "
-                                                           "folder's example batch; plan evaluates at it (default: the "
-                                                           "example's)")]
 DeviceMemory = Annotated[str | None, typer.Option("--device-memory",
                                                   help="memory of one device (80GiB, 80GB, 16GiB): say per rank "
                                                        "whether its predicted peak fits; --recompute auto chooses "
@@ -80,6 +73,10 @@ Seed = Annotated[int, typer.Option("--seed", help="seed for make_model() and mak
 LAYOUT_FLAGS = flags(Layout)
 AUTO_FLAGS = flags(AutoOptions)  # plan --auto, compile --auto, plan --hardware (fxshard/cost/auto_options.py)
 FOLDER_FLAGS = flags(FolderOptions)  # MODEL a Hugging Face folder (fxshard/capture/folder_options.py)
+# --seq and --batch, one declaration each (fxshard/step_shape.py): a folder's example batch, what --auto searches
+# at, what plan evaluates at; verify takes them for a folder only, without --auto's old --global-batch
+STEP_FLAGS = flags(StepShape)
+VERIFY_STEP_FLAGS = [f for f in STEP_FLAGS if f.name != "global_batch"]
 # what verify trains with: run's own flags for the steps, the optimizer, the timeout and --compile
 VERIFY_RUN_FLAGS = [f for f in RunOptions.flags()
                     if f.name in ("steps", "timeout", "compile", "cpu_matmul", *(g.name for g in flags(OptimConfig)))]
@@ -118,13 +115,11 @@ def _user_plan(plan: Path | None, split_before: list[str] | None) -> dict | None
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, FOLDER_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS, FOLDER_FLAGS)
 def compile(
     model: ModelArg,
-    seq: Seq = None,
-    batch: Batch = None,
     split_before: SplitBefore = None,
-    plan: PlanFile = None,
+    plan_file: PlanFile = None,
     out: Path = typer.Option(Path("out"), "--out", "-o", help="output folder"),
     seed: Seed = 0,
     weights: Path = typer.Option(None, "--weights",
@@ -148,20 +143,18 @@ def compile(
     from fxshard.driver import compile as compile_
     from fxshard.driver import model_source
 
-    auto = build(AutoOptions, flags)
-    layout = build(Layout, flags)
-    folder = build(FolderOptions, flags)
+    auto, layout, folder = build(AutoOptions, flags), build(Layout, flags), build(FolderOptions, flags)
     try:
+        shape = build(StepShape, flags)
+        seq, batch = shape.seq, shape.batch
         check_model_flags(model, seq, batch, auto.auto, weights=weights)
+        auto.check_compile()
         with model_source(model, folder, seq, batch, weights=not meta) as source:
             if auto.auto:  # search, print the ranking, then compile the first
-                layout = _plan_auto(source, auto, layout, seq, _user_plan(plan, split_before), seed, False, str(out),
-                                    _given(ctx, "dtype")).result.ranked[0].layout
-            elif auto.hardware is not None or auto.gpus is not None:
-                raise OptionError("--hardware and --gpus are compile's --auto flags; found them without --auto: add "
-                                  "--auto, or use `fxshard plan --hardware` to predict a layout's step")
+                layout = _plan_auto(source, auto, layout, shape, _user_plan(plan_file, split_before), seed, False,
+                                    str(out), _given(ctx, "dtype")).result.ranked[0].layout
             device = parse_size(device_memory) if device_memory is not None else None  # before the compile
-            user_plan = _user_plan(plan, split_before)
+            user_plan = _user_plan(plan_file, split_before)
             with console.status(f"compiling {model} ({layout.describe()})"):
                 result = compile_(source.model_file, layout, out=out, plan=user_plan, seed=seed,
                                   weights=source.weights or weights, meta=meta, device_memory=device)
@@ -179,13 +172,11 @@ def compile(
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, FOLDER_FLAGS)
+@_with_flags(LAYOUT_FLAGS, AUTO_FLAGS, STEP_FLAGS, FOLDER_FLAGS)
 def plan(
     model: ModelArg,
     split_before: SplitBefore = None,
     plan_file: PlanFile = None,
-    batch: Batch = None,
-    seq: Seq = None,
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
@@ -201,12 +192,13 @@ def plan(
     MODEL may be a Hugging Face folder (with --seq and --batch; its config.json alone is enough)."""
     from fxshard.driver import model_source
 
-    auto = build(AutoOptions, flags)
+    auto, shape = build(AutoOptions, flags), build(StepShape, flags)
+    seq, batch = shape.seq, shape.batch
     try:
         with model_source(model, build(FolderOptions, flags), seq, batch, weights=False) as source:
             if auto.auto:
-                return _plan_auto(source, auto, build(Layout, flags), seq, _user_plan(plan_file, split_before), seed,
-                                  as_json, dtype_given=_given(ctx, "dtype"))
+                return _plan_auto(source, auto, build(Layout, flags), shape, _user_plan(plan_file, split_before),
+                                  seed, as_json, dtype_given=_given(ctx, "dtype"))
             _plan(source.model_file, auto, flags, split_before, plan_file, batch, seq, device_memory, as_json, seed,
                   data, pack)
     except FxshardError as e:
@@ -222,7 +214,6 @@ def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory
     from fxshard.cost.costs import parse_size, plan_costs
 
     try:
-        _only_with_auto(auto, batch)
         device = parse_size(device_memory) if device_memory is not None else None  # before the compile
         layout = build(Layout, flags)
         if auto.hardware is not None:
@@ -265,16 +256,6 @@ def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory
             time_lines(console, *predicted)
 
 
-def _only_with_auto(auto: AutoOptions, batch: int | None) -> None:
-    """Refuse --auto's own flags without --auto."""
-    for name, flag in (("gpus", "--gpus"), ("global_batch", "--global-batch")):
-        if getattr(auto, name) is not None:
-            raise OptionError(f"{flag} is for --auto (the search); found it without --auto: add --auto, or give the "
-                              "layout's own flags" + (" and --batch" if name == "global_batch" else ""))
-    if auto.gpus_per_node is not None and auto.hardware is None:
-        raise OptionError("--gpus-per-node places the mesh on nodes for the time model: expected --hardware too")
-
-
 def _prediction_json(pred) -> dict:
     return {"layout": pred.layout.describe(), "step_s": pred.step, "compute_s": pred.compute,
             "exposed_communication_s": pred.exposed, "bubble_s": pred.bubble, "tokens_per_s_per_device":
@@ -289,8 +270,8 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def _plan_auto(source, auto: AutoOptions, layout: Layout, seq, user_plan, seed, as_json: bool, out: str = "out/auto",
-               dtype_given: bool = True):
+def _plan_auto(source, auto: AutoOptions, layout: Layout, shape: StepShape, user_plan, seed, as_json: bool,
+               out: str = "out/auto", dtype_given: bool = True):
     """``fxshard plan --auto`` of ``source`` (:class:`fxshard.capture.hf_folder.ModelSource`): search, print the best
     layouts and the command that compiles the first; without ``--dtype`` (``dtype_given`` False) in the dtype the
     hardware profile trains in."""
@@ -303,8 +284,8 @@ def _plan_auto(source, auto: AutoOptions, layout: Layout, seq, user_plan, seed, 
     model = source.argv()[0]
     try:
         with console.status(f"searching the layouts of {auto.gpus} devices for {model}"):
-            found = plan_auto(source.model_file, layout.dtype if dtype_given else None, auto, seq, layout, user_plan,
-                              seed)
+            found = plan_auto(source.model_file, layout.dtype if dtype_given else None, auto, shape.seq, layout,
+                              user_plan, seed, batch=shape.batch)
     except FxshardError as e:
         _fail(e)
     found.model = model  # a folder by its own name, not the model file written for it
@@ -662,13 +643,11 @@ def generate(
 
 
 @app.command()
-@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS, FOLDER_FLAGS)
+@_with_flags(LAYOUT_FLAGS, VERIFY_RUN_FLAGS, VERIFY_STEP_FLAGS, FOLDER_FLAGS)
 def verify(
     model: ModelArg,
-    seq: Seq = None,
-    batch: Batch = None,
     split_before: SplitBefore = None,
-    plan: PlanFile = None,
+    plan_file: PlanFile = None,
     rtol: float = typer.Option(None, "--rtol", help="losses: relative tolerance (default 1e-5; 2e-2 under bf16)"),
     param_rtol: float = typer.Option(None, "--param-rtol",
                                      help="parameters: tolerance of ‖distributed − single device‖ / ‖single device "
@@ -694,11 +673,13 @@ def verify(
         layout = build(Layout, flags)
         run = RunOptions.from_flags({f.name: f.default for f in RunOptions.flags()} | flags)
         check_verify_options(run.steps, rtol, param_rtol)  # before the line that says it starts
+        shape = build(StepShape, flags | {"global_batch": None})  # verify takes no --global-batch
+        seq, batch = shape.seq, shape.batch
         check_model_flags(model, seq, batch, auto=False)
         with model_source(model, build(FolderOptions, flags), seq, batch) as source:
             console.print(f"verifying {model} at {layout.describe()}{' in float64' if fp64 else ''}: {run.steps} "
                           "steps distributed and on one device")
-            result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan, split_before), seed,
+            result = verify_(source.model_file, layout, run.steps, run.optim, _user_plan(plan_file, split_before), seed,
                              rtol, param_rtol, out, timeout_s=run.timeout, compile=run.compile,
                              cpu_matmul=run.cpu_matmul, weights=source.weights, fp64=fp64)
     except FxshardError as e:

@@ -56,7 +56,7 @@ from fxshard.codegen.weights import checkpoint_source, external_weights, shard_m
 from fxshard.errors import LayoutError, PlanError, warn
 from fxshard.files import make_folder, path_for_library, write_bytes, write_text
 from fxshard.ir.autograd import requires_grad
-from fxshard.ir.batch import cross_batch_products, whole_batch_region
+from fxshard.ir.batch import cross_batch_products, has_router_loss, is_mean_of_sums, whole_batch_region
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.contracts import (
     BLOCKED,
@@ -75,7 +75,6 @@ from fxshard.ir.rows import BatchRows, batch_rows
 from fxshard.ir.sequence import SequenceDims, sequence_dims
 from fxshard.ir.stages import gradless_sends, pipeline_stages, tied_weights
 from fxshard.passes import PASSES
-from fxshard.passes.router_loss import has_router_loss, is_mean_of_sums
 from fxshard.plan.styles import resolve
 from fxshard.version import __version__
 
@@ -96,20 +95,6 @@ class CompiledProgram:
     @property
     def files(self) -> list[str]:
         return sorted(self.sources)
-
-
-def check_layout(layout: Layout) -> None:
-    """Reject layouts this version does not implement yet, before any work."""
-    if layout.pp == 1:
-        if layout.microbatches not in (None, 1):
-            raise LayoutError(f"--microbatches {layout.microbatches} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
-        if layout.schedule != "1f1b":
-            raise LayoutError(f"--schedule {layout.schedule} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
-        if layout.virtual_stages not in (None, 1):
-            raise LayoutError(f"--virtual-stages {layout.virtual_stages} applies to pipeline parallelism (--pp > 1); "
-                              "leave it unset at --pp 1")
 
 
 def load_plan_file(path: str | Path) -> dict:
@@ -172,7 +157,6 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
     """Capture and transform; returns the per-rank graph and context without writing files.
 
     ``meta=True`` builds and captures the model with its parameters on the meta device."""
-    check_layout(layout)
     if layout.recompute == "auto":
         raise LayoutError("--recompute auto: expected it resolved to none, selective or full before the compile; "
                           "found auto; compile through fxshard.driver.compile or `fxshard compile` with "

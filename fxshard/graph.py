@@ -4,6 +4,7 @@ A leaf (torch.fx alone), so that capture, ir, plan, the passes, the checks and t
 
     node_fqn(node)     # 'model.layers.3.mlp.down_proj': from the node's nn_module_stack, as capture keeps it
     loss_cone(gm)      # the nodes training runs: the loss, side effects, and what they are computed from
+    ancestors([node])  # the node and what it is computed from (walk: the one graph walk)
     static_shape(val)  # a value's shape as ints, a size the data decides standing as a number of its own
     largest_shape(val) # the same, a size the data decides at its largest: what estimates count
     model_line(node)   # 'modeling_llama.py:244': the line of the model's code that made it
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch.fx as fx
 
@@ -24,15 +26,8 @@ def loss_cone(gm: fx.GraphModule) -> set[fx.Node]:
     in-place update, e.g. of a buffer or through a view), and every node these are computed from.  The
     rest computes only the model's other outputs (e.g. logits gathered whole to be returned)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    seen: set[fx.Node] = set()
-    stack = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
-    stack += [n for n in gm.graph.nodes if n.op == "call_function" and n.is_impure()]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
+    start = [a for a in out.args[0][:1] if isinstance(a, fx.Node)]
+    return set(ancestors(start + [n for n in gm.graph.nodes if n.op == "call_function" and n.is_impure()]))
 
 
 def module_call(node: fx.Node, fqn: str) -> int | None:
@@ -49,6 +44,35 @@ def node_fqn(node: fx.Node) -> str:
     """FQN of the innermost module a node came from ('' for the model itself)."""
     stack = node.meta.get("nn_module_stack")
     return list(stack.values())[-1][0] if stack else ""
+
+
+def walk(start: Iterable[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> Iterator[fx.Node]:
+    """Each node reachable from ``start`` by ``step`` (a node's next nodes), once, depth first, ``start`` included:
+    the one graph walk the passes and analyses share (a caller stops it by leaving the loop, prunes it by a ``step``
+    that gives no next nodes past a node)::
+
+        any(n in user_inputs for n in ancestors([node]))    # computed from the batch?
+        set(walk(products, lambda n: [u for u in n.users if u.op == "call_function"]))
+    """
+    seen: set[fx.Node] = set()
+    stack = list(start)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(step(node))
+
+
+def ancestors(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
+    """``start`` and every node it is computed from (:func:`walk` by ``all_input_nodes``)."""
+    return walk(start, lambda n: n.all_input_nodes)
+
+
+def descendants(start: Iterable[fx.Node]) -> Iterator[fx.Node]:
+    """``start`` and every node computed from it (:func:`walk` by ``users``)."""
+    return walk(start, lambda n: n.users)
 
 
 def static_shape(value) -> tuple[int, ...]:

@@ -35,11 +35,11 @@ from fxshard.passes.expert_parallel import expert_parallel_pass
 from fxshard.passes.fp8 import fp8_pass
 from fxshard.passes.overlap import overlap_pass
 from fxshard.passes.pipeline import pipeline_pass
-from fxshard.passes.router_loss import has_router_loss, router_loss_pass
+from fxshard.passes.router_loss import router_loss_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 
-from fxshard.ir.batch import cross_batch_products
+from fxshard.ir.batch import cross_batch_products, has_router_loss
 from fxshard.ir.contracts import (
     BLOCKED,
     CAUSAL_MASKS,

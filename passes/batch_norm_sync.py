@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn
+from fxshard.graph import ancestors, node_fqn
 from fxshard.ir.batch import refuse_microbatches
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.placement import Replicate, Shard
@@ -75,15 +75,7 @@ def _is_training_norm(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
 
 
 def _reads(node, user_inputs: set[fx.Node]) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, fx.Node) and n not in seen:
-            if n in user_inputs:
-                return True
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return False
+    return isinstance(node, fx.Node) and any(n in user_inputs for n in ancestors([node]))
 
 
 def _sync(gm: fx.GraphModule, node: fx.Node, dp: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxshard.graph import ancestors
 from fxshard.ir.context import CompileContext
 from fxshard.ir.sharding import argument, set_argument, shape
 
@@ -88,15 +89,11 @@ def _is_causal(mask: fx.Node, size: int, ctx: CompileContext) -> bool:
 def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
     """The nodes ``mask`` is computed from, in graph order, or None if it reads a placeholder (an input, a
     parameter or a buffer) or anything but ATen calls."""
-    found, todo = set(), [mask]
-    while todo:
-        n = todo.pop()
-        if n in found:
-            continue
+    found = set()
+    for n in ancestors([mask]):
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             return None
         found.add(n)
-        todo.extend(n.all_input_nodes)
     return [n for n in mask.graph.nodes if n in found]
 
 
@@ -125,7 +122,8 @@ def _evaluate(nodes: list[fx.Node]) -> dict | None:
 
 
 def _erase_unused(gm: fx.GraphModule, mask: fx.Node) -> None:
-    """Erase ``mask`` and what only it read, now that no attention reads it."""
+    """Erase ``mask`` and what only it read, now that no attention reads it (a node's inputs are read before it is
+    erased, which empties them: not :func:`fxshard.graph.walk`)."""
     todo, erased = [mask], set()
     while todo:
         n = todo.pop()

@@ -32,7 +32,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from fxshard.passes.tensor_parallel import localize_sizes
 
 from fxshard.errors import ShardingError
 from fxshard.graph import node_fqn
@@ -40,6 +39,7 @@ from fxshard.ir import cp_attention
 from fxshard.ir.context import CP, CompileContext, Group, NodeSpec
 from fxshard.ir.cp_experts import TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import MATMULS, cp_rule
+from fxshard.ir.localize import localize_sizes
 from fxshard.ir.placement import Partial, Placement, Replicate, Shard, local_shape
 from fxshard.ir.sharding import Decision, argument, rule_decision, shape, tensor_args
 from fxshard.runtime import collectives as rtc

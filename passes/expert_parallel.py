@@ -1,23 +1,11 @@
 """Expert parallelism (``--ep N``): each mixture-of-experts layer's experts split over N ranks of dp.
 
-A transformers 5 MoE layer stores its experts stacked (``experts.gate_up_proj [E, 2I, H]``,
-``experts.down_proj [E, H, I]``) and runs them as two grouped matmuls over the routed rows sorted by
-expert, with the model's cumulative rows per expert as offsets.  The captured graph of such a layer reads::
-
-    offs = cumsum(histc(sorted expert ids))                     # the router's choice, every rank
-    h = grouped_mm(rows, transpose(gate_up_proj), offs)         # row-wise from here ...
-    h = act(chunk(h)[0]) * chunk(h)[1]
-    out = grouped_mm(h, transpose(down_proj), offs)             # ... to here
-    ... weighted by the top-k weights, summed per token in the original order
-
-This pass keeps every one of those lines (the router, top-k, the sort, the activation, the weighting and
-the combine are the model's own) and puts the exchange around the row-wise part::
-
-    counts = rt.exchange_counts(offs, self.ep)                   # all-to-all of the counts
-    rows = rt.all_to_all_dispatch(rows, self.ep, offs, counts)   # rows to the rank of their expert
-    offs_local = rt.expert_offsets(counts)
-    ...the model's grouped matmuls and activation with this rank's E/N experts and offs_local...
-    out = rt.all_to_all_combine(out, self.ep, offs, counts)      # rows back, in the sender's order
+A transformers 5 MoE layer stores its experts stacked and runs them as two grouped matmuls over the routed rows
+sorted by expert: the pattern :mod:`fxshard.ir.experts` recognizes (its docstring shows the captured lines).  This
+pass keeps every one of those lines (the router, top-k, the sort, the activation, the weighting and the combine are
+the model's own) and puts the exchange of :mod:`fxshard.runtime.experts` around the row-wise part (its docstring
+shows the four calls a rank file makes): the rows go to the rank of their expert, the model's grouped matmuls run
+this rank's E/N experts on them, and the rows come back in the sender's order.
 
 Each row meets the same expert weights and the same ops as on one device, so the result is exact (dropless:
 no row is ever dropped).  What cannot be recognized this way is refused, naming the module.

@@ -25,20 +25,14 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
+from fxshard.ir.batch import COUNTS as _COUNTS
+from fxshard.ir.batch import is_mean_of_sums
+from fxshard.ir.batch import mean_terms as _terms
 from fxshard.ir.context import DP, CompileContext, Group, NodeSpec, spec
 from fxshard.ir.placement import Replicate
 from fxshard.runtime import collectives as rtc
 
 aten = torch.ops.aten
-# a layer's term: its top-k ids counted (histc; scatter_add of the attention mask's weights), its probabilities summed
-_COUNTS = {aten.histc.default, aten.scatter_add.default, aten.scatter_add_.default}
-_SUMS = _COUNTS | {aten.sum.dim_IntList}
-
-
-def has_router_loss(model: torch.nn.Module) -> bool:
-    """Whether ``model`` adds transformers' load-balancing loss to its loss."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
 
 
 def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -72,26 +66,6 @@ def router_loss_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                      "batch")
     gm.recompile()
     return gm
-
-
-def is_mean_of_sums(node: fx.Node) -> bool:
-    """``sums / rows``, the sums an add chain of per-layer histc counts or row sums (from ``zeros``)."""
-    return (node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[0], fx.Node)
-            and bool(_terms(node.args[0])))
-
-
-def _terms(node: fx.Node) -> list[fx.Node]:
-    """The per-layer terms of an add chain ``zeros + t_0 + t_1 + ...`` (each a count or a sum over dim 0), or []."""
-    terms = []
-    while node.op == "call_function" and node.target is aten.add.Tensor:
-        a, b = node.args
-        if not (isinstance(b, fx.Node) and b.target in _SUMS):
-            return []
-        if b.target is aten.sum.dim_IntList and list(b.args[1]) != [0]:
-            return []
-        terms.append(b)
-        node = a
-    return terms[::-1] if node.op == "call_function" and node.target is aten.zeros.default and terms else []
 
 
 def _term_kind(node: fx.Node) -> str:

@@ -26,19 +26,17 @@ import torch.fx as fx
 from fxshard.errors import PlanError, ShardingError, divisors
 from fxshard.graph import node_fqn
 from fxshard.ir.context import TP, CompileContext, NodeSpec, RankValue, spec, update_spec
-from fxshard.ir.placement import Placement, Replicate, Shard, local_shape
+from fxshard.ir.localize import SIZED, localize_sizes
+from fxshard.ir.placement import Placement, Replicate, Shard
 from fxshard.ir.sharding import (
     Propagation,
     argument,
     propagate,
-    set_argument,
     shape,
-    squeezed_dims,
     tensor_args,
     vocab_parallel_loss,
     written_inputs,
 )
-from fxshard.ir.sharding_mixers import local_groups, local_repeats
 from fxshard.plan.auto import auto_plan, complete_plan
 from fxshard.plan.demand import demanded_placements
 from fxshard.plan.experts import expert_split
@@ -51,8 +49,6 @@ from fxshard.runtime import tensor_parallel as rt_tp
 aten = torch.ops.aten
 
 _DEMAND_ROUNDS = 4  # a parameter read through another's split (Mamba-1's dt_proj bias after its weight) waits a round
-_SIZED = {aten.view.default: "size", aten.reshape.default: "shape", aten._unsafe_view.default: "size",
-          aten.expand.default: "size", aten.new_empty.default: "size"}  # op -> its argument of global sizes
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads",
                "num_kv_heads")
 
@@ -143,49 +139,6 @@ def apply_propagation(gm: fx.GraphModule, prop: Propagation, ctx: CompileContext
             _vocab_cross_entropy(gm, node, tp)
         elif d.rewrite == "mean_of_parts":
             _mean_of_parts(gm, node, tp)
-
-
-def localize_sizes(node: fx.Node, out, first_input, parts: int) -> None:
-    """Make the global sizes export baked into ``node`` (a ``view``'s shape, a ``split``'s sizes) this rank's, for
-    its output placed ``out`` and its first input ``first_input`` over ``parts`` ranks (tp, or cp for
-    passes/context_parallel.py)."""
-    if node.target in _SIZED:
-        sizes = argument(node, _SIZED[node.target])
-        if all(isinstance(s, int) for s in [*sizes, *node.meta["val"].shape]):
-            set_argument(node, _SIZED[node.target], list(local_shape(shape(node), out, parts)))
-        else:
-            set_argument(node, _SIZED[node.target], _local_symbolic_sizes(node, sizes, out, parts))
-    elif node.target is aten.unflatten.int and isinstance(out, Shard):
-        dim = argument(node, "dim") % len(shape(node.args[0]))
-        sizes = local_shape(shape(node), out, parts)[dim:dim + len(argument(node, "sizes"))]
-        set_argument(node, "sizes", list(sizes))
-    elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and isinstance(first_input, Shard):
-        _localize_split(node, out, first_input, parts)
-    elif node.target is aten.repeat_interleave.self_int and isinstance(out, Shard) \
-            and out.dim == argument(node, "dim") % len(shape(node)):
-        repeats, size = local_repeats(node, first_input, out, parts)
-        set_argument(node, "repeats", repeats)
-        if size is not None:
-            set_argument(node, "output_size", size)
-    elif getattr(node.target, "overloadpacket", None) in (aten.conv1d, aten.conv2d) and isinstance(out, Shard):
-        set_argument(node, "groups", local_groups(node, first_input, parts))
-    elif getattr(node.target, "overloadpacket", None) is aten.squeeze and isinstance(first_input, Shard):
-        _localize_squeeze(node, first_input, parts)
-
-
-def _local_symbolic_sizes(node: fx.Node, sizes: list, out, parts: int) -> list:
-    """A view's sizes where one is computed at run time (a size the data decides, an fx node): the sizes as
-    written, the split dimension's made this rank's."""
-    if not isinstance(out, Shard) or parts == 1:
-        return list(sizes)
-    local = list(sizes)
-    size = sizes[out.dim]
-    if not isinstance(size, int):
-        raise ShardingError(f"{node_fqn(node) or 'model'}: {node.name} = {_op_name(node)} gives dimension {out.dim} a "
-                            "size the data decides, which cannot be split over ranks; replicate this module")
-    if size != -1:
-        local[out.dim] = out.local_size(size, parts)
-    return local
 
 
 def _refuse_parameter_writes(gm: fx.GraphModule, ctx: CompileContext) -> None:
@@ -324,7 +277,7 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
         config = getattr(ctx.program.model, "config", None)
         for holder in (module, config):
             for attr in _HEAD_ATTRS:
-                if holder is not None and getattr(holder, attr, None) == per_block and node.target in _SIZED:
+                if holder is not None and getattr(holder, attr, None) == per_block and node.target in SIZED:
                     label = "key/value heads" if "kv" in attr or "key_value" in attr else "heads"
                     what = f"{per_block} {label} ({attr})"
                     break
@@ -332,26 +285,6 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
                 continue
             break
     return f"{fqn}: {what} cannot be split over tp={tp}; use tp in {{{', '.join(map(str, ok))}}}"
-
-
-def _localize_split(node: fx.Node, outs, p: Shard, tp: int) -> None:
-    """A split along the split dimension: equal parts of each piece, or (``outs``, the pieces' placements) each
-    piece's own split of unequal packed blocks (z, xBC, dt of a Mamba-2 in_proj)."""
-    dim = argument(node, "dim") % len(shape(node.args[0]))
-    if dim != p.dim:
-        return
-    if not p.general:
-        if node.target is aten.split.Tensor:
-            set_argument(node, "split_size", argument(node, "split_size") // tp)
-        else:
-            set_argument(node, "split_sizes", [s // tp for s in argument(node, "split_sizes")])
-        return
-    sizes = [out.local_size(int(v.shape[dim]), tp) for out, v in zip(outs, node.meta["val"], strict=True)]
-    if node.target is aten.split.Tensor:
-        node.target = aten.split_with_sizes.default
-        node.args, node.kwargs = (node.args[0], sizes, dim), {}
-    else:
-        set_argument(node, "split_sizes", sizes)
 
 
 def _mean_of_parts(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
@@ -363,15 +296,6 @@ def _mean_of_parts(gm: fx.GraphModule, node: fx.Node, tp: int) -> None:
     div.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
     old = spec(node)
     div.meta["fxshard"] = NodeSpec(old.placement, old.fqn, old.role, inputs=(old.placement,))
-
-
-def _localize_squeeze(node: fx.Node, p: Shard, tp: int) -> None:
-    """A split of size tp has parts of size 1, which the rank's ``squeeze`` would remove where the model's
-    does not: name the dimensions the model removes (``squeeze.dims``, possibly none)."""
-    if shape(node.args[0])[p.dim] // tp == 1:
-        dims = squeezed_dims(node)
-        node.target = aten.squeeze.dims
-        node.args, node.kwargs = (node.args[0], dims), {}
 
 
 def _bias_after_reduce(gm: fx.GraphModule, node: fx.Node, sp: bool = False) -> None:

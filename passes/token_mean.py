@@ -16,10 +16,13 @@ training averages gradients and losses), every layout trains exactly as one devi
 A loss adding several such means (masked LM plus sentence order; extractive QA's start and end losses, whose
 ignore index is the sequence length) is rewritten term by term: ``rt.token_mean(..., term=k)`` divides each by its
 own count over the step, and ``count_tokens`` returns the counts of all terms (a vector).  Plain means with the
-same number of values in every part of the batch, and terms the batch does not enter, stay as they are.
+same number of values in every part of the batch, and terms the batch does not enter, stay as they are; a mean
+over the values a boolean mask of the batch selects (ELECTRA's discriminator loss, ``loss[mask].mean()``) is a sum
+over the count of the mask's true elements.
 
-A loss this pass cannot prove a token mean (class weights, a loss computed further from the cross entropy)
-keeps the averaging, with a note when the layout splits the batch.
+Which terms are such means, and the graph that counts their targets, is :mod:`fxshard.ir.token_means` (the
+single-device reference counts with it too).  A loss this pass cannot prove a token mean (class weights, a loss
+computed further from the cross entropy) keeps the averaging, with a note when the layout splits the batch.
 """
 
 from __future__ import annotations
@@ -30,21 +33,10 @@ import torch.fx as fx
 from fxshard.graph import node_fqn
 from fxshard.ir.batch import cross_batch_products, whole_batch_region
 from fxshard.ir.context import CompileContext, NodeSpec
+from fxshard.ir.token_means import ELEMENT_LOSSES, LOSSES, MEAN, PLAIN_MEANS, SUM, count_graph, counted_terms
 from fxshard.runtime import loss as rt_loss
 
 aten = torch.ops.aten
-_LOSSES = {aten.cross_entropy_loss.default: (2, 3, 4), aten.nll_loss.default: (2, 3, 4),
-           aten.nll_loss_nd.default: (2, 3, 4)}  # op -> positions of weight, reduction, ignore_index
-_MEAN, _SUM = 1, 2
-# the loss's terms combine through these: sums and differences of terms, a term times or over a constant
-_DIV = {aten.div.Tensor, aten.div.Scalar}
-_SCALE = {aten.mul.Tensor, aten.mul.Scalar} | _DIV
-_COMBINE = {aten.add.Tensor, aten.sub.Tensor} | _SCALE
-_PLAIN_MEANS = {aten.mean.default, aten.mean.dim}
-# elementwise losses -> the position of their reduction argument
-_ELEMENT_LOSSES = {aten.mse_loss.default: 2, aten.l1_loss.default: 2, aten.smooth_l1_loss.default: 2,
-                   aten.huber_loss.default: 2, aten.binary_cross_entropy_with_logits.default: 4,
-                   aten.binary_cross_entropy.default: 3}
 
 
 def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -63,11 +55,11 @@ def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         return gm
     several = len(terms) > 1
     for k, (node, target, ignore_index) in enumerate(terms):
-        if node.target in _LOSSES:
+        if node.target in LOSSES:
             _as_token_mean(gm, node, target, ignore_index, k if several else None)
         else:
             _as_masked_mean(gm, node, target, k if several else None)
-    ctx.token_count = _count_graph(gm, ctx.user_inputs, [(t, i) for _, t, i in terms])
+    ctx.token_count = count_graph(gm, ctx.user_inputs, [(t, i) for _, t, i in terms])
     if several:
         ctx.notes.append(f"the loss: {len(terms)} means over counted targets ("
                          + ", ".join(f"{node_fqn(n) or n.name} counting {_counted(n, i)}" for n, _, i in terms)
@@ -83,14 +75,14 @@ def token_mean_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 def _counted(loss: fx.Node, ignore_index: int) -> str:
-    return f"targets other than {ignore_index}" if loss.target in _LOSSES else "the values a mask of the batch selects"
+    return f"targets other than {ignore_index}" if loss.target in LOSSES else "the values a mask of the batch selects"
 
 
 def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_index: int, term: int | None) -> None:
     """``loss`` (a mean over counted targets) as a sum over them, divided by ``rt.token_mean``'s divisor."""
-    args = list(loss.args) + [None, _MEAN, ignore_index][len(loss.args) - 2:] if len(loss.args) < 5 else list(loss.args)
+    args = list(loss.args) + [None, MEAN, ignore_index][len(loss.args) - 2:] if len(loss.args) < 5 else list(loss.args)
     args[2] = loss.kwargs.get("weight", args[2])
-    args[3] = _SUM
+    args[3] = SUM
     args[4] = ignore_index
     loss.args = tuple(args)
     loss.kwargs = {k: v for k, v in loss.kwargs.items() if k not in ("weight", "reduction", "ignore_index")}
@@ -105,12 +97,12 @@ def _as_token_mean(gm: fx.GraphModule, loss: fx.Node, target: fx.Node, ignore_in
 def _as_masked_mean(gm: fx.GraphModule, loss: fx.Node, mask: fx.Node, term: int | None) -> None:
     """``loss`` (a mean over the values a boolean ``mask`` selects) as their sum over ``rt.token_mean``'s divisor,
     which counts the mask's true elements (ignore index 0: ``mask != 0``)."""
-    if loss.target in _PLAIN_MEANS:
+    if loss.target in PLAIN_MEANS:
         loss.target, loss.args, loss.kwargs = aten.sum.default, loss.args[:1], {}
     else:
-        at = _ELEMENT_LOSSES[loss.target]
+        at = ELEMENT_LOSSES[loss.target]
         args = list(loss.args) + [None] * (at + 1 - len(loss.args))
-        args[at] = _SUM
+        args[at] = SUM
         loss.args = tuple(args)
         loss.kwargs = {k: v for k, v in loss.kwargs.items() if k != "reduction"}
     kwargs = {"ignore_index": 0} | ({"term": term} if term is not None else {})
@@ -119,151 +111,3 @@ def _as_masked_mean(gm: fx.GraphModule, loss: fx.Node, mask: fx.Node, term: int 
     mean.meta = {"val": loss.meta["val"], "nn_module_stack": loss.meta.get("nn_module_stack", {}),
                  "fxshard": NodeSpec(fqn=node_fqn(loss), role="token mean")}
     loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
-
-
-def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozenset()
-                  ) -> list[tuple[fx.Node, fx.Node, int]]:
-    """The means over counted targets the loss adds up, ``(node, target, ignore_index)`` each: ``loss`` itself, or
-    an affine combination (sums, differences, constant factors) of such means and of means over fixed counts
-    (a sentence-order loss beside a masked LM's; extractive QA's start and end losses, whose ignore index is the
-    sequence length).  ``whole``: values computed on the whole batch (passes/batch_gather.py: a contrastive loss),
-    terms as they are.  [] when the loss is anything else: it keeps the layout's averaging."""
-    terms: list[tuple[fx.Node, fx.Node, int]] = []
-    stack, seen = [loss], set()
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, fx.Node) or node in seen:
-            continue
-        seen.add(node)
-        if node in whole:
-            continue
-        counted = _token_mean_loss(node, user_inputs) or _masked_mean_loss(node, user_inputs)
-        if counted is not None:
-            terms.append((node, *counted))
-        elif node.op == "call_function" and node.target in _COMBINE:
-            args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-            if node.target in _DIV:  # a term over a constant; over a value of the batch (a count of its own), or
-                num, den = node.args[:2]  # a constant over a term: no mean
-                if isinstance(den, fx.Node) and _reads_inputs(den, user_inputs):
-                    return []
-                args = [num] if isinstance(num, fx.Node) else []
-            elif node.target in _SCALE:  # a term times a constant; a product of two terms is no mean
-                args = [a for a in args if _reads_inputs(a, user_inputs)]
-                if len(args) > 1:
-                    return []
-            stack.extend(args)
-        elif not _fixed_mean(node, user_inputs):
-            return []
-    return sorted(terms, key=lambda t: list(t[0].graph.nodes).index(t[0])) if terms else []
-
-
-def _token_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | None:
-    """``(target, ignore_index)`` when ``loss`` is a mean over counted integer targets of the inputs alone."""
-    if not isinstance(loss, fx.Node) or loss.target not in _LOSSES:
-        return None
-    weight_at, reduction_at, ignore_at = _LOSSES[loss.target]
-    names = ("weight", "reduction", "ignore_index")
-    values = [loss.args[i] if len(loss.args) > i else loss.kwargs.get(name, default)
-              for i, name, default in zip((weight_at, reduction_at, ignore_at), names, (None, _MEAN, -100), strict=True)]
-    weight, reduction, ignore_index = values
-    target = loss.args[1]
-    val = target.meta.get("val") if isinstance(target, fx.Node) else None
-    if weight is not None or reduction != _MEAN or not isinstance(val, torch.Tensor) or val.is_floating_point():
-        return None
-    if any(n.op == "placeholder" and n not in user_inputs for n in _ancestors(target)):
-        return None  # targets computed from weights or buffers: not a count of the batch alone
-    return target, int(ignore_index)
-
-
-def _masked_mean_loss(loss, user_inputs: set[fx.Node]) -> tuple[fx.Node, int] | None:
-    """``(mask, 0)`` when ``loss`` is a mean over ``x[mask]``: a boolean index of all of ``x``'s dimensions by a
-    mask computed from the inputs alone (ELECTRA's discriminator loss over the tokens its attention mask keeps).
-    Each part of the batch selects its own number of values, so a mean of parts' means weighs them wrongly."""
-    if not isinstance(loss, fx.Node) or loss.op != "call_function" or not _reduces_to_mean(loss):
-        return None
-    selected = loss.args[0]
-    if not isinstance(selected, fx.Node) or selected.target is not aten.index.Tensor:
-        return None
-    source, indices = selected.args[:2]
-    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
-        return None
-    mask, val = indices[0], indices[0].meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.shape != source.meta["val"].shape:
-        return None
-    if any(n.op == "placeholder" and n not in user_inputs for n in _ancestors(mask)) or \
-            not _reads_inputs(mask, user_inputs):
-        return None
-    return mask, 0
-
-
-def _reduces_to_mean(node: fx.Node) -> bool:
-    """A scalar mean over every value of its input: ``x.mean()`` or an elementwise loss with reduction mean."""
-    if node.meta["val"].dim() != 0:
-        return False
-    if node.target in _PLAIN_MEANS:
-        return len(node.args) == 1 or node.args[1] in (None, [], list(range(node.args[0].meta["val"].dim())))
-    at = _ELEMENT_LOSSES.get(node.target)
-    if at is None:
-        return False
-    reduction = node.args[at] if len(node.args) > at else node.kwargs.get("reduction", _MEAN)
-    return reduction == _MEAN
-
-
-def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
-    """A term that averaging equal parts of the batch keeps exact as it is: a value the batch does not enter, or a
-    scalar mean over all it reduces (every part holds the same number of values: ``x.mean()``, ``F.mse_loss``)."""
-    if not _reads_inputs(node, user_inputs):
-        return True
-    if node.op != "call_function" or node.target in _LOSSES or node.meta["val"].dim() != 0:
-        return False
-    if any(not isinstance(d, int) for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
-           for d in a.meta["val"].shape):
-        return False  # over a number of values the data decides (masked_select, a boolean index): no fixed mean
-    if node.target in _PLAIN_MEANS:
-        return True
-    return node.target in _ELEMENT_LOSSES and _reduces_to_mean(node)
-
-
-def _reads_inputs(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
-    return any(n in user_inputs for n in _ancestors(node))
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen, stack = {}, [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen[n] = None
-            stack.extend(n.all_input_nodes)
-    return list(seen)
-
-
-def _count_graph(gm: fx.GraphModule, user_inputs: set[fx.Node], targets: list[tuple[fx.Node, int]]) -> fx.GraphModule:
-    """A graph of the user inputs (all of them, in order) returning one microbatch's number of counted targets: a
-    scalar for one counted mean, the counts of each (a vector, in term order) for several."""
-    keep = set().union(*(_ancestors(t) for t, _ in targets))
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and n in user_inputs:
-            env[n] = graph.placeholder(n.name)
-        elif n in keep and n.op == "call_function":
-            env[n] = copy = graph.node_copy(n, lambda a: env[a])
-            # the count runs where the batch is (captured on meta under --weights): conversions keep the device
-            copy.kwargs = {k: v for k, v in copy.kwargs.items() if k != "device"}
-    counts = [graph.call_function(aten.sum.default, (graph.call_function(aten.ne.Scalar, (env[t], i)),))
-              for t, i in targets]
-    graph.output(counts[0] if len(counts) == 1 else graph.call_function(aten.stack.default, (counts,)))
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def token_counter(program) -> fx.GraphModule | None:
-    """For a captured :class:`~fxshard.capture.program.Program` whose loss is a token mean (or several): a graph of
-    its user inputs returning the number of counted targets (a vector of them for several means; the single-device
-    reference weighs accumulated batches by it); None for any other loss."""
-    gm = program.gm
-    state = program.state_by_name()
-    user_inputs = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name not in state}
-    loss = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
-    terms = counted_terms(loss, user_inputs, whole_batch_region(cross_batch_products(gm, user_inputs)))
-    return _count_graph(gm, user_inputs, [(t, i) for _, t, i in terms]) if terms else None

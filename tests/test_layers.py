@@ -2,12 +2,12 @@
 
 From the bottom (DESIGN.md's data flow, with the driver and the command line on top)::
 
-    leaves     errors, units, version, defaults, flags, graph      import no other fxshard module
+    leaves     errors, units, version, defaults, flags, graph, pyfile   import no other fxshard module
     runtime    what rank files import (torch alone)
     capture    torch.export of the model file
     ir         layout and mesh, placements, sharding rules, the collective table, node facts, the passes' context
     plan       styles, automatic pairing, experts
-    passes     one pass per file
+    passes     one pass per file, and the registry (passes/__init__.py): the only importer of a pass module
     codegen    rank files, manifest, weight shards
     compiler   capture -> passes -> code generation -> output folder
     check      static checks over a compiled program, verify's comparison  } two consumers of a compiled
@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"fxshard": ROOT / "fxshard", "fxshard.passes": ROOT / "passes", "fxshard.cli": ROOT / "cli"}
-LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.defaults", "fxshard.flags", "fxshard.graph")
+LEAVES = ("fxshard.errors", "fxshard.units", "fxshard.version", "fxshard.defaults", "fxshard.flags", "fxshard.graph",
+          "fxshard.pyfile")
 LAYERS = (
     LEAVES,
     ("fxshard.files",),  # safe writes, above the leaves (it raises FxshardError)
     ("fxshard.environment",),  # what fxshard runs with, for --version (it reads fxshard.version)
+    ("fxshard.step_shape",),  # --seq and --batch, declared once (it reads fxshard.flags)
     ("fxshard.runtime",),
     ("fxshard.capture",),
     ("fxshard.ir",),
@@ -167,6 +170,33 @@ def test_the_checks_and_the_cost_model_are_independent():
     found = [f"{name} imports {m}" for name, imports in graph.items() for m, _, _ in imports
              if package(name) and package(m) and package(name) != package(m)]
     assert not found, found
+
+
+# test files outside tests/passes/ that import a pass module, and why (a test of a pass may import that pass)
+PASS_IMPORTS_IN_TESTS = {
+    "tests/ir/single_op.py": "drives the tensor-parallel pass's own rewrites (apply_propagation) with a case's "
+                             "placements: the sharding rules' property test",
+}
+
+
+def test_only_the_registry_imports_a_pass():
+    """A pass is only a pass: the compiler reaches the passes through the registry (fxshard.passes.PASSES), and what a
+    pass shares with other code lives in fxshard/ir or fxshard/graph.py.  So no module imports a pass module but the
+    registry, and no test outside tests/passes/ but those PASS_IMPORTS_IN_TESTS names."""
+    modules, graph = _graph()
+    found = [f"{name} imports {m}" for name, imports in graph.items() for m, _, _ in imports
+             if m.startswith("fxshard.passes.") and name != "fxshard.passes"]
+    pattern = re.compile(r"^\s*(?:from\s+fxshard\.passes\.\w+\s+import|import\s+fxshard\.passes\.\w+)", re.M)
+    for folder in ("tests", "benchmarks", "scripts", "zoo", "samples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where.startswith("tests/passes/") or where in PASS_IMPORTS_IN_TESTS:
+                continue
+            if pattern.search(path.read_text()):
+                found.append(f"{where} imports a pass module")
+    assert not found, "pass modules imported outside the registry:\n  " + "\n  ".join(found)
+    assert all((ROOT / p).is_file() and pattern.search((ROOT / p).read_text()) for p in PASS_IMPORTS_IN_TESTS), \
+        "PASS_IMPORTS_IN_TESTS names a file that imports no pass module"
 
 
 def _strongly_connected(edges: dict[str, set[str]]) -> list[set[str]]:

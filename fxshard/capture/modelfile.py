@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +20,10 @@ from typing import Any
 
 import torch
 
+from fxshard.capture.custom_ops import MODEL_FILE_MODULE
 from fxshard.capture.lora import LoraOptions, apply_lora
 from fxshard.errors import ModelFileError
+from fxshard.pyfile import import_file
 
 
 @dataclass
@@ -179,14 +179,9 @@ def load_model_file(path: str | Path, lora: LoraOptions | None = None) -> ModelF
     path = Path(path).resolve()
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file; expected a Python file defining make_model().")
-    name = "fxshard_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_file(path, MODEL_FILE_MODULE)
     except Exception as e:  # the user's import error, reported with its origin
-        del sys.modules[name]
         raise ModelFileError(f"{path}: importing the model file failed: {type(e).__name__}: {e}") from e
     missing = [f for f in ("make_model", "make_inputs") if not callable(getattr(module, f, None))]
     if missing:

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxshard.errors import OutputFolderError
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Placement, Replicate, Shard, placement_from_json
+from fxshard.pyfile import import_file
 from fxshard.runtime.slices import SliceSpec
 
 MANIFEST = "manifest.json"
@@ -508,12 +507,7 @@ def refuse_edited(out: Path, manifest: Manifest, override: str = "--allow-edited
 def import_rank_file(path: str | Path):
     """Import a generated rank file as a module."""
     path = Path(path).resolve()
-    name = "fxshard_rank_" + str(abs(hash(str(path))))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_file(path, "fxshard_rank_")
     except Exception as e:
         raise OutputFolderError(f"{path}: the rank file does not import ({type(e).__name__}: {e}); recompile") from e
-    return module

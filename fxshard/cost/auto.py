@@ -5,7 +5,7 @@ the model is captured once (:func:`fxshard.cost.profile.model_profile`) and sear
 (:func:`fxshard.cost.search.search`) or one layout predicted (:func:`fxshard.cost.timemodel.predict`)::
 
     found = plan_auto("samples/llama70b.py", "bf16", AutoOptions(auto=True, gpus=64, hardware="h100"), seq=4096,
-                      global_batch=512)
+                      batch=512)
     found.result.ranked[0].layout.describe(), found.result.ranked[0].step
     compile_command("samples/llama70b.py", found.result.ranked[0])
 """
@@ -40,7 +40,8 @@ class AutoPlan:
 
 
 def check_auto(options: AutoOptions, layout: Layout) -> Hardware:
-    """Refuse what --auto cannot search, naming the flag; the hardware profile it searches for."""
+    """Refuse what --auto cannot search, naming the flag (the options' own checks are :class:`AutoOptions`'s); the
+    hardware profile it searches for."""
     if options.gpus is None:
         raise OptionError("--auto: expected --gpus N, the devices to lay the model out on; found none")
     if options.hardware is None:
@@ -50,13 +51,6 @@ def check_auto(options: AutoOptions, layout: Layout) -> Hardware:
     if given:
         raise OptionError(f"--auto chooses the layout itself; found {', '.join(given)} as well: drop them, or drop "
                           "--auto to cost that layout (`fxshard plan ... --hardware PROFILE` predicts its step)")
-    _positive("--gpus", options.gpus)
-    if options.gpus_per_node is not None:
-        _positive("--gpus-per-node", options.gpus_per_node)
-    if options.global_batch is not None:
-        _positive("--global-batch", options.global_batch)
-    if options.top < 1:
-        raise OptionError(f"--top must be at least 1, got {options.top}")
     hw = load_hardware(options.hardware)
     per_node = options.gpus_per_node or hw.devices_per_node
     if options.gpus > per_node and options.gpus % per_node:
@@ -71,21 +65,24 @@ def _positive(flag: str, value: int) -> None:
         raise OptionError(f"{flag} must be at least 1, got {value}")
 
 
-def setting_for(profile, hw: Hardware, gpus_per_node: int | None, seq: int | None, global_batch: int | None):
-    """The sequence, global batch and devices per node the search and the prediction evaluate at."""
+def setting_for(profile, hw: Hardware, gpus_per_node: int | None, seq: int | None, batch: int | None):
+    """The sequence, batch (sequences per step, over all dp ranks) and devices per node the search and the
+    prediction evaluate at."""
     from fxshard.cost.profile import S
     from fxshard.cost.timemodel import Setting
 
     example_seq = profile.example[S]
     if seq is not None:
         _positive("--seq", seq)
-    return Setting(seq or int(example_seq), global_batch or profile.batch, gpus_per_node or hw.devices_per_node)
+    return Setting(seq or int(example_seq), batch or profile.batch, gpus_per_node or hw.devices_per_node)
 
 
 def plan_auto(model: str | Path, dtype: str | None, options: AutoOptions, seq: int | None = None,
-              layout: Layout | None = None, plan: dict | None = None, seed: int = 0) -> AutoPlan:
+              layout: Layout | None = None, plan: dict | None = None, seed: int = 0,
+              batch: int | None = None) -> AutoPlan:
     """Capture ``model`` once and search every layout of ``options.gpus`` devices on ``options.hardware``, in compute
-    dtype ``dtype`` (None: the one the profile trains in, its ``default_dtype``: bf16 on the shipped GPUs)."""
+    dtype ``dtype`` (None: the one the profile trains in, its ``default_dtype``: bf16 on the shipped GPUs), at ``seq``
+    and ``batch`` (sequences per step over all dp ranks; None: the example batch's)."""
     from fxshard.cost.profile import model_profile
     from fxshard.cost.search import search
 
@@ -94,7 +91,7 @@ def plan_auto(model: str | Path, dtype: str | None, options: AutoOptions, seq: i
     started = time.perf_counter()
     profile = model_profile(model, dtype=dtype, seed=seed, plan=plan)
     captured = time.perf_counter() - started
-    setting = setting_for(profile, hw, options.gpus_per_node, seq, options.global_batch)
+    setting = setting_for(profile, hw, options.gpus_per_node, seq, batch)
     result = search(profile, hw, options.gpus, setting, dtype, top=options.top)
     return AutoPlan(result, profile, hw, captured, str(model), dtype, note)
 

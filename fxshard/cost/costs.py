@@ -406,7 +406,7 @@ def _fit(d1: int, d2: int, b: int, s: int, b2: int, s2: int) -> sympy.Expr:
 
 def _rank_costs(gm, ctx, pp_rank: int, sym: dict, at: dict, per_step_b: int) -> dict[str, dict]:
     """One pp rank's costs, per recompute mode (only ``none`` for a model without repeated blocks)."""
-    from fxshard.passes.checks import local_value_shapes
+    from fxshard.ir.fake import local_value_shapes
 
     layout = ctx.layout
     coords = Coords(pp=pp_rank)

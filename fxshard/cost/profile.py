@@ -237,7 +237,7 @@ def _copy_program(program):
 
 def _cost_structure(profile: ModelProfile, structure: str, result, t0: int, second, b0: int, s0,
                     kept: list[str]) -> None:
-    from fxshard.passes.checks import local_value_shapes
+    from fxshard.ir.fake import local_value_shapes
 
     ctx, gm = result.ctx, result.gm
     state = {n for n in gm.graph.nodes if n.op == "placeholder" and n not in ctx.user_inputs}

@@ -47,9 +47,8 @@ from torch.utils.flop_counter import flop_registry
 from fxshard.graph import largest_shape
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import kind_of
-from fxshard.ir.context import RankValue
+from fxshard.ir.fake import argument_values, fake_mode, fake_value
 from fxshard.ir.layout import Coords
-from fxshard.passes.checks import fake_mode, fake_value
 from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
 
@@ -85,14 +84,7 @@ def trace_saved(nodes: list[fx.Node], ctx, coords: Coords, local: dict, dims, at
         saved.append((t, *running))
         return t
 
-    def arg(a):
-        if isinstance(a, fx.Node):
-            return env[a]
-        if isinstance(a, RankValue):
-            return a.at(coords)
-        if isinstance(a, torch.device):
-            return torch.device("cpu")
-        return a
+    arg = argument_values(env, coords)
 
     def ensure(a):  # a stage input, parameter or buffer: made when first read
         if a not in env:

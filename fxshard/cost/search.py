@@ -171,7 +171,7 @@ def _nothing_divides(profile: ModelProfile, gpus: int, setting: Setting, dtype: 
     return (f"--gpus {gpus}: expected a device count the layouts divide; found none: tp must divide the model's sizes "
             f"(tp in {tps}, at most --gpus-per-node {setting.gpus_per_node}), pp at most its {len(profile.kinds)} "
             f"repeated blocks, and dp the global batch of {setting.global_batch}; use --gpus in "
-            f"{sorted(near) or '{}'} or a --global-batch that {gpus // max(1, max(tps))} or more ranks divide")
+            f"{sorted(near) or '{}'} or a --batch that {gpus // max(1, max(tps))} or more ranks divide")
 
 
 def _near_counts(profile: ModelProfile, gpus: int, setting: Setting, dtype: str, want: int = 4,

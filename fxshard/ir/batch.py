@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn, static_shape
+from fxshard.graph import node_fqn, static_shape, walk
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.mm.default}
@@ -78,14 +78,7 @@ def cross_batch_products(gm: fx.GraphModule, user_inputs: set[fx.Node], rows=Non
 
 def whole_batch_region(products: list[fx.Node]) -> set[fx.Node]:
     """``products`` and every node computed from them: what runs on the whole batch once they do."""
-    region: set[fx.Node] = set()
-    stack = list(products)
-    while stack:
-        node = stack.pop()
-        if node not in region:
-            region.add(node)
-            stack.extend(u for u in node.users if u.op == "call_function")
-    return region
+    return set(walk(products, lambda node: [u for u in node.users if u.op == "call_function"]))
 
 
 def describe(node: fx.Node, model: str) -> str:
@@ -100,3 +93,37 @@ def refuse_microbatches(ctx, listed: str, what: str, over_dp: str = "") -> None:
         raise LayoutError(f"--pp {ctx.layout.pp} with {ctx.microbatches} microbatches: {listed} {what}, which a "
                           "pipeline schedule sees one microbatch at a time (it runs microbatch 0 before the rest of "
                           f"the batch exists); train the batch over --dp instead{over_dp}, or at --microbatches 1")
+
+
+def has_router_loss(model: torch.nn.Module) -> bool:
+    """Whether ``model`` adds transformers' load-balancing loss to its loss: a product of two means over the whole
+    batch (``passes/router_loss.py`` makes them whole-batch means under --dp; the compiler refuses pipeline
+    microbatches and --cp for it, ``fxshard run`` --grad-accum)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0))
+
+
+# a layer's term of the load-balancing loss: its top-k ids counted (histc; scatter_add of the attention mask's
+# weights), its probabilities summed (passes/router_loss.py makes their means whole-batch means)
+COUNTS = {aten.histc.default, aten.scatter_add.default, aten.scatter_add_.default}
+SUMS = COUNTS | {aten.sum.dim_IntList}
+
+
+def is_mean_of_sums(node: fx.Node) -> bool:
+    """``sums / rows``, the sums an add chain of per-layer histc counts or row sums (from ``zeros``)."""
+    return (node.op == "call_function" and node.target is aten.div.Tensor and isinstance(node.args[0], fx.Node)
+            and bool(mean_terms(node.args[0])))
+
+
+def mean_terms(node: fx.Node) -> list[fx.Node]:
+    """The per-layer terms of an add chain ``zeros + t_0 + t_1 + ...`` (each a count or a sum over dim 0), or []."""
+    terms = []
+    while node.op == "call_function" and node.target is aten.add.Tensor:
+        a, b = node.args
+        if not (isinstance(b, fx.Node) and b.target in SUMS):
+            return []
+        if b.target is aten.sum.dim_IntList and list(b.args[1]) != [0]:
+            return []
+        terms.append(b)
+        node = a
+    return terms[::-1] if node.op == "call_function" and node.target is aten.zeros.default and terms else []

@@ -20,8 +20,12 @@ which ops after the second are linear in its rows (the combine).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
+
+from fxshard.graph import ancestors, walk
 
 aten = torch.ops.aten
 # the model's weight on its way to the grouped matmul: ops that keep the expert dimension (dim 0) as it is
@@ -95,33 +99,21 @@ def not_row_wise(first: fx.Node, second: fx.Node) -> str | None:
 
     Expert parallelism computes another set of rows in another order; tensor parallelism splits each row's
     columns, which a row-wise op keeps apart as long as the placements say so."""
-    seen, todo = set(), list(second.all_input_nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen or n is first:
+    inside = functools.cache(lambda n: n is not first and reaches(first, n))  # not the weights and what else
+    for n in walk(second.all_input_nodes, lambda n: n.all_input_nodes if inside(n) else ()):  # feeds it from outside
+        if not inside(n):
             continue
-        seen.add(n)
-        if not reaches(first, n):
-            continue  # the weights and what else feeds the row-wise part from outside it
         if n.op != "call_function" or (n.target not in ROW_OPS and n.target.__name__ != "getitem"):
             return f"{n.name} ({n.target}) between the experts' grouped matmuls is not an op known to act row by row"
         dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
         if n.target in (aten.chunk.default, aten.split.Tensor) and dim % n.args[0].meta["val"].dim() == 0:
             return f"{n.name} splits the rows between the grouped matmuls"
-        todo.extend(n.all_input_nodes)
     return None
 
 
 def reaches(src: fx.Node, dst: fx.Node) -> bool:
-    todo, seen = [dst], set()
-    while todo:
-        n = todo.pop()
-        if n is src:
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
+    """Whether ``dst`` is computed from ``src``."""
+    return any(n is src for n in ancestors([dst]))
 
 
 def combine_chain(second: fx.Node, fqn_of) -> list[fx.Node]:

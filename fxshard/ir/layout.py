@@ -192,6 +192,12 @@ class Layout:
         if self.cp == 1 and self.cp_mode != "allgather":
             raise LayoutError(f"--cp-mode {self.cp_mode} applies to context parallelism (--cp 2 or more); add --cp N "
                               "or drop --cp-mode")
+        for flag, value, unset in (("--microbatches", self.microbatches, (None, 1)),
+                                   ("--schedule", self.schedule, ("1f1b",)),
+                                   ("--virtual-stages", self.virtual_stages, (None, 1))):
+            if self.pp == 1 and value not in unset:  # a pipeline's own flag without a pipeline: refused, not ignored
+                raise LayoutError(f"{flag} {value} applies to pipeline parallelism (--pp > 1); leave it unset at "
+                                  "--pp 1")
         self._check_lora()
         self._check_fp8()
 

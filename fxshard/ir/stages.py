@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxshard.graph import ancestors, walk
 from fxshard.ir.context import CompileContext, spec
 
 _RECOMPUTE_LIMIT = 400  # nodes: a larger constant sub-graph is sent instead
@@ -151,30 +152,24 @@ def recomputable(v: fx.Node, state_names, cache, from_batch: bool = False) -> li
     inputs, which every stage can take from its microbatch), else None."""
     if v in cache:
         return cache[v]
-    cone, stack, seen = [], [v], set()
+    cone: list[fx.Node] = []
     result: list[fx.Node] | None = None
     ok = True
-    while stack and ok:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    for n in ancestors([v]):
         if n.op == "placeholder":
             s = state_names.get(n.name)
             if (s is None and not from_batch) or (s is not None and s.kind == "parameter"):
                 ok = False  # a weight (or a user input, unless taken from the batch): send the value instead
+                break
             continue
-        if n.op != "call_function" or spec(n).collective:
+        if n.op != "call_function" or spec(n).collective or torch.Tag.nondeterministic_seeded in getattr(
+                n.target, "tags", ()):
             ok = False
-            continue
-        tags = getattr(n.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags:
-            ok = False
-            continue
+            break
         cone.append(n)
-        stack.extend(n.all_input_nodes)
         if len(cone) > _RECOMPUTE_LIMIT:
             ok = False
+            break
     if ok and not _written_elsewhere(set(cone)):
         result = cone
     cache[v] = result
@@ -186,17 +181,12 @@ def _written_elsewhere(cone: set[fx.Node]) -> bool:
     alone would then recompute the value without that write.  transformers' ``shift_tokens_right`` (BART, T5,
     Marian...) builds the decoder's inputs as ``new_zeros``, then ``shifted[:, 1:] = labels[:, :-1]`` (a ``copy_``
     into a ``slice`` of it), then ``masked_fill_``: the cone of the last holds the first and itself, not the copy."""
-    stack, seen = list(cone), set()
-    while stack:
-        for user in stack.pop().users:
-            if user in cone or user in seen:
-                continue
-            seen.add(user)
-            schema = getattr(user.target, "_schema", None)
-            if schema is None:
-                continue
-            if schema.is_mutable:
-                return True
-            if any(a.alias_info is not None for a in schema.arguments):  # a view: follow what it is used for
-                stack.append(user)
-    return False
+    def outside(node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if u not in cone]
+
+    def view_users(node: fx.Node) -> list[fx.Node]:  # a view: follow what it is used for
+        schema = getattr(node.target, "_schema", None)
+        return outside(node) if schema is not None and any(a.alias_info is not None for a in schema.arguments) else []
+
+    return any(getattr(user.target, "_schema", None) is not None and user.target._schema.is_mutable
+               for user in walk([u for node in cone for u in outside(node)], view_users))

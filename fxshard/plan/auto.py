@@ -22,7 +22,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from fxshard.graph import data_sized, node_fqn
+from fxshard.graph import ancestors, data_sized, node_fqn, walk
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.placement import Replicate
 from fxshard.ir.sharding import propagate
@@ -48,53 +48,33 @@ def _row_candidates(gm, ops: list[WeightOp], params: set[fx.Node]) -> list[tuple
             continue
         scope = _parent(op.fqn)
         x = op.node.args[0] if op.kind == "linear" else op.node.args[1]
-        stack, seen, ups, ok = [x], set(), {}, True
-        while stack and ok:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
+        ups, ok = {}, True
+
+        def inputs(n, scope=scope):  # the walk goes on through the trained values of the module's own ops
+            inside = n not in by_node and n in grad and n.op != "placeholder" and _within(node_fqn(n), scope)
+            return n.all_input_nodes if inside else ()
+
+        for n in walk([x], inputs):
             if n in by_node:
                 up = by_node[n]
                 ok = up.kind != "embedding" and _within(up.fqn, scope)
                 ups[up.node] = up
-            elif n not in grad or n.op == "placeholder":
-                continue
-            elif not _within(node_fqn(n), scope):
+            elif n in grad and n.op != "placeholder" and not _within(node_fqn(n), scope):
                 ok = False
-            else:
-                stack.extend(n.all_input_nodes)
+            if not ok:
+                break
         if ok and ups:
             pairs.append((op, sorted(ups.values(), key=lambda u: list(gm.graph.nodes).index(u.node))))
     return pairs
 
 
 def _reaches_output(gm, op: WeightOp, weight_nodes: set[fx.Node]) -> bool:
-    stack, seen = [op.node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for u in n.users:
-            if u.op == "output":
-                return True
-            if u not in weight_nodes:
-                stack.append(u)
-    return False
+    return any(u.op == "output" for n in walk([op.node], lambda n: [u for u in n.users if u not in weight_nodes])
+               for u in n.users)
 
 
 def _from_user_input(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in user_inputs:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
+    return any(n in user_inputs for n in ancestors([node]))
 
 
 def complete_plan(gm: fx.GraphModule, ops: list[WeightOp], params: set[fx.Node], user_inputs: set[fx.Node],

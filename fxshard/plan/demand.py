@@ -56,7 +56,8 @@ def _candidates(param: fx.Node, prop: Propagation) -> list[Shard]:
 
 
 def _cone(param: fx.Node) -> set[fx.Node]:
-    """The values computed from ``param`` within a few ops (whatever else they read)."""
+    """The values computed from ``param`` within a few ops (whatever else they read): a walk cut at ``_CONE`` nodes
+    found, so not :func:`fxshard.graph.walk`, which goes to the end."""
     seen, stack = set(), [param]
     while stack and len(seen) < _CONE:
         for user in stack.pop().users:

@@ -12,16 +12,10 @@ all-gather buffers count once):
   shards);
 - **optimizer**: Adam moments and fp32 master weights after the step (only the rank's share at ZeRO ≥ 1).
 
-The formulas (Adam, Ψ parameters on this rank before dp sharding, N dp ranks), bytes per Ψ::
-
-    zero  fp32 params/grads/optimizer       mixed (bf16 + fp32 masters)
-    0     4     4     8        = 16         2     2     12       = 16
-    1     4     4     8/N                   2     2     12/N
-    2     4     4/N   8/N                   2     2/N   12/N
-    3     4/N   4/N   8/N      = 16/N       2/N   2/N   12/N     = 16/N
-
-FSDP2 at ZeRO 2 keeps the fp32 shard next to the gathered parameters, and its gradient shards are
-fp32 under mixed precision: 4Ψ/N (fp32) or 2Ψ/N (mixed) above the formula, reported as such.
+The formulas (Adam, Ψ parameters on this rank before dp sharding, N dp ranks; their table is
+:mod:`fxshard.cost.zero_memory`'s docstring) are what ``fxshard plan`` predicts.  FSDP2 at ZeRO 2 keeps the fp32 shard
+next to the gathered parameters, and its gradient shards are fp32 under mixed precision: 4Ψ/N (fp32) or 2Ψ/N (mixed)
+above the formula, reported as such.
 """
 
 from __future__ import annotations

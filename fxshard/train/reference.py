@@ -137,7 +137,7 @@ def _evaluate(model, step_fn, batches: list, counter, positional: bool) -> float
 def _token_counter(mf: ModelFile, seed: int):
     """``batch -> counted targets`` when the model's loss is a token mean (from its captured graph), else None."""
     from fxshard.capture.program import capture
-    from fxshard.passes.token_mean import token_counter
+    from fxshard.ir.token_means import token_counter
 
     rng = torch.random.get_rng_state()
     program = capture(mf, seed)  # seeds torch: the training that follows draws as if it had not run

@@ -64,7 +64,8 @@ def test_plan_hardware_states_the_time_model_of_the_layout():
     (["--auto", "--gpus", "12", "--gpus-per-node", "8", "--hardware", "h100"], "expected whole nodes"),
     (["--auto", "--gpus", "4", "--hardware", "nosuch"], "expected a profile name"),
     (["--gpus", "4"], "--gpus is for --auto"),
-    (["--global-batch", "4"], "--global-batch is for --auto"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--global-batch", "4", "--batch", "2"], "--global-batch is the old name of --batch"),
     (["--gpus-per-node", "4"], "expected --hardware too"),
     (["--hardware", "nosuch"], "expected a profile name"),
 ])

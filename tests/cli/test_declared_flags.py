@@ -1,13 +1,16 @@
-"""Every command's layout flags come from one declaration, Layout's fields, and verify's training flags from
-RunOptions' (fxshard/flags.py): the typer commands' options are compared with the declarations, in one process."""
+"""Every command's layout flags come from one declaration, Layout's fields, verify's training flags from
+RunOptions', plan's and compile's --seq / --batch from StepShape's and --auto's from AutoOptions' (fxshard/flags.py):
+the typer commands' options are compared with the declarations, in one process."""
 
 from __future__ import annotations
 
 import typer
 from fxshard.cli.app import app
 
+from fxshard.cost.auto_options import AutoOptions
 from fxshard.flags import Flag, flags
 from fxshard.ir.layout import Layout
+from fxshard.step_shape import StepShape
 from fxshard.train.optim import OptimConfig
 from fxshard.train.options import RunOptions
 
@@ -47,6 +50,23 @@ def test_run_takes_every_run_option_as_declared():
     run = _options("run")
     for flag in RunOptions.flags():
         assert _declared_as(run[flag.name], flag), flag
+
+
+def test_the_step_shape_and_the_auto_flags_are_declared_once_for_plan_and_compile():
+    """--seq and --batch (StepShape) and --auto's own flags (AutoOptions) mean one thing on every command that takes
+    them: one declaration each, no second --seq with its own help, no second name for the batch."""
+    for command in ("compile", "plan"):
+        options = _options(command)
+        for flag in flags(StepShape) + flags(AutoOptions):
+            assert flag.name in options and _declared_as(options[flag.name], flag), (command, flag)
+        every = [name for option in options.values() for name in option.opts + option.secondary_opts]
+        assert len(every) == len(set(every)), f"fxshard {command} declares a flag twice"
+
+
+def test_plan_binds_to_one_name_on_every_command():
+    for command in ("compile", "plan", "verify"):
+        (found,) = [name for name, option in _options(command).items() if "--plan" in option.opts]
+        assert found == "plan_file", (command, found)
 
 
 def test_compile_plan_and_verify_take_a_folders_flags_and_one_seq_and_batch():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fxshard.errors import LayoutError
 from fxshard.ir.layout import CP, DP, EP, PP, TP, Coords, Layout
 from fxshard.ir.placement import Partial, Replicate, Shard, placement_from_json
 
@@ -51,3 +52,17 @@ def test_placements_read_back_from_their_json(placement):
 def test_a_placement_fxshard_does_not_write_is_refused(data):
     with pytest.raises(ValueError, match="is not a placement fxshard writes"):
         placement_from_json(data)
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"microbatches": 4}, "--microbatches 4 applies to pipeline parallelism"),
+    ({"schedule": "gpipe"}, "--schedule gpipe applies to pipeline parallelism"),
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 2}, "--schedule interleaved-1f1b applies to pipeline"),
+])
+def test_a_pipelines_own_flag_without_a_pipeline_is_refused(kwargs, says):
+    """Layout checks itself (no second copy in the compiler): at --pp 1 a pipeline flag is an error, not ignored."""
+    with pytest.raises(LayoutError, match=rf"^{says}.*leave it unset at --pp 1$"):
+        Layout(**kwargs)
+    Layout(pp=2, **kwargs)  # the same flags with a pipeline
+    Layout(microbatches=1, virtual_stages=1)  # the values a pipeline of one stage has anyway
+
