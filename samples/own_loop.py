@@ -51,30 +51,30 @@ def warmup_cosine(warmup: int, steps: int, floor: float = 0.0):
 
 def main(out: str, steps: int = 20, lr: float = 3e-3, warmup: int = 2, checkpoint: str | None = None,
          metrics: str | None = None, log=print) -> list[float]:
-    program = fxshard.load(out, lr=lr, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(program.optimizer, warmup_cosine(warmup, steps))
-    loader = DataLoader(RandomTokens(), batch_size=ROWS, shuffle=False, drop_last=True)
-    first = torch.distributed.get_rank() == 0
-    losses, records = [], []
-    for step, ids in zip(range(1, steps + 1), loader, strict=False):
-        start = time.perf_counter()
-        batch = program.local_batch({"input_ids": ids, "labels": ids, "use_cache": False})
-        loss = program.train_step(batch)             # forward + backward of this rank's share
-        norm = program.clip_grad_norm_(1.0)          # the global norm over every shard, before clipping
-        lr_now = scheduler.get_last_lr()[0]
-        program.optimizer.step()
-        scheduler.step()
-        program.optimizer.zero_grad()
-        losses.append(loss)
-        if first:
-            seconds = time.perf_counter() - start
-            log(f"step {step}/{steps}  loss {loss:.6f}  lr {lr_now:.2e}  grad norm {norm:.3f}  "
-                f"{ROWS * SEQ / seconds:,.0f} tokens/s")
-            records.append({"step": step, "loss": loss, "lr": lr_now, "seconds": seconds})
-    if metrics and first:  # JSON lines, as fxshard run --metrics writes
-        Path(metrics).write_text("".join(json.dumps(r) + "\n" for r in records))
-    if checkpoint is not None:  # the checkpoints of fxshard run --checkpoint: `fxshard run --resume` continues it
-        program.save(checkpoint, scheduler=scheduler)
+    with fxshard.load(out, lr=lr, weight_decay=0.1) as program:  # its end waits for what is still in flight
+        scheduler = torch.optim.lr_scheduler.LambdaLR(program.optimizer, warmup_cosine(warmup, steps))
+        loader = DataLoader(RandomTokens(), batch_size=ROWS, shuffle=False, drop_last=True)
+        first = torch.distributed.get_rank() == 0
+        losses, records = [], []
+        for step, ids in zip(range(1, steps + 1), loader, strict=False):
+            start = time.perf_counter()
+            batch = program.local_batch({"input_ids": ids, "labels": ids, "use_cache": False})
+            loss = program.train_step(batch)             # forward + backward of this rank's share
+            norm = program.clip_grad_norm_(1.0)          # the global norm over every shard, before clipping
+            lr_now = scheduler.get_last_lr()[0]
+            program.optimizer.step()
+            scheduler.step()
+            program.optimizer.zero_grad()
+            losses.append(loss)
+            if first:
+                seconds = time.perf_counter() - start
+                log(f"step {step}/{steps}  loss {loss:.6f}  lr {lr_now:.2e}  grad norm {norm:.3f}  "
+                    f"{ROWS * SEQ / seconds:,.0f} tokens/s")
+                records.append({"step": step, "loss": loss, "lr": lr_now, "seconds": seconds})
+        if metrics and first:  # JSON lines, as fxshard run --metrics writes
+            Path(metrics).write_text("".join(json.dumps(r) + "\n" for r in records))
+        if checkpoint is not None:  # the checkpoints of fxshard run --checkpoint: `fxshard run --resume` continues it
+            program.save(checkpoint, scheduler=scheduler)
     return losses
 
 

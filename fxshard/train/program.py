@@ -167,6 +167,19 @@ class Program:
         them itself): before reading the parameters anywhere else, or stopping."""
         finish_param_sync(self._opt)
 
+    def close(self) -> None:
+        """Wait for every collective this program left in flight (ZeRO 1's parameter all-gathers after the last
+        step), so that the process group can be destroyed: a gloo or NCCL group shut down under a collective still
+        running aborts the process ("terminate called without an active exception").  ``with fxshard.load(OUT) as
+        program:`` calls it at the end of the block; the program stays usable."""
+        finish_param_sync(self._opt)
+
+    def __enter__(self) -> Program:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """``(key, parameter)`` pairs, keyed as this rank's weights file (``StageN.`` prefixed under pipelining)."""
         finish_param_sync(self._opt)

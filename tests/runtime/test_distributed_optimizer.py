@@ -186,9 +186,10 @@ def _train_twice(rank: int, world: int, out: str, optim):
         pending.append(program._opt.gathers_in_flight)
         waits.append(list(waited))
         waited.clear()
-    program.wait_for_parameters()
-    run = program
-    return {"results": results, "buckets": len(run._opt.buckets), "pending": pending, "waits": waits}
+    with program:  # the end of the block waits for the last step's gathers
+        pass
+    return {"results": results, "buckets": len(program._opt.buckets), "pending": pending, "waits": waits,
+            "after_close": program._opt.gathers_in_flight}
 
 
 STEPS = 3
@@ -206,7 +207,8 @@ def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case,
     """fxshard run's training with each bucket's all-gather left in flight after the step (the default) and with
     it waited for in the step (--no-overlap-param-gather): the same losses and trained parameters, bit for bit.
     In flight, every bucket is still pending when a step returns, and the next forward waits for all of them,
-    in bucket order (the generated module's own parameters first, then its blocks in call order)."""
+    in bucket order (the generated module's own parameters first, then its blocks in call order); closing the program
+    (``with program:``) waits for the last step's."""
     from fxshard.driver import compile as compile_model
     from fxshard.ir.context import Layout
     from fxshard.train.optim import OptimConfig
@@ -223,3 +225,4 @@ def test_overlapped_parameter_gathers_train_bitwise_as_gathers_in_the_step(case,
         n = r["buckets"]
         assert n >= 2 and r["pending"] == [list(range(n))] * STEPS
         assert r["waits"] == [[]] + [list(range(n))] * (STEPS - 1)
+        assert r["after_close"] == []  # nothing in flight once the program is closed: the group can be destroyed
