@@ -38,7 +38,8 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         return "FAILED", f"no verdict within {LIMIT_S} s"
     text = " ".join((proc.stdout + proc.stderr).split())
-    found = re.search(r"losses max abs \S+ rel (\S+); parameters max abs \S+, \|\|diff\|\| / \|\|update\|\| (\S+)", text)
+    found = re.search(r"losses max abs \S+ rel (\S+); parameters max abs \S+, "
+                      r"\|\|diff\|\| / \|\|update\|\| (\S+)", text)
     quiet = re.search(r"and (\d+) quiet parameters .*? max abs (\S+) within (\S+),", text)
     figures = f"loss {found[1]}, params {found[2]}" + (f", {quiet[1]} quiet {quiet[2]} within {quiet[3]}" if quiet
                                                        else "") if found else ""
@@ -131,7 +132,8 @@ def results_page(results: dict[tuple[str, str], tuple[str, str]], count: int, mi
             "steps under each layout and compared with single-device training by `fxshard verify` (losses "
             "relative, trained parameters as a share of the update; tolerances 1e-5 and 1e-3). "
             f"{count} architectures in {minutes:.0f} min on this machine"
-            + (f" (a run in progress: {len(results)} of {total} cases so far)" if total and len(results) < total else "")
+            + (f" (a run in progress: {len(results)} of {total} cases so far)" if total and len(results) < total
+               else "")
             + ".\n\n" + "\n".join(table) + "\n"
             + ("\nRefusals (the compile's own message):\n\n" + "\n".join(notes) + "\n" if notes else ""))
 

@@ -1,5 +1,5 @@
-"""BambaForCausalLM: a hybrid of Mamba-2 mixers and attention (layer 1 attends, layer 0 is a mixer). Tiny config, dropout 0, a
-right-padded batch with its mask and a pad token in it."""
+"""BambaForCausalLM: a hybrid of Mamba-2 mixers and attention (layer 1 attends, layer 0 is a mixer). Tiny config,
+dropout 0, a right-padded batch with its mask and a pad token in it."""
 
 from transformers import BambaConfig, BambaForCausalLM
 

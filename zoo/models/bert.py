@@ -1,4 +1,5 @@
-"""BertForMaskedLM: masked LM over padded rows, one row with no masked token. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""BertForMaskedLM: masked LM over padded rows, one row with no masked token. Tiny config, dropout 0, a right-padded
+batch with its mask and a pad token in it."""
 
 from transformers import BertConfig, BertForMaskedLM
 
@@ -6,7 +7,10 @@ from fxshard.testing import masked_lm_batch, without_dropout
 
 
 def make_model():
-    return BertForMaskedLM(without_dropout(BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, attn_implementation="sdpa")))
+    return BertForMaskedLM(without_dropout(BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                      num_hidden_layers=2, num_attention_heads=4,
+                                                      max_position_embeddings=64, pad_token_id=0,
+                                                      attn_implementation="sdpa")))
 
 
 def make_inputs():

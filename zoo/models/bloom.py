@@ -1,4 +1,5 @@
-"""BloomForCausalLM: ALiBi, fused qkv. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""BloomForCausalLM: ALiBi, fused qkv. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in
+it."""
 
 from transformers import BloomConfig, BloomForCausalLM
 
@@ -6,7 +7,8 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return BloomForCausalLM(without_dropout(BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0, attn_implementation="eager")))
+    return BloomForCausalLM(without_dropout(BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4,
+                                                        pad_token_id=0, attn_implementation="eager")))
 
 
 def make_inputs():

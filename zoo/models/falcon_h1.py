@@ -1,5 +1,5 @@
-"""FalconH1ForCausalLM: attention and a Mamba-2 mixer side by side in every layer, with its muP multipliers. Tiny config,
-dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""FalconH1ForCausalLM: attention and a Mamba-2 mixer side by side in every layer, with its muP multipliers. Tiny
+config, dropout 0, a right-padded batch with its mask and a pad token in it."""
 
 from transformers import FalconH1Config, FalconH1ForCausalLM
 

@@ -1,4 +1,5 @@
-"""Gemma2ForCausalLM: logit soft-capping, sandwich norms. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""Gemma2ForCausalLM: logit soft-capping, sandwich norms. Tiny config, dropout 0, a right-padded batch with its mask and
+a pad token in it."""
 
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -6,7 +7,11 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return Gemma2ForCausalLM(without_dropout(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, head_dim=16, sliding_window=8, attn_implementation="eager")))
+    return Gemma2ForCausalLM(without_dropout(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, max_position_embeddings=64,
+                                                          pad_token_id=0, head_dim=16, sliding_window=8,
+                                                          attn_implementation="eager")))
 
 
 def make_inputs():

@@ -1,4 +1,5 @@
-"""GPT2LMHeadModel: Conv1D, fused qkv, tied head. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""GPT2LMHeadModel: Conv1D, fused qkv, tied head. Tiny config, dropout 0, a right-padded batch with its mask and a pad
+token in it."""
 
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -6,7 +7,8 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return GPT2LMHeadModel(without_dropout(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, pad_token_id=0, attn_implementation="sdpa")))
+    return GPT2LMHeadModel(without_dropout(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                      pad_token_id=0, attn_implementation="sdpa")))
 
 
 def make_inputs():

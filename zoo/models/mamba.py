@@ -1,6 +1,6 @@
-"""MambaForCausalLM (Mamba-1, transformers' torch path: the selective scan). Tiny config, a right-padded batch with its mask and a pad
-token in it. At tp=2 every mixer is split by channel: in_proj into x and z, conv1d, A_log and D by channel, x_proj row-parallel,
-dt_proj column-parallel, out_proj row-parallel."""
+"""MambaForCausalLM (Mamba-1, transformers' torch path: the selective scan). Tiny config, a right-padded batch with its
+mask and a pad token in it. At tp=2 every mixer is split by channel: in_proj into x and z, conv1d, A_log and D by
+channel, x_proj row-parallel, dt_proj column-parallel, out_proj row-parallel."""
 
 from transformers import MambaConfig, MambaForCausalLM
 

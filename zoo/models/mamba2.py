@@ -1,6 +1,6 @@
-"""Mamba2ForCausalLM (transformers' torch path: the chunked scan). Tiny config, a right-padded batch with its mask and a pad token in it.
-At tp=2 every mixer is split by heads: in_proj packed as z, x, B, C, dt (B and C by group), conv1d by channel, A_log, D and dt_bias
-by head, the gated norm by group, out_proj row-parallel."""
+"""Mamba2ForCausalLM (transformers' torch path: the chunked scan). Tiny config, a right-padded batch with its mask and a
+pad token in it. At tp=2 every mixer is split by heads: in_proj packed as z, x, B, C, dt (B and C by group), conv1d by
+channel, A_log, D and dt_bias by head, the gated norm by group, out_proj row-parallel."""
 
 from transformers import Mamba2Config, Mamba2ForCausalLM
 

@@ -1,4 +1,5 @@
-"""MixtralForCausalLM: mixture of experts (top-2 of 4). Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""MixtralForCausalLM: mixture of experts (top-2 of 4). Tiny config, dropout 0, a right-padded batch with its mask and a
+pad token in it."""
 
 from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -6,7 +7,11 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return MixtralForCausalLM(without_dropout(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, attn_implementation="sdpa")))
+    return MixtralForCausalLM(without_dropout(MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                            num_hidden_layers=2, num_attention_heads=4,
+                                                            num_key_value_heads=2, max_position_embeddings=64,
+                                                            pad_token_id=0, num_local_experts=4, num_experts_per_tok=2,
+                                                            router_jitter_noise=0.0, attn_implementation="sdpa")))
 
 
 def make_inputs():

@@ -1,4 +1,5 @@
-"""PhiForCausalLM: partial rotary, parallel attention/MLP. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""PhiForCausalLM: partial rotary, parallel attention/MLP. Tiny config, dropout 0, a right-padded batch with its mask
+and a pad token in it."""
 
 from transformers import PhiConfig, PhiForCausalLM
 
@@ -6,7 +7,10 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return PhiForCausalLM(without_dropout(PhiConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, attn_implementation="sdpa")))
+    return PhiForCausalLM(without_dropout(PhiConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                    max_position_embeddings=64, pad_token_id=0,
+                                                    attn_implementation="sdpa")))
 
 
 def make_inputs():

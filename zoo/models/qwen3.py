@@ -6,7 +6,10 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return Qwen3ForCausalLM(without_dropout(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, head_dim=16, attn_implementation="sdpa")))
+    return Qwen3ForCausalLM(without_dropout(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                        num_key_value_heads=2, max_position_embeddings=64,
+                                                        pad_token_id=0, head_dim=16, attn_implementation="sdpa")))
 
 
 def make_inputs():

@@ -1,4 +1,5 @@
-"""Qwen3MoeForCausalLM: mixture of experts, q/k norms. Tiny config, dropout 0, a right-padded batch with its mask and a pad token in it."""
+"""Qwen3MoeForCausalLM: mixture of experts, q/k norms. Tiny config, dropout 0, a right-padded batch with its mask and a
+pad token in it."""
 
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -6,7 +7,12 @@ from fxshard.testing import causal_lm_batch, without_dropout
 
 
 def make_model():
-    return Qwen3MoeForCausalLM(without_dropout(Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, head_dim=16, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, attn_implementation="sdpa")))
+    return Qwen3MoeForCausalLM(without_dropout(Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                                              num_hidden_layers=2, num_attention_heads=4,
+                                                              num_key_value_heads=2, max_position_embeddings=64,
+                                                              pad_token_id=0, head_dim=16, moe_intermediate_size=64,
+                                                              num_experts=4, num_experts_per_tok=2,
+                                                              attn_implementation="sdpa")))
 
 
 def make_inputs():
