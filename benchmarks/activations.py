@@ -140,7 +140,8 @@ def selective_keeps(h: int, a: int, t: int) -> tuple[float, str]:
     inputs instead and recomputes the attention core; fxshard keeps the attention kernel's output (it holds
     no a·s² matrix) and recomputes norms, GELU and residual adds."""
     parts = {"block input 2h": 2 * h, "Q, K, V 6h/t": 6 * h / t, "attention output 2h/t": 2 * h / t,
-             "its logsumexp 4a/t": LOGSUMEXP * a / t, "o_proj and fc_out outputs (before the all-reduce) 2h + 2h": 4 * h,
+             "its logsumexp 4a/t": LOGSUMEXP * a / t,
+             "o_proj and fc_out outputs (before the all-reduce) 2h + 2h": 4 * h,
              "fc_in output 8h/t": 8 * h / t}
     return sum(parts.values()), " + ".join(f"{k} ({v:g})" for k, v in parts.items())
 
@@ -239,7 +240,8 @@ def markdown(result: dict) -> str:
         if not r["built"]:
             rows.append([r["setting"], "not built (no `Layout.sp` in this fxshard)", *["—"] * 7])
             continue
-        ranks = min(min(v) for v in r["measured_over_plan"].values()), max(max(v) for v in r["measured_over_plan"].values())
+        over = r["measured_over_plan"].values()
+        ranks = min(min(v) for v in over), max(max(v) for v in over)
         rows.append([r["setting"], f"{r['per_layer_per_token']:.1f}" + ("" if r["same_on_every_rank"] else " (rank 0)"),
                      f"{r['formula']:.1f}", f"**{r['ratio']:.3f}**" + (" ✓" if r["meets_target"] else " ✗"),
                      f"{r['formula_in_this_model']:.1f}", f"{r['ratio_in_this_model']:.3f}",

@@ -87,9 +87,11 @@ def run(work: Path, quick: bool = False, profile: Path | None = None, quick_cali
             "spearman_rounds": [spearman(predicted, [r["runs_s"][i] for r in rows]) for i in range(rounds)
                                 if all(len(r["runs_s"]) > i for r in rows)],
             "agreement": agreement(rows, rounds),
-            "best_predicted": rows[best_predicted]["layout"], "best_measured": rows[measured.index(min(measured))]["layout"],
+            "best_predicted": rows[best_predicted]["layout"],
+            "best_measured": rows[measured.index(min(measured))]["layout"],
             "regret": measured[best_predicted] / min(measured) - 1, "profile": hw.name, "profile_source": hw.source,
-            "peak_fp32": hw.peak("fp32"), "link": {"bandwidth": hw.intra_node.bandwidth, "latency": hw.intra_node.latency},
+            "peak_fp32": hw.peak("fp32"), "link": {"bandwidth": hw.intra_node.bandwidth,
+                                                   "latency": hw.intra_node.latency},
             "kernel_overhead": hw.kernel_overhead, "overlap": hw.overlap, "contention": hw.contention,
             "compute_scale": hw.compute_scale, "selective_overhead": hw.selective_overhead,
             "groups": {g: {"bandwidth": k.bandwidth, "latency": k.latency} for g, k in hw.groups.items()},
@@ -171,7 +173,8 @@ def markdown(result: dict) -> str:
              "predicted / measured | compute | exposed comm | bubble |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         runs = " / ".join(f"{t * 1e3:.0f}" for t in r.get("runs_s", []))
-        lines.append(f"| {r['layout']} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | {runs} ms | "
+        lines.append(f"| {r['layout']} | {r['predicted_s'] * 1e3:.1f} ms | {r['measured_s'] * 1e3:.1f} ms | "
+                     f"{runs} ms | "
                      f"{r['ratio']:.2f} | {r['compute_s'] * 1e3:.1f} ms | {r['exposed_s'] * 1e3:.1f} ms | "
                      f"{r['bubble_s'] * 1e3:.1f} ms |")
     for f in result.get("failed", []):
@@ -190,7 +193,8 @@ def markdown(result: dict) -> str:
               f"Profile: {result['profile']} ({result['profile_source']}): fp32 matmul "
               f"{result['peak_fp32'] / 1e9:.2f} GFLOP/s per process, gloo bus bandwidth "
               f"{result['link']['bandwidth'] / 1e6:.0f} MB/s, latency {result['link']['latency'] * 1e3:.2f} ms, "
-              f"{result['kernel_overhead'] * 1e6:.1f} us per op (a third of forward + backward under autograd), overlap "
+              f"{result['kernel_overhead'] * 1e6:.1f} us per op (a third of forward + backward under "
+              f"autograd), overlap "
               f"{result.get('overlap', 1.0):.2f}, contention {result.get('contention', 1.0):.2f}, compute_scale "
               f"{result.get('compute_scale', 1.0):.2f} (the model's measured forward + backward over the roofline), "
               f"selective recompute {result.get('selective_overhead', 0.0) * 1e6:.1f} us per op; per group size: "

@@ -59,7 +59,8 @@ def predict_recipe(recipe: Recipe, profile, search_too: bool = True) -> dict:
     row = {"recipe": recipe.name, "model": recipe.model, "gpus": recipe.gpus, "seq": recipe.seq,
            "global_batch": recipe.global_batch, "hardware": hw.name, "memory_limit": hw.memory,
            "published": recipe.published, "published_memory": recipe.memory, "source": recipe.source,
-           "recipe_text": recipe.recipe, "differs": recipe.differs, "precision": recipe.precision, "own": _summary(own, recipe, ev)}
+           "recipe_text": recipe.recipe, "differs": recipe.differs, "precision": recipe.precision,
+           "own": _summary(own, recipe, ev)}
     if not own.fits:
         fit, _ = _least_recompute(ev, Candidate(layout), setting)
         row["fitting"] = _summary(predict(ev, fit.layout, setting), recipe, ev) if fit else None

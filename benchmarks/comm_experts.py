@@ -136,7 +136,8 @@ def markdown(result: dict) -> str:
         ratios = [x["measured_bytes"] / x["exact_bytes"] for x in r["ranks"]]
         rows.append([r["layout"], f"{first['calls']:.0f} all_to_all", f"{first['measured_bytes'] / 1e3:.3f}",
                      f"{first['exact_bytes'] / 1e3:.3f}", f"**{ratios[0]:.3f}**",
-                     f"{min(ratios):.3f}–{max(ratios):.3f}", f"`{r['balanced_expr']}` = {r['balanced_bytes'] / 1e3:.3f}",
+                     f"{min(ratios):.3f}–{max(ratios):.3f}",
+                     f"`{r['balanced_expr']}` = {r['balanced_bytes'] / 1e3:.3f}",
                      f"{first['measured_bytes'] / r['balanced_bytes']:.3f}"])
     head = (f"{result['model']}, per training step (mean of {result['steps']}), rank 0 unless said: bytes the "
             "all-to-alls send to other ranks (the rows for a rank's own experts stay), counted at the dispatcher "

@@ -137,4 +137,5 @@ def markdown(results: dict) -> str:
             "torch.compile run all of them on torch's MKL `sgemm`.  The difference from an fp64 product, relative to "
             "its largest element, is each kernel's own rounding.\n\n" + markdown_table(header, rows) +
             f"\n\nWhere the threshold comes from: single forward products around {least} multiply-adds, same "
-            "timing.\n\n" + markdown_table(["M × K × N", "multiply-adds", "MKL µs", "oneDNN µs", "oneDNN ÷ MKL"], cross))
+            "timing.\n\n" + markdown_table(["M × K × N", "multiply-adds", "MKL µs", "oneDNN µs",
+                                            "oneDNN ÷ MKL"], cross))

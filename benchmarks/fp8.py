@@ -124,7 +124,8 @@ def run(size: str, work: Path, rounds: int, warmup: int, device: str = "cpu", co
     return {"size": size, "parameters": found["parameters"], "device": device, "device_name": found["device_name"],
             "tokens_per_step": tokens, "flops_per_token": found["flops_per_token"], "rounds": rounds,
             "warmup": warmup, "fxshard_compile_s": compile_s, "contenders": rows, "fp8_over_bf16": speedup,
-            "first_loss": first, "first_loss_relative_difference": abs(first["fp8"] - first["bf16"]) / abs(first["bf16"])}
+            "first_loss": first,
+            "first_loss_relative_difference": abs(first["fp8"] - first["bf16"]) / abs(first["bf16"])}
 
 
 def markdown(results: list[dict]) -> str:

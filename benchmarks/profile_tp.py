@@ -72,7 +72,8 @@ def _profiled(contender, steps: int, device: torch.device) -> dict:
             / 1e3 / steps,
             # the kernels alone: the profiler's nccl:* annotations carry the same GPU time again
             "NCCL kernel ms per step": sum(e.self_device_time_total for e in events
-                                           if e.device_type == DeviceType.CUDA and e.key.startswith("nccl")) / 1e3 / steps,
+                                           if e.device_type == DeviceType.CUDA
+                                           and e.key.startswith("nccl")) / 1e3 / steps,
             "GPU ms per step, other kernels": sum(e.self_device_time_total for e in events
                                                    if e.device_type == DeviceType.CUDA and not e.key.startswith("nccl"))
             / 1e3 / steps,

@@ -70,7 +70,8 @@ RECIPES = [
         "llama3.1-405b", "samples/llama405b.py", 1024, 8192, 512,
         L(tp=8, pp=8, cp=2, dp=8, zero=1, schedule="interleaved-1f1b", virtual_stages=8, microbatches=64, sp=True,
           dtype="bf16", recompute="none"),
-        "fp8", 292, None, BRIDGE_SUMMARY.format(release="25.11", row="LLAMA3.1_405B (1024 GPUs, FP8-CS, GBS 512, MBS 1)"),
+        "fp8", 292, None,
+        BRIDGE_SUMMARY.format(release="25.11", row="LLAMA3.1_405B (1024 GPUs, FP8-CS, GBS 512, MBS 1)"),
         "TP8 PP8 CP2 VP8 DP8, FP8 current scaling, no recompute, distributed optimizer, sequence parallel, TP "
         "overlap; the embedding and the loss each count as a layer in the pipeline split "
         "(account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split); "
@@ -84,12 +85,14 @@ RECIPES = [
         "deepseek-v3", "benchmarks/models/deepseek_v3.py", 1024, 4096, 8192,
         L(tp=2, pp=8, dp=64, ep=64, zero=1, schedule="interleaved-1f1b", virtual_stages=4, microbatches=128,
           sp=True, dtype="bf16", recompute="selective"),
-        "fp8", 1297, None, BRIDGE_SUMMARY.format(release="25.09", row="DeepSeekV3 (dropless) (1024 GPUs, GBS 8192, MBS 1; "
-                                                              "FP8: the table's footnote reads its parenthesized "
-                                                              "figure as FP8 with blockwise scales)"),
+        "fp8", 1297, None,
+        BRIDGE_SUMMARY.format(release="25.09", row="DeepSeekV3 (dropless) (1024 GPUs, GBS 8192, MBS 1; "
+                                                   "FP8: the table's footnote reads its parenthesized "
+                                                   "figure as FP8 with blockwise scales)"),
         "TP2 PP8 VP4 EP64, FP8, recompute of MLA's up-projections and the MLPs (recompute_modules), HybridEP "
         "dispatch, the all-to-all not overlapped (moe_a2a_overlap False), layout 'Et|(tt|)*30mL' (embedding and one "
-        "layer, 30 stages of two, MTP and loss): scripts/performance/configs/deepseek/deepseek_workload_base_configs.py "
+        "layer, 30 stages of two, MTP and loss): "
+        "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py "
         "at 04264182 (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1); fxshard's nearest recompute: selective",
         "the pipeline: fxshard's balance of 61 layers over 32 stages leaves 6 to 8 MoE layers a rank (rank 0: the "
         "embedding, two dense layers and 6 MoE), and the critical rank's idle time in the schedule counts that "

@@ -138,7 +138,8 @@ def _megatron(rows) -> list[str]:
               "Transformer Engine's fused kernels run. fxshard traces what transformers' LlamaDecoderLayer saves "
               "(`fxshard.cost.saved`), at the sequence one cp rank holds: each RMSNorm keeps its fp32 input and its "
               "normalized bf16 output (6h bytes a token, against 2h), attention's output is kept twice (by SDPA, "
-              "and as o_proj's input, a contiguous copy of its transpose), SwiGLU keeps gate, up and their product apart (8·ffn against 4·ffn in the "
+              "and as o_proj's input, a contiguous copy of its transpose), SwiGLU keeps gate, up and their product "
+              "apart (8·ffn against 4·ffn in the "
               "formula, 6·ffn in Transformer Engine), and under sequence parallelism the column-parallel linears "
               "keep their all-gathered input whole (2·s·h bytes each of two, not over tp), where Megatron keeps the "
               "local shard and gathers it again in backward.",

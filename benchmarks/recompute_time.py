@@ -1,8 +1,8 @@
 """Step-time overhead of activation recompute: ``--recompute none``, ``selective`` and ``full``, interleaved.
 
 The activations benchmark's model (samples/gpt.py's architecture, 4 layers, bf16, at each of :data:`SHAPES`) is
-compiled once per mode at tp = 1 and tp = 2.  One set of gloo processes per tp holds the three programs, each set up the way
-``fxshard run`` sets a rank up (:class:`fxshard.train.program.Program`: weights, mixed precision, AdamW), and
+compiled once per mode at tp = 1 and tp = 2.  One set of gloo processes per tp holds the three programs, each set up the
+way ``fxshard run`` sets a rank up (:class:`fxshard.train.program.Program`: weights, mixed precision, AdamW), and
 :func:`benchmarks.common.interleave` runs one training step (``Program.step``: forward, backward, clipping, the
 optimizer step) of each mode in turn, the order rotating every round.  Reported per mode: the median step time,
 and the median over rounds of its time ÷ ``none``'s in the same round.  Every mode trains the same batches from
@@ -76,10 +76,10 @@ def run(workdir: Path, rounds: int, warmup: int, quick: bool = False, log=print)
         results.append({
             "shape": shape, "tp": tp, "step_ms": summarize(combined),
             "ratio_to_none": {m: paired_ratio(combined, m, "none") for m in MODES[1:]},
-            "ratio_of_medians": {m: round(statistics.median(combined[m]["wall"]) / statistics.median(combined["none"]["wall"]), 3)
-                                 for m in MODES[1:]},
-            "cpu_ratio_of_medians": {m: round(statistics.median(combined[m]["cpu"]) / statistics.median(combined["none"]["cpu"]), 3)
-                                     for m in MODES[1:]},
+            "ratio_of_medians": {m: round(statistics.median(combined[m]["wall"])
+                                          / statistics.median(combined["none"]["wall"]), 3) for m in MODES[1:]},
+            "cpu_ratio_of_medians": {m: round(statistics.median(combined[m]["cpu"])
+                                              / statistics.median(combined["none"]["cpu"]), 3) for m in MODES[1:]},
             "collectives_per_step": per_rank[0]["collectives"],
             "max_rel_loss_diff": {m: max(abs(a - b) / abs(b) for a, b in zip(losses[m], losses["none"], strict=True))
                                   for m in MODES[1:]},
@@ -89,7 +89,8 @@ def run(workdir: Path, rounds: int, warmup: int, quick: bool = False, log=print)
 
 
 def markdown(result: dict) -> str:
-    head = (f"{result['model']}, {result['layers']} layers, {result['dtype']}; {result['rounds']} interleaved rounds after "
+    head = (f"{result['model']}, {result['layers']} layers, {result['dtype']}; {result['rounds']} interleaved "
+            f"rounds after "
             f"{result['warmup_rounds']} warm-up; one step = forward, backward, AdamW (`fxshard run`'s step). "
             "Targets: selective ≤ 1.10× none, full ≤ 1.40×.")
     rows = []
@@ -101,7 +102,8 @@ def markdown(result: dict) -> str:
             layout = f"h={sh['hidden']} a={sh['heads']} s={sh['seq']} b={sh['batch']}, tp={r['tp']}"
             rows.append([layout if mode == "none" else "", mode,
                          f"{t['median_ms']:.1f} ({t['p25_ms']:.0f}–{t['p75_ms']:.0f})", f"{t['cpu_median_ms']:.1f}",
-                         "—" if paired is None else f"**{paired['median']:.3f}** ({paired['p25']:.2f}–{paired['p75']:.2f})",
+                         "—" if paired is None else f"**{paired['median']:.3f}** "
+                                                    f"({paired['p25']:.2f}–{paired['p75']:.2f})",
                          "—" if mode == "none" else f"{r['ratio_of_medians'][mode]:.3f}",
                          "—" if mode == "none" else f"{r['cpu_ratio_of_medians'][mode]:.3f}",
                          _calls(r["collectives_per_step"][mode]),

@@ -64,7 +64,8 @@ from benchmarks.peers import bench as peers  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("tp", "matmul", "overlap", "pipeline", "traffic", "zero1", "memory", "activations", "recompute", "compile")
-ALONE = ("single", "data", "auto", "cp", "peers")  # parts run only when --only names them, into results files of their own
+# parts run only when --only names them, into results files of their own
+ALONE = ("single", "data", "auto", "cp", "peers")
 GPU_PARTS = ("tp", "single")  # what --device cuda runs
 
 
@@ -153,7 +154,8 @@ def render(results: dict) -> str:
     if env["backend"] == "nccl":
         head = (f"`{results['command']}` on {env['gpus']} × {env['gpu']} ({env['cpu_count']} CPU cores: "
                 f"{cpu_line(env)}), torch "
-                f"{env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, {env['date']} ({results['elapsed_s']:.0f} s).")
+                f"{env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, {env['date']} "
+                f"({results['elapsed_s']:.0f} s).")
     else:
         head = (f"`{results['command']}` on {env['cpu_count']} CPU cores of {cpu_line(env)}, torch {env['torch']}, "
                 "gloo, "

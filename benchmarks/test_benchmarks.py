@@ -89,7 +89,8 @@ def test_measured_collectives_match_what_fxshard_states(quick):
     model = tp["model"]
     tokens = model["batch"] * model["seq"]
     megatron = c["megatron"]["forward"]["all_reduce"]
-    assert measured["forward"]["all_reduce"] == {"calls": megatron["calls"] - 3, "bytes": megatron["bytes"] - 3 * tokens * 4}
+    assert measured["forward"]["all_reduce"] == {"calls": megatron["calls"] - 3,
+                                                 "bytes": megatron["bytes"] - 3 * tokens * 4}
     assert measured["forward"]["all_gather"] == {"calls": 1, "bytes": tokens * 2 * 4}
     assert "optimizer" not in measured
     assert c["fxshard_stated"]["header"].startswith("forward ")

@@ -30,7 +30,8 @@ PEERS = all(importlib.util.find_spec(p) is not None for p in ("torchtitan", "meg
 def _hf(heads=8, kv_heads=4, d=4, hidden=32, ffn=48, layers=2) -> dict:
     g = torch.Generator().manual_seed(0)
     out = {"model.embed_tokens.weight": torch.randn(64, hidden, generator=g),
-           "model.norm.weight": torch.randn(hidden, generator=g), "lm_head.weight": torch.randn(64, hidden, generator=g)}
+           "model.norm.weight": torch.randn(hidden, generator=g),
+           "lm_head.weight": torch.randn(64, hidden, generator=g)}
     for i in range(layers):
         p = f"model.layers.{i}."
         out |= {p + "self_attn.q_proj.weight": torch.randn(heads * d, hidden, generator=g),

@@ -360,7 +360,8 @@ def run(size: str, workdir: Path, rounds: int, warmup: int, log=print, device: s
     return {
         "model": {"size": size, "file": "benchmarks/models/gpt.py", "parameters": params, **config},
         "tp": TP, "device": device, "gpus": torch.cuda.device_count() if device == "cuda" else 0,
-        "mps": device == "cuda" and mps_running(), "rounds": rounds, "warmup_rounds": warmup, "compile_s": round(compile_s, 2),
+        "mps": device == "cuda" and mps_running(), "rounds": rounds, "warmup_rounds": warmup,
+        "compile_s": round(compile_s, 2),
         # rank 0's untimed first step: torch.compile's compilation for the compiled contenders
         "first_step_s": {n: round(t, 2) for n, t in per_rank[0]["first_step_s"].items()},
         "step_ms": step_ms,

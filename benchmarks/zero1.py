@@ -140,7 +140,8 @@ def markdown(result: dict) -> str:
     head = (f"{result['model']} (Ψ = {result['psi']:,} parameters in {result['tensors']} tensors per rank) at dp = "
             f"{result['dp']}, rank 0, per "
             f"training step; {result['rounds']} interleaved rounds of {result.get('steps_per_call', 1)} steps each "
-            "(and the wait for the last step's gathers; step ms = the round's ÷ its steps). before = DDP + ZeroRedundancyOptimizer, after = `--zero 1`'s "
+            "(and the wait for the last step's gathers; step ms = the round's ÷ its steps). before = DDP + "
+            "ZeroRedundancyOptimizer, after = `--zero 1`'s "
             "distributed optimizer with its all-gathers waited for in the step, overlapped = left in flight until the "
             "next forward uses each bucket (the default). The step loss's 8-byte all-reduce is left out.")
     return head + "\n\n" + markdown_table(

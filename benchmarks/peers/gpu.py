@@ -126,7 +126,8 @@ def run_ws1(size: str, work: Path, rounds: int, warmup: int, backend: str, log=p
                       "ratio_to_fxshard": paired_ratio(times, tool, base) if base in ran else None,
                       "losses": r["losses"][tool]}
         try:
-            rows[tool]["peak_gib"] = spawn(_ws1_memory, 1, str(out), tool, 2, backend=backend, timeout=900)[0]["peak_gib"]
+            rows[tool]["peak_gib"] = spawn(_ws1_memory, 1, str(out), tool, 2, backend=backend,
+                                           timeout=900)[0]["peak_gib"]
         except Exception as e:  # noqa: BLE001
             rows[tool]["peak_gib"] = f"failed: {str(e).splitlines()[-1][:200]}"
     return {"size": size, "shape": shape, "device": name, "peak_flops": peak, "rows": rows, "failed": r["failed"]}

@@ -36,7 +36,8 @@ def _config(shape: dict, layout: PeerLayout, dtype: torch.dtype):
 
     return TransformerConfig(
         num_layers=shape["layers"], hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
-        num_attention_heads=shape["heads"], num_query_groups=shape["kv_heads"], kv_channels=shape["hidden"] // shape["heads"],
+        num_attention_heads=shape["heads"], num_query_groups=shape["kv_heads"],
+        kv_channels=shape["hidden"] // shape["heads"],
         normalization="RMSNorm", layernorm_epsilon=NORM_EPS, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,

@@ -46,7 +46,8 @@ def _model_config(shape: dict):
         layer.attention_norm.eps = layer.ffn_norm.eps = NORM_EPS
     return Llama3Model.Config(
         dim=dim, vocab_size=vocab, tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
-        norm=RMSNorm.Config(normalized_shape=dim, eps=NORM_EPS), lm_head=Linear.Config(in_features=dim, out_features=vocab),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=NORM_EPS),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab),
         layers=layers)
 
 

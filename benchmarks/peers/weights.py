@@ -50,7 +50,8 @@ def torchtitan_state(hf: dict[str, torch.Tensor], heads: int, kv_heads: int) -> 
 
 
 def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """Megatron's ``linear_qkv`` rows: per key/value group, its ``heads // kv_heads`` query heads, its key, its value."""
+    """Megatron's ``linear_qkv`` rows: per key/value group, its ``heads // kv_heads`` query heads, its key, its
+    value."""
     per = heads // kv_heads
     d = q.shape[0] // heads
     qg, kg, vg = q.view(kv_heads, per * d, -1), k.view(kv_heads, d, -1), v.view(kv_heads, d, -1)
