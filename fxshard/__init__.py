@@ -8,7 +8,8 @@ from fxshard.version import __version__
 _LAZY = {
     "pipeline_split": "fxshard.ir.cut",
     "load": "fxshard.train.program",
-    **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize")},
+    **{name: "fxshard.plan.styles" for name in ("colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts",
+                                                "parallelize")},
 }
 
 
@@ -55,6 +56,7 @@ def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, met
                         meta=meta)
 
 
-__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize", "pipeline_split", "compile",
+__all__ = ["FxshardError", "colwise", "rowwise", "vocab_parallel", "replicate", "moe_tp_experts", "parallelize",
+           "pipeline_split", "compile",
            "load",
            "__version__"]

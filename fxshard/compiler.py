@@ -188,7 +188,8 @@ def compile_program(model_file: str | Path | ModelFile, layout: Layout, plan: di
         program = capture_at(mf, seed, inputs, layout.compute_dtype if layout.mixed else None, meta, peers)
         program = record_pairs(program, rows, where, split)
     sequence = _sequence(mf, seed, inputs, program, layout) if layout.cp > 1 else None
-    _check_router_loss(program, microbatches, mf, layout.cp)  # under --dp: passes/router_loss.py makes its means whole-batch
+    # under --dp: passes/router_loss.py makes its means whole-batch
+    _check_router_loss(program, microbatches, mf, layout.cp)
     _check_scalar_parameters(program, layout)
     if layout.pp > 1:
         layout = dataclasses.replace(layout, microbatches=microbatches,
@@ -360,7 +361,8 @@ def _generate(result: CompiledProgram, mf: ModelFile, seed: int):
     if ctx.pipeline is not None:
         stages = pipeline_stages(result.gm, ctx)
         name_stage_values(result.gm, stages)
-        ctx.notes.extend(n for n in gradless_sends(stages, requires_grad(result.gm, ctx.trainable)) if n not in ctx.notes)
+        sends = gradless_sends(stages, requires_grad(result.gm, ctx.trainable))
+        ctx.notes.extend(n for n in sends if n not in ctx.notes)
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
             coords = Coords(pp=pp_rank, tp=tp_rank)

@@ -35,7 +35,8 @@ class Rows:
     """How a batch's top-level tensor inputs (by key: a keyword, or a position) hold its ``batch`` rows."""
 
     batch: int | None
-    counted: dict = field(default_factory=dict)  # input -> the boolean mask input whose True positions its entries follow
+    # input -> the boolean mask input whose True positions its entries follow
+    counted: dict = field(default_factory=dict)
     whole: tuple = ()  # inputs whose first dimension is neither the batch nor counted: never split
 
     @classmethod

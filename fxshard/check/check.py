@@ -326,7 +326,8 @@ def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sour
             holders = sorted({layout.stage_rank(s) for s in tie.stages})
             for t in range(layout.tp if len(holders) > 1 else 0):
                 members = [entries[(p, t)] for p in holders]
-                label = _group_label(layout, "tied-weight", lambda d, i, t=t, h=holders: layout.rank_of(dp=d, pp=h[i], tp=t),
+                label = _group_label(layout, "tied-weight",
+                                     lambda d, i, t=t, h=holders: layout.rank_of(dp=d, pp=h[i], tp=t),
                                      len(holders))
                 problems += _compare(label, "sync_tied_grads", tie.name, members, _TIED, traces, sources, report)
     return problems

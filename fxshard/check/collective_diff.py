@@ -63,7 +63,8 @@ def _call(c: Collective) -> str:
 
 def _replaced(ref, odd, i, j, ref_file, ref_ranks, phase) -> tuple[str, str]:
     a, b = ref[i], odd[j]
-    text = f"{phase} collective #{j + 1} is {b.what()} ({_call(b)}) but {a.where()} ({ref_ranks}) issues {a.what()} ({_call(a)})"
+    text = (f"{phase} collective #{j + 1} is {b.what()} ({_call(b)}) but {a.where()} ({ref_ranks}) issues "
+            f"{a.what()} ({_call(a)})")
     later = next((k for k, c in enumerate(ref) if b.value and c.ident == b.ident and c.key == b.key), None)
     if later is not None:
         text += f"; the order differs: {ref_file} issues {b.value} as #{later + 1}"

@@ -27,13 +27,15 @@ from torch.utils import _pytree as pytree
 
 from fxshard.files import write_text
 
-WRAPPER = '''"""fxshard verify --fp64: {path}, its model's parameters and buffers and the floating tensors of its batches in
+# the file's first line, split in two literals to fit here, is one line of the written file
+WRAPPER = ('''"""fxshard verify --fp64: {path}, its model's parameters and buffers and the floating tensors of its '''
+           '''batches in
 float64 (fxshard.check.fp64)."""
 
 from fxshard.check.fp64 import in_float64
 
 globals().update(in_float64({path!r}))
-'''
+''')
 
 
 def float64_model_file(model_file: str | Path, folder: Path) -> Path:
@@ -136,4 +138,5 @@ def check_fp64(layout, weights) -> None:
     if weights is not None:
         raise OptionError(f"--fp64 with the weights of {weights} (--weights, or MODEL a Hugging Face folder): the "
                           "float64 program is built from make_model(), and the compile would read the folder's tensors "
-                          "at their own dtype; verify --fp64 a model file without weights, or the folder without --fp64")
+                          "at their own dtype; verify --fp64 a model file without weights, or the folder without "
+                          "--fp64")

@@ -301,7 +301,8 @@ def quiet_parameters(grad_sq: dict[str, list[float | None]], numel: dict[str, in
         got = [(v[t], numel[n]) for n, v in grad_sq.items() if len(v) > t and v[t] is not None]
         model_rms.append((sum(g for g, _ in got) / max(sum(k for _, k in got), 1)) ** 0.5)
     return {n for n, v in grad_sq.items() if len(v) == steps > 0 and all(
-        g is not None and (g / numel[n]) ** 0.5 <= QUIET_GRAD[dtype] * rms for g, rms in zip(v, model_rms, strict=True))}
+        g is not None and (g / numel[n]) ** 0.5 <= QUIET_GRAD[dtype] * rms
+        for g, rms in zip(v, model_rms, strict=True))}
 
 
 def adamw_reach(optim, steps: int) -> float:

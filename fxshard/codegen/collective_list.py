@@ -52,6 +52,7 @@ def _body_entries(body: Body, ctx: CompileContext) -> list[CollectiveEntry]:
         entries.append(CollectiveEntry(
             op=kind.name, group=next(a.axis for a in node.args if isinstance(a, Group)),
             value=names.get(node, node.name),
-            shape=shape, dtype=str(val.dtype).removeprefix("torch."), backward=kind.backward, outputs_only=node in skipped,
+            shape=shape, dtype=str(val.dtype).removeprefix("torch."), backward=kind.backward,
+            outputs_only=node in skipped,
             stage=body.stage))
     return entries

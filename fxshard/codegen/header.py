@@ -117,16 +117,16 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
     doc += ["    " + line.format(mb=DDP_BUCKET_MB, dp=layout.replicas, zmb=zmb) for line in _ZERO_TEXT[zero]]
     if zero == 1:
         if ctx.expert_params:
-            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) have a distributed "
-                       f"optimizer of their own over the {layout.size(EDP)} ranks holding the same experts "
+            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) have a "
+                       f"distributed optimizer of their own over the {layout.size(EDP)} ranks holding the same experts "
                        f"(gradients summed over those and divided by {layout.replicas})")
         if layout.mixed:
             doc.append(f"    mixed precision: {layout.dtype} parameters, gradients and buckets; the optimizer keeps "
                        "fp32 master weights of its shard")
         body = ["return module  # the optimizer, built after this, takes the parameters into its buckets"]
     elif zero == 0 and ctx.expert_params:
-        doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not DDP's; their "
-                   f"gradients are summed over the {layout.size(EDP)} ranks holding the same experts and "
+        doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not "
+                   f"DDP's; their gradients are summed over the {layout.size(EDP)} ranks holding the same experts and "
                    f"divided by {layout.replicas} after backward (fxshard.runtime.experts.sync_expert_grads)")
         body = [f"return rt.ddp(module, dp_mesh, ignore={_expert_attrs(ctx, attrs)!r})"]
     elif zero == 0:
@@ -139,9 +139,9 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
         blocks = ", blocks=[getattr(module, b) for b in module.BLOCKS]" if zero == 3 else ""
         ignore = ""
         if ctx.expert_params:
-            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are not FSDP2's: "
-                       f"held whole on the {layout.size(EDP)} ranks holding the same experts, their gradients "
-                       f"summed over those and divided by {layout.replicas} after backward "
+            doc.append(f"    expert parallelism ep = {layout.ep}: the experts (E/{layout.ep} per rank) are "
+                       f"not FSDP2's: held whole on the {layout.size(EDP)} ranks holding the same experts, their "
+                       f"gradients summed over those and divided by {layout.replicas} after backward "
                        "(fxshard.runtime.experts.sync_expert_grads)")
             ignore = f", ignore={_expert_attrs(ctx, attrs)!r}"
         body = [f"return rt.fully_shard(module, dp_mesh, reshard_after_forward={zero == 3}{dtype}{blocks}{ignore})"]

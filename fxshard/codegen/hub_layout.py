@@ -95,7 +95,8 @@ def _conversions(model) -> list:
 
 
 def _pieces(target: str, shape: tuple[int, ...], got: dict) -> tuple[Piece, ...]:
-    """The pieces of ``target``: each source pattern's keys stacked along ``stack``, the patterns joined along ``cat``."""
+    """The pieces of ``target``: each source pattern's keys stacked along ``stack``, the patterns joined along
+    ``cat``."""
     converter = got["converter"]
     ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
     if not ops or ops[0][0] != "MergeModulelist" or any(n != "Concatenate" for n, _ in ops[1:2]) or len(ops) > 2:

@@ -194,7 +194,9 @@ def op_text(target: torch._ops.OpOverload) -> str:
     """``aten.linear.default``; an op of another namespace by its full path."""
     ns = target.namespace
     packet = target.overloadpacket.__name__.split(".")[-1]
-    return f"aten.{packet}.{target._overloadname}" if ns == "aten" else f"torch.ops.{ns}.{packet}.{target._overloadname}"
+    if ns == "aten":
+        return f"aten.{packet}.{target._overloadname}"
+    return f"torch.ops.{ns}.{packet}.{target._overloadname}"
 
 
 def arg_text(a, names, coords) -> str:

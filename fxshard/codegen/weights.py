@@ -114,8 +114,8 @@ def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
             if spec.kind == "buffer":
                 continue  # not saved (rotary tables, masks): the compiled value is used
             hub = hub_sources(program.model, spec.fqn)
-            also = f", neither stacked nor one tensor per expert as transformers' table reads it ({', '.join(map(repr, hub))})" \
-                if hub else ""
+            also = (f", neither stacked nor one tensor per expert as transformers' table reads it "
+                    f"({', '.join(map(repr, hub))})") if hub else ""
             raise WeightsError(f"{folder}: tensor {spec.fqn} is missing from the checkpoint{also} "
                                f"({len(files)} tensors in {_file_list(files)}); the model needs it — {FIX}")
         found = name if name in files else built[name]
@@ -152,11 +152,13 @@ def checkpoint_source(folder: str | Path, program: Program) -> CheckpointSource:
 
 
 def _check_piece(piece: Piece, found: tuple[Path, list[int], str], fqn: str, expected: torch.Tensor) -> None:
-    """A piece's shape is its share of the built tensor (an expert's gate: ``[I, H]`` of ``gate_up_proj [E, 2I, H]``)."""
+    """A piece's shape is its share of the built tensor (an expert's gate: ``[I, H]`` of
+    ``gate_up_proj [E, 2I, H]``)."""
     path, shape, dtype = found
     if tuple(shape) != piece.shape:
         raise WeightsError(f"{path}: tensor {piece.name} has shape {list(shape)}, the model (its config) expects "
-                           f"{list(piece.shape)} for it (at {list(piece.start)} of {fqn} {list(expected.shape)}); {FIX}")
+                           f"{list(piece.shape)} for it (at {list(piece.start)} of {fqn} {list(expected.shape)}); "
+                           f"{FIX}")
     _check_kind(path, piece.name, dtype, fqn, expected)
 
 

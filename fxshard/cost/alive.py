@@ -38,7 +38,8 @@ def _order_only(cls: type) -> type:
     """``cls`` that computes its ``pipeline_order`` and stops there: the runtime's lowering of that order into
     sends, receives, unshards and reshards (``_prepare_schedule_with_comms``, the last step of the multi-stage
     schedules' constructors, most of their time at 64 stages) is not read here."""
-    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": lambda self, actions, format="compute_only": None})
+    return type(cls.__name__, (cls,),
+                {"_prepare_schedule_with_comms": lambda self, actions, format="compute_only": None})
 
 
 def _stand_in(index: int, num_stages: int, pp: int):

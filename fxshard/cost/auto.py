@@ -56,7 +56,8 @@ def check_auto(options: AutoOptions, layout: Layout) -> Hardware:
     if options.gpus > per_node and options.gpus % per_node:
         raise OptionError(f"--gpus {options.gpus} over nodes of {per_node} (--gpus-per-node): expected whole nodes; "
                           f"found {options.gpus % per_node} devices left over; use --gpus "
-                          f"{options.gpus - options.gpus % per_node} or {options.gpus - options.gpus % per_node + per_node}")
+                          f"{options.gpus - options.gpus % per_node} or "
+                          f"{options.gpus - options.gpus % per_node + per_node}")
     return hw
 
 

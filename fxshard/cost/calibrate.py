@@ -86,7 +86,8 @@ def calibrate(out: Path, procs: int = 1, quick: bool = False, model: Path | None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_spawned, args=(procs, port, str(out), quick, model and str(model)), nprocs=procs, start_method="spawn")
+    mp.start_processes(_spawned, args=(procs, port, str(out), quick, model and str(model)), nprocs=procs,
+                       start_method="spawn")
     return json.loads(out.read_text())
 
 
@@ -181,8 +182,8 @@ def calibrate_rank(out: Path, quick: bool = False, model: Path | None = None) ->
         "efficiency": {"matmul": 1.0, "attention": round(min(1.0, attention), 3), "memory": 1.0},
         "kernel_overhead": overhead,
         "groups": {str(g): fit for g, fit in intra["groups"].items()} if intra else {},
-        "collectives": {op: {str(g): fit for g, fit in by_group.items()} for op, by_group in intra["collectives"].items()}
-        if intra else {},
+        "collectives": {op: {str(g): fit for g, fit in by_group.items()}
+                        for op, by_group in intra["collectives"].items()} if intra else {},
         "overlap": round(overlap, 3),
         "contention": round(contention, 3),
         "selective_overhead": selective,
@@ -313,7 +314,10 @@ def _model_step(model: Path, world: int, device, quick: bool) -> float:
 
     def step():
         out = net(*inputs) if isinstance(inputs, tuple) else net(**inputs)
-        loss = mf.loss_fn(out, inputs) if mf.loss_fn is not None else (out if isinstance(out, torch.Tensor) else out.loss)
+        if mf.loss_fn is not None:
+            loss = mf.loss_fn(out, inputs)
+        else:
+            loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         net.zero_grad(set_to_none=True)
 

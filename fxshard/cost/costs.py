@@ -486,7 +486,8 @@ def _traces(gm, ctx, stages, nodes, state, coords, local, dims, at) -> dict[str,
     """Recompute mode -> {stage index: StageMemory}: each stage traced as the generated code runs it under that
     mode (its repeated blocks as passes/blocks.py recorded them); only ``none`` for a model without blocks."""
     if stages:
-        spans = [(st.index, st.nodes, st.state, [*st.inputs, *st.batch, *st.outputs], set(st.outputs), set(st.recomputed))
+        spans = [(st.index, st.nodes, st.state, [*st.inputs, *st.batch, *st.outputs], set(st.outputs),
+                  set(st.recomputed))
                  for st in stages]
     else:
         out = next(n for n in gm.graph.nodes if n.op == "output")

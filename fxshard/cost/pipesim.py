@@ -109,7 +109,8 @@ def _ready(a, done: dict, num_stages: int, transfer) -> float | None:
 
 
 def pipeline_step(schedule: str, pp: int, microbatches: int, stages_per_rank: int, duration: Callable,
-                  transfer: Callable, start: dict[int, float] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+                  transfer: Callable,
+                  start: dict[int, float] | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """(end, busy) per pp rank for ``microbatches``: simulated on torch's order, or, when the order would exceed
     :data:`DIRECT_ACTIONS` actions per rank, extrapolated linearly from two simulated counts (k and k+1 rounds of
     pp microbatches: past the warm-up every schedule repeats one pattern per round)."""

@@ -1,13 +1,14 @@
 """The time model: one training step of a layout on a hardware profile, from the model's pieces.
 
-Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype (an fp8
-linear's at the fp8 peak: :mod:`fxshard.cost.fp8`) times the op class's efficiency, each op no faster than its bytes at the memory bandwidth (a roofline, op by op), and the other
-ops' bytes at the memory bandwidth, all times the profile's ``compute_scale`` (1 on the shipped profiles;
-``fxshard calibrate --model`` measures a model's step against this roofline); backward is twice the forward
-(attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter` counts them); recompute runs a
-block's forward again (``full``) or its memory-bound ops plus the selective policy's cost per op (``selective``,
-:func:`selective_redo`), with its tp collectives.  Under ``fp8`` (an Evaluator's dtype: bf16 with float8
-products) the matmuls run at the fp8 peak and each pass pays its operands' dynamic casts (:func:`fp8_cast_seconds`).
+Compute: each piece's matmul, attention and expert FLOPs at the device's peak for the compute dtype (an fp8 linear's at
+the fp8 peak: :mod:`fxshard.cost.fp8`) times the op class's efficiency, each op no faster than its bytes at the memory
+bandwidth (a roofline, op by op), and the other ops' bytes at the memory bandwidth, all times the profile's
+``compute_scale`` (1 on the shipped profiles; ``fxshard calibrate --model`` measures a model's step against this
+roofline); backward is twice the forward (attention 2.5 times: five matmuls to two, as :mod:`torch.utils.flop_counter`
+counts them); recompute runs a block's forward again (``full``) or its memory-bound ops plus the selective policy's cost
+per op (``selective``, :func:`selective_redo`), with its tp collectives.  Under ``fp8`` (an Evaluator's dtype: bf16 with
+float8 products) the matmuls run at the fp8 peak and each pass pays its operands' dynamic casts
+(:func:`fp8_cast_seconds`).
 
 Communication, at the link each axis lands on (within a node or across nodes, from the mesh order dp, cp, pp, tp
 and the devices per node): each collective by the ring formula (bandwidth) plus a ring or tree latency
@@ -239,7 +240,8 @@ def _compile(piece: Piece):
     """The piece's expressions as one function of (b, S, T) per part: all of it, and its S**2 part (which grows with
     the whole sequence, not the local one, under cp: queries local, keys whole)."""
     exprs = {"traffic": piece.traffic, "kernels": sympy.Integer(piece.kernels), "params": piece.params,
-             "frozen": piece.frozen,             "experts": piece.experts, "tied": piece.tied, "boundary": piece.boundary,
+             "frozen": piece.frozen,             "experts": piece.experts, "tied": piece.tied,
+             "boundary": piece.boundary,
              "boundary_grad": piece.boundary_grad, "kv": piece.kv, "dispatched": piece.dispatched}
     exprs |= {f"largest:{i}": e for i, e in enumerate(piece.largest or [sympy.Integer(0)])}
     exprs |= {f"saved:{m}": e for m, e in piece.saved.items()}
@@ -462,7 +464,8 @@ def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, dur
     pred.exposed["dp"] += post[crit][0] + pre[crit]
     pred.bubble = max(0.0, ends[crit] - pre[crit] - busy[crit])
     pred.terms = {"compute": m * sum(d.fwd_compute + d.bwd_compute for d in own),
-                  "recompute": m * sum(d.redo for d in own), **{f"{k} communication": t for k, t in pred.exposed.items()},
+                  "recompute": m * sum(d.redo for d in own),
+                  **{f"{k} communication": t for k, t in pred.exposed.items()},
                   "pipeline bubble": pred.bubble, "optimizer step": post[crit][1]}
 
 

@@ -65,6 +65,6 @@ from fxshard.files.staged import (
 )
 
 __all__ = ["RECORD", "JOURNAL", "STAGE", "FileSet", "FolderKind", "ForeignFileError", "Interrupted", "UnsafePathError",
-           "check_replaceable", "check_target", "clean_stale", "make_folder", "open_log", "open_no_follow", "open_writing",
-           "path_for_library", "publish_folder", "recover_interrupted", "refuse_link", "remove_folder",
+           "check_replaceable", "check_target", "clean_stale", "make_folder", "open_log", "open_no_follow",
+           "open_writing", "path_for_library", "publish_folder", "recover_interrupted", "refuse_link", "remove_folder",
            "staged_output", "try_writing", "write_bytes", "write_text"]

@@ -189,7 +189,8 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    "R -> S(d): keeps this rank's part forward; all-gather of the gradient backward", _part),
     # sequence parallelism (Megatron-LM's reduce-scatter <-> all-gather pair): the same bytes as an all-reduce
     CollectiveKind(rtc.reduce_scatter, "reduce_scatter", "all_gather",
-                   "P(sum) -> S(d): reduce-scatter along d forward; all-gather of the gradient backward", _reduced_part),
+                   "P(sum) -> S(d): reduce-scatter along d forward; all-gather of the gradient backward",
+                   _reduced_part),
     CollectiveKind(rtc.gather_to, "all_gather", "reduce_scatter",
                    "S(d) -> R: all-gather along d forward; reduce-scatter of the gradient backward (enters split "
                    "compute)", _gathered),

@@ -116,7 +116,8 @@ def a2a(split, node: fx.Node) -> None:
     _mask(split, node, [Shard(1)] * 3, permute=False)
     split.place[node] = Shard(1)
     back = split._insert(rcp.heads_to_seq, (node, GROUP), {"head_dim": 1, "seq_dim": n - 2, "balanced": split.balanced},
-                         after=node, val=node.meta["val"], placement=Shard(n - 2), collective="heads_to_seq", owner=node)
+                         after=node, val=node.meta["val"], placement=Shard(n - 2), collective="heads_to_seq",
+                         owner=node)
     node.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
 
 

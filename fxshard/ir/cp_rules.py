@@ -116,7 +116,8 @@ def _partial(node, args, placements) -> Decision | None:
         if parts < len(placements) and kind != AVG:
             return None
     elif node.target in (aten.mul.Tensor, aten.div.Tensor, operator.mul, operator.truediv):
-        if parts != 1 or (node.target in (aten.div.Tensor, operator.truediv) and not isinstance(placements[0], Partial)):
+        if parts != 1 or (node.target in (aten.div.Tensor, operator.truediv)
+                          and not isinstance(placements[0], Partial)):
             return None
     return Decision(kind, tuple(placements))
 

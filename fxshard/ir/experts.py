@@ -157,7 +157,8 @@ def dispatch_chain(first: fx.Node, fqn_of) -> list[fx.Node]:
 
 
 def _linear_in(node: fx.Node, x: fx.Node) -> bool:
-    """Whether ``node`` (one of ``_COMBINE_OPS`` or ``_DISPATCH_OPS``) is linear in its argument ``x``, without a cast."""
+    """Whether ``node`` (one of ``_COMBINE_OPS`` or ``_DISPATCH_OPS``) is linear in its argument ``x``, without a
+    cast."""
     val, src = node.meta.get("val"), x.meta.get("val")
     if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor) or val.dtype != src.dtype:
         return False

@@ -4,8 +4,8 @@ Its fields are the layout flags of ``fxshard compile``, ``plan`` and ``verify``,
 The mesh's axes have one home, here: ``MESH_AXES`` are its dimensions, outermost first (a tp group is
 consecutive ranks); expert parallelism's ``ep`` and ``edp`` are carved out of ``dp``; context parallelism's ``cp``
 sits between dp and pp, and gradients are averaged over ``dp_cp``, the two flattened (world = dp·cp·pp·tp).  Code
-that names an axis uses these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process group a rank's program
-uses, once, the way torchtitan's ``ParallelDims.build_mesh`` does::
+that names an axis uses these constants, never the quoted name.  :meth:`Layout.process_groups` builds every process
+group a rank's program uses, once, the way torchtitan's ``ParallelDims.build_mesh`` does::
 
     >>> Layout(tp=2, pp=2, dp=2).mesh_shape, Layout(dp=4, ep=2).size(EDP), Layout(dp=2, cp=2).mesh_axes
     ((2, 2, 2), 2, ('dp', 'cp', 'pp', 'tp'))
@@ -29,7 +29,8 @@ INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several
 DP, CP, PP, TP = "dp", "cp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, CP, PP, TP)  # outermost first: a tp group is consecutive ranks; cp only when --cp > 1 (mesh_axes)
 DPCP = "dp_cp"  # dp and cp flattened: the ranks that hold the same parameters and average their gradients (--cp)
-CP_MODES = ("allgather", "ring", "a2a")  # --cp-mode: how attention exchanges keys and values (passes/context_parallel.py)
+# --cp-mode: how attention exchanges keys and values (passes/context_parallel.py)
+CP_MODES = ("allgather", "ring", "a2a")
 # expert parallelism is carved out of dp (Megatron-Core, torchtitan): dp coordinate d is ep rank d % ep of the ep
 # group of d // ep; the ranks holding the same experts (d % ep equal) form its expert-data-parallel ("edp") group
 EP, EDP = "ep", "edp"
@@ -114,14 +115,15 @@ class Layout:
     dtype: str = option("fp32", "fp32; bf16: mixed precision (bf16 compute, fp32 master weights and Adam state); fp8: "
                                 "bf16 with the linears' products in float8 (--fp8's recipe, default tensorwise)")
     # activation recompute of the repeated blocks (auto is resolved by the driver before the compile)
-    recompute: str = option("none", "activation recompute of each repeated block: none; selective (keep matmul outputs, "
-                                    "recompute the rest in backward); full (keep only the block's inputs); auto (the "
-                                    "least of these that fits --device-memory by the plan)")
+    recompute: str = option("none", "activation recompute of each repeated block: none; selective (keep matmul "
+                                    "outputs, recompute the rest in backward); full (keep only the block's inputs); "
+                                    "auto (the least of these that fits --device-memory by the plan)")
     # sequence parallelism (passes/collectives.py)
     sp: bool = option(False, "sequence parallelism (with --tp 2 or more): norms, dropout and residual adds run on S/tp "
                              "tokens; the all-reduces become reduce-scatters and all-gathers")
     # expert parallelism (passes/expert_parallel.py)
-    ep: int = option(1, "expert-parallel degree: each MoE layer's experts split over ep of the dp ranks (ep divides dp)")
+    ep: int = option(1,
+                     "expert-parallel degree: each MoE layer's experts split over ep of the dp ranks (ep divides dp)")
     # copy_to + the column-parallel linears reading it fused as rt.copy_to_linears: backward overlaps the input
     # gradient's all-reduce with the weight gradients (passes/overlap.py); False: plain copy_to and linears
     overlap: bool = option(True, "write copy_to and the column-parallel linears reading it as one rt.copy_to_linears, "
@@ -219,8 +221,8 @@ class Layout:
                  if getattr(self, n) is not None]
         if self.lora is None:
             if given:
-                raise LayoutError(f"{', '.join(given)} set{'s' * (len(given) == 1)} up LoRA adapters, and --lora (their "
-                                  "rank) is not given; add --lora R (e.g. --lora 16) or drop "
+                raise LayoutError(f"{', '.join(given)} set{'s' * (len(given) == 1)} up LoRA adapters, and --lora "
+                                  "(their rank) is not given; add --lora R (e.g. --lora 16) or drop "
                                   f"{'it' if len(given) == 1 else 'them'}")
             return
         if self.lora < 1:
@@ -421,8 +423,9 @@ class Layout:
 
 class ProcessGroups(Mapping):
     """The process groups of one rank's program by name (:meth:`Layout.process_groups`): each mesh axis, ``ep`` and
-    ``edp`` under ``--ep``, ``cp`` and ``dp_cp`` under ``--cp``, ``tied:<fqn>`` under pipeline parallelism.  A rank file's ``RankModule(groups, device)``
-    reads it as a mapping; :meth:`mesh_of` gives the 1-D ``DeviceMesh`` of an axis (FSDP2 shards over dp's)."""
+    ``edp`` under ``--ep``, ``cp`` and ``dp_cp`` under ``--cp``, ``tied:<fqn>`` under pipeline parallelism.  A rank
+    file's ``RankModule(groups, device)`` reads it as a mapping; :meth:`mesh_of` gives the 1-D ``DeviceMesh`` of an axis
+    (FSDP2 shards over dp's)."""
 
     def __init__(self, meshes: dict, groups: dict):
         self._meshes, self._groups = meshes, groups

@@ -100,8 +100,8 @@ class Shard:
         return out
 
     def __repr__(self) -> str:
-        extra = (f", blocks={self.blocks}" if self.blocks > 1 else "") + (f", sizes={self.sizes}" if self.sizes else "") \
-            + (f", parts={self.parts}" if self.parts else "")
+        extra = (f", blocks={self.blocks}" if self.blocks > 1 else "") + (f", sizes={self.sizes}" if self.sizes else "")
+        extra += f", parts={self.parts}" if self.parts else ""
         return f"Shard({self.dim}{extra})"
 
     def to_json(self) -> dict:
@@ -167,7 +167,8 @@ def local_shape(shape: tuple[int, ...], placement: Placement, parts: int) -> tup
 
 
 def slice_spec(placement: Placement, index: int, parts: int) -> SliceSpec:
-    """The slice rank ``index`` of ``parts`` holds of a tensor placed by ``placement`` (the whole one unless sharded)."""
+    """The slice rank ``index`` of ``parts`` holds of a tensor placed by ``placement`` (the whole one unless
+    sharded)."""
     if not isinstance(placement, Shard) or parts == 1:
         return SliceSpec()
     if placement.blocks == 1 and placement.parts:  # part index * g // parts of g, held by parts // g ranks alike

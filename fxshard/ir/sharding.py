@@ -197,9 +197,10 @@ def sequence_decision(node: fx.Node, args: list[fx.Node], placements: list[Place
                   for a, p in zip(args, placements, strict=True)]
         if tokens != placements:
             decision = _rule(node, args, tokens)
-    if decision is None and any(a in prop.sequence and isinstance(p, Shard) for a, p in zip(args, placements,
-                                                                                                 strict=True)):
-        whole = [R if a in prop.sequence or isinstance(p, Partial) else p for a, p in zip(args, placements, strict=True)]
+    if decision is None and any(a in prop.sequence and isinstance(p, Shard)
+                                for a, p in zip(args, placements, strict=True)):
+        whole = [R if a in prop.sequence or isinstance(p, Partial) else p
+                 for a, p in zip(args, placements, strict=True)]
         decision = _rule(node, args, whole) if any(p != R for p in whole) else None
         if decision is None and all(p == R for p in whole):  # the token split gathered, partial sums reduced
             decision = Decision(_replicated_out(node), tuple(R for _ in args))
@@ -229,7 +230,8 @@ def _token_split(node: fx.Node, p: Partial, tp: int, consumer: fx.Node) -> Place
 
         raise ShardingError(
             f"{node_fqn(node) or 'model'}: --sp splits its output {list(shape(node))} over tp={tp} along dimension "
-            f"{dim}, the sequence ({size} tokens{f' in each of {blocks} blocks' if blocks > 1 else ''}), which {tp} does not divide; use a sequence length divisible by "
+            f"{dim}, the sequence ({size} tokens{f' in each of {blocks} blocks' if blocks > 1 else ''}), which {tp} "
+            f"does not divide; use a sequence length divisible by "
             f"{tp} (pad the batch), another --tp, or drop --sp")
     return Shard(dim, blocks)
 
@@ -801,7 +803,8 @@ def _sdpa(node, args, placements):
         return None
     n = len(shape(node))
     masks = [_aligned(shape(a), p, q, n) for a, p in zip(args[3:], placements[3:], strict=True)]
-    if any(isinstance(p, Shard) and p != Shard(q.dim - (n - len(shape(a)))) for a, p in zip(args[3:], masks, strict=True)):
+    if any(isinstance(p, Shard) and p != Shard(q.dim - (n - len(shape(a))))
+           for a, p in zip(args[3:], masks, strict=True)):
         return None
     return Decision(q, (q, need_kv, need_kv, *masks))
 

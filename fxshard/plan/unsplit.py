@@ -114,7 +114,8 @@ def _no_style(source: str) -> str:
         return (f"no rule: the {'+'.join(given)} plan does not name it (a plan given by --plan or decorators is used "
                 "as it is, without automatic pairing; name the module in it)")
     shipped = "the model's own plan does not name it and " if "model" in source.split("+") else ""
-    return f"no rule: {shipped}automatic pairing found no column/row pair within its module that splits without a gather inside it"
+    return (f"no rule: {shipped}automatic pairing found no column/row pair within its module that splits without a "
+            "gather inside it")
 
 
 def _reason(node: fx.Node, fqn: str, op: WeightOp | None, ctx: CompileContext, tp: int, one_part: bool) -> str:

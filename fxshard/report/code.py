@@ -82,7 +82,8 @@ def _line(text: str, marks: list[tuple[int, int, str]]) -> str:
 
 _CLASS = re.compile(r"^class (\w+)\(")
 _INSTANCES = re.compile(r"as this rank runs it \(([^)]*)\)")
-_HEADER = re.compile(r"^\s+# (\S+|\(the block\))  (\w+)(?:  ([a-z][\w-]*(?: [\w-]+)*))?  \(([^)]*)\)(?:  \(([^)]*)\))?\s*$")
+_HEADER = re.compile(r"^\s+# (\S+|\(the block\))  (\w+)(?:  ([a-z][\w-]*(?: [\w-]+)*))?  \(([^)]*)\)(?:  "
+                     r"\(([^)]*)\))?\s*$")
 _CALL = re.compile(r"^\s+(\w+) = rt\.(\w+)\(.*#\s*\[([\d, ]*)\] (\w+)")
 _DTYPE_BYTES = {short: dtype.itemsize for dtype, short in SHORT_DTYPES.items()}  # as the line comments write them
 

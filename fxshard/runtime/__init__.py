@@ -39,12 +39,14 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter", "scatter", "shard", "own_part", "own_rows", "sum_replicas",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter",
+           "scatter", "shard", "own_part", "own_rows", "sum_replicas",
            "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",
            "sum_tied_grads", "ddp", "fully_shard", "dropout", "draw", "recompute", "token_mean", "autograd_function",
            "TENSOR", "exchange_counts", "all_to_all_dispatch", "all_to_all_combine", "expert_offsets", "cp_enter",
-           "cp_causal_attention", "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last", "merge_attention",
+           "cp_causal_attention", "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last",
+           "merge_attention",
            "seq_to_heads", "heads_to_seq", "batch_stats",
            "batch_norm_from_stats", "fp8_linear", "fp8_linear_tp"]

@@ -45,8 +45,8 @@ Under ``torch.compile`` (``fxshard run --compile``) the same functions trace as 
 (``torch.distributed._functional_collectives``: one graph node each, an op and its ``wait_tensor``), inside
 the same autograd Functions, so a rank's forward and backward each compile to one graph and the Megatron
 semantics above are kept (the expert exchanges of ``--ep``, whose sizes are the routing's, are the exception:
-graph breaks, see :mod:`fxshard.runtime.experts`).  The ``guarded`` wrapper (Python around each call) cannot live in a graph: a
-collective that fails there raises torch's own error after the process group's timeout, which the training
+graph breaks, see :mod:`fxshard.runtime.experts`).  The ``guarded`` wrapper (Python around each call) cannot live in a
+graph: a collective that fails there raises torch's own error after the process group's timeout, which the training
 step turns into one naming the rank, the step and the group (``guard.named_phase``), without the line.
 """
 

@@ -8,9 +8,9 @@ block of its class (its parameters are graph inputs), the hooks run eagerly arou
 ``forward`` (embeddings, head, loss) is compiled around the blocks, its graph broken at each block call.
 Regional compile time is one block's, not the model's.  Under ``--ep`` with ``--recompute`` the compilation is
 regional too: torch's checkpoint under compile cannot hold the graph breaks at a block's expert exchanges, so
-``rt.recompute`` runs it eagerly around each compiled block, which runs again, compiled, in backward.  Only ``forward`` is replaced (an instance attribute):
-the module, its parameter names, state dict and checkpoints are the eager ones, and DDP's and FSDP2's hooks on
-the module stay outside the graph.
+``rt.recompute`` runs it eagerly around each compiled block, which runs again, compiled, in backward.  Only ``forward``
+is replaced (an instance attribute): the module, its parameter names, state dict and checkpoints are the eager ones, and
+DDP's and FSDP2's hooks on the module stay outside the graph.
 
 The collectives trace as functional collectives (:mod:`fxshard.runtime.collectives`), one graph node each.
 The expert exchanges of ``--ep`` move as many rows as the routing sends: they run eagerly between compiled

@@ -494,5 +494,6 @@ def cp_leave(x: torch.Tensor, group, dim: int, balanced: bool = True) -> torch.T
     return _Leave.apply(x, group, dim, balanced, _site())
 
 
-__all__ = ["cp_causal_attention", "cp_causal_mask", "cp_enter", "cp_leave", "heads_to_seq", "load_balanced_order", "merge_attention",
+__all__ = ["cp_causal_attention", "cp_causal_mask", "cp_enter", "cp_leave", "heads_to_seq", "load_balanced_order",
+           "merge_attention",
            "ring_attention_last", "ring_attention_step", "seq_to_heads"]

@@ -95,7 +95,8 @@ class _Bucket:
                 view = self.params[start:start + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view
-        self.pieces = [_Piece(i, max(self.lo, s) - s, min(self.hi, s + params[i].numel()) - s, max(self.lo, s) - self.lo)
+        self.pieces = [_Piece(i, max(self.lo, s) - s, min(self.hi, s + params[i].numel()) - s,
+                              max(self.lo, s) - self.lo)
                        for i, s in zip(indices, self.starts, strict=True)
                        if s < self.hi and s + params[i].numel() > self.lo]
 
@@ -141,7 +142,8 @@ class DistributedOptimizer:
         # weight decay, here, on the decayed parameters' elements of each shard (a shard crosses parameters, and the
         # 1-D ones are spared): the multiply AdamW makes first, so its own runs with weight decay 0
         self.weight_decay = config.weight_decay
-        self._decayed = [_runs([(c.at, c.at + c.hi - c.lo) for c in b.pieces if decayed[c.index]]) for b in self.buckets]
+        self._decayed = [_runs([(c.at, c.at + c.hi - c.lo) for c in b.pieces if decayed[c.index]])
+                         for b in self.buckets]
         self.optim = config.make(self.shards or [torch.zeros(1, requires_grad=True)])  # a rank with nothing to train
         for group in self.optim.param_groups:
             group["weight_decay"] = 0.0

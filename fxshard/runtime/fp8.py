@@ -3,13 +3,12 @@
 A linear ``y = x @ w.T`` computes its three matrix products in float8 with dynamic scaling, as torchao 0.18's
 ``Float8Linear`` does (``torchao/float8/float8_linear.py``, ``float8_scaling_utils.py``, ``float8_ops.py``): each
 operand's scale is ``finfo(fp8).max / amax`` (in float64, then float32; rowwise: rounded down to a power of 2), the
-operand is scaled, clamped and cast, and ``torch._scaled_mm`` multiplies with the inverse scales into the input's
-dtype.  tensorwise: one scale per tensor, e4m3 forward, e5m2 for the output gradient; rowwise: one scale per row of
-each product's operands (per token, per output or input feature), e4m3 everywhere.  The high-precision input and
-weight are saved for backward and cast again there, as torchao does.  Same math, bit for bit
-(``tests/runtime/test_fp8_linear.py`` against torchao's ``Float8Linear`` on one device), written here because the runtime
-depends on torch alone and torchao's tensor subclass does not capture with ``torch.export`` (torch 2.13: "Unable to
-cast NotImplemented to Tensor").
+operand is scaled, clamped and cast, and ``torch._scaled_mm`` multiplies with the inverse scales into the input's dtype.
+tensorwise: one scale per tensor, e4m3 forward, e5m2 for the output gradient; rowwise: one scale per row of each
+product's operands (per token, per output or input feature), e4m3 everywhere.  The high-precision input and weight are
+saved for backward and cast again there, as torchao does.  Same math, bit for bit (``tests/runtime/test_fp8_linear.py``
+against torchao's ``Float8Linear`` on one device), written here because the runtime depends on torch alone and torchao's
+tensor subclass does not capture with ``torch.export`` (torch 2.13: "Unable to cast NotImplemented to Tensor").
 
 Under tensor parallelism a scale must be the one the whole tensor has on one device: where the linear's weight is
 split (``split="out"``: column-parallel, ``"in"``: row-parallel) the amaxes that span the split dimension are
@@ -59,7 +58,8 @@ def fp8_module(fqn: str, module: torch.nn.Module) -> bool:
     output head (``lm_head``, ``output``) and not a LoRA adapter; the compile and the single-device reference ask
     this same question::
 
-        >>> fp8_module("layers.0.mlp.up_proj", torch.nn.Linear(64, 128)), fp8_module("lm_head", torch.nn.Linear(64, 128))
+        >>> linear = torch.nn.Linear(64, 128)
+        >>> fp8_module("layers.0.mlp.up_proj", linear), fp8_module("lm_head", linear)
         (True, False)
     """
     if not isinstance(module, torch.nn.Linear):

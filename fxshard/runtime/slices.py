@@ -74,8 +74,9 @@ class SliceSpec:
         return part_ranges(size, self.index, self.parts, self.blocks, self.sizes, self.replicas)
 
     def to_json(self) -> dict:
-        return {"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks} \
-            | ({"sizes": list(self.sizes)} if self.sizes else {}) | ({"replicas": list(self.replicas)} if self.replicas else {})
+        return ({"dim": self.dim, "index": self.index, "parts": self.parts, "blocks": self.blocks}
+                | ({"sizes": list(self.sizes)} if self.sizes else {})
+                | ({"replicas": list(self.replicas)} if self.replicas else {}))
 
     @classmethod
     def from_json(cls, data: dict) -> SliceSpec:

@@ -11,7 +11,8 @@ def _local_ids(ids: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, t
     return (ids - start).masked_fill(outside, 0), outside
 
 
-def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int, padding_idx: int = -1) -> torch.Tensor:
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, end: int,
+                    padding_idx: int = -1) -> torch.Tensor:
     """Look up ids that fall in this rank's rows ``[start, end)``; other ids give zeros.
 
     The result is a partial sum over the tensor-parallel group: all-reduce it to get the embedding.

@@ -1,8 +1,9 @@
 """Training checkpoints that any layout can resume, and export to a Hugging Face folder.
 
-A checkpoint is a folder ``DIR/step-00000K/`` holding, for every source parameter (by FQN; of a LoRA compile, for
-every adapter: its frozen base is the compile's, :data:`FROZEN`), the trained value and its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) as the tensor-parallel
-*slices* the saving layout held, dp-gathered, one safetensors file per (pp, tp) coordinate::
+A checkpoint is a folder ``DIR/step-00000K/`` holding, for every source parameter (by FQN; of a LoRA compile, for every
+adapter: its frozen base is the compile's, :data:`FROZEN`), the trained value and its AdamW state (``exp_avg``,
+``exp_avg_sq``, ``step``) as the tensor-parallel *slices* the saving layout held, dp-gathered, one safetensors file per
+(pp, tp) coordinate::
 
     index.json                    step, model digest, layout, optimizer, {fqn: global shape + pieces}
     model.py                      a copy of the model file (what `fxshard export` builds)

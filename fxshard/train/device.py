@@ -53,7 +53,8 @@ def choose_gpu(rank: int, visible: int, env: Mapping[str, str] = os.environ) -> 
     """
     if visible < 1:
         raise LayoutError(f"rank {rank}: NCCL needs a GPU and this process sees none "
-                          f"({_shown(env)}); train on the CPU with gloo instead (CUDA_VISIBLE_DEVICES= fxshard run ...)")
+                          f"({_shown(env)}); train on the CPU with gloo instead "
+                          "(CUDA_VISIBLE_DEVICES= fxshard run ...)")
     if visible == 1:
         return 0
     local = env.get("LOCAL_RANK")

@@ -44,7 +44,8 @@ def check_gpus(processes: int, world: int, who: str) -> None:
     if not torch.cuda.is_available() or processes <= (gpus := torch.cuda.device_count()) or sharing_allowed():
         return
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = f"{gpus} GPU{'s' if gpus > 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+    shown = f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    shown += f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     raise LayoutError(
         f"{who}, but this machine shows {shown}: NCCL runs one rank per GPU.  Start at most {gpus} "
         f"process{'es' if gpus > 1 else ''} per machine (torchrun --nproc-per-node {gpus} on "

@@ -225,7 +225,8 @@ def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> 
         note = ""
         if zero == 2:
             extra = FSDP2_ZERO2_EXTRA[layout.mixed] * (m["psi"] - frozen) / layout.dp
-            note = f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see fxshard.train.memory"
+            note = (f"FSDP2 keeps {FSDP2_ZERO2_EXTRA[layout.mixed]}Ψ/N more ({extra / 2**20:.2f} MiB): see "
+                    "fxshard.train.memory")
         rows.append({"rank": rank, "coords": layout.coords(rank).to_json(), "psi": m["psi"], "frozen": frozen,
                      "params": m["params"],
                      "grads": m["grads"], "optimizer": m["optimizer"], "total": total, "gathered": m["gathered"],

@@ -91,7 +91,8 @@ class RunOptions:
 
         if self.checkpoint is None:
             given = [flag for flag, value in (("--save-every", self.save_every), ("--resume", self.resume),
-                                              ("--overwrite", self.overwrite), ("--keep-last", self.keep_last)) if value]
+                                              ("--overwrite", self.overwrite), ("--keep-last", self.keep_last))
+                     if value]
             if given:
                 raise CheckpointError(f"{' and '.join(given)} need{'s' * (len(given) == 1)} --checkpoint DIR")
             return None

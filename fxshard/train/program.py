@@ -72,7 +72,8 @@ class NoTargetsError(FxshardError):
 
 
 class NonFiniteError(FxshardError):
-    """A step's loss or gradient norm is not finite (``--on-nonfinite stop``): raised on every rank before the update."""
+    """A step's loss or gradient norm is not finite (``--on-nonfinite stop``): raised on every rank before the
+    update."""
 
 
 def load(out: str | Path, options: RunOptions | None = None, *, device: torch.device | None = None,
@@ -511,7 +512,8 @@ def _add(counts) -> tuple[int, ...]:
 def _torch_issued(layout, step: int, compiled: bool = False) -> str:
     """What torch itself communicates in a training step (fxshard's own collectives name their lines, except
     inside torch.compile's graphs, where no Python runs around them)."""
-    what = {0: "DDP's bucketed gradient all-reduce over dp", 1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
+    what = {0: "DDP's bucketed gradient all-reduce over dp",
+            1: "ZeRO 1's bucket reduce-scatters and all-gathers over dp",
             2: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 2)",
             3: "FSDP2's parameter all-gathers and gradient reduce-scatters over dp (ZeRO 3)"}[layout.zero]
     what = what if layout.replicas > 1 else ""

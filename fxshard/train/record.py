@@ -1,8 +1,9 @@
 """``OUT/run.json``: what the last ``fxshard run`` of a compiled folder did, for ``fxshard report`` to find.
 
 Rank 0 writes it after training: the steps, the losses, where ``--metrics`` and ``--trace`` wrote (relative to
-the folder when inside it, so a moved folder keeps its run) and, with ``--memory-report``, each rank's measured bytes next to the plan.  It records the digests of
-the rank files it ran, so a report never shows a run of an earlier compile as this one's::
+the folder when inside it, so a moved folder keeps its run) and, with ``--memory-report``, each rank's measured bytes
+next to the plan.  It records the digests of the rank files it ran, so a report never shows a run of an earlier compile
+as this one's::
 
     record = read_run_record(Path("out/l"), manifest)   # None: no run of this compile
     record["trace"]                                     # 'trace' (out/l/trace), or an absolute path outside

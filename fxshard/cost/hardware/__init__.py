@@ -196,14 +196,16 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
     if not (isinstance(memory, int) and memory > 0):
         raise OptionError(f"hardware profile {path}: field memory: expected a positive number of bytes or a size "
                           f"such as \"80GiB\"; found {data['memory']!r}")
-    return Hardware(name=str(data.get("name", path.stem)), peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+    return Hardware(name=str(data.get("name", path.stem)),
+                    peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
                     memory_bandwidth=float(data["memory_bandwidth"]), memory=memory,
                     devices_per_node=int(data["devices_per_node"]),
                     intra_node=Link(*(float(data["intra_node"][f]) for f in LINK_FIELDS)),
                     inter_node=Link(*(float(data["inter_node"][f]) for f in LINK_FIELDS)),
                     efficiency=DEFAULT_EFFICIENCY | {k: float(v) for k, v in data.get("efficiency", {}).items()},
                     kernel_overhead=float(data.get("kernel_overhead", 0.0)),
-                    groups={int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in data.get("groups", {}).items()},
+                    groups={int(g): Link(*(float(v[f]) for f in LINK_FIELDS))
+                            for g, v in data.get("groups", {}).items()},
                     collectives={op: {int(g): Link(*(float(v[f]) for f in LINK_FIELDS)) for g, v in by_group.items()}
                                  for op, by_group in data.get("collectives", {}).items()},
                     overlap=float(data.get("overlap", 1.0)), contention=float(data.get("contention", 1.0)),
@@ -233,7 +235,8 @@ def _malformed(data: dict) -> list[str]:
     if "measured" in data and not isinstance(data["measured"], dict):
         out.append(f"measured (expected an object, found {type(data['measured']).__name__})")
     flops = data.get("peak_flops")
-    if flops is not None and (not isinstance(flops, dict) or not flops or not all(_positive(v) for v in flops.values())):
+    if flops is not None and (not isinstance(flops, dict) or not flops
+                              or not all(_positive(v) for v in flops.values())):
         out.append("peak_flops (expected a non-empty object of dtype -> positive FLOP/s)")
     for key in ("memory_bandwidth", "devices_per_node"):
         if key in data and not _positive(data[key]):

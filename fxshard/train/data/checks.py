@@ -4,7 +4,8 @@
 - an empty split, or one shorter than a global batch (a token file too short for one batch of sequences);
 - an example shaped unlike the compiled row (the first of each split, and every ``make_batches`` batch);
 - token ids outside ``[0, vocabulary)`` (a token file's whole split is read, a chunk at a time; the first example of a
-  dataset and every ``make_batches`` batch; each example is checked again as it is read: :mod:`~fxshard.train.data.ids`);
+  dataset and every ``make_batches`` batch; each example is checked again as it is read:
+  :mod:`~fxshard.train.data.ids`);
 - ``--pack`` on a model whose attention cannot take document masks (:mod:`~fxshard.train.data.document_masks`), or
   on documents of which none has a position to predict (only their EOS: every label would be ignored).
 

@@ -4,8 +4,9 @@ First fit over a window, in document order: a document goes into the oldest of t
 that has room for it, else it starts a new sequence; sequences are numbered as they start.  (Filling only the
 current sequence pads about a quarter of short-document corpora; the window brings that to a few percent while
 keeping documents near their neighbours.)  A document longer than a sequence is cut into pieces of the sequence's
-length, each a document of its own: the full pieces are sequences of their own, the last piece is packed.  Every rank and the single-device reference pack the same documents the same way, so a
-packed sequence is one example like any other: the rows of every global batch are the same at any layout.
+length, each a document of its own: the full pieces are sequences of their own, the last piece is packed.  Every rank
+and the single-device reference pack the same documents the same way, so a packed sequence is one example like any
+other: the rows of every global batch are the same at any layout.
 
 Inside a sequence, position ids restart at 0 for each document (and for the padding), which is what makes a
 Hugging Face model's causal mask block-diagonal (``transformers.masking_utils.find_packed_sequence_indices``); the

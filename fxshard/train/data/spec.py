@@ -157,7 +157,8 @@ class BatchSpec:
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != want or v.dtype != c.dtype:
                 found = f"{list(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
                 raise DataError(f"{where}: input {c.key!r} is {found}; expected {list(want)} "
-                                f"{str(c.dtype).removeprefix('torch.')} (this rank's {rows} rows of the compiled batch)")
+                                f"{str(c.dtype).removeprefix('torch.')} (this rank's {rows} rows of the compiled "
+                                "batch)")
 
 
 def _get(example, key):

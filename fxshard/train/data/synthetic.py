@@ -78,7 +78,8 @@ def write_corpus(folder: Path, documents_count: int, files: int = 1, seed: int =
     def part(k: int) -> str:
         n = min(per, documents_count - k * per)
         return "".join(json.dumps({"text": text}) + "\n" for c, lo in enumerate(range(0, n, chunk))
-                       for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c, sentences=sentences))
+                       for text in documents(min(chunk, n - lo), seed=(seed * 1000 + k) * 1000 + c,
+                                             sentences=sentences))
 
     return save_corpus(folder, files, part)
 
