@@ -180,8 +180,9 @@ def plan(
     device_memory: DeviceMemory = None,
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     seed: Seed = 0,
-    data: Path = typer.Option(None, "--data", help="a token file to check against the model (as `fxshard run "
-                                                   "--data`): its sequences, and with --pack the padding packing saves"),
+    data: Path = typer.Option(None, "--data",
+                              help="a token file to check against the model (as `fxshard run --data`): its sequences, "
+                                   "and with --pack the padding packing saves"),
     pack: bool = typer.Option(False, "--pack", help="with --data: pack whole documents (as `fxshard run --pack`)"),
     ctx: typer.Context = None,
     **flags,
@@ -564,8 +565,9 @@ def report(
             if path is not None and not path.exists():
                 raise OptionError(f"{flag} {path}: no such file or folder")
         if to is not None and (to.is_dir() or not to.parent.is_dir()):
-            raise OptionError(f"--to {to}: expected a file path in an existing folder; found "
-                              + ("a folder" if to.is_dir() else f"no folder {to.parent}") + "; give e.g. --to report.html")
+            found = "a folder" if to.is_dir() else f"no folder {to.parent}"
+            raise OptionError(f"--to {to}: expected a file path in an existing folder; found {found}; give e.g. "
+                              "--to report.html")
         with console.status(f"reporting {out}"):
             path, warnings = write_report(out, device, metrics, trace, to, model)
     except FxshardError as e:

@@ -35,7 +35,8 @@ def auto_report(console: Console, found, command: str) -> None:
     best = result.ranked[0]
     table = Table(title=f"fxshard plan --auto: {found.model} on {result.gpus} x {hw.name}")
     for column in ("#", "layout", "step", "tokens/s/device", "MFU", "peak", "why slower than #1"):
-        table.add_column(column, justify="right" if column in ("#", "step", "tokens/s/device", "MFU", "peak") else "left")
+        table.add_column(column,
+                         justify="right" if column in ("#", "step", "tokens/s/device", "MFU", "peak") else "left")
     for i, p in enumerate(result.ranked, 1):
         accumulate = f" grad-accum={p.accumulate}" if p.layout.pp == 1 and p.accumulate > 1 else ""
         table.add_row(str(i), p.layout.describe() + accumulate, _ms(p.step), f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",

@@ -65,7 +65,8 @@ def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     lost = names - {n.name for n in nodes}
     if lost:  # an earlier pass replaced it: computed on the rows, it would be wrong
         raise LayoutError(f"--dp {ctx.layout.dp}: {', '.join(sorted(lost))} must be computed on the whole batch, and "
-                          "an earlier pass rewrote it (a tensor-parallel or loss rewrite); train at --dp 1, or at --tp 1")
+                          "an earlier pass rewrote it (a tensor-parallel or loss rewrite); train at --dp 1, or at "
+                          "--tp 1")
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and (node.name in names or whole.carries(node)):
             whole.compute(node)
@@ -252,8 +253,8 @@ class _Whole:
                     try:
                         value = node.target(*args, **kwargs)
                     except Exception as e:
-                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}) is computed on "
-                                          f"the whole batch under --dp {self.dp} and fails at its size: "
+                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}) is computed "
+                                          f"on the whole batch under --dp {self.dp} and fails at its size: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0]}; train at --dp 1") from e
                 node.meta["val"] = value
 

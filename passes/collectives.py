@@ -221,7 +221,8 @@ def replica_lines(layers: dict[str, list[fx.Node]], names: dict, tp: int) -> lis
             cut = sorted({p.parts_of(b, tp) for b in range(p.blocks) if p.parts_of(b, tp) < tp})
             held.append((names[w.name].fqn[len(layer) + 1:], p, cut))
         counts = sorted({g for _, _, cut in held for g in cut})
-        what = " or ".join(f"{g} part{'s' * (g > 1)} ({'whole on every rank' if g == 1 else f'each held by {tp // g} ranks'})"
+        what = " or ".join(f"{g} part{'s' * (g > 1)} "
+                           f"({'whole on every rank' if g == 1 else f'each held by {tp // g} ranks'})"
                            for g in counts)
         lines.setdefault(glob, f"{glob}: {', '.join(f'{name} {p}' for name, p, _ in held)}: fewer heads or groups "
                                f"than tp={tp}, cut into {what}; their gradients summed over the ranks holding each "

@@ -350,7 +350,8 @@ class _Split:
         return (f"{node_fqn(node) or 'model'}: {_op(node)} ({node.name}) mixes tokens along the sequence, and no "
                 f"rule computes it on a sequence split over cp={self.cp} (its inputs: "
                 f"{', '.join(str(p) for p in placements)}): a cumulative scan, a top-k or sort, a convolution or "
-                "pooling along the sequence, or a slice of it; fxshard refuses rather than train wrongly; drop --cp, or compute it "
+                "pooling along the sequence, or a slice of it; fxshard refuses rather than train wrongly; drop --cp, "
+                "or compute it "
                 "from the inputs alone (position ids, masks and shifted labels are computed on the whole sequence)")
 
 

@@ -117,7 +117,8 @@ def _shard(node: fx.Node, placement: Shard, tp: int, what: str) -> RankValue:
 
 
 def _as_draw(node: fx.Node, site: int, ctx: CompileContext) -> None:
-    """``op(...)`` as ``rt.draw(op, ..., site=site, rows=..., shard=...)``: this rank's elements of one device's draw."""
+    """``op(...)`` as ``rt.draw(op, ..., site=site, rows=..., shard=...)``: this rank's elements of one device's
+    draw."""
     op, layout, fqn = node.target, ctx.layout, node_fqn(node) or "model"
     kwargs = dict(node.kwargs, site=site)
     rows = ctx.rows
@@ -142,9 +143,9 @@ def _as_draw(node: fx.Node, site: int, ctx: CompileContext) -> None:
                               "whole or split; train at --tp 1")
     if isinstance(spec(node).seq, Shard):
         raise RandomnessError(f"{fqn}: {node.name} = {op} draws random numbers split along the sequence under --cp "
-                              f"{layout.cp}; its layout-invariant values number the tokens of the whole sequence, which "
-                              "a cp rank's permuted part does not yet give them; draw it without a sequence dimension "
-                              "or drop --cp")
+                              f"{layout.cp}; its layout-invariant values number the tokens of the whole sequence, "
+                              "which a cp rank's permuted part does not yet give them; draw it without a sequence "
+                              "dimension or drop --cp")
     node.target = rt_draws.draw
     node.args = (op, *node.args)
     node.kwargs = kwargs
@@ -202,9 +203,9 @@ def _draws(node: fx.Node) -> bool:
 
 def _refuse_other_randomness(node: fx.Node, ctx: CompileContext) -> None:
     """Refuse a random op fxshard does not draw by position (outside dropout and ``DRAWS``: ``poisson``, ``rrelu``, a
-    draw from the model's own generator) where its draws would differ from single-device training: split over tp
-    ranks (each would draw its own slice), per pipeline microbatch or per dp rank.  Replicated at pp = dp = 1 it is exact: every tp rank
-    draws the whole tensor from the same seeded generator in the model's order.  An op that only takes a
+    draw from the model's own generator) where its draws would differ from single-device training: split over tp ranks
+    (each would draw its own slice), per pipeline microbatch or per dp rank.  Replicated at pp = dp = 1 it is exact:
+    every tp rank draws the whole tensor from the same seeded generator in the model's order.  An op that only takes a
     ``dropout_p`` (attention) draws nothing at p = 0; p > 0 is refused by ``_refuse_unreproducible``."""
     tags = getattr(node.target, "tags", ())
     if torch.Tag.nondeterministic_seeded not in tags or node.target in _VARIANTS or ctx.layout.world_size == 1 \

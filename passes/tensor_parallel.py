@@ -170,7 +170,9 @@ _VIEWS = {aten.detach.default, aten.view.default, aten.alias.default, aten.t.def
 
 
 def _op_name(node: fx.Node) -> str:
-    return str(node.target).replace("aten::", "aten.") if not callable(node.target) or hasattr(node.target, "_schema") else node.target.__name__
+    if not callable(node.target) or hasattr(node.target, "_schema"):
+        return str(node.target).replace("aten::", "aten.")
+    return node.target.__name__
 
 
 def _weight_placements(ops: list[WeightOp], plan: ResolvedPlan, notes: list[str], tp: int):
@@ -272,7 +274,8 @@ def _divisibility_message(node, p: Shard, size: int, per_block: int, tp: int, ct
         blocks = f": {p.blocks} packed blocks of {per_block}" if p.blocks > 1 else ""
         what = f"dimension {p.dim} of {tensor} (size {size}{blocks})"
     else:
-        what = f"{_op_name(node)} output dimension {p.dim} (size {per_block}{' per packed block' if p.blocks > 1 else ''})"
+        packed = " per packed block" if p.blocks > 1 else ""
+        what = f"{_op_name(node)} output dimension {p.dim} (size {per_block}{packed})"
         module = dict(ctx.program.model.named_modules()).get(fqn)
         config = getattr(ctx.program.model, "config", None)
         for holder in (module, config):

@@ -61,7 +61,8 @@ LIMIT_S = {"llama-tp2-compile": 240, "llama-tp2-pp2-dp2-zero1": 200}  # on a GPU
 DEFAULT_LIMIT_S = 150
 CPU_SLOWER = 4  # the limits' factor on --device cpu: a rehearsal on 2 shared cores runs 8 ranks and inductor there
 SUMMARY = re.compile(r"losses max abs (\S+) rel (\S+); parameters max abs (\S+), \|\|diff\|\| / \|\|update\|\|\s+(\S+) "
-                     r"\(most: (\S+)\); tolerance: losses (\S+) relative, parameters (\S+) of\s+the update[^:]*:\s+(OK|FAILED)")
+                     r"\(most: (\S+)\); tolerance: losses (\S+) relative, parameters (\S+) of\s+the "
+                     r"update[^:]*:\s+(OK|FAILED)")
 
 
 def built(case: str) -> bool:
@@ -180,7 +181,8 @@ def _weights_case(work: Path, flags: list[str]) -> int:
     model_file = work / "llama_from_folder.py"
     model_file.write_text(
         "import torch\nfrom transformers import AutoConfig, AutoModelForCausalLM\n\n\n"
-        f"def make_model():\n    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({str(folder)!r}))\n\n\n"
+        f"def make_model():\n    return "
+        f"AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({str(folder)!r}))\n\n\n"
         "def make_inputs():\n    ids = torch.randint(0, 256, (4, 16))\n"
         "    return {'input_ids': ids, 'labels': ids.clone(), 'use_cache': False}\n")
     tp = int(flags[flags.index("--tp") + 1]) if "--tp" in flags else 1

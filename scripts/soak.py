@@ -186,7 +186,8 @@ class Soak:
                 steps = tail.read()
                 for pid, start in _descendants(os.getpid()).items():
                     self.seen.setdefault(pid, start)
-                    if pid not in ranks and _stat(pid) and _stat(pid)[0] == proc.pid and (r := _rank_of(pid)) is not None:
+                    if (pid not in ranks and _stat(pid) and _stat(pid)[0] == proc.pid
+                            and (r := _rank_of(pid)) is not None):
                         ranks[pid] = r
                 if steps and not seg.first_step:
                     seg.first_step = steps[0][0]
@@ -450,8 +451,8 @@ def _checksum_line(c: dict) -> str:
     return (f"Checksums (XXH3-128 of every tensor, checked on every read): one rank's shard ({c['shard']}, "
             f"{c['bytes'] / 2**20:.1f} MiB, {c['tensors']} tensors) hashes in {c['hash_s'] * 1e3:.1f} ms, each save's "
             f"extra work on that rank; reading it back takes {c['read_s'] * 1e3:.1f} ms unchecked and "
-            f"{c['read_checked_s'] * 1e3:.1f} ms checked, a resume's extra {(c['read_checked_s'] - c['read_s']) * 1e3:.1f}"
-            " ms (best of 5).")
+            f"{c['read_checked_s'] * 1e3:.1f} ms checked, a resume's extra "
+            f"{(c['read_checked_s'] - c['read_s']) * 1e3:.1f} ms (best of 5).")
 
 
 def summary(r: dict) -> str:
@@ -459,7 +460,8 @@ def summary(r: dict) -> str:
     lines = [
         "# Soak: `kill -9` a rank at random moments, resume, compare with an uninterrupted run",
         "",
-        f"`{r['command']}` on {r['machine']}: {r['model']} at tp={r['tp']}·dp={r['dp']}, {r['steps']} steps, a checkpoint "
+        f"`{r['command']}` on {r['machine']}: {r['model']} at tp={r['tp']}·dp={r['dp']}, {r['steps']} steps, "
+        f"a checkpoint "
         f"every {r['save_every']} (`--keep-last {r['keep_last']}`), {len(kills)} kills, seed {r['seed']}. "
         "The script and what it checks: `scripts/soak.py` ([trust](../../docs/trust.md#soak)).",
         "",
@@ -476,7 +478,8 @@ def summary(r: dict) -> str:
         "save was lost with it, the step resumed from, the steps trained again, and the seconds from the signal to the "
         "launcher's exit.",
         "",
-        "| kill | rank (pid) | at step | last step | its save lost | resumed from | steps lost | launcher ended after |",
+        "| kill | rank (pid) | at step | last step | its save lost | resumed from | steps lost "
+        "| launcher ended after |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *[f"| {i + 1} | {k['rank']} ({k['pid']}) | {k['after_step']} | {k['last_trained']} | "
           f"{'yes' if k['during_save'] else 'no'} | {k['resumed_from']} | {k['steps_lost']} | {k['down_s']} s "
