@@ -214,8 +214,8 @@ def _nothing_fits(ev: Evaluator, gpus: int, setting: Setting, closest) -> str:
             fixes.append(f"{gpus * more} devices (--gpus {gpus * more})")
             break
     for shorter in (2, 4, 8):
-        if setting.seq // shorter >= 1 and _fits_any(ev, gpus,
-                                                     dataclasses.replace(setting, seq=setting.seq // shorter)):
+        if (setting.seq // shorter >= 1
+                and _fits_any(ev, gpus, dataclasses.replace(setting, seq=setting.seq // shorter))):
             fixes.append(f"a sequence of {setting.seq // shorter} (--seq {setting.seq // shorter})")
             break
     recompute = "" if c.layout.recompute == "full" else " (recompute cannot help: the model has no repeated blocks)"
