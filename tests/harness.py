@@ -8,7 +8,8 @@ __all__ = ["assert_matches_single_device", "compile_and_train", "run_options", "
 
 
 def run_options(steps: int, optim, checkpoint=None):
-    """``fxshard run``'s options for ``steps`` steps of ``optim``, with a CheckpointConfig's folder, saves and resume."""
+    """``fxshard run``'s options for ``steps`` steps of ``optim``, with a CheckpointConfig's folder, saves and
+    resume."""
     from fxshard.train.options import RunOptions
 
     if checkpoint is None:

@@ -77,7 +77,8 @@ def test_the_passes_are_named_in_the_registrys_order():
     text = PAGE.read_text()
     names = [p.name for p in PASSES]
     line = " ".join(m.group(0) for m in re.finditer(r"[^\n]*→[^\n]*", text))
-    found = [w for w in re.findall(r"\b([a-z_][a-z0-9_]*)\b(?: \([^)]*\))?\s*(?:→|$)", line.replace("│", " ")) if w in names]
+    found = [w for w in re.findall(r"\b([a-z_][a-z0-9_]*)\b(?: \([^)]*\))?\s*(?:→|$)", line.replace("│", " "))
+             if w in names]
     assert found == names, f"the page's pass line lists {found}; the registry runs {names}"
     rows = re.findall(r"^\| `(\w+)` \|", text, flags=re.M)
     assert [r for r in rows if r in names] == names, f"the page's table of passes lists {rows}; the registry {names}"

@@ -207,7 +207,8 @@ def _local_function():
     (lambda h: Dirty.apply(h), r"Dirty .*changes an input in place \(mark_dirty\)"),
     (lambda h: Noisy.apply(h), r"Noisy .*draws no random numbers.*calls aten\.rand_like"),
     (lambda h: WithCount.apply(h)[0], r"WithCount .*tensor outputs, and its forward returns tuple of Tensor, int"),
-    (lambda h: RoundStraightThrough.apply(h, scale=4.0), r"RoundStraightThrough .*keyword argument\(s\) scale; pass them positionally"),
+    (lambda h: RoundStraightThrough.apply(h, scale=4.0),
+     r"RoundStraightThrough .*keyword argument\(s\) scale; pass them positionally"),
     (lambda h: RoundStraightThrough.apply(h, torch.device("cpu")), r"RoundStraightThrough .*argument 1 is a device"),
     (lambda h: _local_function().apply(h), r"_local_function\.<locals>\.Local .*not \(defined inside a function\?\)"),
 ], ids=["mark-dirty", "random", "non-tensor-output", "keyword", "object-argument", "local"])

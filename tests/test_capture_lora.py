@@ -50,7 +50,8 @@ def test_lora_on_a_peft_model_is_refused():
 def test_globs_and_names_adapt_the_modules_peft_would():
     model = load_model_file(LLAMA, LoraOptions(4, 16, ("layers.0.*.q_proj", "down_proj"))).build_model(0)
     adapted = sorted({n.rsplit(".lora_A", 1)[0] for n, p in model.named_parameters() if ".lora_A." in n})
-    assert adapted == ["base_model.model.model.layers.0.mlp.down_proj", "base_model.model.model.layers.0.self_attn.q_proj",
+    assert adapted == ["base_model.model.model.layers.0.mlp.down_proj",
+                       "base_model.model.model.layers.0.self_attn.q_proj",
                        "base_model.model.model.layers.1.mlp.down_proj"]
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".lora_" not in n)
     assert not __import__("re").fullmatch(target_pattern("q_proj"), "model.layers.0.self_attn.xq_proj")

@@ -77,7 +77,8 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed(saved, tmp_path_factory, request):
-    """The selected cases of RESUMES, resumed from step 2 and run to step 4: {case: losses of steps 3 and 4 (rank 0)}."""
+    """The selected cases of RESUMES, resumed from step 2 and run to step 4: {case: losses of steps 3 and 4
+    (rank 0)}."""
     tmp = tmp_path_factory.mktemp("resumed")
     by_world: dict[int, list] = {}
     for case in selected_cases(request, RESUMES, "resumed"):
@@ -124,7 +125,8 @@ def test_resume_at_the_saving_layout_is_exact(saved, resumed):
 
 
 @pytest.mark.distributed
-@pytest.mark.matrix  # make test-matrix: make test kills mid-save through the command line (tests/cli/test_supervision.py)
+# make test-matrix: make test kills mid-save through the command line (tests/cli/test_supervision.py)
+@pytest.mark.matrix
 def test_killed_mid_save_leaves_the_previous_checkpoint_and_resume_reaches_the_same_losses(saved, tmp_path):
     out = saved["gpt2"][0]
     ckpt = tmp_path / "ckpt"
@@ -191,7 +193,8 @@ def test_a_tensor_missing_from_the_checkpoint_names_file_and_tensor(saved, tmp_p
     save_file(tensors, str(shard))
     out = _compile(tmp_path, "gpt2", Layout(), "gpt2-single")
     msg = _resume_error(out, ckpt)  # the index recorded the shard's size and header: another file is named as such
-    assert "CheckpointError" in msg and str(shard) in msg and "the file is not the one saved with this checkpoint" in msg
+    assert "CheckpointError" in msg and str(shard) in msg
+    assert "the file is not the one saved with this checkpoint" in msg
     index = json.loads((ckpt / "index.json").read_text())
     del index["files"]  # as a checkpoint saved before fxshard recorded its shards: the missing tensor is named
     (ckpt / "index.json").write_text(json.dumps(index))

@@ -143,7 +143,8 @@ def test_context_parallel_training_matches_single_device(trained, case):
     assert rows
     share = update_share(rows)
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
-    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update ({worst})"
+    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], \
+        f"{case}: parameters differ by {share:.2e} of the update ({worst})"
 
 
 @pytest.mark.slow  # three cp compiles of the sample Llama: 4.8 s alone

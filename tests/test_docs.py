@@ -1,12 +1,12 @@
 """Tier 1: the documentation says what the code does.
 
 Every command line in README.md and docs/*.md (a fenced shell block's line that starts with ``fxshard``,
-``python -m fxshard...``, ``torchrun`` (of fxshard's command line, or of a script that exists), ``make``, ``python -m <module>`` or ``python <file>``) parses against the
-real command line: the command exists, each flag exists on that command and gets a value where it takes one, the
-positional arguments fit, and a file or folder it names exists in the repository (outputs excepted: a path under
-``out/``, or the value of an option that writes). A line with placeholders (``MODEL``, ``OUT``, ``$z``) is checked
-flag by flag; one without is parsed whole by click, values converted. The Python examples of the README and of
-``fxshard.compile``'s, the compiler's and the driver's docstrings run as written.
+``python -m fxshard...``, ``torchrun`` (of fxshard's command line, or of a script that exists), ``make``, ``python -m
+<module>`` or ``python <file>``) parses against the real command line: the command exists, each flag exists on that
+command and gets a value where it takes one, the positional arguments fit, and a file or folder it names exists in the
+repository (outputs excepted: a path under ``out/``, or the value of an option that writes). A line with placeholders
+(``MODEL``, ``OUT``, ``$z``) is checked flag by flag; one without is parsed whole by click, values converted. The Python
+examples of the README and of ``fxshard.compile``'s, the compiler's and the driver's docstrings run as written.
 """
 
 from __future__ import annotations

@@ -102,4 +102,5 @@ def test_dropout_is_active_so_the_cases_test_something(tmp_path):
     with_dropout = _reference(MODEL, OptimConfig())
     without = _reference(off, OptimConfig())
     # at least 10x the tolerance of the layout cases at every step (a fresh GPT-2's loss is near ln 256 either way)
-    assert all(abs(a - b) > 10 * REL * abs(b) for a, b in zip(with_dropout, without, strict=True)), (with_dropout, without)
+    assert all(abs(a - b) > 10 * REL * abs(b) for a, b in zip(with_dropout, without, strict=True)), \
+        (with_dropout, without)

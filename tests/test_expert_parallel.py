@@ -1,11 +1,11 @@
 """Expert parallelism (``--ep``) trains as one device does, with each rank holding 1/ep of the experts.
 
 Mixtral-, Qwen3-MoE- and DeepSeek-V3-shaped tiny models are compiled at dp=2 ep=2, dp=4 ep=2 and dp=4 ep=4, ZeRO 0 to 3,
-with pp=2 (1f1b and gpipe) and with tp=2 (and --sp, and pp=2), and trained for 3 AdamW steps on real gloo process groups through ``fxshard.train.launch.train`` (what ``fxshard run``
-runs on each rank), one spawn per world size.  Losses must match single-device training within 1e-5 relative
-and the trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_training_layouts.py``.
-``hf_moe_sparse.py`` routes 8 (token, expert) pairs per rank to 16 experts: on every rank at least half the
-experts get no token.
+with pp=2 (1f1b and gpipe) and with tp=2 (and --sp, and pp=2), and trained for 3 AdamW steps on real gloo process groups
+through ``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), one spawn per world size.  Losses must
+match single-device training within 1e-5 relative and the trained parameters within ``fxshard verify``'s tolerance, as
+in ``tests/test_training_layouts.py``. ``hf_moe_sparse.py`` routes 8 (token, expert) pairs per rank to 16 experts: on
+every rank at least half the experts get no token.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def test_expert_parallel_training_matches_single_device(trained, case):
     path, layout, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
     want, single = _reference(path, optim, layout.dtype)
-    assert_matches_single_device(case, path, layout, per_rank, manifest, want, single, BF16_REL if layout.mixed else REL)
+    assert_matches_single_device(case, path, layout, per_rank, manifest, want, single,
+                                 BF16_REL if layout.mixed else REL)
     # ranks holding the same experts (one edp group) end with the same experts, bit for bit
     for rank, (_, state, _) in enumerate(per_rank):
         c = layout.coords(rank)
@@ -146,7 +147,8 @@ def test_each_rank_holds_one_ep_th_of_the_experts(trained, case):
         if layout.zero < 2:
             assert memory["params"] == size * (dense + experts // layout.ep), (case, rank, memory)
         elif layout.zero == 3:  # between forward and backward: the dense parameters' dp shard, this rank's experts
-            assert memory["params"] <= 4 * (math.ceil(dense / layout.dp) + len(entry.tensors)) + size * experts // layout.ep
+            assert memory["params"] <= (4 * (math.ceil(dense / layout.dp) + len(entry.tensors))
+                                        + size * experts // layout.ep)
             assert memory["params"] >= size * (experts // layout.ep), (case, rank, memory)
 
 

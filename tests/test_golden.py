@@ -32,6 +32,7 @@ def test_generated_code_matches_the_golden_file(golden):
         path.write_text(source)
     want = path.read_text()
     if source != want:
-        diff = "".join(difflib.unified_diff(want.splitlines(True), source.splitlines(True), str(path), "generated", n=2))
+        diff = "".join(difflib.unified_diff(want.splitlines(True), source.splitlines(True), str(path),
+                                            "generated", n=2))
         pytest.fail(f"the generated code differs from {path.name} (regenerate with FXSHARD_REGOLD=1 if deliberate):\n"
                     + diff[:4000])

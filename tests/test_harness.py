@@ -38,7 +38,8 @@ def test_nccl_without_a_gpu_fails_naming_the_rank():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the nccl backend would run")
-    with pytest.raises(AssertionError, match="(?s)rank 0 failed:.*rank 0: backend nccl needs a GPU and torch sees none"):
+    with pytest.raises(AssertionError,
+                       match="(?s)rank 0 failed:.*rank 0: backend nccl needs a GPU and torch sees none"):
         spawn(_case, 2, 1, backend="nccl", timeout=60)
 
 

@@ -96,7 +96,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             if base.split(".")[0] == "fxshard":
                 for a in node.names:
                     full = f"{base}.{a.name}"
@@ -127,7 +128,8 @@ def _graph():
 def test_every_module_has_a_layer():
     modules, _ = _graph()
     unplaced = sorted(m for m in modules if _layer(m) is None)
-    assert not unplaced, f"modules in no layer of tests/test_layers.py's LAYERS (add them where they belong): {unplaced}"
+    assert not unplaced, (f"modules in no layer of tests/test_layers.py's LAYERS (add them where they belong): "
+                          f"{unplaced}")
 
 
 def test_no_module_imports_a_layer_above_its_own():

@@ -45,7 +45,8 @@ CASES = {
     "gpt2-tp2": (GPT2, lora("c_attn,c_proj,c_fc", tp=2)),
     "peft-llama-tp2": (PEFT_LLAMA, Layout(tp=2)),
 }
-# make test's representatives: tp (column and row bases), pp with ZeRO 3, GPT-2's packed Conv1D; make test-matrix the rest
+# make test's representatives: tp (column and row bases), pp with ZeRO 3, GPT-2's packed Conv1D; make test-matrix the
+# rest
 KEEP = ("llama-tp2", "llama-pp2-dp2-zero3", "gpt2-tp2")
 
 

@@ -106,7 +106,8 @@ def _block_params(params) -> list[int]:
     per: dict[str, int] = {}
     for key, t in params.items():
         if "." in key:
-            per[key.split(".")[0]] = per.get(key.split(".")[0], 0) + t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1)
+            per[key.split(".")[0]] = (per.get(key.split(".")[0], 0)
+                                      + t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1))
     return list(per.values())
 
 
@@ -157,7 +158,8 @@ def test_measured_saved_bytes_match_the_plan(saved_measured, case):
     for rank, sample in saved_measured[f"{model}-{layout}"].items():
         row = report.ranks[lay.coords(rank).pp]
         ratio = sample["saved"] / row["saved"].value
-        print(f"{model} {layout} rank {rank}: saved measured/plan {ratio:.3f}, peak {sample['peak'] / row['peak'].value:.3f}")
+        print(f"{model} {layout} rank {rank}: saved measured/plan {ratio:.3f}, peak "
+              f"{sample['peak'] / row['peak'].value:.3f}")
         assert 0.9 <= ratio <= 1.1, f"{model} {layout} rank {rank}: measured {sample['saved']} saved bytes, plan " \
                                     f"{row['saved'].value:.0f}"
         # the peak is an estimate (transient: twice the largest forward value, plus under recompute the block

@@ -4,10 +4,11 @@ tp rank holding 1/tp of every expert's intermediate size.
 transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 plans name ``moe_tp_experts``; under ``--tp`` fxshard honors it:
 ``gate_up_proj [E, 2I, H]`` is split S(1)x2 (the gate's and the up half's I/tp columns), ``down_proj [E, H, I]``
 S(2), the second grouped matmul's partial sums pass through the combine and are all-reduced over tp once per layer
-as ``[tokens, H]``, and the routed rows' and routing weights' gradients are summed over tp (``copy_to``).  Tiny models are trained for 3 AdamW steps on real gloo process groups through
-``fxshard.train.launch.train`` (what ``fxshard run`` runs on each rank), alone at tp=2 and with pp=2, dp=2 ZeRO 1
-to 3, --sp, bf16 and recompute; losses must match single-device training within 1e-5 relative (bf16: 2e-2) and the
-trained parameters within ``fxshard verify``'s tolerance, as in ``tests/test_expert_parallel.py``.
+as ``[tokens, H]``, and the routed rows' and routing weights' gradients are summed over tp (``copy_to``).  Tiny models
+are trained for 3 AdamW steps on real gloo process groups through ``fxshard.train.launch.train`` (what ``fxshard run``
+runs on each rank), alone at tp=2 and with pp=2, dp=2 ZeRO 1 to 3, --sp, bf16 and recompute; losses must match
+single-device training within 1e-5 relative (bf16: 2e-2) and the trained parameters within ``fxshard verify``'s
+tolerance, as in ``tests/test_expert_parallel.py``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ EXPERTS = "model.layers.*.mlp.experts"
 CASES = {
     "qwen3moe-tp2": (QWEN, Layout(tp=2)),
     "mixtral-tp2": (MIXTRAL, Layout(tp=2)),
-    "deepseek-v3-tp2": (DEEPSEEK, Layout(tp=2)),
-    "mixtral-tp2-sp": (MIXTRAL, Layout(tp=2, sp=True)),  # tokens gathered before the router, as without --sp  # shared experts (a dense MLP, split as Linears) beside the routed
+    "deepseek-v3-tp2": (DEEPSEEK, Layout(tp=2)),  # shared experts (a dense MLP, split as Linears) beside the routed
+    "mixtral-tp2-sp": (MIXTRAL, Layout(tp=2, sp=True)),  # tokens gathered before the router, as without --sp
     # 16 experts, 8 (token, expert) pairs per dp rank: at least half the experts get no row (empty groups)
     "sparse-tp2-dp2-zero1": (SPARSE, Layout(tp=2, dp=2, zero=1)),
     "qwen3moe-tp2-pp2": (QWEN, Layout(tp=2, pp=2)),

@@ -17,8 +17,9 @@ from fxshard.runtime.recompute import recompute
 def test_full_recompute_wraps_every_block_call_and_says_so(samples):
     code = compile_model(samples / "llama.py", Layout(tp=2, pp=2, recompute="full")).sources["rank_pp1_tp0.py"]
     calls = [ln.strip() for ln in code.splitlines() if "rt.recompute(" in ln]
-    assert len(calls) == 2 and all(c.startswith(f"model_layers_{i}_hidden_states = rt.recompute(self.model_layers_{i}, ")
-                                   for c, i in zip(calls, (2, 3), strict=True))
+    assert len(calls) == 2
+    assert all(c.startswith(f"model_layers_{i}_hidden_states = rt.recompute(self.model_layers_{i}, ")
+               for c, i in zip(calls, (2, 3), strict=True))
     assert all("keep=" not in c and "keeps its inputs, recomputes its forward in backward" in c for c in calls)
     assert "# recompute: full: model.layers.2, model.layers.3 keep only their inputs for backward" in code
     assert "recompute=full" in code.splitlines()[3]  # the layout line

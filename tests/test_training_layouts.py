@@ -57,7 +57,8 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     **{f"{name}-{split}": (ROOT / "tests" / "models" / f"hf_{model}.py", layout, None, OptimConfig(eps=1e-3, **accum))
        for name, model in (("albert-sop", "albert_pretraining"), ("bert-qa", "bert_qa"))
        for split, layout, accum in (("dp2", Layout(dp=2), {}), ("pp2-2-microbatches", Layout(pp=2, microbatches=2), {}),
-                                    ("accum2", Layout(), {"grad_accum": 2}), ("dp2-accum2", Layout(dp=2), {"grad_accum": 2}))},
+                                    ("accum2", Layout(), {"grad_accum": 2}),
+                                    ("dp2-accum2", Layout(dp=2), {"grad_accum": 2}))},
     # batch normalization in training under --dp: the statistics of every dp rank's rows gathered and combined
     **{f"resnet-bn-dp2-zero{z}": (ROOT / "tests" / "models" / "hf_resnet_bn.py", Layout(dp=2, zero=z), None)
        for z in (0, 3)},
@@ -147,7 +148,8 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
 # bf16, clipping, hybrid stacks, batch norm, a contrastive loss, a boolean-indexed loss, an in-place add
 # onto partial sums); make test-matrix runs every case
 KEEP = ("gpt-pp2-1f1b", "llama-pp2-interleaved-1f1b", "gpt2-pp2-zero-bubble", "gpt-pp4-gpipe", "marked-skip-pp3-1f1b",
-        "llama-tp2-pp2-1f1b", "llama-padded-pp2-4-microbatches", "llama-padded-dp2-accum2", "bert-qa-pp2-2-microbatches",
+        "llama-tp2-pp2-1f1b", "llama-padded-pp2-4-microbatches", "llama-padded-dp2-accum2",
+        "bert-qa-pp2-2-microbatches",
         "resnet-bn-dp2-zero3", "zamba2-hybrid-pp2", "inplace-view-tp2", "gpt-dp2-zero1", "gpt-dp2-zero3",
         "gpt-dp2-pp2-tp2-zero1", "gpt-dp2-pp2-zero1-zero-bubble", "gpt-tp2-pp2-clip", "llama-dp2-tp2-zero3-sp-clip",
         "gpt-tp2-sp", "gpt-dp2-zero2-bf16", "contrastive-dp2-zero1", "bool-index-loss-tp2",
@@ -231,7 +233,8 @@ def test_pipeline_training_matches_single_device(trained, case):
     assert len(rows) == len({t.source for e in manifest.ranks for t in e.tensors.values() if t.kind == "parameter"})
     share = update_share(rows)
     worst = max(rows, key=lambda r: r["diff_sq"])["fqn"]
-    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], f"{case}: parameters differ by {share:.2e} of the update (most: {worst})"
+    assert share <= DEFAULT_PARAM_RTOL[layout.dtype], \
+        f"{case}: parameters differ by {share:.2e} of the update (most: {worst})"
     # weights held by several stages (tied embedding / head) stay bit-identical on all of them
     for tie in manifest.tied_across_stages:
         copies = []

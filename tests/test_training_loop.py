@@ -187,12 +187,14 @@ def test_samples_own_loop_under_torchrun_gives_fxshard_runs_losses(tmp_path):
     out = _compiled(tmp_path, "dp2", Layout(dp=2))
     torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                *map(str, (ROOT / "samples" / "own_loop.py", out, "--steps", 6, "--metrics",
-                                          tmp_path / "own.jsonl"))], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                                          tmp_path / "own.jsonl"))],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     assert "step 6/6" in torchrun.stdout  # the sample's metrics print
     fxshard("run", out, "--steps", 6, "--lr", OWN.lr, "--weight-decay", OWN.weight_decay, "--clip-grad-norm",
             OWN.clip_grad_norm, "--lr-schedule", OWN.lr_schedule, "--warmup-steps", OWN.warmup_steps, "--no-shuffle",
             "--data-workers", 0, "--metrics", tmp_path / "run.jsonl")
-    own, run = ([json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()] for name in ("own", "run"))
+    own, run = ([json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+                for name in ("own", "run"))
     assert [(x["step"], x["loss"], x["lr"]) for x in own] == [(x["step"], x["loss"], x["lr"]) for x in run]
     print(f"samples/own_loop.py under torchrun: {len(own)} losses bit for bit fxshard run's")

@@ -77,7 +77,8 @@ def folders(tmp_path_factory):
     assert (root / "llama_sharded" / "model.safetensors.index.json").is_file()
     # a plain PyTorch model (samples/gpt.py, tied embedding), saved without transformers
     (root / "gpt").mkdir()
-    save_model(load_model_file(ROOT / "samples" / "gpt.py").build_model(seed=5), str(root / "gpt" / "model.safetensors"))
+    save_model(load_model_file(ROOT / "samples" / "gpt.py").build_model(seed=5),
+               str(root / "gpt" / "model.safetensors"))
     return {name: root / name for name in ("llama", "llama_sharded", "gpt2", "gpt")}
 
 

@@ -172,7 +172,8 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
         for key, t in entry.tensors.items():
             if t.kind == "parameter":
                 assert torch.equal(own[key], take(full[t.source], t.slice)), f"{case} {entry.file}: {key}"
-            elif t.source.endswith("e_score_correction_bias"):  # a saved buffer: the folder's value, not the compiled one
+            elif t.source.endswith("e_score_correction_bias"):
+                # a saved buffer: the folder's value, not the compiled one
                 assert torch.equal(own[key], take(on_disk[t.source], t.slice)), f"{case} {entry.file}: {key}"
                 assert own[key].abs().sum() > 0
         if name == "deepseek":  # every rank routes, so every rank holds the router's bias
@@ -191,7 +192,8 @@ def test_each_rank_reads_only_its_experts_pieces(folders, case, tmp_path, monkey
         built = [t for t in entry.tensors.values() if t.checkpoint is not None and t.checkpoint.pieces]
         if name == "mixtral_sharded":
             assert len({p.file for t in built for p in t.checkpoint.pieces}) > 1
-        assert len(built) == 2 * moe_layers and sum(b for _, b in reads) == sum(4 * torch.Size(t.shape).numel() for t in built)
+        assert len(built) == 2 * moe_layers
+        assert sum(b for _, b in reads) == sum(4 * torch.Size(t.shape).numel() for t in built)
 
 
 def _train_one(out: str, ckpt: CheckpointConfig | None):
@@ -287,7 +289,8 @@ def test_missing_expert_tensor_is_named(folders, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightsError, match=r"tensor model\.layers\.1\.mlp\.experts\.gate_up_proj is missing from the "
                                            r"checkpoint, neither stacked nor one tensor per expert as "
-                                           r"transformers' table reads it \('mlp\.experts\.\*\.gate_proj\.weight', 'mlp\.experts\.\*\.up_proj"):
+                                           r"transformers' table reads it \('mlp\.experts\.\*\.gate_proj\.weight', "
+                                           r"'mlp\.experts\.\*\.up_proj"):
         compile_model(_model_file(folder), Layout(dp=2, ep=2), weights=folder)
 
 

@@ -52,7 +52,8 @@ def test_resume_keeps_every_cell_of_the_page(tmp_path):
                ("clip", "pp=2"): ("refused", "--pp 2 with 2 microbatches: CLIPModel: aten.matmul.default pairs | rows"),
                ("clip", "tp=2"): ("FAILED", "loss 1.0e-01, params 7.0e-01"), ("opt", "dp=2"): ("refused", "x: y")}
     page = tmp_path / "RESULTS.md"
-    older = "\n## Older runs' cells\n\n| architecture | tp=2 |\n|---|---|\n| t5 | exact: loss 1e-07, params 5e-05 |\n\n1. z\n"
+    older = ("\n## Older runs' cells\n\n| architecture | tp=2 |\n|---|---|\n"
+             "| t5 | exact: loss 1e-07, params 5e-05 |\n\n1. z\n")
     page.write_text(results_page(results, 3, 12.4, ("tp=2", "pp=2", "dp=2"), 9) + older)  # a section after: not read
     assert "not run yet" in page.read_text()  # bart pp=2, dp=2 and others: left out of what resume keeps
     assert read_page(page) == (results, 12.0)

@@ -73,7 +73,8 @@ def test_only_the_quiet_parameters_the_share_cannot_hold_are_judged_apart():
     assert result.worst["fqn"] == "u"
     result = Verification(Layout(tp=2), [1.0], [1.0], [weight, agrees, *noise], quiet_atol=1.0)
     assert result.ok and [p["fqn"] for p in result.quiet] == ["k0.bias", "k1.bias"]
-    assert "2 quiet parameters (gradient zero up to rounding, judged apart: k0.bias, k1.bias) max abs" in result.summary()
+    summary = result.summary()
+    assert "2 quiet parameters (gradient zero up to rounding, judged apart: k0.bias, k1.bias) max abs" in summary
     assert result.param_rel == update_share([weight, agrees, noise[2]]) <= 1e-3
 
 

@@ -143,7 +143,8 @@ def test_a_hand_edited_index_value_is_one_line(trained, tmp_path, edit, said):
 def test_a_step_with_no_label_stops_the_run_by_name_even_when_skipping(tmp_path):
     model = tmp_path / "nolabels.py"
     model.write_text(LLAMA.read_text() + (
-        "\n\ndef make_batches():\n    batch = make_inputs()\n    batch['labels'] = torch.full_like(batch['labels'], -100)"
+        "\n\ndef make_batches():\n    batch = make_inputs()\n"
+        "    batch['labels'] = torch.full_like(batch['labels'], -100)"
         "\n    return [batch]\n"))
     compile_model(model, Layout(), out=tmp_path / "out")
     run = _fxshard("run", tmp_path / "out", "--steps", 2, "--on-nonfinite", "skip")

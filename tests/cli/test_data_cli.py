@@ -33,7 +33,8 @@ def tokens(tmp_path_factory):
     done = _fxshard("data", "tokenize", root / "gen" / "corpus", "--tokenizer", root / "gen" / "tokenizer", "--out",
                     root / "corpus.bin", "--validation", 0.05)
     assert done.returncode == 0, done.stderr
-    assert "in 200 documents, the last 10 the validation split; eos id 0, vocabulary 256" in " ".join(done.stdout.split())
+    said = " ".join(done.stdout.split())
+    assert "in 200 documents, the last 10 the validation split; eos id 0, vocabulary 256" in said
     return root
 
 

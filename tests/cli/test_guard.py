@@ -62,9 +62,11 @@ def test_rank_that_skips_an_all_reduce_fails_fast_naming_rank_and_collective(tmp
     # whichever rank gives up first is named with its collective, the line that issued it and its number
     # (the other may be stopped by the launcher before its own timeout)
     named = {
-        0: f"rank 0 exited with code 2: CollectiveError: rank 0: all_reduce float32 [8, 16, 64] (rank_pp0_tp0.py:{line0}, "
+        0: f"rank 0 exited with code 2: CollectiveError: rank 0: all_reduce float32 [8, 16, 64] "
+           f"(rank_pp0_tp0.py:{line0}, "
            "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
-        1: f"rank 1 exited with code 2: CollectiveError: rank 1: all_gather float32 [128, 1, 2] (rank_pp0_tp1.py:{line1}, "
+        1: f"rank 1 exited with code 2: CollectiveError: rank 1: all_gather float32 [128, 1, 2] "
+           f"(rank_pp0_tp1.py:{line1}, "
            "collective #17 over this group in training step 1) over process group ranks [0, 1] did not complete",
     }
     assert any(text in summary for text in named.values()), summary

@@ -259,7 +259,8 @@ def test_an_edit_that_changes_only_numbers_is_refused_by_check_and_run(tmp_path)
 
 def test_make_model_raising_and_out_being_a_file_are_clear_errors(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def make_model():\n    raise ValueError('no such layer size')\n\ndef make_inputs():\n    return ()\n")
+    bad.write_text("def make_model():\n    raise ValueError('no such layer size')\n\n"
+                   "def make_inputs():\n    return ()\n")
     proc = fxshard("compile", bad, "--out", tmp_path / "o")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert str(bad) in proc.stderr and "make_model() raised ValueError: no such layer size" in proc.stderr
@@ -296,7 +297,8 @@ def test_check_finds_the_weights_folder_deleted(tmp_path, llama_folder):
     folder = tmp_path / "llama"
     shutil.copytree(llama_folder, folder)
     out = tmp_path / "o"
-    assert fxshard("compile", ROOT / "samples" / "llama.py", "--tp", 2, "--weights", folder, "--out", out).returncode == 0
+    compiled = fxshard("compile", ROOT / "samples" / "llama.py", "--tp", 2, "--weights", folder, "--out", out)
+    assert compiled.returncode == 0
     assert fxshard("check", out).returncode == 0
     shutil.rmtree(folder)
     check = fxshard("check", out)

@@ -42,7 +42,8 @@ def test_a_rank_that_never_starts_is_named_at_start_up(tmp_path):
                         "MASTER_PORT": str(_port())}
     run = cli("run", out, "--steps", 1, "--timeout", 5, timeout=120, env=env)
     assert run.returncode == 2
-    assert "rank 0: start-up: 1 of 2 ranks did not join the process group within --timeout 5 s" in run.stderr, run.stderr
+    said = "rank 0: start-up: 1 of 2 ranks did not join the process group within --timeout 5 s"
+    assert said in run.stderr, run.stderr
     assert "Traceback" not in run.stderr
 
 
@@ -63,24 +64,28 @@ def test_a_rank_whose_rank_0_never_starts_names_it(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.parametrize("model, layout, waiting", [
     pytest.param(MLP, Layout(dp=2, zero=3),
-     r"rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp \(ZeRO 3\) in training step \d+ ", marks=pytest.mark.matrix),
+                 r"rank 0: FSDP2's parameter all-gathers and gradient reduce-scatters over dp \(ZeRO 3\) in training "
+                 r"step \d+ ", marks=pytest.mark.matrix),
     # forward or backward, wherever the stop caught rank 1: the line and the collective's number
-    (MLP, Layout(tp=2), r"rank 0: all_reduce (\(backward of copy_to(_linears, overlapped with the weight gradients)?\) )?"
-                        r"float32 \[4, 16\] \(rank_pp0_tp0\.py:\d+, collective #\d+ over this group in training step \d+\)"),
+    (MLP, Layout(tp=2),
+     r"rank 0: all_reduce (\(backward of copy_to(_linears, overlapped with the weight gradients)?\) )?"
+     r"float32 \[4, 16\] \(rank_pp0_tp0\.py:\d+, collective #\d+ over this group in training step \d+\)"),
     (GPT, Layout(pp=2), r"rank 0: pipeline schedule Schedule1F1B \(send/recv of activations and gradients\) "
                         r"\(collective #\d+ over this group in training step \d+\)"),
     # ZeRO 1's bucket collectives are guarded like the rank files' (or the stop caught the step loss's all-reduce);
     # an all-gather left in flight by the step fails at its issue or where the next forward waits for it
-    pytest.param(MLP, Layout(dp=2, zero=1), r"rank 0: (reduce_scatter of a ZeRO-1 gradient bucket over dp float32 \[\d+\] |"
-                                r"(the wait for the )?all_gather of ZeRO-1 parameter bucket \d+ over dp( \(issue\))? "
-                                r"float32 \[\d+\] |"
-                                r"all_reduce of the step loss over dp )\(collective #\d+ over this group in "
-                                r"training step \d+\)", marks=pytest.mark.matrix),
+    pytest.param(MLP, Layout(dp=2, zero=1),
+                 r"rank 0: (reduce_scatter of a ZeRO-1 gradient bucket over dp float32 \[\d+\] |"
+                 r"(the wait for the )?all_gather of ZeRO-1 parameter bucket \d+ over dp( \(issue\))? "
+                 r"float32 \[\d+\] |"
+                 r"all_reduce of the step loss over dp )\(collective #\d+ over this group in "
+                 r"training step \d+\)", marks=pytest.mark.matrix),
     # --compile: the tp all-reduces run inside the graph, with no Python around them to name the line; the step
     # names what was in flight and the whole mesh's heartbeats name the stopped rank
-    pytest.param(MLP, Layout(tp=2), r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "
-                        r"without it to have the failing one named with its line\) in training step \d+ "
-                        r"over process group ranks \[0, 1\]", marks=pytest.mark.matrix),
+    pytest.param(MLP, Layout(tp=2),
+                 r"rank 0: the rank files' collectives over tp inside the torch.compile graphs \(--compile: run "
+                 r"without it to have the failing one named with its line\) in training step \d+ "
+                 r"over process group ranks \[0, 1\]", marks=pytest.mark.matrix),
 ], ids=["dp2-zero3", "tp2", "pp2", "dp2-zero1", "tp2-compile"])
 def test_a_stopped_rank_is_named_with_the_collective_it_left_waiting(tmp_path, model, layout, waiting, request):
     # or the collectives every step issues at every layout, wherever the stop caught rank 1: the gradient norm read

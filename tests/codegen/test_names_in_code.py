@@ -80,7 +80,8 @@ def test_a_module_name_with_a_newline_is_refused_in_one_line(tmp_path):
     marker = tmp_path / "ran"
     assert "." not in str(marker)
     model = _write(tmp_path / "m.py", marker, extra='self.add_module("evil" + OPEN, nn.Linear(16, 16))')
-    with pytest.raises(ModelFileError, match=r"m\.py: module [\"']evil\\nopen\(.*[\"'] has '\\n' in its name; fxshard writes "
+    with pytest.raises(ModelFileError,
+                       match=r"m\.py: module [\"']evil\\nopen\(.*[\"'] has '\\n' in its name; fxshard writes "
                                              r"every module, parameter and buffer name into the generated code"):
         compile_model(model, Layout(tp=2), out=tmp_path / "o")
     assert not marker.exists() and not (tmp_path / "o").exists()

@@ -171,7 +171,8 @@ def test_calibrate_measures_two_gloo_processes_and_writes_a_profile_that_loads(t
     assert hw.peak("fp32") > 0 and hw.memory_bandwidth > 0 and hw.devices_per_node == 2
     assert hw.intra_node.bandwidth > 0 and hw.intra_node.latency >= 0
     points = written["measured"]["intra_node"]["points"]
-    assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"} and {p["group"] for p in points} == {2}
+    assert {p["op"] for p in points} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert {p["group"] for p in points} == {2}
     assert set(hw.groups) == {2} and set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(set(by_group) == {2} for by_group in hw.collectives.values())
     largest = max(p["bytes"] for p in points)  # 4 MiB all-reduced beside computing ranks: milliseconds, not the floor

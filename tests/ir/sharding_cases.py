@@ -370,7 +370,8 @@ case("ce-vocab-ignore-class", ce(ignore_index=3), [x(8, VOCAB), TARGETS.clamp(mi
      batch=frozenset({1}))
 case("ce-vocab-ignore-class-none", ce(ignore_index=9, reduction="none"), [x(8, VOCAB), TARGETS.clamp(min=0)],
      [S(1), R], CE)
-case("ce-vocab-keyword", ce(reduction="sum", ignore_index=5), [x(8, VOCAB), TARGETS.clamp(min=0)], [S(1), R], CE, keywords=True)
+case("ce-vocab-keyword", ce(reduction="sum", ignore_index=5), [x(8, VOCAB), TARGETS.clamp(min=0)], [S(1), R], CE,
+     keywords=True)
 case("ce-vocab-zero-smoothing", ce(label_smoothing=0.0), [x(8, VOCAB), TARGETS], [S(1), R], CE)
 case("ce-weight", ce(), [x(8, VOCAB), TARGETS, x(VOCAB).abs()], [S(1), R, R], CE, "declined", frozen=frozenset({2}))
 case("ce-smoothing", ce(label_smoothing=0.1), [x(8, VOCAB), TARGETS], [S(1), R], CE, "declined")
@@ -423,13 +424,15 @@ case("linear-colwise-uneven", F.linear, [x(4, 8), x(20, 8), x(20)], [R, U, U], a
 case("linear-colwise-whole-block", F.linear, [x(4, 8), x(20, 8), x(20)], [R, UW, UW], aten.linear)
 case("linear-colwise-parts", F.linear, [x(2, 4, 8), x(8, 8)], [R, S(0, parts=(1,))], aten.linear)
 case("linear-colwise-two-parts", F.linear, [x(2, 4, 8), x(8, 8)], [R, S(0, parts=(2,))], aten.linear)
-case("split-uneven-blocks", lambda a: a.split([16, 4], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))], aten.split_with_sizes)
+case("split-uneven-blocks", lambda a: a.split([16, 4], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))],
+     aten.split_with_sizes)
 case("split-uneven-each", lambda a: a.split([8, 8, 4], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4), parts=(0, 0, 1))],
      aten.split_with_sizes)
 case("split-uneven-cuts-a-block", lambda a: a.split([4, 16], dim=1), [x(4, 20)], [S(1, 3, sizes=(8, 8, 4))],
      aten.split_with_sizes, "declined")
 case("mul-uneven-beside-whole", lambda a, b: a * b, [x(4, 20), x(4, 20)], [S(1, 3, sizes=(8, 8, 4)), R], aten.mul)
-case("mul-uneven-beside-buffer", lambda a, b: a * b, [x(4, 20), x(1, 20)], [S(1, 3, sizes=(8, 8, 4), parts=(0, 0, 1)), R],
+case("mul-uneven-beside-buffer", lambda a, b: a * b, [x(4, 20), x(1, 20)],
+     [S(1, 3, sizes=(8, 8, 4), parts=(0, 0, 1)), R],
      aten.mul, frozen=frozenset({1}))
 case("mul-parts-beside-split", lambda a, b: a * b, [x(4, 8), x(4, 8)], [S(1), S(1, parts=(1,))], aten.mul)
 case("view-parts-one-group", lambda a: a.view(4, 1, 8), [x(4, 8)], [S(1, parts=(1,))], aten.view)
@@ -441,7 +444,8 @@ Q4, KV1 = x(2, 4, 8, 4), [x(2, 1, 8, 4), x(2, 1, 8, 4)]  # one key/value head fo
 KV = S(1, parts=(1,))
 case("sdpa-gqa-whole-kv", sdpa(enable_gqa=True), [Q4, *KV1], [S(1), KV, KV], SDPA)
 case("sdpa-repeated-kv", lambda q, k, v: F.scaled_dot_product_attention(
-    q, k[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4), v[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4)),
+    q, k[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4),
+    v[:, :, None].expand(2, 1, 4, 8, 4).reshape(2, 4, 8, 4)),
     [Q4, *KV1], [S(1), KV, KV], SDPA)
 KV2 = [x(2, 2, 8, 4), x(2, 2, 8, 4)]  # two key/value heads: over tp=4, each held by two ranks
 case("sdpa-gqa-two-kv-heads", sdpa(enable_gqa=True), [Q4, *KV2], [S(1), S(1, parts=(2,)), S(1, parts=(2,))], SDPA)
@@ -463,7 +467,8 @@ case("conv1d-depthwise-whole-block", conv(12), [x(2, 12, 6), x(12, 1, 3), x(12)]
      [S(1, 2, sizes=(8, 4), parts=(0, 1))] + [S(0, 2, sizes=(8, 4), parts=(0, 1))] * 2, C1)
 case("conv1d-ungrouped", conv(1), [x(2, 8, 6), x(8, 8, 3)], [S(1), R], C1, "declined")
 case("conv1d-split-length", conv(8), [x(2, 8, 8), x(8, 1, 3)], [S(2), R], C1, "declined")
-# Mamba-1's dt_proj read through a product (``dt_proj.weight @ time_step``): the weight's rows split, the batch broadcast
+# Mamba-1's dt_proj read through a product (``dt_proj.weight @ time_step``): the weight's rows split, the batch
+# broadcast
 case("matmul-broadcast-weight-rows", torch.matmul, [x(8, 4), x(2, 4, 5)], [S(0), R], aten.matmul)
 case("softplus", F.softplus, [x(2, 8, 4)], [S(1)], aten.softplus)
 case("stack-new-dim-after", lambda a, b: torch.stack([a, b], dim=-1), [x(2, 8), x(2, 8)], [S(1), S(1)], aten.stack)
@@ -490,7 +495,8 @@ case("einsum-heads-whole-operand", lambda a, b: torch.einsum("blhn,bshn->blsh", 
      [S(2), R], EI)
 case("einsum-broadcast-operand", lambda a, b: torch.einsum("bhls,bsp->bhlp", a, b), [x(2, 4, 3, 3), x(2, 3, 5)],
      [S(1), R], EI)
-case("einsum-summed-letter", lambda a, b: torch.einsum("bhn,bhm->bnm", a, b), [x(2, 4, 3), x(2, 4, 5)], [S(1), S(1)], EI)
+case("einsum-summed-letter", lambda a, b: torch.einsum("bhn,bhm->bnm", a, b), [x(2, 4, 3), x(2, 4, 5)],
+     [S(1), S(1)], EI)
 case("einsum-crossed-letters", lambda a, b: torch.einsum("bhn,bhm->bhnm", a, b), [x(2, 4, 4), x(2, 4, 4)],
      [S(1), S(2)], EI, "declined")
 case("einsum-parts-summed", lambda a, b: torch.einsum("bhn,bhm->bnm", a, b), [x(2, 4, 3), x(2, 4, 5)],

@@ -24,7 +24,8 @@ def _expected(layout: Layout, rank: int, tied: dict) -> dict[str, list[int]]:
     along = {axis: [r for r in range(layout.world_size)
                     if all(layout.coords(r)[a] == c[a] for a in axes if a != axis)] for axis in axes}
     if layout.cp > 1:  # dp and cp flattened: the ranks at this pp and tp coordinate
-        along[DPCP] = [r for r in range(layout.world_size) if (layout.coords(r).pp, layout.coords(r).tp) == (c.pp, c.tp)]
+        along[DPCP] = [r for r in range(layout.world_size)
+                       if (layout.coords(r).pp, layout.coords(r).tp) == (c.pp, c.tp)]
     for axis, groups in (layout.expert_groups().items() if layout.ep > 1 else ()):
         along[axis] = next(g for g in groups if rank in g)
     for name, stages in tied.items():

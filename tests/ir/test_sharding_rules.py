@@ -5,10 +5,10 @@ says.  It is captured like a model (``capture``), compiled through the compiler'
 tensor-parallel pass's placements replaced by the case's (propagation, rewrites and localized shapes are the
 production ones: :func:`~fxshard.passes.tensor_parallel.apply_propagation`), generated as rank files, and run
 on a real gloo group (``make test``; in ``make test-fast``, one thread per rank in this process, with the same
-runtime collectives over a threaded transport: ``threaded_group.py``): outputs, input gradients and inputs written in place are reassembled from the ranks and
-compared with the op on one device, fp32, within ``single_op.TOL``: relative 1e-6 plus absolute 1e-5 on
-values of order 1 (a split only reorders sums; a wrong split is off by order 1).  The cases are in
-``sharding_cases.py``: all of them share one spawned group of 2 processes, a few another of 4.
+runtime collectives over a threaded transport: ``threaded_group.py``): outputs, input gradients and inputs written in
+place are reassembled from the ranks and compared with the op on one device, fp32, within ``single_op.TOL``: relative
+1e-6 plus absolute 1e-5 on values of order 1 (a split only reorders sums; a wrong split is off by order 1).  The cases
+are in ``sharding_cases.py``: all of them share one spawned group of 2 processes, a few another of 4.
 
 Each case also states what the rule must decide: ``split`` (the op computes on split or partial inputs, no
 fallback), ``declined`` (the rule refuses an argument it cannot honor: the inputs are gathered and the compile

@@ -74,7 +74,8 @@ def test_generated_lines_pass_each_tp_rank_its_slice(models):
     sites = [int(re.search(r"site=(\d+)", ln).group(1)) for ln in lines[0]]
     assert sorted(sites) == list(range(13))  # block classes come first in the file
     attn = [ln for ln in lines[1] if "shard=" in ln]
-    assert len(attn) == 4 and all("shard=(1, 1, 2))" in ln and "f32 S(1)  layout-invariant mask" in ln for ln in attn), attn
+    assert len(attn) == 4 and all("shard=(1, 1, 2))" in ln
+                                  and "f32 S(1)  layout-invariant mask" in ln for ln in attn), attn
     assert all("shard=(1, 0, 2))" in ln for ln in lines[0] if "shard=" in ln)
     assert ("dropout = rt.dropout(add_1, 0.1, site=0);  add_1 = None  # [4, 16, 64] f32 layout-invariant mask, as on "
             "one device") in lines[0]

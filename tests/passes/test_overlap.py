@@ -62,7 +62,8 @@ def test_q_k_v_share_one_fused_node_inside_the_block_that_runs_them(samples):
                                                        for p in ("gate", "up")]
     assert all(spec(u).block == "model.layers.1" for u in attention.users)
     (head,) = [n for n in fused if not spec(n).block]
-    assert [w.name for w in head.kwargs["weights"]] == ["p_model_lm_head_weight"] and spec(head).placement == (Shard(2),)
+    assert [w.name for w in head.kwargs["weights"]] == ["p_model_lm_head_weight"]
+    assert spec(head).placement == (Shard(2),)
 
 
 def test_a_copy_to_read_by_other_ops_than_linears_stays(samples):

@@ -178,7 +178,8 @@ def test_blocks_are_the_outermost_list_of_any_classes():
                                                          [f"model.layers.{i}" for i in range(4)])
     # T5's sublayers (self-attention, cross-attention, feed-forward) are inside a block, not blocks
     t5 = {"decoder.block.0": "T5Block", "decoder.block.1": "T5Block", "decoder.block.0.layer.0": "SelfAttn",
-          "decoder.block.0.layer.1": "CrossAttn", "decoder.block.0.layer.2": "FF", "decoder.block.1.layer.0": "SelfAttn",
+          "decoder.block.0.layer.1": "CrossAttn", "decoder.block.0.layer.2": "FF",
+          "decoder.block.1.layer.0": "SelfAttn",
           "decoder.block.1.layer.1": "CrossAttn", "decoder.block.1.layer.2": "FF"}
     assert find_blocks(t5).prefix == "decoder.block"
     # a list of one class wins a tie with one of several

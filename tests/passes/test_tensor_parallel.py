@@ -92,7 +92,8 @@ def test_attention_shapes_are_localized_to_heads(samples):
     views = [n for n in gm.graph.nodes if n.target is aten.view.default and spec(n).fqn == "model.layers.0.self_attn"]
     # q: [B, S, 8 heads, 8] -> [B, S, 4, 8]; k, v: [B, S, 4 kv heads, 8] -> [B, S, 2, 8]
     assert [list(v.args[1]) for v in views[:3]] == [[4, 16, 4, 8], [4, 16, 2, 8], [4, 16, 2, 8]]
-    expands = [n for n in gm.graph.nodes if n.target is aten.expand.default and spec(n).fqn == "model.layers.0.self_attn"]
+    expands = [n for n in gm.graph.nodes if n.target is aten.expand.default
+               and spec(n).fqn == "model.layers.0.self_attn"]
     assert [list(e.args[1]) for e in expands] == [[4, 2, 2, 16, 8], [4, 2, 2, 16, 8]]  # repeat_kv, per rank
     sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
     assert spec(sdpa).placement == Shard(1)

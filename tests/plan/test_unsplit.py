@@ -22,9 +22,9 @@ def test_plan_json_lists_the_modules_left_whole_and_why():
     assert report["whole_params"] == 32 + 16 + 16 * 15 + 15  # the norm, fc_out's bias, proj
     assert report["over_threshold"] and report["whole_share"] > 0.10
     rows = [(m["modules"], m["params"], m["reason"]) for m in report["modules"]]
-    assert rows[0][:2] == ("proj", 240) and rows[0][2] == ("no rule: automatic pairing found "
-                                                                       "no column/row pair within its module that "
-                                                                       "splits without a gather inside it")  # largest first
+    assert rows[0][:2] == ("proj", 240)  # largest first
+    assert rows[0][2] == ("no rule: automatic pairing found no column/row pair within its module that splits without "
+                          "a gather inside it")
     assert ("proj", 15, "a size (15) that tp=2 does not divide") in rows  # its bias
     assert any(m == "norm" and n == 32 and "take it whole" in r for m, n, r in rows)
     assert any(m == "mlp.fc_out" and n == 16 for m, n, r in rows)

@@ -54,8 +54,8 @@ def test_modules_carry_placements_lines_and_collectives(out, data):
     assert "rt.all_reduce(" in lines[call.line - 1]
     assert (call.forward, call.backward, call.forward_bytes) == ("all_reduce", None, 1 * 16 * 64 * 4)
     # every collective line of the file is attributed to a module, as many as the file has
-    assert sum(len(m.collectives) for m in mods) == sum(1 for t in lines if re.search(r"= rt\.(all_reduce|copy_to|"
-                                                                                      r"copy_to_linears|all_gather|scatter)\(", t))
+    issued = re.compile(r"= rt\.(all_reduce|copy_to|copy_to_linears|all_gather|scatter)\(")
+    assert sum(len(m.collectives) for m in mods) == sum(1 for t in lines if issued.search(t))
 
 
 def test_schedule_rows_per_pp_rank_in_torchs_order(data):

@@ -64,7 +64,8 @@ def _eager_and_compiled(out: str) -> dict:
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    graphs, rows, saved = [], [], []  # graphs compiled after each step; rows each dispatch got; bytes saved for backward
+    # graphs compiled after each step; rows each dispatch got; bytes saved for backward
+    graphs, rows, saved = [], [], []
     step, dispatch = launch._Loop._step, experts._dispatch
 
     def counted_step(self, *args):

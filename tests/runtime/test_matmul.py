@@ -99,7 +99,8 @@ def test_cpu_matmul_option_reaches_every_rank_and_refuses_unknown_kernels(tmp_pa
         check_run_options(tmp_path, RunOptions(cpu_matmul="mkl"), say=lambda *_: None)
     model = Path(__file__).resolve().parents[1] / "models" / "tiny_gpt.py"
     verify = fxshard("verify", model, "--tp", "2", "--compile", "--cpu-matmul", "mkl")  # refused before it compiles
-    assert verify.returncode != 0 and "--cpu-matmul mkl: expected one of auto, onednn, torch" in verify.stdout + verify.stderr
+    said = verify.stdout + verify.stderr
+    assert verify.returncode != 0 and "--cpu-matmul mkl: expected one of auto, onednn, torch" in said
 
 
 def _vote(rank: int, world: int) -> str:

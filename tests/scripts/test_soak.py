@@ -38,7 +38,8 @@ def _started_by(tmpdir: Path) -> list[int]:
 def test_short_soak_kills_three_ranks_and_ends_bit_identical_with_no_orphans(tmp_path):
     work = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "scripts/soak.py", "--steps", "60", "--kills", "3", "--save-every", "10",
-                           "--no-check", "--seed", "1", "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--no-check", "--seed", "1", "--work",
+                           str(work)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads((work / "soak.json").read_text())
     assert r["resumes"] == 3 and all(k["pid"] and k["after_step"] >= k["target"] for k in r["kills"]), r["kills"]

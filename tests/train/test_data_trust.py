@@ -62,7 +62,8 @@ def _bad_dataset(folder: Path, bad_rows: str) -> Path:
     model = folder / "model.py"
     model.write_text(DATASET.read_text().replace(
         "    return {\"input_ids\": ids, \"labels\": ids.clone()}",
-        f"    if i in {bad_rows}:\n        ids[5] = VOCAB + 3\n    return {{\"input_ids\": ids, \"labels\": ids.clone()}}"))
+        f"    if i in {bad_rows}:\n        ids[5] = VOCAB + 3\n"
+        "    return {\"input_ids\": ids, \"labels\": ids.clone()}"))
     return model
 
 

@@ -1,6 +1,7 @@
 """``fxshard generate`` (``fxshard/train/generate.py``): from a checkpoint of a tiny Qwen2 folder compiled at tp=2 and
-trained 3 steps on a packed token file, greedy decoding gives token for token what transformers' ``generate`` gives on the model trained on
-one device from the same folder, as text and as one chat turn; sampling is seeded; and the refusals."""
+trained 3 steps on a packed token file, greedy decoding gives token for token what transformers' ``generate`` gives on
+the model trained on one device from the same folder, as text and as one chat turn; sampling is seeded; and the
+refusals."""
 
 from __future__ import annotations
 
