@@ -132,7 +132,7 @@ class Evaluator:
         self.fp8 = dtype == "fp8" and profile.dtype != "fp8"
         self.dtype = "bf16" if dtype == "fp8" else dtype
         self.peak = hw.peak(self.dtype)
-        self.matmul_peak = hw.peak("fp8") if self.fp8 else self.peak
+        self.matmul_peak = hw.fp8_peak() if self.fp8 else self.peak
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
                      for name, piece in pieces.items()}
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
