@@ -116,9 +116,10 @@ RECIPES = [
         "outputs but every other one, which it recomputes)",
         "fxshard's selective recompute keeps every matmul output (more memory, less recompute: torchtitan's "
         "policy runs about half the forward matmuls again); FSDP's gathers and reduce-scatters are predicted "
-        "hidden behind compute (the dp term); the over-prediction is the profile's: its matmul and memory "
-        "efficiencies (0.72 and 0.8 of the datasheet peaks) and kernel launch cost are stated, not measured on "
-        "an H100 (no GPU here; `fxshard calibrate --model` on one sets its compute_scale); " + TITAN_H100,
+        "hidden behind compute (the dp term); the rest of the over-prediction is most likely the profile's: its "
+        "matmul and memory efficiencies (0.72 and 0.8 of the datasheet peaks) and kernel launch cost are "
+        "stated, not measured on an H100 (no GPU here; `fxshard calibrate --model` on one sets its "
+        "compute_scale); " + TITAN_H100,
         hardware="h100-hbm2e-500w"),
     Recipe(
         "llama3-70b-titan", "samples/llama70b.py", 256, 8192, 512,
