@@ -126,12 +126,26 @@ def megatron_row(recipe: Recipe, ev, pred, setting) -> dict:
     mode = recipe.layout.recompute
     layer = cost["block0"].saved[mode]
     ours = pred.memory_terms[0]  # the first pipeline rank, the formula's
+    terms, savings = layer_terms(config, recipe)
     state = ours["parameters"] + ours["gradients"] + ours["optimizer"] + ours["experts"]
     return {"source": SOURCE, "formula": formula,
             "fxshard": {"model_state": state, "layer_activations": layer, "activations": ours["activations"],
                         "layer_microbatches": ours["activations"] / layer, "other": ours["transient"] +
                         ours["recompute"], "total": sum(ours.values())},
-            "formula_layer_microbatches": formula["activations"] / formula["layer_activations"]}
+            "formula_layer_microbatches": formula["activations"] / formula["layer_activations"],
+            "layer_terms": terms, "savings": savings}
+
+
+def layer_terms(config, recipe: Recipe) -> tuple[dict, dict]:
+    """One layer's activations for one microbatch term by term, both ways (:mod:`benchmarks.layer_terms`):
+    fxshard's at the tokens one cp rank holds, the formula's at the whole sequence (it knows no cp); and what
+    exact changes to fxshard's program would save of it."""
+    from benchmarks.layer_terms import exact_savings, formula_layer, fxshard_layer
+
+    layout, h, ffn = recipe.layout, config.hidden_size, config.intermediate_size
+    heads, kv, seq = config.num_attention_heads, config.num_key_value_heads, recipe.seq // getattr(layout, "cp", 1)
+    return {"fxshard": fxshard_layer(h, ffn, heads, kv, seq, layout.tp, sp=layout.sp),
+            "formula": formula_layer(h, ffn, recipe.seq, layout.tp)}, exact_savings(h, ffn, heads, kv, seq, layout.tp)
 
 
 def _config(model_file: str):

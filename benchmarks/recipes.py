@@ -64,7 +64,8 @@ RECIPES = [
         "(the 'other ops' of the compute split); TP all-gathers and reduce-scatters overlapped with the GEMMs "
         "against blocking ones (the tp term); gradients reduce-scattered during backward against after it. "
         "Memory: at no recompute fxshard's program keeps about twice the formula's bytes a layer (the memory "
-        "tables), so it fits only with recompute; the throughput table gives the least that fits",
+        "tables say which tensors), so it fits only with recompute; the throughput table gives the least that "
+        "fits, and the memory section the exact program changes that would close most of the gap",
         megatron=True),
     Recipe(
         "llama3.1-405b", "samples/llama405b.py", 1024, 8192, 512,
@@ -94,14 +95,21 @@ RECIPES = [
         "layer, 30 stages of two, MTP and loss): "
         "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py "
         "at 04264182 (DEEPSEEK_V3_PRETRAIN_CONFIG_H100_V1); fxshard's nearest recompute: selective",
-        "the pipeline: fxshard's balance of 61 layers over 32 stages leaves 6 to 8 MoE layers a rank (rank 0: the "
-        "embedding, two dense layers and 6 MoE), and the critical rank's idle time in the schedule counts that "
-        "imbalance besides the fill and drain (the bubble term); "
+        "the pipeline: fxshard's balance of 61 layers over 32 stages leaves 6 to 8 MoE layers a rank (rank 0, the "
+        "critical one: the embedding, two dense layers and 6 MoE), and the critical rank waits for the busiest "
+        "ones' two MoE layers more (the stage imbalance term); Megatron's layout also gives ranks 2 to 6 eight "
+        "MoE layers, so its step is bounded by the same rank's work: the imbalance is not a difference of the "
+        "runs, and the bubble proper is (pp-1)/(vp·m) = 7/512 of the work, as published; "
+        "the all-to-alls block in both runs (moe_a2a_overlap False), but fxshard's carry several times the "
+        "bytes: "
         "fxshard gathers a MoE layer's tokens over tp before the router (docs/expert-parallel.md), so at TP2 each tp "
         "rank dispatches and computes every token of its dp rank: twice the all-to-all bytes and the expert FLOPs of "
         "Megatron's, where each tp rank sends its own S/tp; fxshard's all-to-all sends each (token, expert) row, "
-        "HybridEP a token once per node; selective recompute runs the dispatch again; no multi-token-prediction "
-        "module in transformers' model",
+        "HybridEP a token once per node (DeepSeek-V3 routes a token to at most 4 nodes, to 8 experts); fxshard's "
+        "selective recompute runs the MoE layer's dispatch and combine again (a third of the ep term), where "
+        "Megatron recomputes MLA's up-projections and the MLPs only; the other ops run unfused at the memory "
+        "bandwidth (the compute split), the tp collectives block; no multi-token-prediction module in "
+        "transformers' model (Megatron's run computes one more: this favours fxshard)",
         megatron=True),
     Recipe(
         "llama3-8b", "benchmarks/models/llama3_8b.py", 8, 8192, 16,
@@ -109,7 +117,12 @@ RECIPES = [
         "bf16", 5762, 82.4, TITAN.format(row="Table 1 (Llama 3.1 8B, 8 GPUs, local batch 2), row FSDP"),
         "FSDP 8, BF16, eager, selective activation checkpointing (torchtitan's per-op policy: it saves the matmul "
         "outputs but every other one, which it recomputes)",
-        "fxshard's selective recompute keeps every matmul output (more memory, less recompute); " + TITAN_H100,
+        "fxshard's selective recompute keeps every matmul output (more memory, less recompute: torchtitan's "
+        "policy runs about half the forward matmuls again); FSDP's gathers and reduce-scatters are predicted "
+        "hidden behind compute (the dp term); the rest of the over-prediction is most likely the profile's: its "
+        "matmul and memory efficiencies (0.72 and 0.8 of the datasheet peaks) and kernel launch cost are "
+        "stated, not measured on an H100 (no GPU here; `fxshard calibrate --model` on one sets its "
+        "compute_scale); " + TITAN_H100,
         hardware="h100-hbm2e-500w"),
     Recipe(
         "llama3-70b-titan", "samples/llama70b.py", 256, 8192, 512,

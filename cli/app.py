@@ -259,7 +259,8 @@ def _plan(model, auto, flags, split_before, plan_file, batch, seq, device_memory
 
 def _prediction_json(pred) -> dict:
     return {"layout": pred.layout.describe(), "step_s": pred.step, "compute_s": pred.compute,
-            "exposed_communication_s": pred.exposed, "bubble_s": pred.bubble, "tokens_per_s_per_device":
+            "exposed_communication_s": pred.exposed, "bubble_s": pred.bubble,
+            "imbalance_s": pred.imbalance, "tokens_per_s_per_device":
             pred.tokens_per_s, "mfu": pred.mfu, "peak_bytes": pred.peaks, "device_memory": pred.memory,
             "fits": pred.fits, "terms_s": pred.terms, "microbatches": pred.microbatches, "rows": pred.rows,
             "accumulate": pred.accumulate}

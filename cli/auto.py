@@ -20,7 +20,8 @@ def time_lines(console: Console, pred, hw, setting) -> None:
                   f"batch {setting.global_batch}, {pred.microbatches} microbatch(es) of {pred.rows} row(s) per dp rank",
                   highlight=False)
     console.print(f"  compute (forward, backward, recompute) {_ms(pred.compute)};  exposed communication "
-                  f"{_ms(exposed)} ({by_axis});  pipeline bubble {_ms(pred.bubble)};  optimizer step "
+                  f"{_ms(exposed)} ({by_axis});  pipeline bubble {_ms(pred.bubble)}"
+                  f"{f' (stage imbalance {_ms(pred.imbalance)})' if pred.imbalance else ''};  optimizer step "
                   f"{_ms(pred.terms.get('optimizer step', 0.0))}", highlight=False)
     console.print(f"  predicted step {_ms(pred.step)};  {pred.tokens_per_s:,.0f} tokens/s per device;  MFU "
                   f"{pred.mfu:.1%};  predicted peak {human_bytes(pred.peak)} of {human_bytes(pred.memory)} "

@@ -27,7 +27,9 @@ and the devices per node): each collective by the ring formula (bandwidth) plus 
   ``ring``: the cp - 1 sends of each step overlap that step's attention; ep: the all-to-alls block.
 
 Pipeline: each stage's forward and backward per microbatch (compute + exposed communication) are the durations of
-torch's schedule actions, simulated (:mod:`fxshard.cost.pipesim`); the bubble is what that leaves idle.  Memory
+torch's schedule actions, simulated (:mod:`fxshard.cost.pipesim`); what that leaves the critical rank idle is
+the stage imbalance (the busiest rank's work beyond the critical rank's) and the bubble (the rest: fill and
+drain, about ``(pp - 1)/(vp·m)`` of the work on even stages).  The terms add up to the step.  Memory
 is the plan's: the ZeRO formulas (:mod:`fxshard.cost.zero_memory`), bytes saved per microbatch times the
 microbatches torch's order keeps alive (:mod:`fxshard.cost.alive`), and the transient.
 
@@ -101,7 +103,10 @@ class Prediction:
     step: float = 0.0
     compute: float = 0.0  # busy compute of the critical rank (recompute included)
     exposed: dict = field(default_factory=dict)  # axis -> exposed communication seconds on the critical rank
-    bubble: float = 0.0
+    bubble: float = 0.0  # the critical rank idle in the schedule's fill and drain
+    # ... and idle waiting for a busier rank: the busiest rank's work (compute and exposed communication) beyond its
+    # own (stages of unequal work: 61 layers over 32 stages); the bubble and the imbalance are the rank's idle time
+    imbalance: float = 0.0
     terms: dict = field(default_factory=dict)  # what the step is made of, for comparisons
     tokens_per_s: float = 0.0  # per device
     mfu: float = 0.0
@@ -133,7 +138,7 @@ class Evaluator:
         self.fp8 = dtype == "fp8" and profile.dtype != "fp8"
         self.dtype = "bf16" if dtype == "fp8" else dtype
         self.peak = hw.peak(self.dtype)
-        self.matmul_peak = hw.peak("fp8") if self.fp8 else self.peak
+        self.matmul_peak = hw.fp8_peak() if self.fp8 else self.peak
         self._fns = {(st, name): _compile(piece) for st, pieces in profile.structures.items()
                      for name, piece in pieces.items()}
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
@@ -404,8 +409,9 @@ def _stage_times(ev: Evaluator, layout: Layout, setting: Setting, stage, cost) -
         bc += count * c.bwd
         again += count * redo
         exposed["tp"] += count * (c.tp_fwd + c.tp_bwd + tp_redo)
-        exposed["cp"] += count * (cp_f + cp_b)
-        exposed["ep"] += count * 2 * ep_t
+        # recompute runs the block's forward collectives again (counted in bwd above): exposed as the others are
+        exposed["cp"] += count * (cp_f + cp_b + (cp_f if redo else 0.0))
+        exposed["ep"] += count * (2 * ep_t + (ep_t if redo else 0.0))
     zero3_f, zero3_b = _zero3_per_microbatch(ev, layout, setting, stage, cost)
     exposed["dp"] += zero3_f + zero3_b
     return _StageTime(fwd + zero3_f, bwd + zero3_b, wgrad, busy, exposed, fc, bc, again)
@@ -462,11 +468,13 @@ def _pipeline(ev: Evaluator, layout: Layout, setting: Setting, stages, cost, dur
     pred.compute = m * sum(d.busy for d in own)
     pred.exposed = {axis: m * sum(d.exposed[axis] for d in own) for axis in ("tp", "cp", "ep", "dp")}
     pred.exposed["dp"] += post[crit][0] + pre[crit]
-    pred.bubble = max(0.0, ends[crit] - pre[crit] - busy[crit])
+    idle = max(0.0, ends[crit] - pre[crit] - busy[crit])
+    pred.imbalance = min(idle, max(0.0, max(busy.values()) - busy[crit]))
+    pred.bubble = idle - pred.imbalance
     pred.terms = {"compute": m * sum(d.fwd_compute + d.bwd_compute for d in own),
                   "recompute": m * sum(d.redo for d in own),
                   **{f"{k} communication": t for k, t in pred.exposed.items()},
-                  "pipeline bubble": pred.bubble, "optimizer step": post[crit][1]}
+                  "stage imbalance": pred.imbalance, "pipeline bubble": pred.bubble, "optimizer step": post[crit][1]}
 
 
 def _shared_cores(hw, layout: Layout, m: int, v: int, duration, transfer, pre, busy) -> dict[int, float]:

@@ -10,7 +10,6 @@ import pytest
 from benchmarks.auto_recipes import compute_split
 from benchmarks.recipes import RECIPES, Recipe
 from fxshard.cost.hardware import load_hardware
-from fxshard.cost.profile import model_profile
 from fxshard.cost.timemodel import Evaluator, Setting, predict
 from fxshard.ir.layout import Layout
 
@@ -25,8 +24,8 @@ def test_each_recipe_is_predicted_in_its_own_precision_and_cites_a_commit(recipe
 
 
 @pytest.fixture(scope="module")
-def profile():
-    return model_profile("samples/llama.py", dtype="bf16")
+def profile(llama_bf16_profile):
+    return llama_bf16_profile
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])

@@ -117,10 +117,13 @@ def test_fp8_runs_the_matmuls_at_the_fp8_peak_and_pays_their_casts(profile):
     hw = load_hardware("h100")
     fast = dataclasses.replace(hw, memory_bandwidth=1e21)  # every matmul compute-bound, casts free
     b16, f8 = (Evaluator(profile, fast, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
-    assert f8.wgrad == pytest.approx(b16.wgrad * hw.peak("bf16") / hw.peak("fp8"))
+    assert (hw.fp8_peak(), hw.peak("bf16")) == (1979e12, 989e12)  # the datasheet's dense peaks
+    # (hw.peak("fp8") is the peak of the ops beside a compiled fp8 linear, bf16's: the merge of the two fp8 paths
+    # read it here and ran these matmuls at the bf16 peak, the 70B recipe's matmul term doubled)
+    assert f8.wgrad == pytest.approx(b16.wgrad * hw.peak("bf16") / hw.fp8_peak())
     assert (f8.attention, f8.flops) == (b16.attention, b16.flops)
     ev = Evaluator(profile, hw, "fp8")
-    assert (ev.dtype, ev.peak, ev.matmul_peak) == ("bf16", hw.peak("bf16"), hw.peak("fp8"))
+    assert (ev.dtype, ev.peak, ev.matmul_peak) == ("bf16", hw.peak("bf16"), hw.fp8_peak())
     b16, f8 = (Evaluator(profile, hw, d).piece("tp1", "block0", 8, 2048, 1, 1, 1) for d in ("bf16", "fp8"))
     cast = fp8_cast_seconds(_values(ev._fns[("tp1", "block0")], 8, 2048, 1, 1)["ops"], hw)
     assert cast > 0
@@ -336,3 +339,19 @@ def test_the_experts_zero_group_spans_cp_as_the_runtime_does():
         saved[cp] = predicted[0] - predicted[1]
         assert saved[cp] == planned[0] - planned[1], cp
     assert saved[2] > saved[1]  # at cp=2 the experts' Adam state is halved too
+
+
+def test_the_terms_add_up_to_the_step_with_recompute_and_uneven_stages(h100):
+    """Issue 46: recompute runs a block's cp all-gather again (counted in its backward, so in the step) and the terms
+    left it out (0.7 s of the 405B row, 16 s of DeepSeek-V3's all-to-alls); and the critical rank's idle time was
+    all "bubble", though on uneven stages most of it is waiting for the busiest rank (DeepSeek-V3: 21 s of 22)."""
+    setting = Setting(2048, 8, 8)
+    for layout in (Layout(pp=2, cp=2, microbatches=4, recompute="full"), Layout(pp=3, microbatches=8),
+                   Layout(pp=2, microbatches=8), Layout(tp=2, recompute="selective")):
+        pred = predict(h100, layout, setting)
+        assert sum(pred.terms.values()) == pytest.approx(pred.step), layout.describe()
+    full = predict(h100, Layout(pp=2, cp=2, microbatches=4, recompute="full"), setting)
+    plain = predict(h100, Layout(pp=2, cp=2, microbatches=4), setting)
+    assert full.exposed["cp"] == pytest.approx(1.5 * plain.exposed["cp"])  # forward, backward, the forward again
+    uneven = predict(h100, Layout(pp=3, microbatches=8), setting)  # 4 layers over 3 ranks: one holds two
+    assert uneven.imbalance > uneven.bubble > 0 and uneven.terms["stage imbalance"] == uneven.imbalance
