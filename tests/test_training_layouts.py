@@ -212,9 +212,6 @@ def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[floa
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", matrix(CASES, KEEP))
 def test_pipeline_training_matches_single_device(trained, case):
-    if case == "zamba2-hybrid-pp2":
-        pytest.xfail("known regression since the batch-row analysis landed: Zamba2's shared transformer's "
-                     "concatenate (modeling_zamba2.py:951) is judged to mix rows at pp2 and refused (issue 43)")
     path, layout, _, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
     want, single = _reference_run(path, optim, layout.dtype)

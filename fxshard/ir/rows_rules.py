@@ -118,7 +118,7 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
     if packet in _ELEMENTWISE or _pointwise_in_place(node) or torch.Tag.pointwise in node.target.tags \
             or packet is aten.broadcast_tensors:
         return _elementwise(node, args, placements)
-    if packet is aten.concat:
+    if packet in (aten.concat, aten.concatenate):  # cat's aliases (Zamba2's torch.cat exports as concatenate)
         return rule_decision(_as(node, aten.cat.default), args, placements)
     return None
 
@@ -152,7 +152,8 @@ def _pointwise_in_place(node: fx.Node) -> bool:
 
 
 def _as(node: fx.Node, target) -> fx.Node:
-    """``node`` read as another op of the same schema (``concat`` as ``cat``), for the tables' rules."""
+    """``node`` read as another op of the same schema (``concat``, ``concatenate`` as ``cat``), for the tables'
+    rules."""
     twin = fx.Graph().create_node("call_function", target, node.args, node.kwargs)
     twin.meta = node.meta
     return twin

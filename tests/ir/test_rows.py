@@ -82,7 +82,8 @@ SEPARATE = {  # id -> forward body computing each row from its own
                                 + F.cross_entropy(h.transpose(0, 1).reshape(-1, H), ids.t().reshape(-1) % H)
                                 + torch.cat([h, 2 * h]).split(h.shape[0])[1].mean()  # along the batch and back
                                 + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
-                                + h.sort(1).values.cumsum(1).mean()),  # along the tokens
+                                + h.sort(1).values.cumsum(1).mean()  # along the tokens
+                                + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
     "boolean mask": lambda m, h, ids: F.cross_entropy(h[ids > 2], ids[ids > 2] % H),
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
                                                                    2), 1).mean(),
