@@ -265,8 +265,9 @@ _TWICE: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
 def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype) -> fx.GraphModule:
     key = (str(mf.path), mf.digest(), seed, rows, str(dtype))
     if key not in _TWICE:
-        inputs = pytree.tree_map(lambda v: v[:rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
-                                 mf.build_inputs(seed))
+        full = mf.build_inputs(seed)  # the first rows, a counted input's entries of them (capture/rows.py)
+        inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                 Rows.of(full).take(full, 0, rows))
         _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True).gm
         while len(_TWICE) > 4:
             _TWICE.popitem(last=False)
