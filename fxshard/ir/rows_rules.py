@@ -94,6 +94,8 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
     packet = getattr(node.target, "overloadpacket", None)
     if any(isinstance(p, Ids) for p in placements):
         return _ids(node, args, placements, packet)
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.name() == "fxshard::ctc_loss":
+        return _ctc(node, args, placements)
     if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace not in ("aten", "prims"):
         return _opaque(node, args, placements)
     if packet is aten.index:
@@ -231,6 +233,32 @@ def _mask(node, xp, mp, first: int, m: int) -> Decision | None:
     if xp == R and mp == Shard(0) and first == 0:
         return Decision(Shard(0), (xp, mp))
     return None
+
+
+def _masked_select(node, args, placements) -> Decision | None:
+    """``x.masked_select(mask)``: the selected elements of the broadcast shape in row-major order, so with its rows
+    split alike each part's selection, in the whole's order (wav2vec2's CTC targets, of a size the data decides)."""
+    n = len(shape(node.args[0])) if len(shape(node.args[0])) >= len(shape(node.args[1])) else len(shape(node.args[1]))
+    split = {p.moved(p.dim + n - len(shape(a))) for a, p in zip(args, placements, strict=True) if isinstance(p, Shard)}
+    if split != {Shard(0)} or any(p != R and not isinstance(p, Shard) for p in placements):
+        return None
+    return Decision(Shard(0), tuple(placements))
+
+
+def _ctc(node, args, placements) -> Decision | None:
+    """``fxshard::ctc_loss(log_probs [T, N, C], targets, input_lengths, target_lengths, blank, reduction, ..)``
+    (fxshard/runtime/ctc.py): each sample's loss from its own frames, target and lengths, the targets each part's
+    rows' (padded ``[N, S]``, or concatenated in row order: a masked selection's); ``"mean"`` averages the samples'
+    losses (each over its target's length), so parts of equal rows average to the whole's, ``"sum"`` sums them."""
+    lp, targets, lengths = node.args[0], node.args[1], node.args[2:4]
+    if not all(isinstance(a, fx.Node) for a in (lp, targets, *lengths)) or len(shape(lp)) != 3:
+        return None
+    want = {lp: Shard(1), targets: Shard(0), lengths[0]: Shard(0), lengths[1]: Shard(0)}
+    if any(p != want[a] for a, p in zip(args, placements, strict=True)):
+        return None
+    reduction = node.args[5] if len(node.args) > 5 else "mean"
+    out = {"mean": AVG, "sum": SUM, "none": Shard(0)}.get(reduction)
+    return Decision(out, tuple(placements)) if out is not None else None
 
 
 def _gather(node, args, placements) -> Decision | None:
@@ -430,7 +458,7 @@ _BY_PACKET = {
     aten.gather: _gather, aten.take_along_dim: _gather,
     aten.scatter: _scatter, aten.scatter_: _scatter, aten.scatter_add: _scatter, aten.scatter_add_: _scatter,
     aten.scatter_reduce: _scatter, aten.scatter_reduce_: _scatter,
-    aten.index_select: _index_select,
+    aten.index_select: _index_select, aten.masked_select: _masked_select,
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,
     aten.roll: lambda n, a, p: _kept_dims(n, a, p, "dims"), aten.flip: lambda n, a, p: _kept_dims(n, a, p, "dims"),
