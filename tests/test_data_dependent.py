@@ -31,7 +31,6 @@ NOT_AT_DP = {
     "switch_transformers": "the eager experts loop's torch.where over the tokens: no row rule",
     "dbrx": "the eager experts loop's torch.where over the tokens: no row rule",
     "llava": "the image features unbound per image (a piece per row): the twins pairing cannot pair them",
-    "hubert": "boolean-indexed writes (index_put_ with a mask over the rows): no row rule",
 }
 KEEP = ("longformer-dp2", "wav2vec2-dp2", "switch_transformers-tp2", "electra_discriminator-dp2")
 

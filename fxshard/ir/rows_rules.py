@@ -171,6 +171,8 @@ def _ids(node, args, placements, packet) -> Decision | None:
         if dim == placements[0].dim and shape(args[1])[0] == shape(args[0])[dim]:
             return Decision(placements[0], tuple(placements))
         return None
+    if packet in (aten.index_put, aten.index_put_):
+        return _row_write(node, args, placements)
     if packet in _MOVES and len(args) == 1:
         d = rule_decision(node, args, [Shard(placements[0].dim)])
         if d is not None and isinstance(d.out, Shard) and d.out.blocks == 1:
@@ -259,6 +261,39 @@ def _ctc(node, args, placements) -> Decision | None:
     reduction = node.args[5] if len(node.args) > 5 else "mean"
     out = {"mean": AVG, "sum": SUM, "none": Shard(0)}.get(reduction)
     return Decision(out, tuple(placements)) if out is not None else None
+
+
+def _mask_write(node, args, placements) -> Decision | None:
+    """``x[mask] = v`` (``index_put`` with one boolean index over the leading dimensions): each part's rows
+    written where its own mask is, ``v`` the same for every element written (a padding's zero) or each part's
+    selection in order."""
+    indices, values = list(node.args[1]), node.args[2]
+    if len(indices) != 1 or indices[0] is None or indices[0].meta["val"].dtype != torch.bool:
+        return None
+    place = dict(zip(args, placements, strict=True))
+    xp, mp = placements[0], place[indices[0]]
+    vp = place.get(values, R) if isinstance(values, fx.Node) else R
+    m = len(shape(indices[0]))
+    whole_value = vp == R and len(shape(values)) <= len(shape(args[0])) - m if isinstance(values, fx.Node) else True
+    if xp == Shard(0) and mp == Shard(0) and (whole_value or vp == Shard(0)):
+        return Decision(xp, tuple(placements))
+    return None
+
+
+def _row_write(node, args, placements) -> Decision | None:
+    """``x[arange(B), j] = v``: each row written at its own column(s) (HuBERT's feature mask, set at each row's
+    last frame), ``v`` one value for all or each part's rows'."""
+    indices, values = list(node.args[1]), node.args[2]
+    place = dict(zip(args, placements, strict=True))
+    first = indices[0] if indices else None
+    if placements[0] != Shard(0) or first is None or place[first] != Ids(0) or shape(first) != shape(args[0])[:1]:
+        return None
+    if any(i is None or place[i] != Shard(0) or shape(i) != shape(first) for i in indices[1:]):
+        return None
+    vp = place.get(values, R) if isinstance(values, fx.Node) else R
+    if vp == Shard(0) or vp == R and (not isinstance(values, fx.Node) or all(s == 1 for s in shape(values))):
+        return Decision(Shard(0), tuple(placements))
+    return None
 
 
 def _gather(node, args, placements) -> Decision | None:
@@ -459,6 +494,7 @@ _BY_PACKET = {
     aten.scatter: _scatter, aten.scatter_: _scatter, aten.scatter_add: _scatter, aten.scatter_add_: _scatter,
     aten.scatter_reduce: _scatter, aten.scatter_reduce_: _scatter,
     aten.index_select: _index_select, aten.masked_select: _masked_select,
+    aten.index_put: _mask_write, aten.index_put_: _mask_write,
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,
     aten.roll: lambda n, a, p: _kept_dims(n, a, p, "dims"), aten.flip: lambda n, a, p: _kept_dims(n, a, p, "dims"),

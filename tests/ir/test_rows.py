@@ -62,6 +62,8 @@ MIXING = {  # id -> (forward body, the op named)
     "cumsum over the batch": (lambda m, h, ids: h.cumsum(0).pow(2).mean(), "aten.cumsum.default"),
     "softmax over the batch": (lambda m, h, ids: h.softmax(0).pow(2).mean(), "aten.softmax.int"),
     "a size of the batch as a number": (lambda m, h, ids: (h * h.shape[0]).mean(), "aten.mul.Tensor"),
+    "a write to rows the data picks": (lambda m, h, ids: (torch.zeros(h.shape[0], S).index_put(
+        (ids[:, 0] % 2, ids[:, 1]), torch.tensor(1.0)) * h.sum(-1)).mean(), "aten.index_put.default"),
 }
 
 
@@ -77,7 +79,9 @@ def test_every_way_of_mixing_rows_is_found_and_named(case):
 SEPARATE = {  # id -> forward body computing each row from its own
     "indexing": lambda m, h, ids: (h[torch.arange(h.shape[0]), ids[:, -1]].pow(2).mean()  # pooled by row numbers
                                    + torch.gather(h, 1, torch.argsort(ids, 1).unsqueeze(-1).repeat(1, 1, H)).mean()
-                                   + h[:, torch.randperm(S)].softmax(1).mean()),  # an MAE's gathers, a permutation
+                                   + h[:, torch.randperm(S)].softmax(1).mean()  # an MAE's gathers, a permutation
+                                   + (torch.zeros(h.shape[0], S).index_put((torch.arange(h.shape[0]), ids[:, 0]),
+                                                                           torch.tensor(1.0)) * h.sum(-1)).mean()),
     "views": lambda m, h, ids: (h.view(h.shape[0], S * H).view(h.shape[0] * S, H).tanh().mean()  # batch-first views
                                 + F.cross_entropy(h.transpose(0, 1).reshape(-1, H), ids.t().reshape(-1) % H)
                                 + torch.cat([h, 2 * h]).split(h.shape[0])[1].mean()  # along the batch and back
@@ -85,7 +89,8 @@ SEPARATE = {  # id -> forward body computing each row from its own
                                 + h.sort(1).values.cumsum(1).mean()  # along the tokens
                                 + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
     "boolean mask": lambda m, h, ids: (F.cross_entropy(h[ids > 2], ids[ids > 2] % H)
-                                       + h.masked_select((ids > 2).unsqueeze(-1)).tanh().mean()),  # CTC targets
+                                       + h.masked_select((ids > 2).unsqueeze(-1)).tanh().mean()  # CTC targets
+                                       + h.index_put((ids > 2,), torch.tensor(0.0)).pow(2).mean()),  # x[mask] = 0
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
                                                                    2), 1).mean(),
 }
