@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn
+from fxshard.graph import model_line, node_fqn
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.ir.rows import BatchRows
@@ -263,8 +263,9 @@ class _Whole:
                     try:
                         value = node.target(*args, **kwargs)
                     except Exception as e:
-                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}) is computed on "
-                                          f"the whole batch under --dp {self.dp} and fails at its size: "
+                        line = f", {model_line(node)}" if model_line(node) else ""
+                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}{line}) is "
+                                          f"computed on the whole batch under --dp {self.dp} and fails at its size: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0]}; train at --dp 1") from e
                 node.meta["val"] = value
 

@@ -24,13 +24,16 @@ ZOO = Path(__file__).resolve().parent.parent / "zoo" / "models"
 FAMILIES = ("longformer", "wav2vec2", "switch_transformers", "dbrx", "llava", "hubert", "electra_discriminator")
 CASES = {f"{family}-{name}": (family, layout) for family in FAMILIES
          for name, layout in (("tp2", Layout(tp=2)), ("dp2", Layout(dp=2)))}
-# refused at dp2 since the batch-row analysis landed: ops on the rows that it has no rule for (issue 43)
+# refused at dp2 by the batch-row analysis, naming the op and the model's line (issue 43): values over the whole batch
+# whose size the data decides, which it cannot compute on the gathered batch, or pieces per row it cannot pair
 NOT_AT_DP = {
-    "longformer": "global attention pads each row's global tokens to the batch's maximum count (nonzero, max, "
-                  "as_strided over the batch): no row rule",
-    "switch_transformers": "the eager experts loop's torch.where over the tokens: no row rule",
-    "dbrx": "the eager experts loop's torch.where over the tokens: no row rule",
-    "llava": "the image features unbound per image (a piece per row): the twins pairing cannot pair them",
+    "longformer": "global attention pads every row's global tokens to the batch's largest count (nonzero, max over "
+                  "the rows): refused, nonzero computed on the whole batch has a size the data decides",
+    "switch_transformers": "the eager experts loop over the experts the whole batch hit (a sum over the tokens, "
+                           "nonzero): refused, nonzero computed on the whole batch has a size the data decides",
+    "dbrx": "the eager experts loop over the experts the whole batch hit (a sum over the tokens, nonzero): "
+            "refused, nonzero computed on the whole batch has a size the data decides",
+    "llava": "the image features unbound per image (a piece per row): refused, the number of pieces follows the batch",
 }
 KEEP = ("longformer-dp2", "wav2vec2-dp2", "switch_transformers-tp2", "electra_discriminator-dp2")
 
