@@ -244,7 +244,7 @@ def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> Ba
     and the ops that mix them, from a second capture (on meta tensors) at twice the rows (:mod:`fxshard.ir.rows`)."""
     rows = next(i.shape[0] for i in program.inputs if i.is_tensor and i.shape)
     layout = ctx.layout
-    second = _captured_twice(mf, seed, 2 * rows, layout.compute_dtype if layout.mixed else None)
+    second = _captured_twice(mf, seed, 2 * rows, layout.compute_dtype if layout.mixed else None, program.record)
     gm = program.gm
     exempt = {n.name: Replicate() for n in gm.graph.nodes if is_mean_of_sums(n)} if layout.dp > 1 and has_router_loss(
         program.model) else {}  # passes/router_loss.py makes them whole-batch means
@@ -263,12 +263,17 @@ def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> Ba
 _TWICE: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
 
 
-def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype) -> fx.GraphModule:
-    key = (str(mf.path), mf.digest(), seed, rows, str(dtype))
+def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype, reads=None) -> fx.GraphModule:
+    """The model captured at ``rows`` rows on meta tensors; its Python reads of tensor values (data-dependent code)
+    answered as the program's capture answered them (``reads``: :mod:`fxshard.capture.specialize`), which meta
+    tensors cannot: the analysis judges the program as specialized."""
+    key = (str(mf.path), mf.digest(), seed, rows, str(dtype), repr(reads and sorted(
+        (k, repr(s.values)) for k, s in reads.sites.items())))
     if key not in _TWICE:
-        inputs = pytree.tree_map(lambda v: v[:rows].clone() if isinstance(v, torch.Tensor) and v.dim() else v,
-                                 mf.build_inputs(seed))
-        _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True).gm
+        full = mf.build_inputs(seed)  # the first rows, a counted input's entries of them (capture/rows.py)
+        inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                 Rows.of(full).take(full, 0, rows))
+        _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True, reads=reads).gm
         while len(_TWICE) > 4:
             _TWICE.popitem(last=False)
     _TWICE.move_to_end(key)

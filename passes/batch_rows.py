@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fxshard.errors import LayoutError
-from fxshard.graph import node_fqn
+from fxshard.graph import model_line, node_fqn
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.ir.rows import BatchRows
@@ -48,6 +48,8 @@ aten = torch.ops.aten
 def batch_rows_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rows: BatchRows = ctx.rows
     found = list(rows.mixing.values())
+    if rows.checks:
+        raise LayoutError(_checks_refusal(ctx, list(rows.checks.values())))
     ctx.batch_couplings = [*ctx.batch_couplings, *(f"{_site(f)} (mixes the rows of the batch)" for f in found)]
     if found and ctx.microbatches > 1:
         raise LayoutError(_refusal(ctx, found))
@@ -105,6 +107,15 @@ def _summed_loss(gm: fx.GraphModule, ctx: CompileContext) -> None:
 def _site(found: str) -> str:
     """``module: op (node, model.py:12)`` of the analysis' why."""
     return found.split(" mixes the rows")[0]
+
+
+def _checks_refusal(ctx: CompileContext, found: list[str]) -> str:
+    split = " and ".join(([f"--dp {ctx.layout.dp}"] if ctx.layout.dp > 1 else [])
+                         + ([f"{ctx.microbatches} microbatches"] if ctx.microbatches > 1 else []))
+    more = f"; and {len(found) - 1} more: " + "; ".join(f.split(" computes a value")[0] for f in found[1:]) \
+        if len(found) > 1 else ""
+    return (f"{split}: {found[0]}{more}. Train it without splitting the batch (--tp, --dp 1, --pp 1), or make the "
+            "condition depend on shapes, the config, or each row alone")
 
 
 def _refusal(ctx: CompileContext, found: list[str]) -> str:
@@ -253,8 +264,9 @@ class _Whole:
                     try:
                         value = node.target(*args, **kwargs)
                     except Exception as e:
-                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}) is computed "
-                                          f"on the whole batch under --dp {self.dp} and fails at its size: "
+                        line = f", {model_line(node)}" if model_line(node) else ""
+                        raise LayoutError(f"{node_fqn(node) or 'the model'}: {node.name} ({node.target}{line}) is "
+                                          f"computed on the whole batch under --dp {self.dp} and fails at its size: "
                                           f"{type(e).__name__}: {str(e).splitlines()[0]}; train at --dp 1") from e
                 node.meta["val"] = value
 

@@ -67,9 +67,10 @@ CASES = {  # id -> (model file, layout, plan[, optimizer settings])
     "contrastive-dp2-zero1": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2, zero=1), None),
     "contrastive-dp2-zero0": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2), None),
     "contrastive-dp2-tp2-zero0": (ROOT / "tests" / "models" / "contrastive.py", Layout(dp=2, tp=2), None),
-    # masked image modelling: labels for the masked positions only ([N_masked] beside bool_masked_pos [B, P]); at
-    # dp2 and pp2 refused since the batch-row analysis landed (docs/model-file.md)
-    "beit-mim-tp2": (ROOT / "tests" / "models" / "hf_beit_mim.py", Layout(tp=2), None),
+    # masked image modelling: labels for the masked positions only ([N_masked] beside bool_masked_pos [B, P]); under
+    # dp and microbatches each part takes its rows' entries (docs/model-file.md)
+    **{f"beit-mim-{name}": (ROOT / "tests" / "models" / "hf_beit_mim.py", layout, None)
+       for name, layout in (("tp2", Layout(tp=2)), ("dp2", Layout(dp=2)), ("pp2", Layout(pp=2)))},
     # SigLIP's pairwise sigmoid loss: its 2 * eye(B) - 1 targets made at the whole batch's size.  A large eps: the
     # towers' key biases get a zero gradient up to rounding (softmax ignores a shift every key shares)
     **{f"siglip-{name}": (ROOT / "tests" / "models" / "hf_siglip.py", layout, None, OptimConfig(eps=1e-3))
@@ -214,9 +215,6 @@ def _reference(path: Path, optim: OptimConfig, dtype: str = "fp32") -> list[floa
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", matrix(CASES, KEEP))
 def test_pipeline_training_matches_single_device(trained, case):
-    if case == "zamba2-hybrid-pp2":
-        pytest.xfail("known regression since the batch-row analysis landed: Zamba2's shared transformer's "
-                     "concatenate (modeling_zamba2.py:951) is judged to mix rows at pp2 and refused (issue 43)")
     path, layout, _, optim = _case(case)
     per_rank, manifest = case_result(trained, case)
     want, single = _reference_run(path, optim, layout.dtype)

@@ -16,7 +16,7 @@ from fxshard.capture.program import Program, capture
 
 
 def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = None, meta: bool = False,
-               peers: list | None = None) -> Program:
+               peers: list | None = None, reads=None) -> Program:
     """Capture at the compute ``dtype`` (None: as the model is), on meta tensors with ``meta``.  Under a lower dtype
     (``--dtype bf16``) the parameters (not the buffers: rotary tables, masks keep their dtype) and floating inputs are
     cast before capture, so every dtype conversion in the graph is the one the model makes in bf16; the program's
@@ -36,7 +36,7 @@ def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = Non
         peers = [cast_inputs(p, dtype) for p in peers or ()]
     if meta:  # traced as the CPU program a real capture makes (a model may branch on its device)
         with meta_as_cpu(model, inputs) as fake_inputs:
-            program = capture(mf, seed, model=model, inputs=fake_inputs)
+            program = capture(mf, seed, model=model, inputs=fake_inputs, reads=reads)
         held = dict(model.state_dict(keep_vars=True)) | dict(model.named_buffers())  # the meta tensors, put back
         program.tensors = {fqn: (held[fqn] if fqn in held else torch.empty(t.shape, dtype=t.dtype, device="meta"))
                            if isinstance(t, FakeTensor) else t for fqn, t in program.tensors.items()}

@@ -36,6 +36,7 @@ from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.losses import traceable_losses
 from fxshard.capture.modelfile import ModelFile
 from fxshard.capture.specialize import (
+    Record,
     guard_messages,
     record_reads,
     refuse_other_reads,
@@ -88,6 +89,7 @@ class Program:
     notes: list[str] = field(default_factory=list)
     custom_ops: dict[str, str] = field(default_factory=dict)  # "ns::op" -> module registering it (custom_ops.py)
     functions: dict[str, FunctionOp] = field(default_factory=dict)  # fxshard_fn op -> autograd.Function (functions.py)
+    record: Record | None = None  # what the model's code read of tensor values, where capture specialized on it
 
     def state_by_name(self) -> dict[str, StateSpec]:
         return {s.name: s for s in self.state}
@@ -121,10 +123,12 @@ class _WithLoss(torch.nn.Module):
 
 
 def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, inputs: Any = None,
-            peers: list | None = None) -> Program:
+            peers: list | None = None, reads: Record | None = None) -> Program:
     """Capture ``make_model()`` and its loss on ``make_inputs()`` as a :class:`Program`.  ``peers``: the other parts
     of the batch the same program runs on (dp ranks' rows, pipeline microbatches), where ``inputs`` is the first:
-    data-dependent code specialized on ``inputs`` must read the same values on each of them."""
+    data-dependent code specialized on ``inputs`` must read the same values on each of them.  ``reads``: another
+    capture's record, whose values answer this one's reads (the batch-row analysis' capture at twice the rows, on
+    meta tensors, specialized as the program is)."""
     model = model if model is not None else mf.build_model(seed)
     check_names(model, mf.path)
     check_batch_norms(model, mf.path)
@@ -133,24 +137,25 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     positional = not isinstance(inputs, dict)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
-    ep, functions, record = _export(wrapper, args, kwargs, mf.path)
-    if record is not None:
+    ep, functions, record = _export(wrapper, args, kwargs, mf.path, reads.fresh() if reads is not None else None)
+    if record is not None and reads is None:
         for peer in peers or ():
             refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
     notes = guard_messages(ep.graph_module, record)
     program = _to_program(ep, model, args, kwargs)
     program.notes += notes
+    program.record = record
     used = {n.target._schema.name.split("::")[1] for n in program.gm.graph.nodes
             if n.op == "call_function" and getattr(n.target, "namespace", None) == FUNCTION_NAMESPACE}
     program.functions = {name: functions[name] for name in sorted(used)}
     return program
 
 
-def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path):
+def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: Record | None = None):
     """``(exported program, wrapped Functions, record)``: torch.export of the wrapper; where the model's Python
     reads a tensor's value (data-dependent control flow), a second export answers those reads from an eager run
-    on the example batch (:mod:`fxshard.capture.specialize`; ``record`` is None when none was needed)."""
-    record = None
+    on the example batch (:mod:`fxshard.capture.specialize`; ``record`` is None when none was needed, given: the
+    reads answered from it from the start)."""
     while True:
         try:
             with wrapped_functions(wrapper.model) as (functions, refusals), grouped_experts(wrapper.model), \

@@ -68,6 +68,10 @@ class Record:
             self.sites[key] = Site(*key)
         return self.sites[key]
 
+    def fresh(self) -> Record:
+        """The values read, for another capture to be answered from (its own count of reads and answers)."""
+        return Record({key: Site(s.file, s.line, list(s.values)) for key, s in self.sites.items()})
+
     def used(self) -> list[Site]:
         """The sites whose reads export answered from the record."""
         return [s for s in self.sites.values() if s.answered]

@@ -65,11 +65,13 @@ class BatchRows:
     handled: frozenset[str] = frozenset()  # computed on the whole batch by another pass (batch norm, contrastive)
     ratios: tuple[str, ...] = ()  # scalar ratios of two sums over the batch (rows_rules.RATIO): averaged over parts
     loss: object = None  # the loss's placement (the first output): P(avg) for a mean, P(sum) for a sum over the batch
+    checks: dict[str, str] = field(default_factory=dict)  # reads of a value over the rows no split can check: why
 
     @property
     def acts(self) -> bool:
-        """Whether the program needs more than its rows: an op mixing them, a ratio of sums, a summed loss."""
-        return bool(self.whole or self.ratios or self.mixing) or self.loss == Partial("sum")
+        """Whether the program needs more than its rows (an op mixing them, a ratio of sums, a summed loss) or
+        cannot be split (``checks``)."""
+        return bool(self.whole or self.ratios or self.mixing or self.checks) or self.loss == Partial("sum")
 
     def of(self, node: fx.Node):
         """``node``'s placement over the batch (``Replicate`` for a node the passes inserted)."""
@@ -93,6 +95,7 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
     decides (a synchronized batch norm keeps its rows)."""
     pairing = pair_nodes(g1, g2, where)
     walk = _Walk(pairing, user_inputs, set(handled), exempt or {}, where)
+    walk.guards = guard_only(g2)
     for node in g2.graph.nodes:
         one = walk.one_of.get(node)
         if one is not None:
@@ -114,7 +117,20 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
                  and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), 0)
     out = next(n for n in g1.graph.nodes if n.op == "output").args[0]
     loss = place.get(out[0].name) if isinstance(out, (tuple, list)) and isinstance(out[0], fx.Node) else None
-    return BatchRows(rows, place, walk.mixing, tuple(whole), walk.sizes, frozenset(handled), tuple(walk.ratios), loss)
+    return BatchRows(rows, place, walk.mixing, tuple(whole), walk.sizes, frozenset(handled), tuple(walk.ratios), loss,
+                     walk.checks)
+
+
+def guard_only(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` whose value reaches nothing but runtime assertions (``aten._assert_scalar``): the reads
+    capture specialized on the example batch (:mod:`fxshard.capture.specialize`), checked against it, never
+    computed with."""
+    found: set[fx.Node] = set()
+    for node in reversed(gm.graph.nodes):
+        if node.op == "call_function" and node.users and all(
+                u.target is aten._assert_scalar.default or u in found for u in node.users):
+            found.add(node)
+    return found
 
 
 class _Walk:
@@ -129,6 +145,8 @@ class _Walk:
         g2 = next(iter(self.one_of)).graph.owning_module if self.one_of else None
         self.blocks = {n: b for b in token_local_blocks(g2, node_fqn) for n in b.nodes} if g2 is not None else {}
         self.blocks_why: dict[str, str] = {}
+        self.guards: set[fx.Node] = set()
+        self.checks: dict[str, str] = {}
 
     def decide(self, node: fx.Node, one: fx.Node, extra: bool = False) -> None:
         self.extra = extra
@@ -184,6 +202,8 @@ class _Walk:
             return self._token_block(node, args, has)
         if any(h is None for h in has):  # a value only the whole batch has: this op runs on the whole batch
             return _WHOLE
+        if node.target is aten.where.default and len(node.args) == 1:  # nonzero's indices, as a tuple: no rule
+            return None
         if all(h == R for h in has) or getattr(node.target, "overloadpacket", None) in FRESH:
             return self._source(node, one)  # its value is not the inputs' values: its size alone
         if any(isinstance(h, Ids) for h in has):  # row numbers: only the batch's rules read them
@@ -238,6 +258,8 @@ class _Walk:
         return ""
 
     def _whole(self, node: fx.Node, one: fx.Node, why: str) -> None:
+        if node in self.guards and not self.extra:
+            return self._check(node, one)
         self.whole.add(node)
         name = f"{node.name} (at twice the rows)" if self.extra else one.name
         if why:
@@ -246,6 +268,31 @@ class _Walk:
                                  f"of the batch: {why}")
 
         self.place[node] = _part_of_whole(node, one)
+
+
+    def _check(self, node: fx.Node, one: fx.Node) -> None:
+        """A value over the rows that only a runtime check reads (specialized data-dependent code: each part's
+        program checks that its rows give the example batch's value).  A maximum, minimum, any or all over the
+        rows gives the whole batch every part's value when the parts agree: one device takes the branch each part
+        takes, and the value is the same in every part that runs on.  Any other (a count, a sum) may give the whole
+        batch another value than every part's: refused, naming the read."""
+        has = [self.place.get(a) for a in tensor_args(node)]
+        if getattr(node.target, "overloadpacket", None) in _SELECTING and all(
+                isinstance(h, Shard) or h == R for h in has):
+            self.place[node] = R
+            return
+        self.place[node] = R
+        if any(a in self.whole or a.name in self.checks for a in tensor_args(node)):
+            return
+        line = model_line(node)
+        self.checks[one.name] = (
+            f"{node_fqn(node) or 'model'}: {op_name(node)} ({one.name}{', ' + line if line else ''}) computes a value "
+            "over the rows of the batch that data-dependent code reads (specialized on the example batch, checked "
+            "on each part's rows): the whole batch may read another value than every part does, so a split batch "
+            "would take another branch than one device")
+
+
+_SELECTING = {aten.max, aten.min, aten.amax, aten.amin, aten.any, aten.all}
 
 
 def _tiled(node: fx.Node, d: int) -> bool:

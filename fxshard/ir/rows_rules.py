@@ -94,6 +94,8 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
     packet = getattr(node.target, "overloadpacket", None)
     if any(isinstance(p, Ids) for p in placements):
         return _ids(node, args, placements, packet)
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.name() == "fxshard::ctc_loss":
+        return _ctc(node, args, placements)
     if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace not in ("aten", "prims"):
         return _opaque(node, args, placements)
     if packet is aten.index:
@@ -118,7 +120,7 @@ def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision 
     if packet in _ELEMENTWISE or _pointwise_in_place(node) or torch.Tag.pointwise in node.target.tags \
             or packet is aten.broadcast_tensors:
         return _elementwise(node, args, placements)
-    if packet is aten.concat:
+    if packet in (aten.concat, aten.concatenate):  # cat's aliases (Zamba2's torch.cat exports as concatenate)
         return rule_decision(_as(node, aten.cat.default), args, placements)
     return None
 
@@ -152,7 +154,8 @@ def _pointwise_in_place(node: fx.Node) -> bool:
 
 
 def _as(node: fx.Node, target) -> fx.Node:
-    """``node`` read as another op of the same schema (``concat`` as ``cat``), for the tables' rules."""
+    """``node`` read as another op of the same schema (``concat``, ``concatenate`` as ``cat``), for the tables'
+    rules."""
     twin = fx.Graph().create_node("call_function", target, node.args, node.kwargs)
     twin.meta = node.meta
     return twin
@@ -168,6 +171,8 @@ def _ids(node, args, placements, packet) -> Decision | None:
         if dim == placements[0].dim and shape(args[1])[0] == shape(args[0])[dim]:
             return Decision(placements[0], tuple(placements))
         return None
+    if packet in (aten.index_put, aten.index_put_):
+        return _row_write(node, args, placements)
     if packet in _MOVES and len(args) == 1:
         d = rule_decision(node, args, [Shard(placements[0].dim)])
         if d is not None and isinstance(d.out, Shard) and d.out.blocks == 1:
@@ -229,6 +234,65 @@ def _mask(node, xp, mp, first: int, m: int) -> Decision | None:
         return Decision(Shard(xp.dim - m + 1), (xp, mp))
     if xp == R and mp == Shard(0) and first == 0:
         return Decision(Shard(0), (xp, mp))
+    return None
+
+
+def _masked_select(node, args, placements) -> Decision | None:
+    """``x.masked_select(mask)``: the selected elements of the broadcast shape in row-major order, so with its rows
+    split alike each part's selection, in the whole's order (wav2vec2's CTC targets, of a size the data decides)."""
+    n = len(shape(node.args[0])) if len(shape(node.args[0])) >= len(shape(node.args[1])) else len(shape(node.args[1]))
+    split = {p.moved(p.dim + n - len(shape(a))) for a, p in zip(args, placements, strict=True) if isinstance(p, Shard)}
+    if split != {Shard(0)} or any(p != R and not isinstance(p, Shard) for p in placements):
+        return None
+    return Decision(Shard(0), tuple(placements))
+
+
+def _ctc(node, args, placements) -> Decision | None:
+    """``fxshard::ctc_loss(log_probs [T, N, C], targets, input_lengths, target_lengths, blank, reduction, ..)``
+    (fxshard/runtime/ctc.py): each sample's loss from its own frames, target and lengths, the targets each part's
+    rows' (padded ``[N, S]``, or concatenated in row order: a masked selection's); ``"mean"`` averages the samples'
+    losses (each over its target's length), so parts of equal rows average to the whole's, ``"sum"`` sums them."""
+    lp, targets, lengths = node.args[0], node.args[1], node.args[2:4]
+    if not all(isinstance(a, fx.Node) for a in (lp, targets, *lengths)) or len(shape(lp)) != 3:
+        return None
+    want = {lp: Shard(1), targets: Shard(0), lengths[0]: Shard(0), lengths[1]: Shard(0)}
+    if any(p != want[a] for a, p in zip(args, placements, strict=True)):
+        return None
+    reduction = node.args[5] if len(node.args) > 5 else "mean"
+    out = {"mean": AVG, "sum": SUM, "none": Shard(0)}.get(reduction)
+    return Decision(out, tuple(placements)) if out is not None else None
+
+
+def _mask_write(node, args, placements) -> Decision | None:
+    """``x[mask] = v`` (``index_put`` with one boolean index over the leading dimensions): each part's rows
+    written where its own mask is, ``v`` the same for every element written (a padding's zero) or each part's
+    selection in order."""
+    indices, values = list(node.args[1]), node.args[2]
+    if len(indices) != 1 or indices[0] is None or indices[0].meta["val"].dtype != torch.bool:
+        return None
+    place = dict(zip(args, placements, strict=True))
+    xp, mp = placements[0], place[indices[0]]
+    vp = place.get(values, R) if isinstance(values, fx.Node) else R
+    m = len(shape(indices[0]))
+    whole_value = vp == R and len(shape(values)) <= len(shape(args[0])) - m if isinstance(values, fx.Node) else True
+    if xp == Shard(0) and mp == Shard(0) and (whole_value or vp == Shard(0)):
+        return Decision(xp, tuple(placements))
+    return None
+
+
+def _row_write(node, args, placements) -> Decision | None:
+    """``x[arange(B), j] = v``: each row written at its own column(s) (HuBERT's feature mask, set at each row's
+    last frame), ``v`` one value for all or each part's rows'."""
+    indices, values = list(node.args[1]), node.args[2]
+    place = dict(zip(args, placements, strict=True))
+    first = indices[0] if indices else None
+    if placements[0] != Shard(0) or first is None or place[first] != Ids(0) or shape(first) != shape(args[0])[:1]:
+        return None
+    if any(i is None or place[i] != Shard(0) or shape(i) != shape(first) for i in indices[1:]):
+        return None
+    vp = place.get(values, R) if isinstance(values, fx.Node) else R
+    if vp == Shard(0) or vp == R and (not isinstance(values, fx.Node) or all(s == 1 for s in shape(values))):
+        return Decision(Shard(0), tuple(placements))
     return None
 
 
@@ -429,7 +493,8 @@ _BY_PACKET = {
     aten.gather: _gather, aten.take_along_dim: _gather,
     aten.scatter: _scatter, aten.scatter_: _scatter, aten.scatter_add: _scatter, aten.scatter_add_: _scatter,
     aten.scatter_reduce: _scatter, aten.scatter_reduce_: _scatter,
-    aten.index_select: _index_select,
+    aten.index_select: _index_select, aten.masked_select: _masked_select,
+    aten.index_put: _mask_write, aten.index_put_: _mask_write,
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,
     aten.roll: lambda n, a, p: _kept_dims(n, a, p, "dims"), aten.flip: lambda n, a, p: _kept_dims(n, a, p, "dims"),

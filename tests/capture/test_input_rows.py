@@ -58,14 +58,6 @@ def test_no_split_takes_the_labels_as_they_are():
     assert batch["labels"].shape == (8,)
 
 
-# main's passes/batch_rows.py (issue 43 §2) computes the masked-position loss on the whole batch under --dp and cannot
-# make a counted input whole ("reads labels, whose whole value fxshard cannot make"): the two must agree that a
-# counted input is split by its mask's rows (or gathered); until then the dp compile refuses, clearly
-_ROWS_PASS = pytest.mark.xfail(strict=True, raises=LayoutError, reason="batch_rows computes the loss on the whole "
-                               "batch and cannot make a counted input whole (merge of i43a's rows pass)")
-
-
-@_ROWS_PASS
 def test_dp_takes_each_ranks_rows_entries():
     result = compile_model(BEIT, Layout(dp=2))
     labels = next(i for i in result.manifest.inputs if i.name == "labels")
@@ -82,7 +74,6 @@ def test_parts_holding_different_counts_are_refused_naming_the_input():
         compile_model(BEIT, Layout(pp=2, microbatches=4))
 
 
-@_ROWS_PASS
 def test_a_batch_whose_parts_hold_other_counts_is_refused_at_run():
     specs = compile_model(BEIT, Layout(dp=2)).manifest.inputs
     mine = Rows.of_inputs(specs)

@@ -62,6 +62,8 @@ MIXING = {  # id -> (forward body, the op named)
     "cumsum over the batch": (lambda m, h, ids: h.cumsum(0).pow(2).mean(), "aten.cumsum.default"),
     "softmax over the batch": (lambda m, h, ids: h.softmax(0).pow(2).mean(), "aten.softmax.int"),
     "a size of the batch as a number": (lambda m, h, ids: (h * h.shape[0]).mean(), "aten.mul.Tensor"),
+    "a write to rows the data picks": (lambda m, h, ids: (torch.zeros(h.shape[0], S).index_put(
+        (ids[:, 0] % 2, ids[:, 1]), torch.tensor(1.0)) * h.sum(-1)).mean(), "aten.index_put.default"),
 }
 
 
@@ -77,13 +79,18 @@ def test_every_way_of_mixing_rows_is_found_and_named(case):
 SEPARATE = {  # id -> forward body computing each row from its own
     "indexing": lambda m, h, ids: (h[torch.arange(h.shape[0]), ids[:, -1]].pow(2).mean()  # pooled by row numbers
                                    + torch.gather(h, 1, torch.argsort(ids, 1).unsqueeze(-1).repeat(1, 1, H)).mean()
-                                   + h[:, torch.randperm(S)].softmax(1).mean()),  # an MAE's gathers, a permutation
+                                   + h[:, torch.randperm(S)].softmax(1).mean()  # an MAE's gathers, a permutation
+                                   + (torch.zeros(h.shape[0], S).index_put((torch.arange(h.shape[0]), ids[:, 0]),
+                                                                           torch.tensor(1.0)) * h.sum(-1)).mean()),
     "views": lambda m, h, ids: (h.view(h.shape[0], S * H).view(h.shape[0] * S, H).tanh().mean()  # batch-first views
                                 + F.cross_entropy(h.transpose(0, 1).reshape(-1, H), ids.t().reshape(-1) % H)
                                 + torch.cat([h, 2 * h]).split(h.shape[0])[1].mean()  # along the batch and back
                                 + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
-                                + h.sort(1).values.cumsum(1).mean()),  # along the tokens
-    "boolean mask": lambda m, h, ids: F.cross_entropy(h[ids > 2], ids[ids > 2] % H),
+                                + h.sort(1).values.cumsum(1).mean()  # along the tokens
+                                + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
+    "boolean mask": lambda m, h, ids: (F.cross_entropy(h[ids > 2], ids[ids > 2] % H)
+                                       + h.masked_select((ids > 2).unsqueeze(-1)).tanh().mean()  # CTC targets
+                                       + h.index_put((ids > 2,), torch.tensor(0.0)).pow(2).mean()),  # x[mask] = 0
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
                                                                    2), 1).mean(),
 }
@@ -138,3 +145,47 @@ def test_a_program_that_branches_on_the_batch_size_is_refused():
     with pytest.raises(LayoutError, match=r"model.py: the model's program at twice the rows differs .*\(no branch "
                                           r"on the batch size\)"):
         _analyse(lambda m, h, ids: (h * 2 if h.shape[0] > 2 else h.tanh().exp()).mean())
+
+
+GUARDED = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x, labels):
+        if labels.max() >= 5:  # a maximum over the rows: every part's value is the whole batch's
+            raise ValueError("labels out of range")
+        h = self.head(x)
+        if COUNT:
+            h = h * 2
+        return F.cross_entropy(h, labels)
+
+
+def make_model():
+    return Model()
+
+
+def make_inputs():
+    return {"x": torch.randn(4, 4), "labels": torch.tensor([1, 0, 3, 0])}
+"""
+
+
+def test_a_check_of_a_maximum_over_the_rows_keeps_them_and_a_count_is_refused(tmp_path):
+    # data-dependent reads specialized on the example batch (fxshard/capture/specialize.py) are runtime checks: each
+    # part checks its own rows, which gives one device's branch for a maximum, not for a count (1 per part, 2 whole)
+    from fxshard.compiler import compile_program
+    from fxshard.ir.context import Layout
+
+    (tmp_path / "max.py").write_text(GUARDED.replace("COUNT", "False"))
+    rows = compile_program(tmp_path / "max.py", Layout(dp=2)).ctx.rows
+    assert not rows.mixing and not rows.checks and not rows.whole
+    (tmp_path / "count.py").write_text(GUARDED.replace("COUNT", "(labels > 0).sum() >= 2"))
+    with pytest.raises(LayoutError, match=r"--dp 2: model: aten.ge.Scalar \(ge_1, count.py:\d+\) computes a value "
+                                          r"over the rows of the batch that data-dependent code reads"):
+        compile_program(tmp_path / "count.py", Layout(dp=2))
