@@ -207,6 +207,8 @@ def test_under_sp_the_experts_input_enters_through_gather_to(tmp_path):
     assert (tokens * k, hidden) not in copies and (tokens, hidden) not in copies, copies
 
 
+# make test keeps test_the_experts_reduce_once_on_the_tokens_after_the_combine (the rank file's reduce)
+@pytest.mark.matrix
 @pytest.mark.slow
 def test_plan_counts_one_token_sized_reduce_per_moe_layer():
     """``fxshard plan``'s tp all-reduce elements: splitting the experts adds, per MoE layer, the tokens' forward

@@ -228,6 +228,9 @@ def _worst(report) -> float:
     return max(r["peak"].value for r in report.ranks)
 
 
+# the microbatch search over a pp2 plan at 2 and 4 (minutes of captures); make test keeps
+# test_plan_peak_multiplies_saved_bytes_by_the_alive_microbatches
+@pytest.mark.matrix
 @pytest.mark.slow
 def test_device_memory_raises_the_default_microbatches_to_the_fewest_that_fit(gpt_pp2_peaks):
     """Where the default count (2) does not fit --device-memory and 4 does, the plan is the plan at 4, figure for
@@ -249,6 +252,7 @@ def test_device_memory_raises_the_default_microbatches_to_the_fewest_that_fit(gp
     assert roomy.layout.microbatches == 2 and roomy.microbatch_choice["tried"] == {2: _worst(gpt_pp2_peaks[2])}
 
 
+@pytest.mark.matrix  # the same search through the CLI; make test keeps test_plan_command_prints_tables_and_json
 @pytest.mark.slow
 def test_plan_and_compile_print_and_use_the_same_chosen_microbatches(gpt_pp2_peaks, tmp_path):
     device = str(int(_worst(gpt_pp2_peaks[4])) + 1)
@@ -269,6 +273,7 @@ def test_plan_and_compile_print_and_use_the_same_chosen_microbatches(gpt_pp2_pea
     assert "does not fit" in explicit.stdout
 
 
+@pytest.mark.matrix  # make test keeps test_auto_picks_the_least_recompute_that_fits
 @pytest.mark.slow
 def test_recompute_auto_raises_microbatches_only_where_no_mode_fits_and_refuses_when_none_does(gpt_pp2_peaks):
     full = {m: max(r["recompute_peaks"]["full"].value for r in gpt_pp2_peaks[m].ranks) for m in (2, 4)}
@@ -310,6 +315,7 @@ def test_a_meta_compile_of_a_moe_model_writes_what_a_real_compile_writes():
         assert "aten.histc.default(to_9, 4, 0, 3)" in real["rank_pp0_tp0.py"]
 
 
+@pytest.mark.matrix  # make test keeps tests/test_moe_tensor_parallel.py's test_plan_counts_the_experts_split
 @pytest.mark.slow
 def test_plan_of_a_moe_model_without_and_with_ep():
     (tp,) = plan_costs(QWEN_MOE, Layout(tp=2)).ranks

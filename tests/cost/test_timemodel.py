@@ -321,6 +321,7 @@ def test_the_search_runs_in_the_dtype_the_profile_trains_in_unless_told():
     assert search_dtype("fp32", load_hardware("h100")) == ("fp32", "")
 
 
+@pytest.mark.matrix  # cp x ep x ZeRO 1; make test keeps test_the_memory_is_the_plans_verdict
 @pytest.mark.slow  # a transformers Qwen3-MoE profiled and planned at cp2 dp2 ep2, ZeRO 0 and 1
 def test_the_experts_zero_group_spans_cp_as_the_runtime_does():
     """Under --cp an ep group is the dp ranks of one cp coordinate, so the ranks holding the same experts (edp) are

@@ -204,8 +204,9 @@ def test_a_layer_called_several_times_is_a_block_per_call(models):
 
 @pytest.mark.parametrize("model,layout", [
     ("samples/llama.py", Layout(pp=2)),
-    ("samples/llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b")),
-    ("samples/llama.py", Layout(cp=2, pp=2)),
+    # tp and cp beside pp: make test-matrix (make test keeps pp alone, on the sample and on transformers models)
+    pytest.param("samples/llama.py", Layout(tp=2, pp=2, schedule="interleaved-1f1b"), marks=pytest.mark.matrix),
+    pytest.param("samples/llama.py", Layout(cp=2, pp=2), marks=pytest.mark.matrix),
     ("tests/models/llama_padded.py", Layout(pp=2, microbatches=4)),  # transformers: a padding mask, labels
     ("tests/models/hf_bert_qa.py", Layout(pp=2, microbatches=2)),  # transformers: a mask, start/end positions
 ])
