@@ -278,7 +278,7 @@ class _Walk:
         batch another value than every part's: refused, naming the read."""
         has = [self.place.get(a) for a in tensor_args(node)]
         if getattr(node.target, "overloadpacket", None) in _SELECTING and all(
-                isinstance(h, Shard) or h == R for h in has):
+                isinstance(h, Shard) or h == R for h in has) and _lone_scalar_check(node):
             self.place[node] = R
             return
         self.place[node] = R
@@ -293,6 +293,25 @@ class _Walk:
 
 
 _SELECTING = {aten.max, aten.min, aten.amax, aten.amin, aten.any, aten.all}
+
+
+def _lone_scalar_check(node: fx.Node) -> bool:
+    """Whether ``node`` is one value (0-dim: not ``amax(dim=0)``'s vector, not ``max.dim``'s row indices) that
+    reaches its assertions alone, through ops of it and constants only.  Combined with another value on the way
+    (``lengths.min() == lengths.max()``, ``(lengths == lengths.max()).all()``) the parts' agreement no longer
+    gives the whole batch's value: parts of lengths [3, 3] and [5, 5] each read True, the whole reads False."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        return False
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if any(a is not n for a in u.all_input_nodes):
+                return False
+            if u.target is not aten._assert_scalar.default:
+                stack.append(u)
+    return True
 
 
 def _tiled(node: fx.Node, d: int) -> bool:

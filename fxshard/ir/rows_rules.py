@@ -244,7 +244,45 @@ def _masked_select(node, args, placements) -> Decision | None:
     split = {p.moved(p.dim + n - len(shape(a))) for a, p in zip(args, placements, strict=True) if isinstance(p, Shard)}
     if split != {Shard(0)} or any(p != R and not isinstance(p, Shard) for p in placements):
         return None
+    if not _read_as_ctc_targets(node):
+        return None
     return Decision(Shard(0), tuple(placements))
+
+
+_SAME_ELEMENTS = {aten._to_copy, aten.clone, aten.view, aten.reshape, aten.alias, aten._unsafe_view}
+
+
+def _read_as_ctc_targets(node: fx.Node) -> bool:
+    """Whether a masked selection (a size the data decides) is read only as CTC targets, each sample's its own: a
+    mean or any other reduction over it would average the parts' means, weighing parts of 10 and 30 selected
+    elements alike (one device weighs them 10:30); such a selection is computed on the whole batch instead."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if isinstance(u.target, torch._ops.OpOverload) and u.target.name() == "fxshard::ctc_loss" and \
+                    u.args[1] is n and n not in u.args[2:]:
+                continue
+            if u.target is aten.sym_size.int and _only_asserted(u):  # the range checks of its unbacked size
+                continue
+            if getattr(u.target, "overloadpacket", None) not in _SAME_ELEMENTS or u.all_input_nodes != [n]:
+                return False
+            stack.append(u)
+    return True
+
+
+def _only_asserted(node: fx.Node) -> bool:
+    """Whether ``node`` reaches nothing but runtime assertions, through ops of it and constants only."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.target is aten._assert_scalar.default:
+                continue
+            if u.all_input_nodes != [n]:
+                return False
+            stack.append(u)
+    return True
 
 
 def _ctc(node, args, placements) -> Decision | None:

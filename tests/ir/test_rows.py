@@ -89,7 +89,6 @@ SEPARATE = {  # id -> forward body computing each row from its own
                                 + h.sort(1).values.cumsum(1).mean()  # along the tokens
                                 + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
     "boolean mask": lambda m, h, ids: (F.cross_entropy(h[ids > 2], ids[ids > 2] % H)
-                                       + h.masked_select((ids > 2).unsqueeze(-1)).tanh().mean()  # CTC targets
                                        + h.index_put((ids > 2,), torch.tensor(0.0)).pow(2).mean()),  # x[mask] = 0
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
                                                                    2), 1).mean(),
@@ -189,3 +188,53 @@ def test_a_check_of_a_maximum_over_the_rows_keeps_them_and_a_count_is_refused(tm
     with pytest.raises(LayoutError, match=r"--dp 2: model: aten.ge.Scalar \(ge_1, count.py:\d+\) computes a value "
                                           r"over the rows of the batch that data-dependent code reads"):
         compile_program(tmp_path / "count.py", Layout(dp=2))
+
+
+@pytest.mark.parametrize("read", ["labels.min() == labels.max()", "(labels == labels.max()).all()",
+                                  "(x.amax(0) > 0).all()"], ids=["two-selections", "selection-and-rows", "vector"])
+def test_a_selection_combined_on_its_way_to_the_check_is_refused(tmp_path, read):
+    # each part agreeing is not the whole agreeing once the selection meets another value: labels [1, 1 | 3, 3]
+    # read True in each part and False whole; a column maximum over the rows is a vector, not one value
+    from fxshard.compiler import compile_program
+    from fxshard.ir.context import Layout
+
+    (tmp_path / "mixed.py").write_text(GUARDED.replace("COUNT", read).replace(
+        "torch.tensor([1, 0, 3, 0])", "torch.tensor([1, 1, 3, 3])"))
+    with pytest.raises(LayoutError, match=r"computes a value over the rows of the batch that data-dependent code "
+                                          r"reads"):
+        compile_program(tmp_path / "mixed.py", Layout(dp=2))
+
+
+MEAN_OF_SELECTION = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, mask):
+        return self.head(x).squeeze(-1).masked_select(mask).square().mean()
+
+
+def make_model():
+    return Model()
+
+
+def make_inputs():
+    return {"x": torch.randn(4, 4), "mask": torch.tensor([True, False, True, True])}
+"""
+
+
+def test_a_mean_over_a_masked_selection_is_not_averaged_over_the_parts(tmp_path):
+    # parts selecting 1 and 2 elements: the mean of the parts' means weighs them 1:1, one device 1:2; the selection
+    # feeds no CTC loss, so it is computed whole, where its size the data decides is refused
+    from fxshard.compiler import compile_program
+    from fxshard.ir.context import Layout
+
+    (tmp_path / "sel.py").write_text(MEAN_OF_SELECTION)
+    with pytest.raises(LayoutError, match=r"model: masked_select \(aten.masked_select.default, sel.py:\d+\) is "
+                                          r"computed on the whole batch under --dp 2 and fails at its size"):
+        compile_program(tmp_path / "sel.py", Layout(dp=2))
