@@ -38,7 +38,7 @@ from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
-from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, rows_rule
+from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, only_asserted, rows_rule
 from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
 from fxshard.ir.twins import Pairing, op_name, pair_nodes
 
@@ -301,17 +301,7 @@ def _lone_scalar_check(node: fx.Node) -> bool:
     (``lengths.min() == lengths.max()``, ``(lengths == lengths.max()).all()``) the parts' agreement no longer
     gives the whole batch's value: parts of lengths [3, 3] and [5, 5] each read True, the whole reads False."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() != 0:
-        return False
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if any(a is not n for a in u.all_input_nodes):
-                return False
-            if u.target is not aten._assert_scalar.default:
-                stack.append(u)
-    return True
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and only_asserted(node)
 
 
 def _tiled(node: fx.Node, d: int) -> bool:

@@ -263,7 +263,7 @@ def _read_as_ctc_targets(node: fx.Node) -> bool:
             if isinstance(u.target, torch._ops.OpOverload) and u.target.name() == "fxshard::ctc_loss" and \
                     u.args[1] is n and n not in u.args[2:]:
                 continue
-            if u.target is aten.sym_size.int and _only_asserted(u):  # the range checks of its unbacked size
+            if u.target is aten.sym_size.int and only_asserted(u):  # the range checks of its unbacked size
                 continue
             if getattr(u.target, "overloadpacket", None) not in _SAME_ELEMENTS or u.all_input_nodes != [n]:
                 return False
@@ -271,7 +271,7 @@ def _read_as_ctc_targets(node: fx.Node) -> bool:
     return True
 
 
-def _only_asserted(node: fx.Node) -> bool:
+def only_asserted(node: fx.Node) -> bool:
     """Whether ``node`` reaches nothing but runtime assertions, through ops of it and constants only."""
     stack = [node]
     while stack:

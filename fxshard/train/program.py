@@ -173,7 +173,7 @@ class Program:
         step), so that the process group can be destroyed: a gloo or NCCL group shut down under a collective still
         running aborts the process ("terminate called without an active exception").  ``with fxshard.load(OUT) as
         program:`` calls it at the end of the block; the program stays usable."""
-        finish_param_sync(self._opt)
+        self.wait_for_parameters()
 
     def __enter__(self) -> Program:
         return self
