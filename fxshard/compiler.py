@@ -267,7 +267,7 @@ def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype, reads=None) -> f
     """The model captured at ``rows`` rows on meta tensors; its Python reads of tensor values (data-dependent code)
     answered as the program's capture answered them (``reads``: :mod:`fxshard.capture.specialize`), which meta
     tensors cannot: the analysis judges the program as specialized."""
-    key = (str(mf.path), mf.digest(), repr(mf.lora), seed, rows, str(dtype), repr(reads and sorted(
+    key = (*mf.identity(), seed, rows, str(dtype), repr(reads and sorted(
         (k, repr(s.values)) for k, s in reads.sites.items())))
     if key not in _TWICE:
         full = mf.build_inputs(seed)  # the first rows, a counted input's entries of them (capture/rows.py)

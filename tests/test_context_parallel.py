@@ -78,9 +78,9 @@ CASES = {  # id -> (model file, layout)
     "qwen3moe-cp2-tp2-dp2-ep2": (QWEN_MOE, Layout(cp=2, tp=2, dp=2, ep=2)),
 }
 COMPILED = {"llama-padded-cp2-compile"}
-# make test's representatives: each mode with tp (allgather also with sp), a pipeline, ZeRO 3, a bidirectional
+# make test's representatives: each mode with tp (allgather with sp), a pipeline, ZeRO 3, a bidirectional
 # encoder, absolute positions, packed documents over the ring; make test-matrix runs every case
-KEEP = ("llama-padded-cp2-tp2", "llama-padded-cp2-tp2-sp", "llama-padded-cp2-tp2-ring", "llama-padded-cp2-tp2-a2a",
+KEEP = ("llama-padded-cp2-tp2-sp", "llama-padded-cp2-tp2-ring", "llama-padded-cp2-tp2-a2a",
         "llama-cp2-pp2-1f1b", "llama-padded-cp2-dp2-zero3", "bert-mlm-cp2", "gpt2-cp2", "packed-llama-cp2-ring",
         "qwen3moe-cp2-dp2-ep2")
 

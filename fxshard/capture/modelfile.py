@@ -77,6 +77,13 @@ class ModelFile:
     def digest(self) -> str:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
+    def identity(self) -> tuple:
+        """What the model and inputs it builds depend on, for a cache of its captures: the file and its digest, the
+        LoRA options, and which functions build them (a plan's profile builds the file's model shortened)."""
+        return (str(self.path), self.digest(), repr(self.lora), *(
+            None if f is None else (f.__module__, f.__qualname__) for f in (self.make_model, self.make_inputs,
+                                                                          self.loss_fn)))
+
 
 @contextlib.contextmanager
 def meta_parameters():

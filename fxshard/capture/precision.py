@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
@@ -23,6 +26,33 @@ def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = Non
     tensors are the fp32 initial values, the master weights the optimizer starts from."""
     if dtype is None and not meta:
         return capture(mf, seed, inputs=inputs, peers=peers)
+    if meta:  # a plan, a search or the row and sequence analyses capture one model at the same sizes again
+        key = _meta_key(mf, seed, inputs, dtype, reads)
+        if key not in _META:
+            _META[key] = _capture_at(mf, seed, inputs, dtype, meta, peers, reads), torch.get_rng_state()
+            while len(_META) > 8:
+                _META.popitem(last=False)
+        _META.move_to_end(key)
+        program, rng = _META[key]
+        torch.set_rng_state(rng)  # as the capture (which seeds and builds the model) leaves it
+        return copy.deepcopy(program)  # the passes rewrite the program they are given: each caller its own copy
+    return _capture_at(mf, seed, inputs, dtype, meta, peers, reads)
+
+
+# meta captures by what they depend on (the model file's identity, seed, inputs' shapes, dtypes and non-tensor
+# values, compute dtype, replayed reads): on meta tensors a capture reads no input's values, only the replayed reads
+def _meta_key(mf: ModelFile, seed: int, inputs, dtype, reads) -> tuple:
+    leaves, spec = pytree.tree_flatten(inputs)
+    shapes = tuple((tuple(v.shape), str(v.dtype), v.requires_grad) if isinstance(v, torch.Tensor) else repr(v)
+                   for v in leaves)
+    return (*mf.identity(), seed, str(spec), shapes, str(dtype),
+            repr(reads and sorted((k, repr(s.values)) for k, s in reads.sites.items())))
+
+
+_META: OrderedDict[tuple, tuple[Program, torch.Tensor]] = OrderedDict()
+
+
+def _capture_at(mf: ModelFile, seed: int, inputs, dtype, meta: bool, peers, reads) -> Program:
     model = mf.build_model(seed, meta=meta)
     # on meta, buffers and inputs join the parameters there (a plain model mixes them: logits and targets);
     # the buffers' real values are what the program keeps

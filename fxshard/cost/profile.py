@@ -177,6 +177,7 @@ def model_profile(model_file: str | Path, dtype: str = "bf16", seed: int = 0, pl
         return short
 
     short_mf = dataclasses.replace(mf, make_model=make_model)
+    short_mf.build_model(seed, meta=True)  # kinds, kept, parameters (on meta: free); a capture may come from cache
     full = mf.build_inputs(seed)
     inputs = _example(full)
     low = Layout(dtype=dtype)

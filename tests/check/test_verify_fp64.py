@@ -90,7 +90,9 @@ def test_the_resnets_own_fp32_rounding_is_beyond_the_tolerance(tmp_path):
     losses = reference_losses(load_model_file(RESNET), 3, optim, final_state=single)
     floor = rounding_floor(RESNET, tmp_path, Layout(), 3, optim, 0, losses, single, losses, single,
                            train=reference_losses)
-    assert floor.param_rel > 3 * DEFAULT_PARAM_RTOL["fp32"], floor  # measured 1.0e-2
+    # measured 1.0e-2 on a 2-core Intel Xeon (AVX-512), 2.2e-3 on a 2-core AMD EPYC: the CPU's convolution kernels
+    # round differently; on both, beyond the fp32 tolerance
+    assert floor.param_rel > DEFAULT_PARAM_RTOL["fp32"], floor
     assert floor.beyond(DEFAULT_RTOL["fp32"], DEFAULT_PARAM_RTOL["fp32"])
 
 
