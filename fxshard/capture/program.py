@@ -137,7 +137,8 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     positional = not isinstance(inputs, dict)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
-    ep, functions, record = _export(wrapper, args, kwargs, mf.path, reads.fresh() if reads is not None else None)
+    ep, functions, record = _export(wrapper, args, kwargs, mf.path, reads.fresh() if reads is not None else None,
+                                    items=bool(peers))
     if record is not None and reads is None:
         for peer in peers or ():
             refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
@@ -151,11 +152,13 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     return program
 
 
-def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: Record | None = None):
+def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: Record | None = None,
+            items: bool = False):
     """``(exported program, wrapped Functions, record)``: torch.export of the wrapper; where the model's Python
     reads a tensor's value (data-dependent control flow), a second export answers those reads from an eager run
     on the example batch (:mod:`fxshard.capture.specialize`; ``record`` is None when none was needed, given: the
-    reads answered from it from the start)."""
+    reads answered from it from the start; ``items``: loops over small integer tensors specialized on their values,
+    for a program run on parts of the batch)."""
     while True:
         try:
             with wrapped_functions(wrapper.model) as (functions, refusals), grouped_experts(wrapper.model), \
@@ -165,7 +168,7 @@ def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: R
         except ModelFileError:
             raise
         except Exception as e:
-            if record is None and _data_dependent(e) and (record := record_reads(wrapper, args, kwargs)):
+            if record is None and _data_dependent(e) and (record := record_reads(wrapper, args, kwargs, items)):
                 continue  # again, the reads answered
             if refusals:  # a Function refused runs unwrapped, and may be what export failed on: it says more
                 raise refusals[0] from e

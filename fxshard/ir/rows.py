@@ -38,6 +38,7 @@ from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
+from fxshard.ir.rows_picked import Picked
 from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, only_asserted, rows_rule
 from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
 from fxshard.ir.twins import Pairing, op_name, pair_nodes
@@ -202,11 +203,10 @@ class _Walk:
             return self._token_block(node, args, has)
         if any(h is None for h in has):  # a value only the whole batch has: this op runs on the whole batch
             return _WHOLE
-        if node.target is aten.where.default and len(node.args) == 1:  # nonzero's indices, as a tuple: no rule
-            return None
         if all(h == R for h in has) or getattr(node.target, "overloadpacket", None) in FRESH:
             return self._source(node, one)  # its value is not the inputs' values: its size alone
-        if any(isinstance(h, Ids) for h in has):  # row numbers: only the batch's rules read them
+        if any(isinstance(h, (Ids, Picked)) for h in has) or node.target is aten.where.default and len(
+                node.args) == 1:  # row numbers, nonzero's: only the batch's rules read them
             return rows_rule(node, args, has)
         return rows_rule(node, args, has) or cp_rule(node, args, has) or rule_decision(node, args, has)
 
@@ -414,7 +414,7 @@ def _consistent_value(val, want, out) -> bool:
         return False
     full = [_int(s) for s in val.shape]
     got = [_int(s) for s in want.shape]
-    if isinstance(out, Ids):
+    if isinstance(out, (Ids, Picked)):
         out = Shard(out.dim)
     if isinstance(out, Shard):
         if full[out.dim] is None:
