@@ -38,6 +38,7 @@ from fxshard.graph import model_line, node_fqn
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.ir.rows import BatchRows
+from fxshard.ir.rows_picked import Picked
 from fxshard.ir.rows_rules import Ids
 from fxshard.ir.sharding import tensor_args
 from fxshard.runtime import collectives as rtc
@@ -115,7 +116,7 @@ def _checks_refusal(ctx: CompileContext, found: list[str]) -> str:
     more = f"; and {len(found) - 1} more: " + "; ".join(f.split(" computes a value")[0] for f in found[1:]) \
         if len(found) > 1 else ""
     return (f"{split}: {found[0]}{more}. Train it without splitting the batch (--tp, --dp 1, --pp 1), or make the "
-            "condition depend on shapes, the config, or each row alone")
+            "code depend on shapes, the config, or each row alone")
 
 
 def _refusal(ctx: CompileContext, found: list[str]) -> str:
@@ -176,6 +177,11 @@ class _Whole:
             made = self._insert(aten.sum.dim_IntList, (gathered, [0]), {}, after=gathered, like=a)
             if p.reduce == "avg":
                 made = self._insert(aten.div.Tensor, (made, float(self.dp)), {}, after=made, like=a)
+        elif isinstance(p, Picked):
+            why = self.rows.mixing.get(user.name) or f"{node_fqn(user) or 'model'}: {user.name} ({user.target})"
+            raise LayoutError(f"--dp {self.dp}: {why}; computed on the whole batch, it would need the whole batch's "
+                              f"numbers, which fxshard cannot make of each rank's ({a.name}). Use the numbers only "
+                              "to index the rows they number and write results back to them, or train at --dp 1")
         else:
             raise LayoutError(f"{node_fqn(user) or 'model'}: {user.name} ({user.target}) is computed on the whole "
                               f"batch under --dp {self.dp} and reads {a.name}, whose whole value fxshard cannot make "

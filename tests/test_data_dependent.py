@@ -32,10 +32,6 @@ CASES = {f"{family}-{name}": (family, layout) for family in FAMILIES
 NOT_AT_DP = {
     "longformer": r"longformer\.encoder\.layer\.0\.attention\.self: nonzero_numpy .*modeling_longformer\.py:\d+\) is "
                   r"computed on the whole batch under --dp 2 and fails at its size.*train at --dp 1",
-    "switch_transformers": r"encoder\.block\.0\.layer\.1\.mlp\.experts: nonzero .*modeling_switch_transformers\.py:"
-                           r"\d+\) is computed on the whole batch under --dp 2.*train at --dp 1",
-    "dbrx": r"transformer\.blocks\.0\.ffn\.experts: nonzero_2 .*modeling_dbrx\.py:\d+\) is computed on the whole "
-            r"batch under --dp 2.*train at --dp 1",
     "llava": r"aten\.unbind\.int \(unbind, modeling_llava\.py:\d+\) gives 2 values at the captured rows and 4 at "
              r"twice as many.*train at --dp 1",
 }

@@ -252,3 +252,39 @@ def _same_size(a: fx.Node, b: fx.Node, da: int = 0, db: int = 0) -> bool:
     x, y = a.meta["val"].shape[da], b.meta["val"].shape[db]
     ex, ey = getattr(getattr(x, "node", None), "expr", x), getattr(getattr(y, "node", None), "expr", y)
     return str(ex) == str(ey)
+
+
+def part_count(node: fx.Node, place: dict) -> fx.Node | None:
+    """A number among ``node``'s arguments (not a size: ``x / rows.shape[0]``, not ``x.view(rows.shape[0], -1)``) that
+    counts a split dimension of a size the data decides (a selection of a part's rows, ``place``: the placements
+    decided so far), or None.  Each part would read its own count, not the whole batch's, and no gather makes it
+    the whole's."""
+    schema = getattr(node.target, "_schema", None)
+    for a in schema.arguments if schema is not None else ():
+        value = argument(node, a.name)
+        if "int" in str(a.type) or "bool" in str(a.type) or not isinstance(value, fx.Node):
+            continue
+        if not isinstance(value.meta.get("val"), torch.Tensor) and _counts_part(value, place):
+            return value
+    return None
+
+
+def _counts_part(n: fx.Node, place: dict, depth: int = 0) -> bool:
+    if depth > 16 or n.op != "call_function":
+        return False
+    if n.target in (aten.sym_size.int, aten.sym_numel.default):
+        p = place.get(n.args[0])
+        split = p.dim if isinstance(p, (Shard, Picked)) else None
+        if split is None or not isinstance(_sizes(n.args[0])[split], torch.SymInt):
+            return False
+        return n.target is aten.sym_numel.default or n.args[1] % _dims(n.args[0]) == split
+    return any(not isinstance(a.meta.get("val"), torch.Tensor) and _counts_part(a, place, depth + 1)
+               for a in n.all_input_nodes)
+
+
+def averages_selection(args: list[fx.Node], placements: list) -> bool:
+    """Whether an op whose parts' results average to the whole's (``Partial("avg")``) reads first a value split
+    along a size the data decides (a selection of the rows): parts of 10 and 30 entries would weigh alike."""
+    if not args or not isinstance(placements[0], (Shard, Picked)):
+        return False
+    return isinstance(_sizes(args[0])[placements[0].dim], torch.SymInt)
