@@ -1,7 +1,8 @@
-"""An eager experts loop, as Switch Transformers' and DBRX's: over the experts the batch hit
-(``greater(mask.sum(), 0).nonzero()``, specialized at capture), ``torch.where`` numbers each expert's rows, the
-expert runs on the rows picked by those numbers, and ``index_add_`` writes each row's result back by them.  Top-2 of
-3 experts; each token's result is its own, so a split of the batch is exact (tests/test_rows_picked.py)."""
+"""An eager experts loop, as DBRX's: over the experts the batch hit (``greater(mask.sum(), 0).nonzero()``, a loop
+specialized at capture on how many and, for a split batch, which), ``torch.where`` numbers each expert's rows, the
+expert (its slice of one fused weight) runs on the rows picked by those numbers, and ``index_add_`` writes each row's
+result back by them.  Top-2 of 3 experts; each token's result is its own, so a split of the batch is exact
+(tests/test_rows_picked.py)."""
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,7 @@ class ExpertsLoop(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(V, H)
         self.router = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList(nn.Linear(H, H) for _ in range(E))
+        self.experts = nn.Parameter(torch.randn(E, H, H) / H**0.5)
         self.head = nn.Linear(H, V)
 
     def forward(self, input_ids, labels):
@@ -27,7 +28,7 @@ class ExpertsLoop(nn.Module):
         hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         for e in hit:
             slot, rows = torch.where(mask[e].squeeze(0))
-            y = self.experts[e](flat[rows]) * top.values[rows, slot, None]  # PICK
+            y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]  # PICK
             out.index_add_(0, rows, y)
         logits = self.head(out.view(h.shape) + h)
         return F.cross_entropy(logits.view(-1, V), labels.view(-1))

@@ -1,0 +1,73 @@
+"""Rows a model selects by their numbers, under a split batch (``fxshard/ir/rows_picked.py``, issue 43 §3).
+
+An eager experts loop (``tests/models/rows_experts_loop.py``, DBRX's and Switch Transformers' shape: a loop over the
+experts the batch hit, ``torch.where`` numbering each expert's rows, ``index_add_`` writing the results back by them)
+computes each token from its own row: at --dp 2 it trains as on one device.  Before, the analysis computed the loop
+on the whole batch and the compile failed at ``nonzero``'s size.  Near misses are refused at compile, naming the op
+and the model's line: the numbers used on a tensor they do not number, a selection's count used as a number, a mean
+over a selection (each would give every rank its own part's value, silently: the count 7e-4 and the mean 2.5e-3 of
+the update off before the refusal)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fxshard.compiler import compile_program
+from fxshard.driver import verify
+from fxshard.errors import LayoutError
+from fxshard.ir.context import Layout
+from fxshard.ir.placement import Replicate, Shard
+from fxshard.testing import matrix
+
+MODEL = Path(__file__).resolve().parent / "models" / "rows_experts_loop.py"
+
+
+@pytest.mark.slow
+def test_the_row_numbers_index_their_own_rows_and_the_loop_is_the_example_batchs():
+    from fxshard.ir.rows_picked import Picked
+
+    ctx = compile_program(MODEL, Layout(dp=2)).ctx
+    rows, nodes = ctx.rows, {n.name: n for n in ctx.program.gm.graph.nodes}
+    assert not rows.mixing and not rows.checks and not rows.whole
+    wheres = [n for n in nodes.values() if n.op == "call_function" and n.target.__name__ == "where.default"]
+    assert len(wheres) == 3  # one per expert the example batch hit, each part's own rows
+    assert all(rows.place[w.name] == (Shard(0), Picked(0, 32)) for w in wheres)  # slot, row: 2 x 16 tokens
+    hit = next(n for n in nodes.values() if n.op == "call_function" and n.target.__name__ == "greater.Scalar")
+    assert rows.place[hit.name] == Replicate()  # every value of its nonzero asserted: the example's experts
+    writes = [n for n in nodes.values() if n.op == "call_function" and n.target.__name__ == "index_add_.default"]
+    assert [rows.place[w.name] for w in writes] == [Shard(0)] * 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_experts_loop_trains_like_one_device_at_dp2():
+    result = verify(MODEL, Layout(dp=2), steps=3)
+    assert result.ok, result.summary()
+
+
+NEAR_MISSES = {  # the model's picking line, rewritten -> the refusal
+    "numbers-index-another-tensor": (
+        "y = (self.embed.weight[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]",
+        r"aten\.index\.Tensor \(index_\d+, rows_experts_loop\.py:\d+\) mixes the rows of the batch: it reads the "
+        r"numbers of rows torch\.where picked .* other than to index.*train at --dp 1"),
+    "count-as-a-number": (
+        "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None] / rows.shape[0]",
+        r"--dp 2: model: aten\.div\.Tensor \(div, rows_experts_loop\.py:\d+\) uses sym_size_int_\d+, the count of a "
+        r"selection of the batch's rows .* as a number"),
+    "mean-of-a-selection": (
+        "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]; out = out + y.mean()",
+        r"--dp 2: model: aten\.mean\.default \(mean, rows_experts_loop\.py:\d+\) averages a selection of the batch's "
+        r"rows"),
+}
+
+
+@pytest.mark.parametrize("case", matrix(NEAR_MISSES, ("numbers-index-another-tensor", "count-as-a-number")))
+def test_row_numbers_or_counts_read_across_the_batch_are_refused(tmp_path, case):
+    line, refusal = NEAR_MISSES[case]
+    model = tmp_path / "rows_experts_loop.py"
+    model.write_text(re.sub(r"y = .*# PICK", line, MODEL.read_text()))
+    with pytest.raises(LayoutError, match=refusal):
+        compile_program(model, Layout(dp=2))
