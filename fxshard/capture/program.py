@@ -35,6 +35,7 @@ from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.losses import traceable_losses
 from fxshard.capture.modelfile import ModelFile
+from fxshard.capture.rejoin import rejoined_rows
 from fxshard.capture.specialize import (
     Record,
     guard_messages,
@@ -143,6 +144,7 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
         for peer in peers or ():
             refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
     notes = guard_messages(ep.graph_module, record)
+    rejoined_rows(ep.graph_module)  # a batch cut into its rows and joined back: one program at every size
     program = _to_program(ep, model, args, kwargs)
     program.notes += notes
     program.record = record

@@ -305,11 +305,17 @@ class _Walk:
         """A value over the rows that only a runtime check reads (specialized data-dependent code: each part's
         program checks that its rows give the example batch's value).  A maximum, minimum, any or all over the
         rows gives the whole batch every part's value when the parts agree: one device takes the branch each part
-        takes, and the value is the same in every part that runs on.  Any other (a count, a sum) may give the whole
-        batch another value than every part's: refused, naming the read."""
+        takes, and the value is the same in every part that runs on.  A sum over the rows asserted equal to a
+        count that follows the batch (Llava's image tokens against its image features: each part's count of each)
+        holds on the whole batch when it holds on every part.  Any other (a count, a sum) may give the whole batch
+        another value than every part's: refused, naming the read."""
         has = [self.place.get(a) for a in tensor_args(node)]
         if getattr(node.target, "overloadpacket", None) in _SELECTING and all(
                 isinstance(h, Shard) or h == R for h in has) and _lone_scalar_check(node):
+            self.place[node] = R
+            return
+        if node.target is aten.eq.Scalar and has == [Partial("sum")] and _lone_scalar_check(node) and \
+                argument(node, "other") == PARTS * argument(one, "other"):
             self.place[node] = R
             return
         self.place[node] = R

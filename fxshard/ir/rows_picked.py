@@ -288,3 +288,52 @@ def averages_selection(args: list[fx.Node], placements: list) -> bool:
     if not args or not isinstance(placements[0], (Shard, Picked)):
         return False
     return isinstance(_sizes(args[0])[placements[0].dim], torch.SymInt)
+
+
+def masked_scatter_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision | None:
+    """``x.masked_scatter(mask, source)`` with ``x`` and ``mask`` split along their rows and ``source`` along its
+    first dimension (Llava's image features into its image tokens): the source's entries go to the mask's places in
+    order, so each part takes its own entries exactly when its mask counts as many places as its source has
+    entries.  The rule holds only where the program asserts that of each part (:func:`_count_asserted`)."""
+    if len(args) != 3 or any(p != Shard(0) for p in placements):
+        return None
+    x, mask, source = args
+    if _dims(mask) != _dims(x) or not _count_asserted(mask, source, _numel(x) // max(_numel(mask), 1)):
+        return None
+    return Decision(Shard(0), tuple(placements))
+
+
+def _count_asserted(mask: fx.Node, source: fx.Node, inner: int) -> bool:
+    """Whether the program asserts ``mask.sum() * inner == source.numel()`` (or ``sum() == numel``), the sum of the
+    boolean ``mask`` reads before it is shaped for the scatter (``unsqueeze``, ``to``, ``expand``)."""
+    flags = {mask}
+    m = mask
+    while getattr(m.target, "overloadpacket", None) in (aten.unsqueeze, aten._to_copy, aten.to, aten.expand,
+                                                          aten.view, aten.reshape):
+        m = m.args[0]
+        flags.add(m)
+    total = _numel(source)
+    for flag in flags:
+        for s in flag.users:
+            if s.target is not aten.sum.default:
+                continue
+            for c in [s, *s.users]:
+                k = 1 if c is s else c.args[1] if c.target is aten.mul.Tensor and c.args[0] is s else None
+                if k not in (1, inner) or (k == 1) != (c is s):
+                    continue
+                if any(e.target is aten.eq.Scalar and e.args[0] is c and e.args[1] == total and _asserted(e)
+                       for e in c.users):
+                    return True
+    return False
+
+
+def _asserted(n: fx.Node, depth: int = 0) -> bool:
+    """Whether ``n`` reaches an ``_assert_scalar`` (through ``torch_compilable_check``'s ops)."""
+    return depth < 6 and any(u.target is aten._assert_scalar.default or _asserted(u, depth + 1) for u in n.users)
+
+
+def _numel(n: fx.Node) -> int:
+    out = 1
+    for s in _sizes(n):
+        out *= s if isinstance(s, int) else 0
+    return out

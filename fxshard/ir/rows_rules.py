@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.placement import Partial, Replicate, Shard
-from fxshard.ir.rows_picked import Picked, hit_rule, picked_rule, where_rows
+from fxshard.ir.rows_picked import Picked, hit_rule, masked_scatter_rule, picked_rule, where_rows
 from fxshard.ir.sharding import Decision, _norm, argument, rule_decision
 
 aten = torch.ops.aten
@@ -538,7 +538,7 @@ _BY_PACKET = {
     aten.gather: _gather, aten.take_along_dim: _gather,
     aten.scatter: _scatter, aten.scatter_: _scatter, aten.scatter_add: _scatter, aten.scatter_add_: _scatter,
     aten.scatter_reduce: _scatter, aten.scatter_reduce_: _scatter,
-    aten.index_select: _index_select, aten.masked_select: _masked_select,
+    aten.index_select: _index_select, aten.masked_select: _masked_select, aten.masked_scatter: masked_scatter_rule,
     aten.index_put: _mask_write, aten.index_put_: _mask_write,
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,

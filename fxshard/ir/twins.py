@@ -47,7 +47,7 @@ def pair_nodes(g1: fx.GraphModule, g2: fx.GraphModule, where: str) -> Pairing:
     out.  Refused where the programs differ."""
     def ops(g):
         return [n for n in g.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
-                and _makes_tensors(n)]
+                and _makes_tensors(n) and not _returned_only(n)]
     a, c = ops(g1), ops(g2)
     out = Pairing()
     second = {n.name: n for n in g2.graph.nodes if n.op == "placeholder"}
@@ -90,6 +90,14 @@ def _same_outputs(one: fx.Node, node: fx.Node, where: str) -> None:
             f"and {len(many)} at twice as many (pieces of a fixed size cut from the batch): the program differs with "
             "the batch size, so a part of the batch cannot run it as one device runs the whole; cut pieces that "
             "follow the batch (a size from the tensor's shape), or train at --dp 1 without pipeline microbatches")
+
+
+def _returned_only(node: fx.Node) -> bool:
+    """A tuple of values the model only returns (the pieces of Llava's image features, one per image, which
+    :mod:`fxshard.capture.rejoin` joined for the computation): each part returns its own, nothing computes with
+    them, and there are as many as the part has rows."""
+    return isinstance(node.meta.get("val"), (tuple, list)) and bool(node.users) and all(
+        u.target is operator.getitem and u.users and all(w.op == "output" for w in u.users) for u in node.users)
 
 
 def _makes_tensors(node: fx.Node) -> bool:
