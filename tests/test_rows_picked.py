@@ -1,4 +1,4 @@
-"""Rows a model selects by their numbers, under a split batch (``fxshard/ir/rows_picked.py``, issue 43 §3).
+"""Rows a model selects, under a split batch (``fxshard/ir/rows_picked.py``, issue 43 §3).
 
 An eager experts loop (``tests/models/rows_experts_loop.py``, DBRX's and Switch Transformers' shape: a loop over the
 experts the batch hit, ``torch.where`` numbering each expert's rows, ``index_add_`` writing the results back by them)
@@ -6,7 +6,12 @@ computes each token from its own row: at --dp 2 it trains as on one device.  Bef
 on the whole batch and the compile failed at ``nonzero``'s size.  Near misses are refused at compile, naming the op
 and the model's line: the numbers used on a tensor they do not number, a selection's count used as a number, a mean
 over a selection (each would give every rank its own part's value, silently: the count 7e-4 and the mean 2.5e-3 of
-the update off before the refusal)."""
+the update off before the refusal).
+
+Image features put in place of image tokens (``tests/models/rows_image_tokens.py``, Llava's shape: features joined
+back whole with ``torch.cat(list(x))``, the token count asserted against them, ``masked_scatter``) scatter each part's
+images into its own tokens: exact at --dp 2.  Before, the capture at twice the rows was another program (one
+``unbind`` value per image) and the compile was refused."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from fxshard.ir.placement import Replicate, Shard
 from fxshard.testing import matrix
 
 MODEL = Path(__file__).resolve().parent / "models" / "rows_experts_loop.py"
+IMAGES = MODEL.with_name("rows_image_tokens.py")
 
 
 @pytest.mark.slow
@@ -70,4 +76,29 @@ def test_row_numbers_or_counts_read_across_the_batch_are_refused(tmp_path, case)
     model = tmp_path / "rows_experts_loop.py"
     model.write_text(re.sub(r"y = .*# PICK", line, MODEL.read_text()))
     with pytest.raises(LayoutError, match=refusal):
+        compile_program(model, Layout(dp=2))
+
+
+@pytest.mark.slow
+def test_image_features_scatter_into_each_parts_own_tokens():
+    import torch
+
+    ctx = compile_program(IMAGES, Layout(dp=2)).ctx
+    targets = {n.target for n in ctx.program.gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.unbind.int not in targets and torch.ops.aten.flatten.using_ints in targets  # rejoined
+    scatter = next(n for n in ctx.program.gm.graph.nodes if n.target is torch.ops.aten.masked_scatter.default)
+    assert ctx.rows.place[scatter.name] == Shard(0) and not ctx.rows.mixing and not ctx.rows.checks
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_image_features_train_like_one_device_at_dp2():
+    result = verify(IMAGES, Layout(dp=2), steps=3)
+    assert result.ok, result.summary()
+
+
+def test_a_scatter_whose_counts_no_part_checks_is_not_split(tmp_path):
+    model = tmp_path / "rows_image_tokens.py"  # without the check a part's tokens could take another's features
+    model.write_text(re.sub(r".*# CHECK\n", "", IMAGES.read_text()))
+    with pytest.raises(LayoutError, match=r"computed on the whole batch under --dp 2"):
         compile_program(model, Layout(dp=2))
