@@ -5,8 +5,8 @@ experts the batch hit, ``torch.where`` numbering each expert's rows, ``index_add
 computes each token from its own row: at --dp 2 it trains as on one device.  Before, the analysis computed the loop
 on the whole batch and the compile failed at ``nonzero``'s size.  Near misses are refused at compile, naming the op
 and the model's line: the numbers used on a tensor they do not number, a selection's count used as a number, a mean
-over a selection (each would give every rank its own part's value, silently: the count 7e-4 and the mean 2.5e-3 of
-the update off before the refusal).
+over a selection (each would give every rank its own part's value, silently: the count 0.17 and the mean 2.5e-3 of
+the update off at dp2 before the refusal).
 
 Image features put in place of image tokens (``tests/models/rows_image_tokens.py``, Llava's shape: features joined
 back whole with ``torch.cat(list(x))``, the token count asserted against them, ``masked_scatter``) scatter each part's
