@@ -167,6 +167,12 @@ class _Whole:
                 made = self.gm.graph.node_copy(a, lambda b: self.form(b, user))
             self._grow(made, a.name)
             self.whole.append(made)
+        elif isinstance(p, Shard) and not isinstance(val.shape[p.dim], int):
+            why = self.rows.mixing.get(user.name) or f"{node_fqn(user) or 'model'}: {user.name} ({user.target})"
+            raise LayoutError(f"--dp {self.dp}: {why}; computed on the whole batch, it reads {a.name}, a selection of "
+                              "each rank's rows (a size the data decides: a boolean index, torch.where), which no "
+                              "gather over the ranks takes at unequal sizes. Compute it on each row alone, or train "
+                              "at --dp 1")
         elif isinstance(p, Shard) and not p.general:
             made = self._insert(rtc.gather_to, (a, Group(DP)), {"dim": p.dim} | (
                 {"blocks": p.blocks} if p.blocks > 1 else {}), after=a, like=a, collective="gather_to")

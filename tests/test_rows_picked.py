@@ -102,3 +102,36 @@ def test_a_scatter_whose_counts_no_part_checks_is_not_split(tmp_path):
     model.write_text(re.sub(r".*# CHECK\n", "", IMAGES.read_text()))
     with pytest.raises(LayoutError, match=r"computed on the whole batch under --dp 2"):
         compile_program(model, Layout(dp=2))
+
+
+SELECTION_MIXED = '''import torch
+import torch.nn as nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.proj(x)[mask].cumsum(0).pow(2).mean()
+
+
+def make_model():
+    return M()
+
+
+def make_inputs():
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(4, 6, 8, generator=g), "mask": torch.rand(4, 6, generator=g) > 0.5}
+'''
+
+
+def test_a_selection_an_op_needs_whole_is_refused_naming_it(tmp_path):
+    # a cumulative sum over the entries a boolean mask selects: each rank's count differs, no gather takes them
+    # (before: a TypeError from inside the compile)
+    model = tmp_path / "selection_mixed.py"
+    model.write_text(SELECTION_MIXED)
+    with pytest.raises(LayoutError, match=r"aten\.cumsum\.default \(cumsum, selection_mixed\.py:11\) mixes the rows .*"
+                                          r"a selection of each rank's rows .* train at --dp 1"):
+        compile_program(model, Layout(dp=2))
