@@ -1,6 +1,6 @@
 """Rows a model selects, under a split batch (``fxshard/ir/rows_picked.py``, issue 43 §3).
 
-An eager experts loop (``tests/models/rows_experts_loop.py``, DBRX's and Switch Transformers' shape: a loop over the
+An eager experts loop (``tests/models/picked_experts_loop.py``, DBRX's and Switch Transformers' shape: a loop over the
 experts the batch hit, ``torch.where`` numbering each expert's rows, ``index_add_`` writing the results back by them)
 computes each token from its own row: at --dp 2 it trains as on one device.  Before, the analysis computed the loop
 on the whole batch and the compile failed at ``nonzero``'s size.  Near misses are refused at compile, naming the op
@@ -8,7 +8,7 @@ and the model's line: the numbers used on a tensor they do not number, a selecti
 over a selection (each would give every rank its own part's value, silently: the count 0.17 and the mean 2.5e-3 of
 the update off at dp2 before the refusal).
 
-Image features put in place of image tokens (``tests/models/rows_image_tokens.py``, Llava's shape: features joined
+Image features put in place of image tokens (``tests/models/picked_image_tokens.py``, Llava's shape: features joined
 back whole with ``torch.cat(list(x))``, the token count asserted against them, ``masked_scatter``) scatter each part's
 images into its own tokens: exact at --dp 2.  Before, the capture at twice the rows was another program (one
 ``unbind`` value per image) and the compile was refused."""
@@ -27,8 +27,8 @@ from fxshard.ir.context import Layout
 from fxshard.ir.placement import Replicate, Shard
 from fxshard.testing import matrix
 
-MODEL = Path(__file__).resolve().parent / "models" / "rows_experts_loop.py"
-IMAGES = MODEL.with_name("rows_image_tokens.py")
+MODEL = Path(__file__).resolve().parent / "models" / "picked_experts_loop.py"
+IMAGES = MODEL.with_name("picked_image_tokens.py")
 
 
 @pytest.mark.slow
@@ -57,15 +57,15 @@ def test_an_experts_loop_trains_like_one_device_at_dp2():
 NEAR_MISSES = {  # the model's picking line, rewritten -> the refusal
     "numbers-index-another-tensor": (
         "y = (self.embed.weight[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]",
-        r"aten\.index\.Tensor \(index_\d+, rows_experts_loop\.py:\d+\) mixes the rows of the batch: it reads the "
+        r"aten\.index\.Tensor \(index_\d+, picked_experts_loop\.py:\d+\) mixes the rows of the batch: it reads the "
         r"numbers of rows torch\.where picked .* other than to index.*train at --dp 1"),
     "count-as-a-number": (
         "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None] / rows.shape[0]",
-        r"--dp 2: model: aten\.div\.Tensor \(div, rows_experts_loop\.py:\d+\) uses sym_size_int_\d+, the count of a "
+        r"--dp 2: model: aten\.div\.Tensor \(div, picked_experts_loop\.py:\d+\) uses sym_size_int_\d+, the count of a "
         r"selection of the batch's rows .* as a number"),
     "mean-of-a-selection": (
         "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]; out = out + y.mean()",
-        r"--dp 2: model: aten\.mean\.default \(mean, rows_experts_loop\.py:\d+\) averages a selection of the batch's "
+        r"--dp 2: model: aten\.mean\.default \(mean, picked_experts_loop\.py:\d+\) averages a selection of the batch's "
         r"rows"),
 }
 
@@ -73,7 +73,7 @@ NEAR_MISSES = {  # the model's picking line, rewritten -> the refusal
 @pytest.mark.parametrize("case", matrix(NEAR_MISSES, ("count-as-a-number",)))
 def test_row_numbers_or_counts_read_across_the_batch_are_refused(tmp_path, case):
     line, refusal = NEAR_MISSES[case]
-    model = tmp_path / "rows_experts_loop.py"
+    model = tmp_path / "picked_experts_loop.py"
     model.write_text(re.sub(r"y = .*# PICK", line, MODEL.read_text()))
     with pytest.raises(LayoutError, match=refusal):
         compile_program(model, Layout(dp=2))
@@ -98,7 +98,7 @@ def test_image_features_train_like_one_device_at_dp2():
 
 
 def test_a_scatter_whose_counts_no_part_checks_is_not_split(tmp_path):
-    model = tmp_path / "rows_image_tokens.py"  # without the check a part's tokens could take another's features
+    model = tmp_path / "picked_image_tokens.py"  # without the check a part's tokens could take another's features
     model.write_text(re.sub(r".*# CHECK\n", "", IMAGES.read_text()))
     with pytest.raises(LayoutError, match=r"computed on the whole batch under --dp 2"):
         compile_program(model, Layout(dp=2))
