@@ -1,5 +1,5 @@
-"""Rows a model selects by their numbers (:mod:`fxshard.ir.rows`): ``torch.where(mask)`` over a row-split mask, the
-rows looked up by those numbers, and the results written back to them.
+"""Rows a model selects (:mod:`fxshard.ir.rows`): ``torch.where(mask)`` over a row-split mask, the rows looked up by
+those numbers, and the results written back to them; a ``masked_scatter`` into the rows.
 
 An eager mixture-of-experts loops over the experts its batch hit (Switch Transformers, DBRX, Mixtral's eager
 experts)::
@@ -23,6 +23,11 @@ The loop itself is Python over the batch's hit experts, specialized on the examp
 part where the program asserts every value read of its ``nonzero()`` (the count, and each expert's number) and the
 sum adds values that cannot be negative (a one-hot mask): then every part hits the example's experts, and so
 does the whole batch (an expert is hit by the whole batch exactly when some part hits it).
+
+Two more ways a model selects rows: ``x.masked_scatter(mask, source)`` (Llava's image features into its image
+tokens, :func:`masked_scatter_rule`: each part's own where the program asserts each part's counts agree), and a
+selection's count or mean read as a number (:func:`part_count`, :func:`averages_selection`: refused, each part's
+count is not the whole batch's).
 """
 
 from __future__ import annotations
