@@ -38,6 +38,7 @@ from fxshard.graph import model_line, node_fqn
 from fxshard.ir.context import DP, CompileContext, Group, spec
 from fxshard.ir.placement import Partial, Replicate, Shard
 from fxshard.ir.rows import BatchRows
+from fxshard.ir.rows_picked import Picked
 from fxshard.ir.rows_rules import Ids
 from fxshard.ir.sharding import tensor_args
 from fxshard.runtime import collectives as rtc
@@ -115,7 +116,7 @@ def _checks_refusal(ctx: CompileContext, found: list[str]) -> str:
     more = f"; and {len(found) - 1} more: " + "; ".join(f.split(" computes a value")[0] for f in found[1:]) \
         if len(found) > 1 else ""
     return (f"{split}: {found[0]}{more}. Train it without splitting the batch (--tp, --dp 1, --pp 1), or make the "
-            "condition depend on shapes, the config, or each row alone")
+            "code depend on shapes, the config, or each row alone")
 
 
 def _refusal(ctx: CompileContext, found: list[str]) -> str:
@@ -166,6 +167,12 @@ class _Whole:
                 made = self.gm.graph.node_copy(a, lambda b: self.form(b, user))
             self._grow(made, a.name)
             self.whole.append(made)
+        elif isinstance(p, Shard) and not isinstance(val.shape[p.dim], int):
+            why = self.rows.mixing.get(user.name) or f"{node_fqn(user) or 'model'}: {user.name} ({user.target})"
+            raise LayoutError(f"--dp {self.dp}: {why}; computed on the whole batch, it reads {a.name}, a selection of "
+                              "each rank's rows (a size the data decides: a boolean index, torch.where), which no "
+                              "gather over the ranks takes at unequal sizes. Compute it on each row alone, or train "
+                              "at --dp 1")
         elif isinstance(p, Shard) and not p.general:
             made = self._insert(rtc.gather_to, (a, Group(DP)), {"dim": p.dim} | (
                 {"blocks": p.blocks} if p.blocks > 1 else {}), after=a, like=a, collective="gather_to")
@@ -176,6 +183,11 @@ class _Whole:
             made = self._insert(aten.sum.dim_IntList, (gathered, [0]), {}, after=gathered, like=a)
             if p.reduce == "avg":
                 made = self._insert(aten.div.Tensor, (made, float(self.dp)), {}, after=made, like=a)
+        elif isinstance(p, Picked):
+            why = self.rows.mixing.get(user.name) or f"{node_fqn(user) or 'model'}: {user.name} ({user.target})"
+            raise LayoutError(f"--dp {self.dp}: {why}; computed on the whole batch, it would need the whole batch's "
+                              f"numbers, which fxshard cannot make of each rank's ({a.name}). Use the numbers only "
+                              "to index the rows they number and write results back to them, or train at --dp 1")
         else:
             raise LayoutError(f"{node_fqn(user) or 'model'}: {user.name} ({user.target}) is computed on the whole "
                               f"batch under --dp {self.dp} and reads {a.name}, whose whole value fxshard cannot make "

@@ -90,3 +90,40 @@ def test_a_line_reading_another_value_on_another_dp_ranks_rows_is_refused():
     message = str(e.value)
     assert "read_values.py:39 `if flags.any().item():` reads False on the first part of the batch and True on " \
            "another (a data-parallel rank's rows or a pipeline microbatch)" in message
+
+
+PER_ROW = '''import torch
+import torch.nn as nn
+
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, lengths):
+        h = self.proj(x)
+        rows = []
+        for i in range(h.shape[0]):
+            n = lengths[i].item()
+            rows.append(h[i, :n].mean(0) if n > 2 else h[i].mean(0))
+        return torch.stack(rows).pow(2).mean()
+
+
+def make_model():
+    return Pool()
+
+
+def make_inputs():
+    return {"x": torch.randn(4, 6, 8), "lengths": torch.tensor([4, 4, 4, 4])}
+'''
+
+
+@pytest.mark.slow  # two exports at each of two batch sizes
+def test_a_read_of_each_row_the_split_batchs_second_capture_cannot_answer_suggests_dp_1(tmp_path):
+    # each row's length branches: the example's part (2 rows) answers 2 reads, the analysis' capture at 4 rows reads 4
+    model = tmp_path / "per_row.py"
+    model.write_text(PER_ROW)
+    with pytest.raises(CaptureError, match=r"per_row\.py:15 in forward\(\).*use torch\.where / torch\.cond.*or "
+                                           r"train at --dp 1 without pipeline microbatches"):
+        compile_model(model, Layout(dp=2))

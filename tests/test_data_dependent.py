@@ -25,19 +25,14 @@ ZOO = Path(__file__).resolve().parent.parent / "zoo" / "models"
 FAMILIES = ("longformer", "wav2vec2", "switch_transformers", "dbrx", "llava", "hubert", "electra_discriminator")
 CASES = {f"{family}-{name}": (family, layout) for family in FAMILIES
          for name, layout in (("tp2", Layout(tp=2)), ("dp2", Layout(dp=2)))}
-# refused at dp2 by the batch-row analysis, naming the module, the op and the model's line (issue 43): values over the
-# whole batch whose size the data decides, which it cannot compute on the gathered batch, or pieces per row it cannot
-# pair.  Longformer's global attention pads every row's global tokens to the batch's largest count; Switch's and
-# DBRX's eager experts loop over the experts the whole batch hit; Llava unbinds the image features per image.
+# refused at dp2 by the batch-row analysis, naming the module, the op and the model's line (issue 43): a value over
+# the whole batch whose size the data decides, which it cannot compute on the gathered batch.  Longformer's global
+# attention pads every row's global tokens to the batch's largest count.  (Switch's and DBRX's eager experts loops are
+# exact since fxshard/ir/rows_picked.py: each part's row numbers index its own rows, the loop specialized on the
+# example's experts; Llava's image features, unbound per image and joined back, since fxshard/capture/rejoin.py.)
 NOT_AT_DP = {
     "longformer": r"longformer\.encoder\.layer\.0\.attention\.self: nonzero_numpy .*modeling_longformer\.py:\d+\) is "
                   r"computed on the whole batch under --dp 2 and fails at its size.*train at --dp 1",
-    "switch_transformers": r"encoder\.block\.0\.layer\.1\.mlp\.experts: nonzero .*modeling_switch_transformers\.py:"
-                           r"\d+\) is computed on the whole batch under --dp 2.*train at --dp 1",
-    "dbrx": r"transformer\.blocks\.0\.ffn\.experts: nonzero_2 .*modeling_dbrx\.py:\d+\) is computed on the whole "
-            r"batch under --dp 2.*train at --dp 1",
-    "llava": r"aten\.unbind\.int \(unbind, modeling_llava\.py:\d+\) gives 2 values at the captured rows and 4 at "
-             r"twice as many.*train at --dp 1",
 }
 KEEP = ("longformer-dp2", "wav2vec2-dp2", "switch_transformers-tp2", "electra_discriminator-dp2")
 

@@ -35,6 +35,7 @@ from fxshard.capture.custom_ops import custom_op_modules
 from fxshard.capture.functions import FunctionOp, wrapped_functions
 from fxshard.capture.losses import traceable_losses
 from fxshard.capture.modelfile import ModelFile
+from fxshard.capture.rejoin import rejoined_rows
 from fxshard.capture.specialize import (
     Record,
     guard_messages,
@@ -137,11 +138,13 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     positional = not isinstance(inputs, dict)
     args, kwargs = (tuple(inputs), {}) if positional else ((), dict(inputs))
     wrapper = _WithLoss(model, mf.loss_fn, positional, cache_off(model, args, kwargs))
-    ep, functions, record = _export(wrapper, args, kwargs, mf.path, reads.fresh() if reads is not None else None)
+    ep, functions, record = _export(wrapper, args, kwargs, mf.path, reads.fresh() if reads is not None else None,
+                                    items=bool(peers), twice=reads is not None)
     if record is not None and reads is None:
         for peer in peers or ():
             refuse_other_reads(record, wrapper, (tuple(peer), {}) if positional else ((), dict(peer)), mf.path)
     notes = guard_messages(ep.graph_module, record)
+    rejoined_rows(ep.graph_module)  # a batch cut into its rows and joined back: one program at every size
     program = _to_program(ep, model, args, kwargs)
     program.notes += notes
     program.record = record
@@ -151,11 +154,14 @@ def capture(mf: ModelFile, seed: int = 0, model: torch.nn.Module | None = None, 
     return program
 
 
-def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: Record | None = None):
+def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: Record | None = None,
+            items: bool = False, twice: bool = False):
     """``(exported program, wrapped Functions, record)``: torch.export of the wrapper; where the model's Python
     reads a tensor's value (data-dependent control flow), a second export answers those reads from an eager run
     on the example batch (:mod:`fxshard.capture.specialize`; ``record`` is None when none was needed, given: the
-    reads answered from it from the start)."""
+    reads answered from it from the start; ``items``: loops over small integer tensors specialized on their values,
+    for a program run on parts of the batch; ``twice``: the batch-row analysis' capture at more rows, whose refusal
+    says so)."""
     while True:
         try:
             with wrapped_functions(wrapper.model) as (functions, refusals), grouped_experts(wrapper.model), \
@@ -165,13 +171,13 @@ def _export(wrapper: _WithLoss, args: tuple, kwargs: dict, path: Path, record: R
         except ModelFileError:
             raise
         except Exception as e:
-            if record is None and _data_dependent(e) and (record := record_reads(wrapper, args, kwargs)):
+            if record is None and _data_dependent(e) and (record := record_reads(wrapper, args, kwargs, items)):
                 continue  # again, the reads answered
             if refusals:  # a Function refused runs unwrapped, and may be what export failed on: it says more
                 raise refusals[0] from e
             why = "specialized" if record is not None else "meta" if not runs_eagerly(wrapper, args, kwargs) else ""
             error = NeedsRealWeights if why == "meta" and _data_dependent(e) else CaptureError
-            raise error(_explain_export_failure(e, path, why)) from e
+            raise error(_explain_export_failure(e, path, why, twice)) from e
         if refusals:
             raise refusals[0]
         return ep, functions, record
@@ -448,10 +454,12 @@ def _raises_after(frame) -> bool:
     return False
 
 
-def _explain_export_failure(e: Exception, model_path: Path, specialized: str = "") -> str:
+def _explain_export_failure(e: Exception, model_path: Path, specialized: str = "", twice: bool = False) -> str:
     """Say which construct failed and where in the model's source (transformers' code included).  ``specialized``:
     "specialized" when data-dependent code failed even with its reads answered from the example batch, "meta"
-    when it could not be (no real weights or batch to run)."""
+    when it could not be (no real weights or batch to run); ``twice``: the capture at more rows that a split batch
+    needs (:mod:`fxshard.ir.rows`), where a read of each row (``lengths.tolist()``) has more values than the
+    example batch answered."""
     frames = traceback.extract_tb(e.__traceback__)
     user = [f for f in frames if not f.filename.startswith(_NOT_MODEL) and not f.filename.startswith("<")]
     where = ""
@@ -472,6 +480,10 @@ def _explain_export_failure(e: Exception, model_path: Path, specialized: str = "
                                                                                                       "")
             + "; use torch.where / torch.cond, or make the condition depend only on shapes or config"
         )
+        if twice:
+            hint += ("; or train at --dp 1 without pipeline microbatches: this capture, at more rows than the "
+                     "example batch's part, only checks a split batch, and a read of each row (such as "
+                     "lengths.tolist()) has more values there than the example batch answered")
         if user and _raises_after(user[-1]):  # a check of the inputs (a CTC head's labels.max() >= vocab_size)
             hint += ("; this one only checks the inputs and raises: compute the loss in the model file's "
                      "loss_fn(output, inputs) and call the model without the inputs it checks (its labels)")

@@ -93,8 +93,12 @@ def _patched(make):
                 setattr(torch.Tensor, name, original)
 
 
-def _read(name: str, base, t: torch.Tensor, args):
-    """What the method ``name`` reads of ``t``'s value, as a plain Python value (the record's entry)."""
+def _read(name: str, base, t: torch.Tensor, args, items: bool = False):
+    """What the method ``name`` reads of ``t``'s value, as a plain Python value (the record's entry).  ``items``:
+    a loop over a small integer tensor also reads its values (``(count, rows)``), which a program run on parts of
+    the batch guards (:func:`record_reads`)."""
+    if name == "__iter__" and items and t.dim() and _small_integers(t):
+        return (t.shape[0], t.tolist())
     if name in ("__iter__", "__len__"):
         return t.shape[0] if t.dim() else None
     if name == "__format__":
@@ -104,9 +108,14 @@ def _read(name: str, base, t: torch.Tensor, args):
     return base(t) if t.numel() == 1 else None
 
 
+def _small_integers(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool and t.numel() <= 256
+
+
 @contextlib.contextmanager
-def recording():
-    """Record every value the model's Python code reads of its tensors (eager, on real tensors)."""
+def recording(items: bool = False):
+    """Record every value the model's Python code reads of its tensors (eager, on real tensors); ``items``: as
+    :func:`_read` says."""
     record = Record()
     busy = [False]
 
@@ -116,7 +125,7 @@ def recording():
                 return base(t, *args)
             busy[0] = True  # a read inside another (Tensor.__format__ calls item()) is the outer one's
             try:
-                record.site().values.append(_read(name, base, t, args))
+                record.site().values.append(_read(name, base, t, args, items))
                 return base(t, *args)
             finally:
                 busy[0] = False
@@ -126,14 +135,19 @@ def recording():
         yield record
 
 
-def record_reads(module: torch.nn.Module, args: tuple, kwargs: dict) -> Record | None:
+def record_reads(module: torch.nn.Module, args: tuple, kwargs: dict, items: bool = False) -> Record | None:
     """Run ``module`` once eagerly on the example (``args``, ``kwargs``) and record what its code reads of tensor
     values; None when it cannot run for real (meta or fake weights or inputs: a compile without real weights) or
-    reads nothing.  Buffers (batch-norm statistics) and the random number generators are left as they were."""
+    reads nothing.  Buffers (batch-norm statistics) and the random number generators are left as they were.
+
+    ``items``: for a program run on parts of the batch (dp ranks' rows, pipeline microbatches), a loop over a small
+    integer tensor (``for expert_idx in expert_hit:``, the experts a batch hit) is specialized on its values too,
+    not only on how many: each part then runs the example's iterations, which the batch-row analysis needs to call
+    them the whole batch's (:func:`fxshard.ir.rows_picked.hit_rule`)."""
     if not runs_eagerly(module, args, kwargs):
         return None
     saved = {id(b): b.detach().clone() for b in module.buffers()}
-    with torch.random.fork_rng(devices=[]), recording() as record:
+    with torch.random.fork_rng(devices=[]), recording(items) as record:
         try:
             module(*args, **kwargs)
         except Exception:  # the traced run says what is wrong, naming the line
@@ -149,7 +163,7 @@ def refuse_other_reads(record: Record, module: torch.nn.Module, example: tuple[t
     """Raise a CaptureError if the model, run on ``example`` (another part of the batch the same program runs on: a
     dp rank's rows, a pipeline microbatch), reads another value at a line the program specialized: its guard would
     stop that rank's first step.  A part the model cannot run on eagerly is not judged here."""
-    other = record_reads(module, *example)
+    other = record_reads(module, *example, items=True)
     if other is None:
         return
     for site in record.used():
@@ -207,8 +221,15 @@ def _answer(name: str, base, t: torch.Tensor, args, value, site: Site):
         size = t.shape[0]
         if not isinstance(size, torch.SymInt) or not free_unbacked_symbols(size):
             return _UNANSWERED  # a size export knows: nothing to specialize
-        _check_equal(size, value, site)
-        return iter(t.unbind(0)) if name == "__iter__" else value
+        count, items = value if isinstance(value, tuple) else (value, None)
+        _check_equal(size, count, site)
+        if name == "__len__":
+            return count
+        rows = t.unbind(0)
+        for row, item in zip(rows, items or (), strict=False):  # each iteration's values, as the example's
+            for j, v in enumerate(_flatten(item)):
+                _check_equal(torch.Tensor.item(row.reshape(-1)[j] if row.dim() != 1 else row[j]), v, site)
+        return iter(rows)
     if name == "tolist":
         traced = t.tolist()
         flat, expected = _flatten(traced), _flatten(value)

@@ -38,8 +38,10 @@ from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
+from fxshard.ir.rows_picked import Picked, averages_selection, part_count
 from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, only_asserted, rows_rule
 from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
+from fxshard.ir.token_means import counted_terms
 from fxshard.ir.twins import Pairing, op_name, pair_nodes
 
 aten = torch.ops.aten
@@ -96,6 +98,9 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
     pairing = pair_nodes(g1, g2, where)
     walk = _Walk(pairing, user_inputs, set(handled), exempt or {}, where)
     walk.guards = guard_only(g2)
+    out2 = next(n for n in g2.graph.nodes if n.op == "output").args[0]
+    if isinstance(out2, (tuple, list)) and isinstance(out2[0], fx.Node):  # means the token-mean pass makes exact
+        walk.counted = {n for n, _, _ in counted_terms(out2[0], {n for n in g2.graph.nodes if n.name in user_inputs})}
     for node in g2.graph.nodes:
         one = walk.one_of.get(node)
         if one is not None:
@@ -147,6 +152,7 @@ class _Walk:
         self.blocks_why: dict[str, str] = {}
         self.guards: set[fx.Node] = set()
         self.checks: dict[str, str] = {}
+        self.counted: set[fx.Node] = set()
 
     def decide(self, node: fx.Node, one: fx.Node, extra: bool = False) -> None:
         self.extra = extra
@@ -184,6 +190,9 @@ class _Walk:
             name, a, b = numbers[0]
             return self._whole(node, one, f"its argument {name} = {a} follows the batch ({b} at twice the rows): "
                                           "the part's batch size used as a number")
+        count = part_count(node, self.place)
+        if count is not None and not self.extra:
+            return self._count_read(node, one, count)
         try:
             decision = Decision(AVG, tuple(has)) if numbers else self._decision(node, one, args, has)
         except GuardOnDataDependentSymNode:  # a rule read a size the data decides
@@ -193,6 +202,10 @@ class _Walk:
         why = self._refusal(node, one, args, has, decision)
         if why:
             return self._whole(node, one, why)
+        if _avg(decision) == AVG and not numbers and node not in self.counted and not self.extra and \
+                averages_selection(args, has):
+            return self._refuse(node, one, "averages a selection of the batch's rows (a count the data decides): the "
+                                           "parts' means would weigh each part alike, one device weighs each entry")
         self.place[node] = _avg(decision)
         if decision.rewrite == RATIO and not self.extra:
             self.ratios.append(one.name)
@@ -202,11 +215,10 @@ class _Walk:
             return self._token_block(node, args, has)
         if any(h is None for h in has):  # a value only the whole batch has: this op runs on the whole batch
             return _WHOLE
-        if node.target is aten.where.default and len(node.args) == 1:  # nonzero's indices, as a tuple: no rule
-            return None
         if all(h == R for h in has) or getattr(node.target, "overloadpacket", None) in FRESH:
             return self._source(node, one)  # its value is not the inputs' values: its size alone
-        if any(isinstance(h, Ids) for h in has):  # row numbers: only the batch's rules read them
+        if any(isinstance(h, (Ids, Picked)) for h in has) or node.target is aten.where.default and len(
+                node.args) == 1:  # row numbers, nonzero's: only the batch's rules read them
             return rows_rule(node, args, has)
         return rows_rule(node, args, has) or cp_rule(node, args, has) or rule_decision(node, args, has)
 
@@ -239,8 +251,27 @@ class _Walk:
         val = node.meta.get("val")
         return Decision(tuple(out for _ in val) if isinstance(val, (tuple, list)) else out, tuple(has))
 
+    def _count_read(self, node: fx.Node, one: fx.Node, count: fx.Node) -> None:
+        """``node`` uses the count of a selection of the part's rows as a number (:func:`part_count`): refused."""
+        self._refuse(node, one, f"uses {count.name}, the count of a selection of the batch's rows (a size the data "
+                                "decides), as a number: each part of the batch would use its own count, not the whole "
+                                "batch's")
+
+    def _refuse(self, node: fx.Node, one: fx.Node, why: str) -> None:
+        """``node`` cannot be computed on the parts, nor on the whole batch (its operands' sizes differ per part,
+        which no gather over the ranks takes): the compile is refused under a split batch, naming it."""
+        self.place[node] = None
+        self.whole.add(node)
+        line = model_line(node)
+        self.checks[one.name] = f"{node_fqn(node) or 'model'}: {op_name(node)} ({one.name}" + (
+            f", {line}" if line else "") + f") {why}"
+
     def _refusal(self, node, one, args, has, decision) -> str:
         """Why ``decision`` does not compute ``node`` on each part's rows as captured ("" when it does)."""
+        if decision is None and any(isinstance(h, Picked) for h in has):
+            return ("it reads the numbers of rows torch.where picked from the batch's rows other than to index, look "
+                    "up or write back the rows they number (the same rows: fxshard.ir.rows_picked), and a part's "
+                    "numbers are not the whole batch's")
         if decision is None:
             partial = next((a for a, h in zip(args, has, strict=True) if isinstance(h, Partial)), None)
             if partial is not None and any(isinstance(h, Shard) for h in has):
@@ -274,11 +305,17 @@ class _Walk:
         """A value over the rows that only a runtime check reads (specialized data-dependent code: each part's
         program checks that its rows give the example batch's value).  A maximum, minimum, any or all over the
         rows gives the whole batch every part's value when the parts agree: one device takes the branch each part
-        takes, and the value is the same in every part that runs on.  Any other (a count, a sum) may give the whole
-        batch another value than every part's: refused, naming the read."""
+        takes, and the value is the same in every part that runs on.  A sum over the rows asserted equal to a
+        count that follows the batch (Llava's image tokens against its image features: each part's count of each)
+        holds on the whole batch when it holds on every part.  Any other (a count, a sum) may give the whole batch
+        another value than every part's: refused, naming the read."""
         has = [self.place.get(a) for a in tensor_args(node)]
         if getattr(node.target, "overloadpacket", None) in _SELECTING and all(
                 isinstance(h, Shard) or h == R for h in has) and _lone_scalar_check(node):
+            self.place[node] = R
+            return
+        if node.target is aten.eq.Scalar and has == [Partial("sum")] and _lone_scalar_check(node) and \
+                argument(node, "other") == PARTS * argument(one, "other"):
             self.place[node] = R
             return
         self.place[node] = R
@@ -414,7 +451,7 @@ def _consistent_value(val, want, out) -> bool:
         return False
     full = [_int(s) for s in val.shape]
     got = [_int(s) for s in want.shape]
-    if isinstance(out, Ids):
+    if isinstance(out, (Ids, Picked)):
         out = Shard(out.dim)
     if isinstance(out, Shard):
         if full[out.dim] is None:

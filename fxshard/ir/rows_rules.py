@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.placement import Partial, Replicate, Shard
+from fxshard.ir.rows_picked import Picked, hit_rule, masked_scatter_rule, picked_rule, where_rows
 from fxshard.ir.sharding import Decision, _norm, argument, rule_decision
 
 aten = torch.ops.aten
@@ -92,8 +93,14 @@ def shape(n: fx.Node) -> tuple:
 def rows_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision | None:
     """The batch's decision for ``node`` with its tensor inputs at ``placements``, or None."""
     packet = getattr(node.target, "overloadpacket", None)
+    if any(isinstance(p, Picked) for p in placements):  # a selection's row numbers (fxshard.ir.rows_picked)
+        return picked_rule(node, args, placements)
     if any(isinstance(p, Ids) for p in placements):
         return _ids(node, args, placements, packet)
+    if node.target is aten.where.default and len(node.args) == 1:
+        return where_rows(node, args, placements)
+    if packet in (aten.gt, aten.greater) and placements == [SUM]:  # the experts a batch hit
+        return hit_rule(node, args, placements)
     if isinstance(node.target, torch._ops.OpOverload) and node.target.name() == "fxshard::ctc_loss":
         return _ctc(node, args, placements)
     if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace not in ("aten", "prims"):
@@ -531,7 +538,7 @@ _BY_PACKET = {
     aten.gather: _gather, aten.take_along_dim: _gather,
     aten.scatter: _scatter, aten.scatter_: _scatter, aten.scatter_add: _scatter, aten.scatter_add_: _scatter,
     aten.scatter_reduce: _scatter, aten.scatter_reduce_: _scatter,
-    aten.index_select: _index_select, aten.masked_select: _masked_select,
+    aten.index_select: _index_select, aten.masked_select: _masked_select, aten.masked_scatter: masked_scatter_rule,
     aten.index_put: _mask_write, aten.index_put_: _mask_write,
     aten.index_add: _index_write, aten.index_add_: _index_write, aten.index_copy: _index_write,
     aten.index_copy_: _index_write, aten.index_fill: _index_write, aten.index_fill_: _index_write,

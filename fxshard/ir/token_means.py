@@ -57,7 +57,7 @@ def counted_terms(loss, user_inputs: set[fx.Node], whole: set[fx.Node] = frozens
                 num, den = node.args[:2]  # a constant over a term: no mean
                 if isinstance(den, fx.Node) and _reads_inputs(den, user_inputs):
                     return []
-                args = [num] if isinstance(num, fx.Node) else []
+                args = [num] if isinstance(num, fx.Node) and not _sum_over_its_count(num, den) else []
             elif node.target in _SCALE:  # a term times a constant; a product of two terms is no mean
                 args = [a for a in args if _reads_inputs(a, user_inputs)]
                 if len(args) > 1:
@@ -133,6 +133,20 @@ def _fixed_mean(node: fx.Node, user_inputs: set[fx.Node]) -> bool:
     if node.target in PLAIN_MEANS:
         return True
     return node.target in ELEMENT_LOSSES and _reduces_to_mean(node)
+
+
+def _sum_over_its_count(num, den) -> bool:
+    """``x.sum() / n`` with ``n`` the number of values summed (Switch Transformers' router z-loss,
+    ``torch.sum(z) / (num_groups * tokens_per_group)``): a mean over a fixed count, as ``x.mean()`` is."""
+    if not isinstance(num, fx.Node) or num.target is not aten.sum.default or not isinstance(den, (int, float)):
+        return False
+    shape = num.args[0].meta["val"].shape
+    if any(not isinstance(d, int) for d in shape):
+        return False
+    count = 1
+    for d in shape:
+        count *= d
+    return den == count
 
 
 def _reads_inputs(node: fx.Node, user_inputs: set[fx.Node]) -> bool:

@@ -54,7 +54,9 @@ def pair_nodes(g1: fx.GraphModule, g2: fx.GraphModule, where: str) -> Pairing:
     out.twin.update((n, second[n.name]) for n in g1.graph.nodes if n.op == "placeholder" and n.name in second)
     i = j = 0
     while i < len(a):
-        if j < len(c) and a[i].target == c[j].target:
+        if j < len(c) and a[i].target == c[j].target and _returned_only(a[i]) and _more_values(a[i], c[j]):
+            i, j = i + 1, j + 1  # values the model only returns, one per row: each part returns its own
+        elif j < len(c) and a[i].target == c[j].target:
             _same_outputs(a[i], c[j], where)
             out.twin[a[i]] = c[j]
             i, j = i + 1, j + 1
@@ -90,6 +92,19 @@ def _same_outputs(one: fx.Node, node: fx.Node, where: str) -> None:
             f"and {len(many)} at twice as many (pieces of a fixed size cut from the batch): the program differs with "
             "the batch size, so a part of the batch cannot run it as one device runs the whole; cut pieces that "
             "follow the batch (a size from the tensor's shape), or train at --dp 1 without pipeline microbatches")
+
+
+def _returned_only(node: fx.Node) -> bool:
+    """A tuple of values the model only returns (the pieces of Llava's image features, one per image, which
+    :mod:`fxshard.capture.rejoin` joined for the computation): each part returns its own, nothing computes with
+    them, and there are as many as the part has rows."""
+    return isinstance(node.meta.get("val"), (tuple, list)) and bool(node.users) and all(
+        u.target is operator.getitem and u.users and all(w.op == "output" for w in u.users) for u in node.users)
+
+
+def _more_values(one: fx.Node, node: fx.Node) -> bool:
+    many, few = node.meta.get("val"), one.meta.get("val")
+    return isinstance(many, (tuple, list)) and isinstance(few, (tuple, list)) and len(many) != len(few)
 
 
 def _makes_tensors(node: fx.Node) -> bool:

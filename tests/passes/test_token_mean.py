@@ -103,3 +103,17 @@ def test_a_mean_over_the_tokens_a_mask_keeps_is_counted_by_the_mask():
     count = _module(code, "rank_pp0_tp0.py")["count_tokens"]
     assert int(count(*[batch[k][:2] for k in ("idx", "attention_mask", "labels")])) == 16 + 3
     assert any("the values a mask of the batch selects counted" in note for note in result.ctx.notes)
+
+
+def test_a_sum_over_its_count_beside_a_token_mean_keeps_the_token_mean(tmp_path):
+    # Switch Transformers' router z-loss, torch.sum(z) / (groups * tokens), beside its cross entropy: a mean over a
+    # fixed count, so the cross entropy is still counted (it was averaged over dp ranks: 6.6e-3 off at dp2)
+    model = tmp_path / "z_loss.py"
+    source = (MODELS / "padded_embedding.py").read_text()
+    loss = "F.cross_entropy(self.head(torch.tanh(h)).flatten(0, 1), target.flatten())"
+    assert loss in source
+    model.write_text(source.replace(loss, f"{loss} + 0.1 * (h.pow(2).sum() / h.numel())"))
+    code = compile_model(model, Layout(dp=2)).sources["rank_pp0_tp0.py"]
+    assert "token_mean = rt.token_mean(" in code and "count_tokens" in code
+    model.write_text(source.replace(loss, f"{loss} + 0.1 * (h.pow(2).sum() / 3)"))  # a sum over another number
+    assert "count_tokens" not in compile_model(model, Layout(dp=2)).sources["rank_pp0_tp0.py"]
