@@ -40,14 +40,13 @@ from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symboli
 from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
-from fxshard.ir.comm import KINDS, buffer_is_input
+from fxshard.ir.comm import FUSED_LINEARS, KINDS, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks
 from fxshard.ir.experts import grouped_mm_ops, weight_param
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.ir.sharding import argument
-from fxshard.runtime import collectives as rtc
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
 aten = torch.ops.aten
@@ -292,7 +291,7 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     kind = KINDS.get(spec(node).collective)
     if kind is not None and kind.communicates:
         _collectives(node, kind, piece, dims)
-    if node.target is rtc.copy_to_linears:
+    if node.target in FUSED_LINEARS:
         x = node.args[0]
         for u, w in zip(sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)),
                                key=lambda u: u.args[1]), node.kwargs["weights"], strict=False):
@@ -381,7 +380,7 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
         if not isinstance(buffer.meta.get("val"), torch.Tensor):
             buffer = node.args[0]
         overlap = sympy.Integer(0)
-        if node.target is rtc.copy_to_linears and direction == "backward":
+        if node.target in FUSED_LINEARS and direction == "backward":  # beside the input gradient's matmuls
             x = node.args[0]
             overlap = sum((2 * _numel(dims(u)) * dims(x)[-1] for u in node.users
                            if isinstance(u.meta.get("val"), torch.Tensor)), sympy.Integer(0))

@@ -9,6 +9,7 @@ from fxshard.runtime.collectives import (
     copy_to,
     copy_to_linears,
     gather_to,
+    linears_regathered,
     own_part,
     own_rows,
     reduce_scatter,
@@ -39,7 +40,8 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "linears_regathered",
+           "reduce_scatter",
            "scatter", "shard", "own_part", "own_rows", "sum_replicas",
            "vocab_embedding",
            "vocab_cross_entropy",
