@@ -47,6 +47,7 @@ from fxshard.ir.experts import grouped_mm_ops, weight_param
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.ir.sharding import argument
+from fxshard.runtime import activations as rta
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
 aten = torch.ops.aten
@@ -82,6 +83,9 @@ class Piece:
     ops: list[tuple] = field(default_factory=list)
     traffic: sympy.Expr = sympy.Integer(0)  # bytes read + written by the other ops
     kernels: int = 0
+    # what backward runs again of the ops fxshard.runtime.activations keeps less for (their forward ops, memory-bound)
+    redo_traffic: sympy.Expr = sympy.Integer(0)
+    redo_kernels: int = 0
     comms: list[Comm] = field(default_factory=list)
     saved: dict[str, sympy.Expr] = field(default_factory=dict)  # recompute mode -> bytes kept for backward
     largest: list[sympy.Expr] = field(default_factory=list)  # candidate largest values (the transient)
@@ -299,6 +303,14 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
                     _nbytes(u, dims))
             _note_value(piece, u, dims)
         return
+    if node.target in _ACTIVATION_OPS:  # the ATen ops it stands for, forward; what backward runs of them again
+        traffic, kernels, redo, redo_kernels = _ACTIVATION_OPS[node.target](node, dims)
+        piece.traffic += traffic
+        piece.kernels += kernels
+        piece.redo_traffic += redo
+        piece.redo_kernels += redo_kernels
+        _note_value(piece, node, dims)
+        return
     if node.target in FP8_TARGETS:  # --dtype fp8: the product at the fp8 peak, the casts memory-bound
         flops, mm, casts, copies = fp8_costs(node, dims)
         _add_op(piece, "fp8", flops, mm)
@@ -326,6 +338,16 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     ins = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     piece.traffic += sum((_nbytes(a, dims) for a in ins), _nbytes(node, dims))
     _note_value(piece, node, dims)
+
+
+def _silu_mul_costs(node: fx.Node, dims) -> tuple:
+    """silu (gate in, silu out) and mul (silu and up in, the product out): 5 values of the product's size, 2 kernels;
+    backward runs silu again."""
+    n = _nbytes(node, dims)
+    return 5 * n, 2, 2 * n, 1
+
+
+_ACTIVATION_OPS = {rta.silu_mul: _silu_mul_costs}
 
 
 def _note_value(piece: Piece, node: fx.Node, dims) -> None:
@@ -449,9 +471,10 @@ def _average(piece: Piece, n: int) -> None:
     piece.saved = {k: sympy.expand(v / n) for k, v in piece.saved.items()}
     piece.comms = piece.comms[:len(piece.comms) // n]
     piece.ops = piece.ops[:len(piece.ops) // n]
-    for name in ("traffic", "params", "frozen", "experts", "dispatched", "kv"):
+    for name in ("traffic", "redo_traffic", "params", "frozen", "experts", "dispatched", "kv"):
         setattr(piece, name, sympy.expand(getattr(piece, name) / n))
     piece.kernels //= n
+    piece.redo_kernels //= n
 
 
 def _cost_boundaries(ctx, gm, nodes, pieces, piece_of, dims) -> None:
