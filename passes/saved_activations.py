@@ -9,6 +9,13 @@ values and gradients bit for bit, and keeps fewer tensors for backward:
 
       silu_mul = rt.silu_mul(linear_4, linear_5)  # [4, 16, 64] bf16 S(2)
 
+- RMSNorm's fp32 part, ``x32 = x.to(float32)``, ``x32 * rsqrt(mean(x32 ** 2, -1, keepdim) + eps)`` of an x in a
+  lower precision (``--dtype bf16``), becomes ``rt.rms_normalize(x, eps)``: the ATen ops keep x32 (``pow`` and
+  ``mul`` save it: 4 bytes an element) and rsqrt's result; ``rms_normalize`` keeps x (2 bytes an element) and runs
+  the ops again in backward (Transformer Engine's RMSNorm keeps its input too)::
+
+      mul = rt.rms_normalize(hidden_states, 1e-06)  # [4, 8, 64] f32 S(1)
+
 A pattern qualifies only as the ATen ops stand: the intermediate value read by nothing else, operands of the same
 shape and dtype (no broadcast).  Runs after the collectives (the ops are local: their placements are decided) and
 before the pipeline cut, on every layout; ``fxshard plan`` traces the new op as it runs (:mod:`fxshard.cost.saved`).
@@ -70,5 +77,51 @@ def _silu_mul(gm: fx.GraphModule, node: fx.Node, silu: fx.Node, up: fx.Node) -> 
     gm.graph.erase_node(silu)
 
 
+def _rms_normalize_of(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(x, eps)`` when ``node`` is ``mul(x32, rsqrt(add(mean(pow(x32, 2), [-1], True), eps)))`` with ``x32`` x's
+    upcast to float32 (x in a lower precision), every value between read by nothing else."""
+    if node.op != "call_function" or node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    x32, rsqrt = node.args
+    chain = _only(rsqrt, aten.rsqrt.default, 1)
+    add = _only(chain and chain.args[0], aten.add.Tensor, 2)
+    mean = _only(add and add.args[0], aten.mean.dim, 3)
+    power = _only(mean and mean.args[0], aten.pow.Tensor_Scalar, 2)
+    if not (power and mean.args[1:] in (([-1], True),) and power.args[1] == 2 and power.args[0] is x32
+            and isinstance(add.args[1], float) and _upcast(x32) and set(x32.users) == {power, node}):
+        return None
+    return x32.args[0], add.args[1]
+
+
+def _only(node, target, arity: int) -> fx.Node | None:
+    """``node`` when it calls ``target`` with ``arity`` positional arguments and one user."""
+    ok = (isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and not node.kwargs
+          and len(node.args) == arity and len(node.users) == 1)
+    return node if ok else None
+
+
+def _upcast(node: fx.Node) -> bool:
+    """Whether ``node`` is ``aten.to.dtype(x, float32)`` of an x in a lower floating precision."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.to.dtype
+            and len(node.args) == 2 and not node.kwargs and node.args[1] is torch.float32):
+        return False
+    x = _val(node.args[0])
+    return x is not None and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _rms_normalize(gm: fx.GraphModule, node: fx.Node, x: fx.Node, eps: float) -> None:
+    """``node`` (the mul) becomes ``rt.rms_normalize(x, eps)`` in place; the ops it stands for go."""
+    rsqrt = node.args[1]
+    add = rsqrt.args[0]
+    mean = add.args[0]
+    power = mean.args[0]
+    x32 = node.args[0]
+    needs = spec(x32).inputs
+    node.target, node.args, node.kwargs = rta.rms_normalize, (x, eps), {}
+    update_spec(node, inputs=needs)
+    for n in (rsqrt, add, mean, power, x32):
+        gm.graph.erase_node(n)
+
+
 # (name, match: node -> the nodes the rewrite reads or None, rewrite(gm, node, *those)), applied in this order
-REWRITES = (("silu_mul", _silu_times, _silu_mul),)
+REWRITES = (("silu_mul", _silu_times, _silu_mul), ("rms_normalize", _rms_normalize_of, _rms_normalize))

@@ -3,7 +3,8 @@ changes that keep less with the same values (docs/plan-check-verify.md, "saved f
 
 - ``regather``: under ``--sp`` the column-parallel linears keep the sp shard of their input and gather it again in
   backward (``rt.linears_regathered``), not the gathered input (``--no-overlap`` keeps it);
-- ``silu_mul``: SwiGLU's ``silu(gate) * up`` keeps gate and up, not ``silu(gate)`` (``rt.silu_mul``).
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` keeps gate and up, not ``silu(gate)`` (``rt.silu_mul``);
+- ``rms_normalize``: RMSNorm's fp32 part keeps its bf16 input, not the fp32 copy and rsqrt (``rt.rms_normalize``).
 
 Each change: the bytes autograd saves in one microbatch (``saved_tensors_hooks`` on the rank module, ``fxshard run
 --memory-report``'s probe) drop by what the graph says they should, against the same program without that change;
@@ -65,7 +66,12 @@ def _silu_mul(gm) -> int:  # silu(gate): the size of the product
     return sum(_local_bytes(n) for n in gm.graph.nodes if n.target is rta.silu_mul)
 
 
-CHANGES = {"regather": _regather, "silu_mul": _silu_mul}
+def _rms_normalize(gm) -> int:  # x32 and rsqrt's [..., 1], less x kept in bf16
+    return sum(_local_bytes(n) + _local_bytes(n) // n.meta["val"].shape[-1] - _local_bytes(n.args[0])
+               for n in gm.graph.nodes if n.target is rta.rms_normalize)
+
+
+CHANGES = {"regather": _regather, "silu_mul": _silu_mul, "rms_normalize": _rms_normalize}
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +106,7 @@ def test_the_rank_file_says_what_runs(samples):
     code = compile_model(LLAMA, SP).sources["rank_pp0_tp0.py"]
     assert "= rt.linears_regathered(gather_to, self.tp, shard=" in code
     assert "silu_mul = rt.silu_mul(linear_4, linear_5)" in code and "aten.silu" not in code
+    assert "rms_normalize = rt.rms_normalize(hidden_states, 1e-06)" in code and "aten.rsqrt" not in code
 
 
 @pytest.mark.distributed

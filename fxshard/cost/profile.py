@@ -347,7 +347,14 @@ def _silu_mul_costs(node: fx.Node, dims) -> tuple:
     return 5 * n, 2, 2 * n, 1
 
 
-_ACTIVATION_OPS = {rta.silu_mul: _silu_mul_costs}
+def _rms_normalize_costs(node: fx.Node, dims) -> tuple:
+    """to (x in, x32 out), pow (x32 in and out), mean (x32 in), add and rsqrt (one value a row), mul (x32 in and
+    out): x's bytes and 6 of x32's (the fp32 output's size), 6 kernels; backward runs them all again."""
+    out, x = _nbytes(node, dims), _nbytes(node.args[0], dims)
+    return x + 6 * out, 6, x + 6 * out, 6
+
+
+_ACTIVATION_OPS = {rta.silu_mul: _silu_mul_costs, rta.rms_normalize: _rms_normalize_costs}
 
 
 def _note_value(piece: Piece, node: fx.Node, dims) -> None:

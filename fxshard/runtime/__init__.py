@@ -1,7 +1,7 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
 from fxshard.runtime import ctc  # noqa: F401  registers torch.ops.fxshard.ctc_loss, which rank files may call
-from fxshard.runtime.activations import silu_mul
+from fxshard.runtime.activations import rms_normalize, silu_mul
 from fxshard.runtime.batch_norm import batch_norm_from_stats, batch_stats
 from fxshard.runtime.collectives import (
     all_gather,
@@ -43,7 +43,7 @@ from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_ent
 
 __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "linears_regathered",
            "reduce_scatter",
-           "scatter", "shard", "own_part", "own_rows", "sum_replicas", "silu_mul",
+           "scatter", "shard", "own_part", "own_rows", "sum_replicas", "silu_mul", "rms_normalize",
            "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",

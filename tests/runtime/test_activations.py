@@ -35,3 +35,27 @@ def test_silu_mul_keeps_gate_and_up_not_silu():
         rta.silu_mul(gate, up)
     assert len(kept) == 2 and kept[0] is gate and kept[1] is up
 
+
+def _rms_ops(x, eps=1e-6):
+    x32 = aten.to.dtype(x, torch.float32)
+    return aten.mul.Tensor(x32, aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.pow.Tensor_Scalar(x32, 2), [-1],
+                                                                                  True), eps)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_normalize_is_the_fp32_ops_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 7, 48, generator=g) * 4).to(dtype)
+    grad = torch.randn(2, 7, 48, generator=g)
+    ours = _values_and_grads(lambda t: rta.rms_normalize(t, 1e-6), (x,), grad)
+    theirs = _values_and_grads(_rms_ops, (x,), grad)
+    assert ours[0].dtype == torch.float32 and torch.equal(ours[0], theirs[0])
+    assert ours[1][0].dtype == dtype and torch.equal(ours[1][0], theirs[1][0])
+
+
+def test_rms_normalize_keeps_x_alone():
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        rta.rms_normalize(x, 1e-6)
+    assert len(kept) == 1 and kept[0] is x
