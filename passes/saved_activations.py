@@ -16,6 +16,18 @@ values and gradients bit for bit, and keeps fewer tensors for backward:
 
       mul = rt.rms_normalize(hidden_states, 1e-06)  # [4, 8, 64] f32 S(1)
 
+- attention over grouped-query heads: transformers' ``repeat_kv`` (``unsqueeze``, ``expand``, ``reshape``: a copy
+  of k and of v at the query heads) into ``scaled_dot_product_attention`` becomes the attention of the kv heads
+  themselves with ``enable_gqa=True``, which keeps k and v at the kv heads (SDPA saves its inputs).  It is what the
+  one-device program runs: transformers calls SDPA with ``enable_gqa`` when no mask is passed (the capture had one,
+  which the causal-attention pass made ``is_causal``).  Forward values and the query's gradient are the same bit for
+  bit as with the repeated k and v; k's and v's gradients are summed over the query heads of a group inside the
+  kernel (in fp32) rather than by ``expand``'s backward over per-head gradients, so they round as on one device,
+  not as the repeated program did (tests/test_saved_activations.py)::
+
+      scaled_dot_product_attention = aten.scaled_dot_product_attention.default(add_1, add_2, transpose_2, None,
+          scale=0.35, is_causal=True, enable_gqa=True)
+
 A pattern qualifies only as the ATen ops stand: the intermediate value read by nothing else, operands of the same
 shape and dtype (no broadcast).  Runs after the collectives (the ops are local: their placements are decided) and
 before the pipeline cut, on every layout; ``fxshard plan`` traces the new op as it runs (:mod:`fxshard.cost.saved`).
@@ -123,5 +135,55 @@ def _rms_normalize(gm: fx.GraphModule, node: fx.Node, x: fx.Node, eps: float) ->
         gm.graph.erase_node(n)
 
 
+def _grouped_kv(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(k, v)`` at the kv heads when ``node`` is an unmasked SDPA of k and v repeated to the query heads."""
+    if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+        return None
+    if len(node.args) != 4 or node.args[3] is not None or set(node.kwargs) - {"scale", "is_causal", "dropout_p"}:
+        return None
+    if node.kwargs.get("dropout_p", 0.0) != 0.0:
+        return None
+    k, v = _unrepeated(node.args[1], node), _unrepeated(node.args[2], node)
+    if k is None or v is None or k[1] != v[1] or node.args[1] is node.args[2]:
+        return None
+    return k[0], v[0]
+
+
+def _unrepeated(node, sdpa: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(x, repeats)`` when ``node`` is ``reshape(expand(unsqueeze(x, 2), [b, h, n, s, d]), [b, h * n, s, d])``
+    read by ``sdpa`` alone (``repeat_kv``)."""
+    reshape = node if isinstance(node, fx.Node) and set(node.users) == {sdpa} else None
+    if reshape is None or reshape.target is not aten.reshape.default or reshape.kwargs or len(reshape.args) != 2:
+        return None
+    expand = _only(reshape.args[0], aten.expand.default, 2)
+    unsqueeze = _only(expand and expand.args[0], aten.unsqueeze.default, 2)
+    if unsqueeze is None or unsqueeze.args[1] != 2:
+        return None
+    sizes, shape = list(expand.args[1]), list(reshape.args[1])
+    if len(sizes) != 5 or not all(isinstance(s, int) for s in sizes + shape):
+        return None
+    if shape != [sizes[0], sizes[1] * sizes[2], sizes[3], sizes[4]]:
+        return None
+    return unsqueeze.args[0], sizes[2]
+
+
+def _gqa(gm: fx.GraphModule, node: fx.Node, k: fx.Node, v: fx.Node) -> None:
+    """``node`` (the SDPA) reads k and v at the kv heads, with ``enable_gqa=True``; the repeats go."""
+    repeats = [node.args[1], node.args[2]]
+    needs = spec(node).inputs
+    if needs is not None:  # q's, then each kv value's own (what its unsqueeze required)
+        needs = (needs[0], *(spec(r.args[0].args[0]).inputs[0] if spec(r.args[0].args[0]).inputs else needs[i + 1]
+                             for i, r in enumerate(repeats)), *needs[3:])
+    node.args = (node.args[0], k, v, None)
+    node.kwargs = {**node.kwargs, "enable_gqa": True}
+    update_spec(node, inputs=needs)
+    for r in repeats:
+        expand = r.args[0]
+        unsqueeze = expand.args[0]
+        for n in (r, expand, unsqueeze):
+            gm.graph.erase_node(n)
+
+
 # (name, match: node -> the nodes the rewrite reads or None, rewrite(gm, node, *those)), applied in this order
-REWRITES = (("silu_mul", _silu_times, _silu_mul), ("rms_normalize", _rms_normalize_of, _rms_normalize))
+REWRITES = (("silu_mul", _silu_times, _silu_mul), ("rms_normalize", _rms_normalize_of, _rms_normalize),
+            ("gqa", _grouped_kv, _gqa))

@@ -4,7 +4,8 @@ changes that keep less with the same values (docs/plan-check-verify.md, "saved f
 - ``regather``: under ``--sp`` the column-parallel linears keep the sp shard of their input and gather it again in
   backward (``rt.linears_regathered``), not the gathered input (``--no-overlap`` keeps it);
 - ``silu_mul``: SwiGLU's ``silu(gate) * up`` keeps gate and up, not ``silu(gate)`` (``rt.silu_mul``);
-- ``rms_normalize``: RMSNorm's fp32 part keeps its bf16 input, not the fp32 copy and rsqrt (``rt.rms_normalize``).
+- ``rms_normalize``: RMSNorm's fp32 part keeps its bf16 input, not the fp32 copy and rsqrt (``rt.rms_normalize``);
+- ``gqa``: attention keeps k and v at the kv heads (SDPA's ``enable_gqa``), not repeated to the query heads.
 
 Each change: the bytes autograd saves in one microbatch (``saved_tensors_hooks`` on the rank module, ``fxshard run
 --memory-report``'s probe) drop by what the graph says they should, against the same program without that change;
@@ -71,7 +72,12 @@ def _rms_normalize(gm) -> int:  # x32 and rsqrt's [..., 1], less x kept in bf16
                for n in gm.graph.nodes if n.target is rta.rms_normalize)
 
 
-CHANGES = {"regather": _regather, "silu_mul": _silu_mul, "rms_normalize": _rms_normalize}
+def _gqa(gm) -> int:  # k and v at the query heads, less k and v at the kv heads
+    return sum(_local_bytes(kv) * (n.args[0].meta["val"].shape[1] // kv.meta["val"].shape[1] - 1)
+               for n in gm.graph.nodes if n.kwargs.get("enable_gqa") for kv in n.args[1:3])
+
+
+CHANGES = {"regather": _regather, "silu_mul": _silu_mul, "rms_normalize": _rms_normalize, "gqa": _gqa}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +113,7 @@ def test_the_rank_file_says_what_runs(samples):
     assert "= rt.linears_regathered(gather_to, self.tp, shard=" in code
     assert "silu_mul = rt.silu_mul(linear_4, linear_5)" in code and "aten.silu" not in code
     assert "rms_normalize = rt.rms_normalize(hidden_states, 1e-06)" in code and "aten.rsqrt" not in code
+    assert "enable_gqa=True)" in code and "aten.expand" not in code
 
 
 @pytest.mark.distributed
@@ -122,3 +129,39 @@ def test_the_changed_program_trains_as_one_device(tmp_path_factory):
         per_rank, manifest = trained[case]
         assert_matches_single_device(case, path, layout, per_rank, manifest, want, single,
                                      default_tolerances(layout)[0])
+
+
+def test_the_one_device_model_runs_attention_on_the_kv_heads_as_the_rewrite_does():
+    """Why SDPA with ``enable_gqa`` is the one-device program: transformers calls it so when no mask is passed (the
+    capture passes one, so its graph repeats k and v).  Against the repeated k and v, the output and q's gradient are
+    the same bit for bit; k's and v's gradients are summed over a group in another order (inside the kernel, where
+    ``expand``'s backward sums per-head ones), so they differ by rounding alone."""
+    import torch
+
+    from fxshard.capture.modelfile import load_model_file
+
+    model_file = load_model_file(LLAMA)
+    model, batch = model_file.make_model(), model_file.make_inputs()
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((kwargs.get("enable_gqa"), q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy):
+        model(**batch)
+    assert calls and all(c == (True, 8, 4) for c in calls)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 8, generator=g, requires_grad=True) for h in (8, 4, 4))
+    grad = torch.randn(2, 8, 16, 8, generator=g)
+
+    def repeated(t):
+        return t[:, :, None].expand(2, 4, 2, 16, 8).reshape(2, 8, 16, 8)
+
+    ours = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, None, is_causal=True, enable_gqa=True)
+    theirs = torch.ops.aten.scaled_dot_product_attention.default(q, repeated(k), repeated(v), None, is_causal=True)
+    assert torch.equal(ours, theirs)
+    (dq, dk, dv), (dq2, dk2, dv2) = (torch.autograd.grad(o, (q, k, v), grad) for o in (ours, theirs))
+    assert torch.equal(dq, dq2)
+    torch.testing.assert_close(dk, dk2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dv, dv2, rtol=1e-6, atol=1e-6)
