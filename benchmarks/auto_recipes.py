@@ -138,14 +138,14 @@ def megatron_row(recipe: Recipe, ev, pred, setting) -> dict:
 
 def layer_terms(config, recipe: Recipe) -> tuple[dict, dict]:
     """One layer's activations for one microbatch term by term, both ways (:mod:`benchmarks.layer_terms`):
-    fxshard's at the tokens one cp rank holds, the formula's at the whole sequence (it knows no cp); and what
-    exact changes to fxshard's program would save of it."""
-    from benchmarks.layer_terms import exact_savings, formula_layer, fxshard_layer
+    fxshard's at the tokens one cp rank holds, the formula's at the whole sequence (it knows no cp); and what the
+    exact changes made to fxshard's program save of it."""
+    from benchmarks.layer_terms import formula_layer, fxshard_layer, savings_made
 
     layout, h, ffn = recipe.layout, config.hidden_size, config.intermediate_size
     heads, kv, seq = config.num_attention_heads, config.num_key_value_heads, recipe.seq // getattr(layout, "cp", 1)
     return {"fxshard": fxshard_layer(h, ffn, heads, kv, seq, layout.tp, sp=layout.sp),
-            "formula": formula_layer(h, ffn, recipe.seq, layout.tp)}, exact_savings(h, ffn, heads, kv, seq, layout.tp)
+            "formula": formula_layer(h, ffn, recipe.seq, layout.tp)}, savings_made(h, ffn, heads, kv, seq, layout.tp)
 
 
 def _config(model_file: str):

@@ -184,19 +184,17 @@ def _layer_terms(mega) -> list[str]:
             t = r["megatron"]["layer_terms"][side]
             lines.append(f"| {r['recipe']} ({side}) | " + " | ".join(f"{t[k] / 2**20:,.1f}" for k in TERMS)
                          + f" | {sum(t.values()) / 2**20:,.1f} |")
-    lines += ["", "- **norms**: transformers' RMSNorm upcasts to fp32 first; `pow` and `mul` save that fp32 input "
-              "(4h bytes a token) and the weight's `mul` the bf16 normalized output (2h), against the 2h input TE's "
-              "fused RMSNorm keeps.",
-              "- **column-parallel inputs**: fxshard all-gathers the sequence-parallel input once and the q/k/v and "
-              "gate/up linears keep the gathered tensor whole (2h a token each, not over tp); Megatron keeps its "
-              "local shard and all-gathers it again in backward.",
+    lines += ["", "- **norms**: each keeps its bf16 input (`rt.rms_normalize` runs transformers' fp32 ops again in "
+              "backward: 2h bytes a token) and the weight's `mul` the bf16 normalized output (2h), against the 2h "
+              "input TE's fused RMSNorm keeps.",
+              "- **column-parallel inputs**: the q/k/v and gate/up linears keep their input's sequence-parallel "
+              "shard (2h a token each, over tp) and all-gather it again in backward (`rt.linears_regathered`), as "
+              "Megatron does.",
               "- **attention**: SDPA keeps q, k, v, its output (o_proj's input: the same storage) and the "
-              "logsumexp; the exported graph repeats k and v to the query heads (transformers' `repeat_kv`), so they "
-              "cost what the formula charges (it counts K and V at h; Megatron's flash attention keeps them at the "
-              "kv heads). At tp 8 with 8 kv heads a rank's k and v are one head expanded (a view, not a copy): the "
-              "profile, compiled at tp 2, still counts the copies (the 405B's 30 MiB a layer over).",
-              "- **MLP**: transformers' SwiGLU keeps gate, silu(gate), up and their product (8·ffn bytes a token "
-              "over tp) against a GELU MLP's 4·ffn in the formula (TE's SwiGLU keeps 6·ffn).",
+              "logsumexp; k and v at the kv heads (`enable_gqa`, as Megatron's flash attention keeps them), where "
+              "the formula counts K and V at h.",
+              "- **MLP**: SwiGLU keeps gate, up and their product (`rt.silu_mul` computes silu(gate) again in "
+              "backward: 6·ffn bytes a token over tp, as TE's SwiGLU) against a GELU MLP's 4·ffn in the formula.",
               "- **dropout masks**: the formula's 1-byte masks after attention and the MLP; Llama trains without "
               "dropout. **RoPE**: the cos and sin tables, once a microbatch.", ""]
     for r in rows:
@@ -204,11 +202,12 @@ def _layer_terms(mega) -> list[str]:
         if saved:
             held = r["megatron"]["fxshard"]["layer_microbatches"]
             total = sum(saved.values())
-            lines.append(f"Exact changes to fxshard's program that would keep less ({r['recipe']}, MiB a layer, "
-                         f"not made yet): " + "; ".join(f"{k} {v / 2**20:,.0f}" for k, v in saved.items())
+            lines.append(f"Exact changes made to fxshard's program, what each keeps less ({r['recipe']}, MiB a "
+                         f"layer; `tests/test_saved_activations.py` measures each): "
+                         + "; ".join(f"{k} {v / 2**20:,.0f}" for k, v in saved.items())
                          + f": {total / 2**20:,.0f} MiB a layer, {total * held / GIB:,.1f} GiB at its "
-                         f"{held:,.0f} layer-microbatches, a peak of about "
-                         f"{(r['own']['peak'] - total * held) / GIB:,.1f} GiB ({r['memory_limit'] / GIB:.0f}).")
+                         f"{held:,.0f} layer-microbatches; the peak before them about "
+                         f"{(r['own']['peak'] + total * held) / GIB:,.1f} GiB ({r['memory_limit'] / GIB:.0f}).")
     return lines + [""]
 
 

@@ -36,6 +36,7 @@ from fxshard.passes.fp8 import fp8_pass
 from fxshard.passes.overlap import overlap_pass
 from fxshard.passes.pipeline import pipeline_pass
 from fxshard.passes.router_loss import router_loss_pass
+from fxshard.passes.saved_activations import saved_activations_pass
 from fxshard.passes.tensor_parallel import tensor_parallel_pass
 from fxshard.passes.token_mean import token_mean_pass
 
@@ -81,6 +82,8 @@ PASSES: tuple[Pass, ...] = (
          program_gate=lambda ctx: ctx.rows is not None and ctx.rows.acts),
     # reads the final placements, and which values are computed on the whole batch (their draws' rows)
     Pass(dropout_pass, requires=(COMMUNICATED, ROWS_WHOLE), ensures=(MASKS_INVARIANT,)),
+    # local ops keeping less for backward (same values); before the cut, which sizes stages by the ops
+    Pass(saved_activations_pass, requires=(COMMUNICATED,)),
     Pass(pipeline_pass, requires=(PLACED, COMMUNICATED), ensures=(STAGED,)),
     Pass(blocks_pass, requires=(COMMUNICATED, STAGED), ensures=(BLOCKED,)),
     # --no-overlap keeps copy_to and the linears; zero-bubble's split backward would run the fused backward twice

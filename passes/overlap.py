@@ -1,4 +1,4 @@
-"""Overlap in backward: a ``copy_to`` and the column-parallel linears that read it, fused into one op.
+"""Overlap in backward: a ``copy_to`` (or an sp ``gather_to``) and the column-parallel linears that read it, fused.
 
 A column-parallel linear's input enters split compute through ``copy_to``: identity forward, all-reduce of
 the gradient backward.  As separate ops, autograd computes the linears' input and weight gradients, and only
@@ -12,6 +12,14 @@ its position, so the plan and the checks read the op the rank file runs::
 
     copy_to_linears_3 = rt.copy_to_linears(x, self.tp, weights=(wq, wk, wv), biases=(bq, bk, bv))
     linear_3 = copy_to_linears_3[0]
+
+Under ``--sp`` the column-parallel input is a ``gather_to`` (all-gather of the sp shard) rather than a ``copy_to``.
+Its linears become one ``rt.linears_regathered`` beside it: the gather stays, and the linears save the shard it read
+rather than the gathered tensor (1/tp of the bytes), gathering it again in backward while the input gradient
+computes (Megatron-LM's way under sequence parallelism; the plan counts the second all-gather and what it keeps)::
+
+    gather_to = rt.gather_to(mul_1, self.tp, dim=1)
+    linears_regathered = rt.linears_regathered(gather_to, self.tp, shard=mul_1, dim=1, weights=(wq, wk, wv), ...)
 
 A linear qualifies when it takes the ``copy_to`` as its input and runs in the same generated class (the same
 pipeline stage, and the same block submodule or outside every block: :mod:`fxshard.ir.blocks`), with weights
@@ -28,7 +36,8 @@ import torch
 import torch.fx as fx
 
 from fxshard.ir.blocks import Body, block_units, bodies, held_state, unit_of
-from fxshard.ir.context import CompileContext, spec, update_spec
+from fxshard.ir.context import CompileContext, Group, spec, update_spec
+from fxshard.ir.layout import TP
 from fxshard.runtime import collectives as rtc
 
 aten = torch.ops.aten
@@ -37,7 +46,10 @@ aten = torch.ops.aten
 def overlap_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for body in bodies(gm, ctx):
         for node, linears in _fusible(body).items():
-            _fuse(gm, node, linears)
+            if node.target is rtc.copy_to:
+                _fuse(gm, node, linears)
+            else:
+                _regather(gm, node, linears)
     gm.recompile()
     return gm
 
@@ -49,13 +61,19 @@ def _fusible(body: Body) -> dict[fx.Node, list[fx.Node]]:
     position = {n: i for i, n in enumerate(body.nodes)}
     found = {}
     for node in body.nodes:
-        if node.target is not rtc.copy_to or not node.users or node in body.apart:
+        if not (node.target is rtc.copy_to or _sp_gather(node)) or not node.users or node in body.apart:
             continue
         cls = where.get(node)
         if all(u in position and u not in body.apart and where.get(u) is cls and _linear_of(u, node, held[cls])
                for u in node.users):
             found[node] = sorted(node.users, key=position.__getitem__)
     return found
+
+
+def _sp_gather(node: fx.Node) -> bool:
+    """Whether ``node`` is sequence parallelism's ``gather_to`` over tp (one block of the gathered dimension)."""
+    return (node.target is rtc.gather_to and set(node.kwargs) <= {"dim"} and len(node.args) == 2
+            and isinstance(node.args[1], Group) and node.args[1].axis == TP)
 
 
 def _linear_of(user: fx.Node, x: fx.Node, state: set[fx.Node]) -> bool:
@@ -82,3 +100,23 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
         linear.args, linear.kwargs = (fused, i), {}
         update_spec(linear, inputs=())  # as for any getitem: it reads no tensor (a tuple)
     gm.graph.erase_node(node)
+
+
+def _regather(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
+    """Read ``node`` (a gather_to over tp) through one ``rt.linears_regathered``, each linear its output: the
+    gather stays, the linears keep its input (the sp shard) for backward rather than its output."""
+    shard, group = node.args
+    weights = tuple(n.args[1] for n in linears)
+    biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
+    with gm.graph.inserting_after(node):
+        fused = gm.graph.create_node("call_function", rtc.linears_regathered, (node, group),
+                                     {"shard": shard, "dim": node.kwargs["dim"], "weights": weights, "biases": biases},
+                                     name="linears_regathered")
+    fused.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    fused.meta["val"] = tuple(n.meta["val"] for n in linears)
+    fused.meta["fxshard"] = dataclasses.replace(spec(node), collective="linears_regathered",
+                                                placement=tuple(spec(n).placement for n in linears))
+    for i, linear in enumerate(linears):  # in place: each keeps its name, position and facts
+        linear.target = operator.getitem
+        linear.args, linear.kwargs = (fused, i), {}
+        update_spec(linear, inputs=())

@@ -213,7 +213,8 @@ class Recorder:
             self._note("all_reduce", group, copies[0], "after backward", SUM_TIED_GRADS, self._site())
 
 
-_SEVERAL_OUTPUTS = ("copy_to_linears", "ring_attention_step")  # whose backward collective is noted on the input
+# whose backward collective is noted on the input
+_SEVERAL_OUTPUTS = ("copy_to_linears", "linears_regathered", "ring_attention_step")
 
 
 def _buffer_of(kind, x, kwargs):

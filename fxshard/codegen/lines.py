@@ -79,7 +79,8 @@ def base_name(node: fx.Node) -> str:
     target = node.target
     if target is rt_collectives.copy_to_linears:
         return "copy_to"
-    if target is operator.getitem and getattr(node.args[0], "target", None) is rt_collectives.copy_to_linears:
+    if target is operator.getitem and getattr(node.args[0], "target", None) in (rt_collectives.copy_to_linears,
+                                                                                rt_collectives.linears_regathered):
         return "linear"
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__.split(".")[-1]
@@ -139,7 +140,7 @@ def line_note(node: fx.Node, tp: int) -> str:
     s = spec(node)
     value = value_text(node, tp)
     p = s.placement
-    if s.collective == "copy_to_linears":  # its input's value; the linears' outputs after the arrow
+    if s.collective in ("copy_to_linears", "linears_regathered"):  # its input's value; the linears' after the arrow
         return f"{value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
     if s.collective == "sum_replicas":  # a layer's weights: their splits, each part summed over its ranks in backward
         return f"({', '.join(map(str, p))})"

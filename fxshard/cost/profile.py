@@ -40,14 +40,14 @@ from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symboli
 from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
-from fxshard.ir.comm import KINDS, buffer_is_input
+from fxshard.ir.comm import FUSED_LINEARS, KINDS, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks
 from fxshard.ir.experts import grouped_mm_ops, weight_param
 from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.ir.sharding import argument
-from fxshard.runtime import collectives as rtc
+from fxshard.runtime import activations as rta
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
 aten = torch.ops.aten
@@ -83,6 +83,9 @@ class Piece:
     ops: list[tuple] = field(default_factory=list)
     traffic: sympy.Expr = sympy.Integer(0)  # bytes read + written by the other ops
     kernels: int = 0
+    # what backward runs again of the ops fxshard.runtime.activations keeps less for (their forward ops, memory-bound)
+    redo_traffic: sympy.Expr = sympy.Integer(0)
+    redo_kernels: int = 0
     comms: list[Comm] = field(default_factory=list)
     saved: dict[str, sympy.Expr] = field(default_factory=dict)  # recompute mode -> bytes kept for backward
     largest: list[sympy.Expr] = field(default_factory=list)  # candidate largest values (the transient)
@@ -293,13 +296,21 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     kind = KINDS.get(spec(node).collective)
     if kind is not None and kind.communicates:
         _collectives(node, kind, piece, dims)
-    if node.target is rtc.copy_to_linears:
+    if node.target in FUSED_LINEARS:
         x = node.args[0]
         for u, w in zip(sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)),
                                key=lambda u: u.args[1]), node.kwargs["weights"], strict=False):
             _add_op(piece, "matmul", 2 * _numel(dims(u)) * dims(x)[-1], _nbytes(x, dims) + _nbytes(w, dims) +
                     _nbytes(u, dims))
             _note_value(piece, u, dims)
+        return
+    if node.target in _ACTIVATION_OPS:  # the ATen ops it stands for, forward; what backward runs of them again
+        traffic, kernels, redo, redo_kernels = _ACTIVATION_OPS[node.target](node, dims)
+        piece.traffic += traffic
+        piece.kernels += kernels
+        piece.redo_traffic += redo
+        piece.redo_kernels += redo_kernels
+        _note_value(piece, node, dims)
         return
     if node.target in FP8_TARGETS:  # --dtype fp8: the product at the fp8 peak, the casts memory-bound
         flops, mm, casts, copies = fp8_costs(node, dims)
@@ -328,6 +339,23 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     ins = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     piece.traffic += sum((_nbytes(a, dims) for a in ins), _nbytes(node, dims))
     _note_value(piece, node, dims)
+
+
+def _silu_mul_costs(node: fx.Node, dims) -> tuple:
+    """silu (gate in, silu out) and mul (silu and up in, the product out): 5 values of the product's size, 2 kernels;
+    backward runs silu again."""
+    n = _nbytes(node, dims)
+    return 5 * n, 2, 2 * n, 1
+
+
+def _rms_normalize_costs(node: fx.Node, dims) -> tuple:
+    """to (x in, x32 out), pow (x32 in and out), mean (x32 in), add and rsqrt (one value a row), mul (x32 in and
+    out): x's bytes and 6 of x32's (the fp32 output's size), 6 kernels; backward runs them all again."""
+    out, x = _nbytes(node, dims), _nbytes(node.args[0], dims)
+    return x + 6 * out, 6, x + 6 * out, 6
+
+
+_ACTIVATION_OPS = {rta.silu_mul: _silu_mul_costs, rta.rms_normalize: _rms_normalize_costs}
 
 
 def _note_value(piece: Piece, node: fx.Node, dims) -> None:
@@ -382,7 +410,7 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
         if not isinstance(buffer.meta.get("val"), torch.Tensor):
             buffer = node.args[0]
         overlap = sympy.Integer(0)
-        if node.target is rtc.copy_to_linears and direction == "backward":
+        if node.target in FUSED_LINEARS and direction == "backward":  # beside the input gradient's matmuls
             x = node.args[0]
             overlap = sum((2 * _numel(dims(u)) * dims(x)[-1] for u in node.users
                            if isinstance(u.meta.get("val"), torch.Tensor)), sympy.Integer(0))
@@ -451,9 +479,10 @@ def _average(piece: Piece, n: int) -> None:
     piece.saved = {k: sympy.expand(v / n) for k, v in piece.saved.items()}
     piece.comms = piece.comms[:len(piece.comms) // n]
     piece.ops = piece.ops[:len(piece.ops) // n]
-    for name in ("traffic", "params", "frozen", "experts", "dispatched", "kv"):
+    for name in ("traffic", "redo_traffic", "params", "frozen", "experts", "dispatched", "kv"):
         setattr(piece, name, sympy.expand(getattr(piece, name) / n))
     piece.kernels //= n
+    piece.redo_kernels //= n
 
 
 def _cost_boundaries(ctx, gm, nodes, pieces, piece_of, dims) -> None:

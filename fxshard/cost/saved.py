@@ -49,6 +49,7 @@ from fxshard.ir.autograd import requires_grad
 from fxshard.ir.comm import kind_of
 from fxshard.ir.fake import argument_values, fake_mode, fake_value
 from fxshard.ir.layout import Coords
+from fxshard.runtime import collectives as rtc
 from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
 
@@ -207,6 +208,10 @@ def _run_node(node: fx.Node, arg, coords, ctx):
     if kind is not None and kind.name == "copy_to":  # identity forward: the runtime returns a view, not a copy
         x = arg(node.args[0])
         return x.view_as(x)
+    if kind is not None and kind.name == "linears_regathered":  # the runtime's Function: it saves the shard
+        weights, biases = (tuple(arg(a) for a in node.kwargs[k]) for k in ("weights", "biases"))
+        return rtc._LinearsRegathered.apply(arg(node.args[0]), arg(node.kwargs["shard"]), None, node.kwargs["dim"],
+                                            None, len(weights), *weights, *biases)
     return fake_value(node, arg, coords, ctx)
 
 

@@ -105,6 +105,11 @@ def _linears(x: torch.Tensor, size: int, weights: tuple = (), biases: tuple = ()
     return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
 
+def _regathered(x: torch.Tensor, size: int, shard=None, dim: int = 1, weights: tuple = (), biases: tuple = ()
+                ) -> tuple[torch.Tensor, ...]:
+    return _linears(x, size, weights, biases)  # the shapes, and the gradients' path for fxshard check
+
+
 def _fp8_linear(x: torch.Tensor, size: int, weight=None, bias=None, **_) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias)  # the shape, and the gradients' path for fxshard check
 
@@ -172,6 +177,10 @@ def _to_seq(x, size, head_dim=1, seq_dim=2, balanced=True):
     return _moved(x, size, seq_dim, head_dim)
 
 
+# the fused ops whose outputs are column-parallel linears read by index (passes/overlap.py): their weights and biases
+# in ``weights=`` and ``biases=``
+FUSED_LINEARS = (rtc.copy_to_linears, rtc.linears_regathered)
+
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.copy_to, None, "all_reduce",
                    "R: identity forward; all-reduce of the gradient backward (enters split compute)", _same),
@@ -194,6 +203,12 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.gather_to, "all_gather", "reduce_scatter",
                    "S(d) -> R: all-gather along d forward; reduce-scatter of the gradient backward (enters split "
                    "compute)", _gathered),
+    # passes/overlap.py under --sp: the column-parallel linears reading a gather_to's output save its shard and
+    # gather it again in backward (Megatron-LM's way), 1/tp of the bytes kept
+    CollectiveKind(rtc.linears_regathered, None, "all_gather",
+                   "R: the column-parallel linears that read a gather_to's output, fused: they keep its sp shard for "
+                   "backward (1/tp of the bytes) and all-gather it again there, while the input gradient computes",
+                   _regathered),
     CollectiveKind(rtc.shard, None, None,
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),

@@ -219,7 +219,7 @@ def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
         where, held = unit_of(units), held_state(body, units)
         members = set(body.nodes) - body.apart
         for node in body.nodes:
-            if spec(node).collective != "copy_to_linears":
+            if spec(node).collective not in ("copy_to_linears", "linears_regathered"):
                 continue
             cls = where.get(node)
             odd = next((u for u in node.users if u.target is not operator.getitem or u not in members
@@ -233,8 +233,9 @@ def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
     return None
 
 
-OVERLAPPED = Fact("copy_to fused with its column-parallel linears: each rt.copy_to_linears read by index in its own "
-                  "class, which holds its weights and biases", _unfused)
+OVERLAPPED = Fact("copy_to fused with its column-parallel linears (under --sp, the linears reading a gather_to): "
+                  "each rt.copy_to_linears and rt.linears_regathered read by index in its own class, which holds its "
+                  "weights and biases", _unfused)
 
 
 # ---------------------------------------------------------------- what the passes before the placements leave

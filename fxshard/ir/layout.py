@@ -125,10 +125,13 @@ class Layout:
     ep: int = option(1,
                      "expert-parallel degree: each MoE layer's experts split over ep of the dp ranks (ep divides dp)")
     # copy_to + the column-parallel linears reading it fused as rt.copy_to_linears: backward overlaps the input
-    # gradient's all-reduce with the weight gradients (passes/overlap.py); False: plain copy_to and linears
+    # gradient's all-reduce with the weight gradients (passes/overlap.py); under --sp the linears reading a gather_to
+    # as rt.linears_regathered (they keep its shard, gathered again in backward); False: plain copy_to and linears
     overlap: bool = option(True, "write copy_to and the column-parallel linears reading it as one rt.copy_to_linears, "
                                  "whose backward overlaps the input gradient's all-reduce with the weight gradients "
-                                 "(same values, same bytes)")
+                                 "(same values, same bytes); under --sp, the linears reading a gather_to as one "
+                                 "rt.linears_regathered, which keeps the shard for backward (1/tp of the bytes) and "
+                                 "gathers it again there")
     # context parallelism (passes/context_parallel.py): the sequence split over cp ranks
     cp: int = option(1, "context-parallel degree: every activation split along the sequence over cp ranks (causal "
                         "models load-balanced: 2*cp chunks, rank i holds chunks i and 2*cp-1-i); parameters "

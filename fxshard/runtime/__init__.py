@@ -1,6 +1,7 @@
 """What generated rank files import, and nothing else: collectives, local TP pieces, loading."""
 
 from fxshard.runtime import ctc  # noqa: F401  registers torch.ops.fxshard.ctc_loss, which rank files may call
+from fxshard.runtime.activations import rms_normalize, silu_mul
 from fxshard.runtime.batch_norm import batch_norm_from_stats, batch_stats
 from fxshard.runtime.collectives import (
     all_gather,
@@ -9,6 +10,7 @@ from fxshard.runtime.collectives import (
     copy_to,
     copy_to_linears,
     gather_to,
+    linears_regathered,
     own_part,
     own_rows,
     reduce_scatter,
@@ -39,8 +41,9 @@ from fxshard.runtime.recompute import recompute
 from fxshard.runtime.state import load_state
 from fxshard.runtime.tensor_parallel import vocab_cross_entropy, vocab_cross_entropy_parts, vocab_embedding
 
-__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "reduce_scatter",
-           "scatter", "shard", "own_part", "own_rows", "sum_replicas",
+__all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears", "gather_to", "linears_regathered",
+           "reduce_scatter",
+           "scatter", "shard", "own_part", "own_rows", "sum_replicas", "silu_mul", "rms_normalize",
            "vocab_embedding",
            "vocab_cross_entropy",
            "vocab_cross_entropy_parts", "load_state",

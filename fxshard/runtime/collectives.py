@@ -11,6 +11,9 @@ reduce_scatter reduce-scatter along dim all-gather along dim
 gather_to      all-gather along dim     reduce-scatter along dim
 copy_to_linears copy_to + its column-   all-reduce of the input gradient, started before the weight
                parallel linears         gradients are computed and waited for after them (overlap)
+linears_regathered the column-parallel  all-gather of the sp shard they saved (their input again), overlapped
+               linears reading a        with the input gradient; the weight gradients from it
+               gather_to's output
 batch_mean     all-reduce, / all rows   x n / all rows (DDP averages)
 sum_replicas   identity                 all-reduce of the parts several ranks hold alike (their gradients
                                         summed over those ranks), one call for a layer's weights
@@ -35,6 +38,12 @@ together they move the bytes of the all-reduce they replace.
 computes the input gradient first, starts its all-reduce asynchronously, computes the weight and bias
 gradients while the all-reduce runs, and waits for it last.  Same bytes, same values (the gradients are the
 ones autograd's linear backward computes, summed in the order autograd would sum them).
+
+``linears_regathered`` (``passes/overlap.py``, under ``--sp``) is the column-parallel linears that read a
+``gather_to``'s output, saving the sp shard the gather read instead of its output, as Megatron-LM's
+``LinearWithGradAccumulationAndAsyncCommunication`` does under sequence parallelism: 1/tp of the bytes kept for
+backward, one more all-gather in backward (started before the input gradient is computed, waited for before the
+weight gradients need it).  Same values: the gathered input is the same tensor again.
 
 ``shard`` keeps this rank's part of a tensor that needs no gradient (no communication).
 A collective that does not complete within the process group's timeout raises an error naming the
@@ -371,6 +380,53 @@ class _CopyToLinears(torch.autograd.Function):
         return dx, None, None, None, *dw, *db
 
 
+class _LinearsRegathered(torch.autograd.Function):
+    """The column-parallel linears reading ``gathered``, the all-gather of ``shard`` over the group along ``dim``:
+    forward they read ``gathered``; they save ``shard`` (1/tp of it), and backward gathers it again for the weight
+    gradients (started first, waited for after the input gradient is computed).  ``group`` None: forward only
+    (the cost model's trace of what it saves)."""
+
+    @staticmethod
+    def forward(ctx, gathered, shard, group, dim, site, n, *weights_and_biases):
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
+        ctx.group, ctx.dim, ctx.site, ctx.biases = group, dim, site, [b is not None for b in biases]
+        ctx.save_for_backward(shard, *weights)
+        return tuple(torch.nn.functional.linear(gathered, w, b) for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        world = dist.get_world_size(ctx.group)
+        parts = [torch.empty_like(shard, memory_format=torch.contiguous_format) for _ in range(world)]
+        with guarded("all_gather (backward of linears_regathered: their input again, overlapped with the input "
+                     "gradient)", ctx.group, shard, ctx.site):
+            work = dist.all_gather(parts, shard.contiguous(), group=ctx.group, async_op=True)  # start
+            flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+            # the input gradient, summed as autograd sums what the linears send it: the last linear's first
+            dx = None
+            for g, w in reversed(list(zip(flat, weights, strict=True))):
+                part = g.mm(w)
+                dx = part if dx is None else dx + part
+            work.wait()
+        x = torch.cat(parts, dim=ctx.dim)
+        dx = dx.reshape(x.shape)
+        x2 = x.reshape(-1, x.shape[-1])
+        dw = [x2.t().mm(g).t() for g in flat]  # what autograd's addmm backward computes
+        db = [g.sum(0) if has else None for g, has in zip(flat, ctx.biases, strict=True)]
+        return dx, None, None, None, None, None, *dw, *db
+
+
+def linears_regathered(x: torch.Tensor, group, shard: torch.Tensor, dim: int, weights: tuple, biases: tuple
+                       ) -> tuple[torch.Tensor, ...]:
+    """``linear(x, weights[i], biases[i])`` for each i, where ``x`` is ``gather_to(shard, group, dim)``: saving
+    ``shard`` for backward rather than ``x`` and all-gathering it again there (sequence parallelism's column-parallel
+    input as Megatron-LM keeps it: 1/tp of the bytes).  Under torch.compile, the linears, for the compiler to
+    choose what it saves."""
+    if _compiling():
+        return tuple(torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+    return _LinearsRegathered.apply(x, shard, group, dim, _site(), len(weights), *weights, *biases)
+
+
 def copy_to_linears(x: torch.Tensor, group, weights: tuple, biases: tuple) -> tuple[torch.Tensor, ...]:
     """``copy_to(x)`` and ``linear(·, weights[i], biases[i])`` for each i, fused so that backward overlaps the
     input gradient's all-reduce with the weight gradients (see the module docstring).  Under torch.compile,
@@ -434,5 +490,5 @@ def shard(x: torch.Tensor, dim: int, index: int, parts: int, blocks: int = 1, si
 
 COLLECTIVES = {"copy_to": copy_to, "all_reduce": all_reduce, "all_gather": all_gather, "scatter": scatter,
                "reduce_scatter": reduce_scatter, "gather_to": gather_to, "copy_to_linears": copy_to_linears,
-               "sum_replicas": sum_replicas}
+               "sum_replicas": sum_replicas, "linears_regathered": linears_regathered}
 __all__ = [*COLLECTIVES, "batch_mean", "shard", "own_part", "own_rows"]

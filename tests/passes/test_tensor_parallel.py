@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -88,7 +89,10 @@ def test_cross_entropy_needing_the_whole_logits_gathers_them(models, model):
 
 
 def test_attention_shapes_are_localized_to_heads(samples):
-    gm = compile_program(samples / "llama.py", Layout(tp=2)).gm
+    from fxshard.passes import saved_activations  # without its GQA rewrite, which drops repeat_kv (checked below)
+
+    with mock.patch.object(saved_activations, "REWRITES", [r for r in saved_activations.REWRITES if r[0] != "gqa"]):
+        gm = compile_program(samples / "llama.py", Layout(tp=2)).gm
     views = [n for n in gm.graph.nodes if n.target is aten.view.default and spec(n).fqn == "model.layers.0.self_attn"]
     # q: [B, S, 8 heads, 8] -> [B, S, 4, 8]; k, v: [B, S, 4 kv heads, 8] -> [B, S, 2, 8]
     assert [list(v.args[1]) for v in views[:3]] == [[4, 16, 4, 8], [4, 16, 2, 8], [4, 16, 2, 8]]
@@ -97,6 +101,9 @@ def test_attention_shapes_are_localized_to_heads(samples):
     assert [list(e.args[1]) for e in expands] == [[4, 2, 2, 16, 8], [4, 2, 2, 16, 8]]  # repeat_kv, per rank
     sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
     assert spec(sdpa).placement == Shard(1)
+    gm = compile_program(samples / "llama.py", Layout(tp=2)).gm  # k and v into attention at the kv heads
+    sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert sdpa.kwargs["enable_gqa"] and not any(n.target is aten.expand.default for n in gm.graph.nodes)
 
 
 def test_gpt2_fused_qkv_is_a_packed_column_split(samples):

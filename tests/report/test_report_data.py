@@ -26,7 +26,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(out):
-    return report_data(out, device_memory=900 * 2**10, model=LLAMA)  # between the two pp ranks' predicted peaks
+    return report_data(out, device_memory=880 * 2**10, model=LLAMA)  # between the two pp ranks' predicted peaks
 
 
 def test_one_cell_per_rank_with_its_file_and_the_plans_memory(data):
@@ -37,7 +37,7 @@ def test_one_cell_per_rank_with_its_file_and_the_plans_memory(data):
     plan = {r["pp_rank"]: r for r in data.plan_rows}
     for c in data.cells:
         assert sum(c.memory.values()) == pytest.approx(c.peak) == pytest.approx(plan[c.coords.pp]["peak"])
-        assert c.fits == (c.peak <= 900 * 2**10)
+        assert c.fits == (c.peak <= 880 * 2**10)
     assert {c.fits for c in data.cells} == {True, False}  # pp rank 0 holds two microbatches' activations
 
 
