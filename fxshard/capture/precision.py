@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections import OrderedDict
 
 import torch
@@ -24,32 +25,46 @@ def capture_at(mf: ModelFile, seed: int, inputs, dtype: torch.dtype | None = Non
     (``--dtype bf16``) the parameters (not the buffers: rotary tables, masks keep their dtype) and floating inputs are
     cast before capture, so every dtype conversion in the graph is the one the model makes in bf16; the program's
     tensors are the fp32 initial values, the master weights the optimizer starts from."""
-    if dtype is None and not meta:
-        return capture(mf, seed, inputs=inputs, peers=peers)
-    if meta:  # a plan, a search or the row and sequence analyses capture one model at the same sizes again
-        key = _meta_key(mf, seed, inputs, dtype, reads)
-        if key not in _META:
-            _META[key] = _capture_at(mf, seed, inputs, dtype, meta, peers, reads), torch.get_rng_state()
-            while len(_META) > 8:
-                _META.popitem(last=False)
-        _META.move_to_end(key)
-        program, rng = _META[key]
-        torch.set_rng_state(rng)  # as the capture (which seeds and builds the model) leaves it
-        return copy.deepcopy(program)  # the passes rewrite the program they are given: each caller its own copy
-    return _capture_at(mf, seed, inputs, dtype, meta, peers, reads)
+    key = _key(mf, seed, inputs, dtype, meta, peers, reads)
+    if key not in _CAPTURES:
+        program = _capture_at(mf, seed, inputs, dtype, meta, peers, reads)
+        if not meta and sum(t.numel() * t.element_size() for t in program.tensors.values()) > SMALL:
+            return program  # a real model of size: held once, by its caller
+        _CAPTURES[key] = program, torch.get_rng_state()
+        while len(_CAPTURES) > 8:
+            _CAPTURES.popitem(last=False)
+    _CAPTURES.move_to_end(key)
+    program, rng = _CAPTURES[key]
+    torch.set_rng_state(rng)  # as the capture (which seeds and builds the model) leaves it
+    return copy.deepcopy(program)  # the passes rewrite the program they are given: each caller its own copy
 
 
-# meta captures by what they depend on (the model file's identity, seed, inputs' shapes, dtypes and non-tensor
-# values, compute dtype, replayed reads): on meta tensors a capture reads no input's values, only the replayed reads
-def _meta_key(mf: ModelFile, seed: int, inputs, dtype, reads) -> tuple:
-    leaves, spec = pytree.tree_flatten(inputs)
-    shapes = tuple((tuple(v.shape), str(v.dtype), v.requires_grad) if isinstance(v, torch.Tensor) else repr(v)
-                   for v in leaves)
-    return (*mf.identity(), seed, str(spec), shapes, str(dtype),
+# The last captures, by what they depend on: the model file's identity (fxshard.capture.modelfile), seed, compute
+# dtype, replayed reads, and the inputs: on meta tensors their shapes, dtypes and non-tensor values (a capture reads
+# no value there but the replayed reads); on real ones their values too, and the other parts' (peers) the
+# specialized reads are checked on.  A plan or a search captures one model at the same sizes again on meta; a
+# process that compiles one small model at several layouts (verify, the tests) captures it once.  Real captures are
+# kept only of models of at most SMALL bytes.
+SMALL = 64 * 2**20
+_CAPTURES: OrderedDict[tuple, tuple[Program, torch.Tensor]] = OrderedDict()
+
+
+def _key(mf: ModelFile, seed: int, inputs, dtype, meta: bool, peers, reads) -> tuple:
+    def leaf(v):
+        if not isinstance(v, torch.Tensor):
+            return repr(v)
+        shape = (tuple(v.shape), str(v.dtype), v.requires_grad)
+        if meta or v.is_meta:
+            return shape
+        data = v.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        return *shape, hashlib.sha1(data.tobytes()).hexdigest()
+
+    def flat(tree):
+        leaves, spec = pytree.tree_flatten(tree)
+        return str(spec), tuple(leaf(v) for v in leaves)
+
+    return (*mf.identity(), seed, meta, str(dtype), flat(inputs), None if meta else tuple(flat(p) for p in peers or ()),
             repr(reads and sorted((k, repr(s.values)) for k, s in reads.sites.items())))
-
-
-_META: OrderedDict[tuple, tuple[Program, torch.Tensor]] = OrderedDict()
 
 
 def _capture_at(mf: ModelFile, seed: int, inputs, dtype, meta: bool, peers, reads) -> Program:

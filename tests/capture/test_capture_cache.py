@@ -1,6 +1,7 @@
-"""Meta captures are cached per process (fxshard/capture/precision.py): a plan, a search and the row and sequence
-analyses capture one model at the same sizes again.  Each caller gets its own copy, and a model built another way
-from the same file (a plan's profile shortens it) is never served the other's capture."""
+"""Captures are cached per process (fxshard/capture/precision.py): a plan, a search and the row and sequence analyses
+capture one model at the same sizes again on meta, and verify or a test compile one small model at several layouts.
+Each caller gets its own copy; a model built another way from the same file (a plan's profile shortens it), or real
+inputs of other values (which data-dependent code reads), are captured anew."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fxshard.capture.modelfile import load_model_file
 from fxshard.capture.precision import capture_at
 
 GPT = Path(__file__).resolve().parents[2] / "samples" / "gpt.py"
+READS = Path(__file__).resolve().parents[1] / "models" / "read_values.py"
 
 
 def _ops(program) -> list[str]:
@@ -57,3 +59,17 @@ def test_a_cached_capture_leaves_the_random_state_as_a_capture_does():
     torch.manual_seed(123)  # anything between
     capture_at(mf, 0, inputs, meta=True)
     assert torch.equal(torch.rand(4), after)
+
+
+def test_real_inputs_of_other_values_are_captured_anew_where_the_model_reads_them():
+    mf = load_model_file(READS)
+    inputs = mf.build_inputs(0)
+    doubled = capture_at(mf, 0, inputs)  # flags.any(): the branch that doubles
+    again = capture_at(mf, 0, {k: v.clone() for k, v in inputs.items()})
+    assert again is not doubled and _ops(again) == _ops(doubled)
+    assert all(torch.equal(again.tensors[k], t) for k, t in doubled.tensors.items())
+    plain = capture_at(mf, 0, inputs | {"flags": torch.tensor([0, 0])})  # the other branch: no doubling
+    def reads(program):
+        return sorted(repr(site.values) for site in program.record.sites.values())
+    assert reads(again) == reads(doubled) != reads(plain)
+    assert _ops(plain).count("aten.mul.Tensor") < _ops(doubled).count("aten.mul.Tensor")
