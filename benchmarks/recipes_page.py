@@ -189,7 +189,9 @@ def _layer_terms(mega) -> list[str]:
               "input TE's fused RMSNorm keeps.",
               "- **column-parallel inputs**: the q/k/v and gate/up linears keep their input's sequence-parallel "
               "shard (2h a token each, over tp) and all-gather it again in backward (`rt.linears_regathered`), as "
-              "Megatron does.",
+              "Megatron does. Not yet under `--fp8`: the fp8 pass replaces those linears before the regather is "
+              "fused, so an fp8 program keeps the gathered input (tp times the shard); the rows marked \"matmuls in "
+              "fp8\" are priced as the bf16 program keeps its activations.",
               "- **attention**: SDPA keeps q, k, v, its output (o_proj's input: the same storage) and the "
               "logsumexp; k and v at the kv heads (`enable_gqa`, as Megatron's flash attention keeps them), where "
               "the formula counts K and V at h.",
