@@ -63,6 +63,11 @@ NEAR_MISSES = {  # the model's picking line, rewritten -> the refusal
         "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None] / rows.shape[0]",
         r"--dp 2: model: aten\.div\.Tensor \(div, picked_experts_loop\.py:\d+\) uses sym_size_int_\d+, the count of a "
         r"selection of the batch's rows .* as a number"),
+    "numbers-in-a-narrow-dtype": (  # uint8 wraps the whole batch's numbers past 255, not a part's: at 320 tokens
+        # (B, S = 4, 80) this trained 6.4e-3 (losses) and 0.65 of the update off one device before the refusal
+        "y = (flat[rows.to(torch.uint8).long()] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]",
+        r"aten\.to\.dtype \(to, picked_experts_loop\.py:\d+\) mixes the rows of the batch: it "
+        r"reads the numbers of rows torch\.where picked .* other than to index"),
     "mean-of-a-selection": (
         "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]; out = out + y.mean()",
         r"--dp 2: model: aten\.mean\.default \(mean, picked_experts_loop\.py:\d+\) averages a selection of the batch's "

@@ -64,13 +64,17 @@ class Picked:
 
 # ops that keep a tensor's values and shape: the numbers stay what they were
 _SAME = {aten._to_copy, aten.to, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous}
+# dtypes that hold a row number as it is, whatever the batch's size: a narrower one (uint8's wrap, bfloat16's
+# rounding) changes the whole batch's numbers where it keeps a part's smaller ones (each part's rows from 0)
+_NUMBERS = (torch.int32, torch.int64)
 
 
 def picked_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision | None:
     """The decision for ``node`` reading row numbers (a :class:`Picked` input), or None."""
     packet = getattr(node.target, "overloadpacket", None)
-    if packet in _SAME and len(args) == 1:
-        return Decision(placements[0], tuple(placements))
+    if packet in _SAME and len(args) == 1:  # a copy in a dtype that holds every row number (not uint8, bfloat16)
+        exact = isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dtype in _NUMBERS
+        return Decision(placements[0], tuple(placements)) if exact else None
     if packet is aten.index:
         return _picked_index(node, args, placements)
     if packet is aten.index_select:
