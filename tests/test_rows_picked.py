@@ -140,3 +140,17 @@ def test_a_selection_an_op_needs_whole_is_refused_naming_it(tmp_path):
     with pytest.raises(LayoutError, match=r"aten\.cumsum\.default \(cumsum, selection_mixed\.py:11\) mixes the rows .*"
                                           r"a selection of each rank's rows .* train at --dp 1"):
         compile_program(model, Layout(dp=2))
+
+
+BRANCH = MODEL.with_name("picked_count_branch.py")
+
+
+def test_a_branch_a_count_over_the_batch_did_not_take_is_refused(tmp_path):
+    # a count equal to its parts' sum holds on the whole batch when it holds on every part, not when it fails on every
+    # part: sums 2 and 6 against 4 each, 8 against 8 (before: compiled, and trained 8.8e-2 off one device at dp2)
+    with pytest.raises(LayoutError, match=r"aten\.eq\.Scalar \(eq_1, picked_count_branch\.py:\d+\) computes a value "
+                                          r"over the rows of the batch that data-dependent code reads"):
+        compile_program(BRANCH, Layout(dp=2))
+    model = tmp_path / "picked_count_branch.py"  # two image tokens in every row: each part takes the branch, as the whole
+    model.write_text(BRANCH.read_text().replace("ids[2, 1:4] = ids[3, 1:4] = IMAGE", "ids[:, 1:3] = IMAGE"))
+    assert not compile_program(model, Layout(dp=2)).ctx.rows.checks
