@@ -151,6 +151,6 @@ def test_a_branch_a_count_over_the_batch_did_not_take_is_refused(tmp_path):
     with pytest.raises(LayoutError, match=r"aten\.eq\.Scalar \(eq_1, picked_count_branch\.py:\d+\) computes a value "
                                           r"over the rows of the batch that data-dependent code reads"):
         compile_program(BRANCH, Layout(dp=2))
-    model = tmp_path / "picked_count_branch.py"  # two image tokens in every row: each part takes the branch, as the whole
+    model = tmp_path / "picked_count_branch.py"  # two image tokens in every row: each part takes the branch, as does
     model.write_text(BRANCH.read_text().replace("ids[2, 1:4] = ids[3, 1:4] = IMAGE", "ids[:, 1:3] = IMAGE"))
-    assert not compile_program(model, Layout(dp=2)).ctx.rows.checks
+    assert not compile_program(model, Layout(dp=2)).ctx.rows.checks  # the whole batch

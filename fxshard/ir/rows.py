@@ -38,7 +38,7 @@ from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
-from fxshard.ir.rows_picked import Picked, averages_selection, part_count
+from fxshard.ir.rows_picked import Picked, asserted_true, averages_selection, part_count
 from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, only_asserted, rows_rule
 from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
 from fxshard.ir.token_means import counted_terms
@@ -315,7 +315,7 @@ class _Walk:
             self.place[node] = R
             return
         if node.target is aten.eq.Scalar and has == [Partial("sum")] and _lone_scalar_check(node) and \
-                _asserted_true(node) and argument(node, "other") == PARTS * argument(one, "other"):
+                asserted_true(node) and argument(node, "other") == PARTS * argument(one, "other"):
             self.place[node] = R
             return
         self.place[node] = R
@@ -339,26 +339,6 @@ def _lone_scalar_check(node: fx.Node) -> bool:
     gives the whole batch's value: parts of lengths [3, 3] and [5, 5] each read True, the whole reads False."""
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.dim() == 0 and only_asserted(node)
-
-
-def _asserted_true(node: fx.Node) -> bool:
-    """Whether the program asserts the boolean ``node`` True (``torch._check``, ``torch_compilable_check``, a branch
-    the example batch took: ``sym_ite(item, 1, 0) == 1``).  Parts of the batch whose sums each equal their count
-    sum to the whole's; parts that each differ may not differ as a whole (sums 2 and 6 against 4 each, 8 against
-    8): a branch not taken on every part may be taken on one device."""
-    for u in node.users:
-        if u.target is aten._is_all_true.default and _asserted_true(u):
-            return True
-        if u.target is not aten.item.default:
-            continue
-        for w in u.users:
-            if w.target is aten._assert_scalar.default:
-                return True
-            if getattr(w.target, "__name__", "") == "sym_ite" and w.args[1:] == (1, 0) and any(
-                    c.target in (operator.eq, operator.ge) and c.args == (w, 1) and any(
-                        a.target is aten._assert_scalar.default for a in c.users) for c in w.users):
-                return True
-    return False
 
 
 def _tiled(node: fx.Node, d: int) -> bool:
