@@ -68,6 +68,10 @@ NEAR_MISSES = {  # the model's picking line, rewritten -> the refusal
         "y = (flat[rows.to(torch.uint8).long()] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]",
         r"aten\.to\.dtype \(to, picked_experts_loop\.py:\d+\) mixes the rows of the batch: it "
         r"reads the numbers of rows torch\.where picked .* other than to index"),
+    "half-a-selection": (  # before: a TypeError from inside the compile (a slice's end the data decides)
+        "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]; "
+        "out = out + y[: rows.shape[0] // 2].sum()",
+        r"aten\.slice\.Tensor \(slice_\d+, picked_experts_loop\.py:\d+\) mixes the rows of the batch"),
     "mean-of-a-selection": (
         "y = (flat[rows] @ self.experts[e].squeeze(0)) * top.values[rows, slot, None]; out = out + y.mean()",
         r"--dp 2: model: aten\.mean\.default \(mean, picked_experts_loop\.py:\d+\) averages a selection of the batch's "
