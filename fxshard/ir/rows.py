@@ -207,6 +207,9 @@ class _Walk:
             return self._refuse(node, one, "averages a selection of the batch's rows (a count the data decides): the "
                                            "parts' means would weigh each part alike, one device weighs each entry")
         self.place[node] = _avg(decision)
+        if node in self.guards and not self.extra and isinstance(self.place[node], Partial) and any(
+                u.target in _READS for u in node.users):
+            return self._check(node, one)  # int(mask.sum()): each part reads its own part of the value
         if decision.rewrite == RATIO and not self.extra:
             self.ratios.append(one.name)
 
@@ -330,6 +333,7 @@ class _Walk:
 
 
 _SELECTING = {aten.max, aten.min, aten.amax, aten.amin, aten.any, aten.all}
+_READS = {aten.item.default, aten._local_scalar_dense.default}  # a tensor's value read as a Python number
 
 
 def _lone_scalar_check(node: fx.Node) -> bool:
