@@ -152,6 +152,8 @@ def _whole_slice(node, args, placements) -> Decision | None:
     dim = argument(node, "dim") % n
     start, end, step = argument(node, "start") or 0, argument(node, "end"), argument(node, "step") or 1
     size = shape(args[0])[dim]
+    if not isinstance(end, (int, type(None))):  # an end the data decides (half a selection's count): no rule here
+        return None
     if dim != p.dim or start not in (0, None) or step != 1 or (end is not None and end < size):
         return None
     return Decision(p, (p,))

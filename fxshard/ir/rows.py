@@ -38,7 +38,7 @@ from fxshard.ir.cp_experts import BLOCK_OPS, TokenBlock, token_local_blocks
 from fxshard.ir.cp_rules import cp_rule
 from fxshard.ir.experts import ROW_OPS, grouped_mm_ops, offsets, reaches
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
-from fxshard.ir.rows_picked import Picked, averages_selection, part_count
+from fxshard.ir.rows_picked import Picked, asserted_true, averages_selection, part_count
 from fxshard.ir.rows_rules import FRESH, RATIO, SOURCES, UNIFORM, Ids, only_asserted, rows_rule
 from fxshard.ir.sharding import Decision, argument, rule_decision, tensor_args
 from fxshard.ir.token_means import counted_terms
@@ -207,6 +207,9 @@ class _Walk:
             return self._refuse(node, one, "averages a selection of the batch's rows (a count the data decides): the "
                                            "parts' means would weigh each part alike, one device weighs each entry")
         self.place[node] = _avg(decision)
+        if node in self.guards and not self.extra and isinstance(self.place[node], Partial) and any(
+                u.target in _READS for u in node.users):
+            return self._check(node, one)  # int(mask.sum()): each part reads its own part of the value
         if decision.rewrite == RATIO and not self.extra:
             self.ratios.append(one.name)
 
@@ -315,7 +318,7 @@ class _Walk:
             self.place[node] = R
             return
         if node.target is aten.eq.Scalar and has == [Partial("sum")] and _lone_scalar_check(node) and \
-                argument(node, "other") == PARTS * argument(one, "other"):
+                asserted_true(node) and argument(node, "other") == PARTS * argument(one, "other"):
             self.place[node] = R
             return
         self.place[node] = R
@@ -330,6 +333,7 @@ class _Walk:
 
 
 _SELECTING = {aten.max, aten.min, aten.amax, aten.amin, aten.any, aten.all}
+_READS = {aten.item.default, aten._local_scalar_dense.default}  # a tensor's value read as a Python number
 
 
 def _lone_scalar_check(node: fx.Node) -> bool:

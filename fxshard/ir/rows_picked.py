@@ -64,13 +64,17 @@ class Picked:
 
 # ops that keep a tensor's values and shape: the numbers stay what they were
 _SAME = {aten._to_copy, aten.to, aten.clone, aten.alias, aten.detach, aten.lift_fresh_copy, aten.contiguous}
+# dtypes that hold a row number as it is, whatever the batch's size: a narrower one (uint8's wrap, bfloat16's
+# rounding) changes the whole batch's numbers where it keeps a part's smaller ones (each part's rows from 0)
+_NUMBERS = (torch.int32, torch.int64)
 
 
 def picked_rule(node: fx.Node, args: list[fx.Node], placements: list) -> Decision | None:
     """The decision for ``node`` reading row numbers (a :class:`Picked` input), or None."""
     packet = getattr(node.target, "overloadpacket", None)
-    if packet in _SAME and len(args) == 1:
-        return Decision(placements[0], tuple(placements))
+    if packet in _SAME and len(args) == 1:  # a copy in a dtype that holds every row number (not uint8, bfloat16)
+        exact = isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dtype in _NUMBERS
+        return Decision(placements[0], tuple(placements)) if exact else None
     if packet is aten.index:
         return _picked_index(node, args, placements)
     if packet is aten.index_select:
@@ -326,15 +330,30 @@ def _count_asserted(mask: fx.Node, source: fx.Node, inner: int) -> bool:
                 k = 1 if c is s else c.args[1] if c.target is aten.mul.Tensor and c.args[0] is s else None
                 if k not in (1, inner) or (k == 1) != (c is s):
                     continue
-                if any(e.target is aten.eq.Scalar and e.args[0] is c and e.args[1] == total and _asserted(e)
+                if any(e.target is aten.eq.Scalar and e.args[0] is c and e.args[1] == total and asserted_true(e)
                        for e in c.users):
                     return True
     return False
 
 
-def _asserted(n: fx.Node, depth: int = 0) -> bool:
-    """Whether ``n`` reaches an ``_assert_scalar`` (through ``torch_compilable_check``'s ops)."""
-    return depth < 6 and any(u.target is aten._assert_scalar.default or _asserted(u, depth + 1) for u in n.users)
+def asserted_true(node: fx.Node) -> bool:
+    """Whether the program asserts the boolean ``node`` True (``torch._check``, ``torch_compilable_check``, a branch
+    the example batch took: ``sym_ite(item, 1, 0) == 1``).  Parts of the batch whose sums each equal their count
+    sum to the whole's; parts that each differ may not differ as a whole (sums 2 and 6 against 4 each, 8 against
+    8): a branch not taken on every part may be taken on one device."""
+    for u in node.users:
+        if u.target is aten._is_all_true.default and asserted_true(u):
+            return True
+        if u.target is not aten.item.default:
+            continue
+        for w in u.users:
+            if w.target is aten._assert_scalar.default:
+                return True
+            if getattr(w.target, "__name__", "") == "sym_ite" and w.args[1:] == (1, 0) and any(
+                    c.target in (operator.eq, operator.ge) and c.args == (w, 1) and any(
+                        a.target is aten._assert_scalar.default for a in c.users) for c in w.users):
+                return True
+    return False
 
 
 def _numel(n: fx.Node) -> int:
