@@ -153,6 +153,7 @@ def staged_output(out: Path, new_names: set[str], kind: FolderKind):
                 if out.is_dir():  # a recompiled folder keeps its mode (set now: a read-only one was still written)
                     os.chmod(stage.path, stat.S_IMODE(out.stat().st_mode))
                 stage.swap_in(out, foreign)
+                signals.swapped = True
         except BaseException:
             if stage is not None and not stage.swapped:
                 with signals.held(swapped=None):  # the stop under way is this one
@@ -174,6 +175,7 @@ class _Signals:
         self.holding = False
         self.noted: str | None = None
         self.previous: dict[int, object] = {}
+        self.swapped = False  # the swap is done: a signal handled after its block (late, a loaded machine) says so
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -191,7 +193,7 @@ class _Signals:
         if self.holding:
             self.noted = self.noted or name
             return
-        raise Interrupted(name)
+        raise Interrupted(name, swapped=self.swapped)
 
     @contextlib.contextmanager
     def held(self, swapped: bool | None):
