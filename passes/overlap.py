@@ -46,10 +46,7 @@ aten = torch.ops.aten
 def overlap_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for body in bodies(gm, ctx):
         for node, linears in _fusible(body).items():
-            if node.target is rtc.copy_to:
-                _fuse(gm, node, linears)
-            else:
-                _regather(gm, node, linears)
+            _fuse(gm, node, linears)
     gm.recompile()
     return gm
 
@@ -83,40 +80,28 @@ def _linear_of(user: fx.Node, x: fx.Node, state: set[fx.Node]) -> bool:
 
 
 def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
-    """Replace ``node`` (a copy_to) by one ``rt.copy_to_linears`` node, and each linear by its output."""
+    """Read ``node``'s linears through one fused op, each linear its output: a copy_to is replaced by one
+    ``rt.copy_to_linears``; an sp gather_to stays, its linears one ``rt.linears_regathered`` beside it, which keeps
+    the gather's input (the sp shard) for backward rather than its output."""
     x, group = node.args
     weights = tuple(n.args[1] for n in linears)
     biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
-    with gm.graph.inserting_before(node):
-        fused = gm.graph.create_node("call_function", rtc.copy_to_linears, (x, group),
-                                     {"weights": weights, "biases": biases},
-                                     name=node.name.replace("copy_to", "copy_to_linears", 1))
+    if node.target is rtc.copy_to:
+        collective, args, first = "copy_to_linears", (x, group), {}
+        name, where = node.name.replace("copy_to", collective, 1), gm.graph.inserting_before(node)
+    else:
+        collective, args, first = "linears_regathered", (node, group), {"shard": x, "dim": node.kwargs["dim"]}
+        name, where = collective, gm.graph.inserting_after(node)
+    with where:
+        fused = gm.graph.create_node("call_function", getattr(rtc, collective), args,
+                                     first | {"weights": weights, "biases": biases}, name=name)
     fused.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
     fused.meta["val"] = tuple(n.meta["val"] for n in linears)
-    fused.meta["fxshard"] = dataclasses.replace(spec(node), collective="copy_to_linears",
+    fused.meta["fxshard"] = dataclasses.replace(spec(node), collective=collective,
                                                 placement=tuple(spec(n).placement for n in linears))
     for i, linear in enumerate(linears):  # in place: each keeps its name, position and facts
         linear.target = operator.getitem
         linear.args, linear.kwargs = (fused, i), {}
         update_spec(linear, inputs=())  # as for any getitem: it reads no tensor (a tuple)
-    gm.graph.erase_node(node)
-
-
-def _regather(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
-    """Read ``node`` (a gather_to over tp) through one ``rt.linears_regathered``, each linear its output: the
-    gather stays, the linears keep its input (the sp shard) for backward rather than its output."""
-    shard, group = node.args
-    weights = tuple(n.args[1] for n in linears)
-    biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
-    with gm.graph.inserting_after(node):
-        fused = gm.graph.create_node("call_function", rtc.linears_regathered, (node, group),
-                                     {"shard": shard, "dim": node.kwargs["dim"], "weights": weights, "biases": biases},
-                                     name="linears_regathered")
-    fused.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-    fused.meta["val"] = tuple(n.meta["val"] for n in linears)
-    fused.meta["fxshard"] = dataclasses.replace(spec(node), collective="linears_regathered",
-                                                placement=tuple(spec(n).placement for n in linears))
-    for i, linear in enumerate(linears):  # in place: each keeps its name, position and facts
-        linear.target = operator.getitem
-        linear.args, linear.kwargs = (fused, i), {}
-        update_spec(linear, inputs=())
+    if node.target is rtc.copy_to:
+        gm.graph.erase_node(node)
