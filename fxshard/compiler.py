@@ -19,7 +19,6 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import hashlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,26 +259,15 @@ def _rows(mf: ModelFile, seed: int, program: Program, ctx: CompileContext) -> Ba
     return rows if paired == products else analyse(paired)  # a product of sizes equal to the rows by chance
 
 
-# the model captured at twice a part's rows, by (model file, its digest, seed, rows, dtype): the compiles of one
-# model at several layouts (fxshard plan's search, the tests) capture it once; the analysis only reads it
-_TWICE: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
-
-
 def _captured_twice(mf: ModelFile, seed: int, rows: int, dtype, reads=None) -> fx.GraphModule:
     """The model captured at ``rows`` rows on meta tensors; its Python reads of tensor values (data-dependent code)
     answered as the program's capture answered them (``reads``: :mod:`fxshard.capture.specialize`), which meta
-    tensors cannot: the analysis judges the program as specialized."""
-    key = (*mf.identity(), seed, rows, str(dtype), repr(reads and sorted(
-        (k, repr(s.values)) for k, s in reads.sites.items())))
-    if key not in _TWICE:
-        full = mf.build_inputs(seed)  # the first rows, a counted input's entries of them (capture/rows.py)
-        inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
-                                 Rows.of(full).take(full, 0, rows))
-        _TWICE[key] = capture_at(mf, seed, inputs, dtype, meta=True, reads=reads).gm
-        while len(_TWICE) > 4:
-            _TWICE.popitem(last=False)
-    _TWICE.move_to_end(key)
-    return _TWICE[key]
+    tensors cannot: the analysis judges the program as specialized.  The compiles of one model at several layouts
+    (fxshard plan's search, verify) capture it once (capture_at's cache)."""
+    full = mf.build_inputs(seed)  # the first rows, a counted input's entries of them (capture/rows.py)
+    inputs = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                             Rows.of(full).take(full, 0, rows))
+    return capture_at(mf, seed, inputs, dtype, meta=True, reads=reads).gm
 
 
 def _check_scalar_parameters(program: Program, layout: Layout) -> None:
