@@ -13,7 +13,8 @@ they are noted and raised once it is complete: the folder is then the old progra
 A ``kill -9`` cannot be caught, so the sibling carries a journal (``.fxshard-swap``), locked by the process
 that writes it and saying what the swap will do before it does it.  The next write of the same folder
 (:func:`recover_interrupted`) finds a journal whose lock is free and finishes or undoes what it says, and
-says so::
+says so.  The writer starts no process while it holds the lock (a forked child holds a copy of it until it execs;
+:mod:`fxshard.files.libc`); a dead writer's journal still locked is waited for a few seconds, then refused::
 
     with staged_output(Path("out/gpt"), {"manifest.json", ...}, PROGRAM) as stage:
         write_text(stage / "manifest.json", text, "the manifest", owner=STAGE)
@@ -26,8 +27,6 @@ deletion cut short leaves nothing under its name.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import glob
 import json
@@ -38,15 +37,18 @@ import shutil
 import signal
 import stat
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fxshard.errors import OutputFolderError, warn
+from fxshard.files import libc
 from fxshard.files.single import open_no_follow
 
 JOURNAL = ".fxshard-swap"  # in the staging folder: travels with it through the exchange
 STAGE = "the staging folder"  # the owner of a file written into one (its record is the folder's, written last)
+INHERITED_WAIT_S = 5.0  # a dead writer's journal still locked: how long its children may hold the lock
 STOP_ENV = "FXSHARD_TEST_STOP_IN_SWAP"  # tests: the compile stops itself (SIGSTOP) at this point of the swap
 
 
@@ -335,15 +337,46 @@ def _claim(journal: Path, out: Path, kind: FolderKind) -> dict:
     """The journal of a dead write (its lock taken for the recovery), or a refusal while its writer lives."""
     fd = open_no_follow(journal, os.O_RDWR, what="a swap's journal")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes, below
-        except BlockingIOError:
-            pid = _read(fd).get("pid", "unknown")
-            raise OutputFolderError(f"{out}: another fxshard (pid {pid}) is writing this {kind.noun} now; wait for it "
-                                    f"to finish, or choose another {kind.flag}") from None
-        return _read(fd)
+        if _locked(fd):  # released when fd closes, below
+            return _read(fd)
+        pid = _read(fd).get("pid", "unknown")
+        if not (isinstance(pid, int) and _ended(pid)):
+            raise OutputFolderError(f"{out}: another fxshard (pid {pid}) is writing this {kind.noun} now; wait for "
+                                    f"it to finish, or choose another {kind.flag}")
+        # its writer has ended, yet the lock is held: by a copy of the descriptor in a process the writer started
+        # (a child between its fork and its exec lets go within milliseconds)
+        deadline = time.monotonic() + INHERITED_WAIT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if _locked(fd):
+                return _read(fd)
+        raise OutputFolderError(f"{out}: the fxshard (pid {pid}) that was writing this {kind.noun} has ended, but a "
+                                f"process it started still holds its journal {journal} open ({INHERITED_WAIT_S:g} s "
+                                f"waited; `fuser {journal}` names it): end that process, then run again")
     finally:
         os.close(fd)
+
+
+def _locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie has: its files are closed; only its exit status waits)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _read(fd: int) -> dict:
@@ -377,20 +410,13 @@ def _finish_swapped(out: Path, note: dict, kind: FolderKind) -> str:
 _RENAME_EXCHANGE = 2
 
 
-def _renameat2():
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return None
-    return getattr(ctypes.CDLL(libc_name, use_errno=True), "renameat2", None)
-
-
 def _exchange_available() -> bool:
-    return _renameat2() is not None
+    return libc.function("renameat2") is not None
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically exchange two paths (Linux renameat2); False where the call is unavailable or refused."""
-    renameat2 = _renameat2()
+    renameat2 = libc.function("renameat2")
     if renameat2 is None:
         return False
     at_fdcwd = -100

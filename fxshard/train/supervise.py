@@ -12,8 +12,6 @@ holder exits however it exits) by the run writing it; a second run is refused, n
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import os
 import signal
@@ -64,10 +62,11 @@ def die_with_parent(parent: int | None = None) -> None:
     starting (importing torch takes seconds) has already been handed to init, so it compares its parent with
     the launcher's pid it was given (``parent``, else :data:`LAUNCHER_PID`'s) and exits."""
     parent = parent or int(os.environ.get(LAUNCHER_PID) or os.getppid())
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is not None:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    from fxshard.files import libc
+
+    prctl = libc.function("prctl")  # not ctypes.util.find_library: it starts a process (fxshard.files.libc)
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the request: nobody supervises this rank
         os._exit(1)
 
