@@ -3,7 +3,10 @@
 The row-mixing corpus (``tests/models/rows_*.py``: a router's ``view(2, B*S, -1)``, a reshape across batch and
 sequence, flattened rows split at another size, a sum, a sort and a cumulative sum over the batch) trained silently
 wrong at --dp 2 before the batch-row analysis (``fxshard/ir/rows.py``); now the ops that mix rows run on the whole
-batch (``passes/batch_rows.py``).  The random-op models (``mae_mask.py``: rand + argsort; ``random_ops.py``: randn,
+batch (``passes/batch_rows.py``).  ``rows_tiled_heads.py`` (DeBERTa's repeated relative-position keys) splits with
+the rows; ``rows_tiled_odd.py`` runs on the whole batch, taken back to the rows inside a layer's class.
+
+The random-op models (``mae_mask.py``: rand + argsort; ``random_ops.py``: randn,
 randn_like, randperm, bernoulli_, stochastic depth, exponential_, multinomial; Hugging Face Phimoe's router) were
 refused at --dp and --pp; now every rank draws its elements of one device's values (``fxshard/runtime/draws.py``).
 
@@ -36,6 +39,11 @@ CORPUS = ("rows_router_view", "rows_reshape", "rows_flatten_split", "rows_batch_
           "rows_batch_cumsum")
 CASES = {  # id -> (model file, layout, optimizer settings[, plan])
     **{f"{m.replace('_', '-')}-dp2": (MODELS / f"{m}.py", Layout(dp=2, zero=1), OptimConfig()) for m in CORPUS},
+    # whole copies of a parameter tensor in every row (DeBERTa's relative-position keys): split with the rows; and a
+    # table tiled across the rows (computed on the whole batch: rt.own_rows inside the layer class, its self.dp)
+    "rows-tiled-heads-dp2": (MODELS / "rows_tiled_heads.py", Layout(dp=2, zero=1), OptimConfig()),
+    "rows-tiled-heads-pp2": (MODELS / "rows_tiled_heads.py", Layout(pp=2, microbatches=2), OptimConfig()),
+    "rows-tiled-odd-dp2": (MODELS / "rows_tiled_odd.py", Layout(dp=2, zero=1), OptimConfig()),
     "mae-dp2": (MODELS / "mae_mask.py", Layout(dp=2, zero=1), OptimConfig()),
     "mae-pp2": (MODELS / "mae_mask.py", Layout(pp=2, microbatches=2), OptimConfig()),
     "mae-tp2": (MODELS / "mae_mask.py", Layout(tp=2), OptimConfig()),
@@ -59,8 +67,8 @@ CASES = {  # id -> (model file, layout, optimizer settings[, plan])
 }
 # make test's representatives: every silent row-mixing case, each random-op model at dp and pp, tp with split draws,
 # accumulation; make test-matrix runs every case
-KEEP = (*(f"{m.replace('_', '-')}-dp2" for m in CORPUS), "mae-pp2", "random-ops-pp2", "random-ops-tp2-split",
-        "random-ops-dp2-accum2", "drop-path-cp2", "phimoe-pp2")
+KEEP = (*(f"{m.replace('_', '-')}-dp2" for m in CORPUS), "rows-tiled-heads-pp2", "rows-tiled-odd-dp2", "mae-pp2",
+        "random-ops-pp2", "random-ops-tp2-split", "random-ops-dp2-accum2", "drop-path-cp2", "phimoe-pp2")
 
 
 def _train_one(out: str, optim: OptimConfig):

@@ -49,6 +49,9 @@ def run_case(model: Path, flags: list[str]) -> tuple[str, str]:
         return "FAILED", figures
     error = re.search(r"error: (.*)", proc.stderr)
     reason = error[1] if error else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if not error or error[1].startswith("distributed run failed"):  # a compiled program that fails: not a refusal
+        ranks = re.findall(r"rank \d+ exited with code \d+: (.*)", proc.stderr)
+        return "FAILED", f"{reason} {ranks[0]}" if ranks else reason
     return "refused", reason
 
 

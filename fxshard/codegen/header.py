@@ -318,7 +318,9 @@ _COPY_TO = ("copy_to_linears", "copy_to")
 
 def class_axes(gm: fx.GraphModule, layout: Layout) -> list[str]:
     """The process groups a generated class takes (without the pipeline's ``pp``): tp always, ep under expert
-    parallelism, and every other axis a collective of the graph goes over (dp, for the whole-batch means of a
-    load-balancing loss: passes/router_loss.py)."""
-    used = {a.axis for n in gm.graph.nodes if spec(n).collective for a in n.args if isinstance(a, Group)}
+    parallelism, and every other axis a line of the graph names as ``self.<axis>``: a collective's (dp, for the
+    whole-batch means of a load-balancing loss: passes/router_loss.py) or a local op's (``rt.own_rows``, which
+    keeps this dp rank's rows of a whole-batch value without communicating)."""
+    used = {a.axis for n in gm.graph.nodes for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+            if isinstance(a, Group)}
     return [axis for axis in (TP, EP, CP, DP) if axis == TP or axis in used or (axis == EP and layout.ep > 1)]

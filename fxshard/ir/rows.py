@@ -118,12 +118,17 @@ def batch_rows(g1: fx.GraphModule, g2: fx.GraphModule, user_inputs: set[str], wh
             place[one.name] = place.get(pairing.same_as[one].name, R)
             if place[one.name] is None:
                 whole.append(one.name)
-    rows = next((int(n.meta["val"].shape[0]) for n in g1.graph.nodes if n.name in user_inputs
-                 and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), 0)
+    rows = _rows(g1, user_inputs)
     out = next(n for n in g1.graph.nodes if n.op == "output").args[0]
     loss = place.get(out[0].name) if isinstance(out, (tuple, list)) and isinstance(out[0], fx.Node) else None
     return BatchRows(rows, place, walk.mixing, tuple(whole), walk.sizes, frozenset(handled), tuple(walk.ratios), loss,
                      walk.checks)
+
+
+def _rows(gm: fx.GraphModule, user_inputs) -> int:
+    """The batch's rows in ``gm``: its first batched user input's leading size (0 where none has one)."""
+    return next((int(n.meta["val"].shape[0]) for n in gm.graph.nodes if n.name in user_inputs
+                 and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), 0)
 
 
 def guard_only(gm: fx.GraphModule) -> set[fx.Node]:
@@ -141,6 +146,7 @@ def guard_only(gm: fx.GraphModule) -> set[fx.Node]:
 class _Walk:
     def __init__(self, pairing: Pairing, user_inputs, handled, exempt, where: str):
         self.one_of = {node: one for one, node in pairing.twin.items()}
+        self.rows = _rows(next(iter(pairing.twin)).graph.owning_module, user_inputs) if pairing.twin else 0
         self.user_inputs, self.handled, self.exempt, self.where = user_inputs, handled, exempt, where
         self.place: dict[fx.Node, object] = {}
         self.mixing: dict[str, str] = {}
@@ -238,7 +244,8 @@ class _Walk:
         d = grown[0]
         if node.target is aten.arange.default and node.meta["val"].dim() == 1:
             return Decision(Ids(0), ())
-        if getattr(node.target, "overloadpacket", None) in UNIFORM or node.target in SOURCES or _tiled(node, d):
+        if getattr(node.target, "overloadpacket", None) in UNIFORM or node.target in SOURCES or \
+                _tiled(node, one, d, self.rows):
             return Decision(Shard(d), tuple(self.place.get(a) for a in tensor_args(node)))
         return None
 
@@ -345,14 +352,20 @@ def _lone_scalar_check(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 0 and only_asserted(node)
 
 
-def _tiled(node: fx.Node, d: int) -> bool:
-    """``x.repeat(...)`` that repeats a whole ``x`` of one row along ``d`` (a mask token over the batch): the same
-    in every row."""
+def _tiled(node: fx.Node, one: fx.Node, d: int, rows: int) -> bool:
+    """``x.repeat(...)`` of a value the batch does not enter, tiled along ``d`` so that every row of the batch gets
+    the same whole copies of ``x``: a one-row ``x`` (a mask token over the batch), a new leading dimension, or a
+    repeat count along ``d`` that is a multiple of the batch's rows (DeBERTa's relative-position keys ``[H, 2L, dh]``
+    repeated to ``[B*H, 2L, dh]``).  A part of the batch then repeats the same copies over its own rows.  Not when a
+    row holds part of a copy (``w[:2].repeat(3 * B // 2, 1)``: odd rows start at ``w[1]``)."""
     if node.target is not aten.repeat.default:
         return False
     src = node.args[0].meta["val"]
     k = d - (node.meta["val"].dim() - src.dim())
-    return k < 0 or src.shape[k] == 1
+    if k < 0 or src.shape[k] == 1:
+        return True
+    count = _int(list(one.args[1])[d]) if len(one.args) > 1 else None
+    return rows > 0 and count is not None and count % rows == 0
 
 
 def _per_row(node: fx.Node) -> bool:

@@ -64,6 +64,8 @@ MIXING = {  # id -> (forward body, the op named)
     "a size of the batch as a number": (lambda m, h, ids: (h * h.shape[0]).mean(), "aten.mul.Tensor"),
     "a write to rows the data picks": (lambda m, h, ids: (torch.zeros(h.shape[0], S).index_put(
         (ids[:, 0] % 2, ids[:, 1]), torch.tensor(1.0)) * h.sum(-1)).mean(), "aten.index_put.default"),
+    "a table tiled across the rows": (lambda m, h, ids: (h + m.proj.weight[:2].repeat(3 * h.shape[0] // 2, 1).view(
+        h.shape[0], 3, H)[:, :1]).mean(), "aten.repeat.default"),  # odd rows start at the table's second row
 }
 
 
@@ -88,6 +90,9 @@ SEPARATE = {  # id -> forward body computing each row from its own
                                 + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
                                 + h.sort(1).values.cumsum(1).mean()  # along the tokens
                                 + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
+    # DeBERTa's relative-position keys: [heads, L, d] repeated over the batch, whole copies in every row
+    "tiled copies": lambda m, h, ids: torch.bmm(h.reshape(h.shape[0] * 2, S // 2, H), m.proj.weight.view(
+        2, H // 2, H).repeat(h.shape[0], 1, 1).transpose(1, 2)).tanh().mean(),
     "boolean mask": lambda m, h, ids: (F.cross_entropy(h[ids > 2], ids[ids > 2] % H)
                                        + h.index_put((ids > 2,), torch.tensor(0.0)).pow(2).mean()),  # x[mask] = 0
     "images": lambda m, h, ids: F.adaptive_avg_pool2d(F.max_pool2d(F.conv2d(h.unsqueeze(1), torch.ones(3, 1, 2, 2)),
