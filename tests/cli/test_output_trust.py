@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,8 @@ def test_a_signal_while_compile_writes_leaves_the_old_folder_untouched(tmp_path,
                 if caught:
                     proc.send_signal(sig)
                 proc.send_signal(signal.SIGCONT)
+            else:  # a millisecond's look, not a spin: the compile needs the core
+                time.sleep(0.001)
         _, err = proc.communicate(timeout=300)
         if caught and "holds the new program, complete" in err:
             # it landed while the complete new program was being swapped in (whose staging-named sibling we saw):

@@ -112,6 +112,7 @@ def test_kill_9_of_the_launcher_while_its_workers_start_leaves_none(out, tmp_pat
     workers: set[int] = set()
     while len(workers) < 2 and time.monotonic() < deadline:
         workers = _children(proc.pid)
+        time.sleep(0.001)  # the workers import torch for seconds: a millisecond's look finds them still starting
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert len(workers) >= 2, "the run's workers were not found"
@@ -189,9 +190,11 @@ def test_kill_9_of_a_worker_in_the_middle_of_a_save_then_resume(tmp_path, victim
         while not caught and time.monotonic() < deadline and proc.poll() is None:
             if len(workers) < 2:
                 workers = _ranks(proc.pid)
+                time.sleep(0.01)
                 continue
             saves = [p for p in ckpt.glob("step-*.tmp-*") if int(p.name[5:13]) >= 2]  # latest names a step
             if not saves:
+                time.sleep(0.001)  # a millisecond's look, not a spin: the ranks need the cores
                 continue
             with _frozen(workers.values()):
                 caught = [p for p in ckpt.glob("step-*.tmp-*") if p.is_dir()]

@@ -179,6 +179,7 @@ def test_kill_9_while_writing_leaves_the_folder_and_the_stage_is_removed_next_ti
         if any((tmp_path / name / "manifest.json").exists() for name in _hidden(tmp_path)):
             proc.send_signal(signal.SIGKILL)
             break
+        time.sleep(0.001)  # a millisecond's look, not a spin: the compile needs the core
     proc.communicate(timeout=60)
     if _hidden(tmp_path):  # killed before the swap: the stage is removed; inside it: finished (either way said)
         with pytest.warns(FxshardWarning) as said:
