@@ -371,7 +371,17 @@ def _aligned(s: tuple[int, ...], p: Placement, out: Shard, n: int) -> Placement:
     return R if ad < 0 or s[ad] == 1 else out.moved(ad)
 
 
-@rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy, aten.type_as,
+@rule(aten.type_as, general=True)
+def _type_as(node, args, placements):
+    """``x.type_as(other)``: ``x`` cast to ``other``'s dtype, element by element; ``other`` is read for its dtype
+    alone, whatever its shape and placement (Funnel's ``attention_mask.type_as(inputs_embeds)``: a ``[B, S]`` mask
+    beside ``[B, S, H]`` embeddings, both split along the batch)."""
+    if isinstance(placements[0], Partial):  # a cast of a partial sum rounds each part: not the sum's cast
+        return None
+    return Decision(placements[0], tuple(placements))
+
+
+@rule(aten.dropout, aten.clone, aten.contiguous, aten.detach, aten.to, aten._to_copy,
       aten.masked_fill, aten.where, aten.lift_fresh_copy, aten.gelu, aten.silu, aten.relu, aten.tanh,
       aten.sigmoid, aten.copy_, general=True)
 def _pointwise(node, args, placements):

@@ -90,6 +90,8 @@ SEPARATE = {  # id -> forward body computing each row from its own
                                 + (h + m.proj.weight.expand(h.shape[0], H, H)[:, :S]).mean()  # a weight per row
                                 + h.sort(1).values.cumsum(1).mean()  # along the tokens
                                 + torch.concatenate([h, h.tanh()], -1).mean()),  # Zamba2's cat, an alias
+    # Funnel's attention_mask.type_as(inputs_embeds): the other operand read for its dtype alone
+    "a mask cast to the features' dtype": lambda m, h, ids: (h * ids.gt(2).type_as(h).unsqueeze(-1)).mean(),
     # DeBERTa's relative-position keys: [heads, L, d] repeated over the batch, whole copies in every row
     "tiled copies": lambda m, h, ids: torch.bmm(h.reshape(h.shape[0] * 2, S // 2, H), m.proj.weight.view(
         2, H // 2, H).repeat(h.shape[0], 1, 1).transpose(1, 2)).tanh().mean(),
