@@ -21,19 +21,19 @@ demo: setup
 # Two workers (pytest-xdist), a test file each at a time: spawned ranks run one thread each.  The cases of broad
 # layout and model matrices are marked `matrix` and left to make test-matrix; a representative case of each stays.
 test: setup browser
-	$(PY) -m pytest -q -m "not matrix" -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -m "not matrix" -n 2 --dist loadfile --durations=25
 
 # The cases make test leaves out: the rest of each broad matrix (marked matrix).  make test and make test-matrix
 # together are the whole suite; CI (.ci/run) runs both.
 test-matrix: setup
-	$(PY) -m pytest -q -m matrix -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -m matrix -n 2 --dist loadfile --durations=25
 
 # The edit loop: every test that starts no process group (a test that starts one unmarked fails, naming itself),
 # less those marked slow (over ~4 s alone: big meta models, plans over many layouts; make test runs them).
 # Two workers (pytest-xdist), a test file each at a time: the machine's 2 cores.
 FAST := -m "not distributed and not e2e and not browser and not slow and not matrix"
 test-fast: setup
-	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) -n 2 --dist loadfile --no-loadscope-reorder --durations=10
+	FXSHARD_TEST_FAST=1 $(PY) -m pytest -q $(FAST) -n 2 --dist loadfile --durations=10
 
 # Another torch in a second environment, .venv-compat (`make setup`'s .venv is not touched): the fast tier, then
 # a distributed subset (tp2 through the command line, pp2, dp2 ZeRO 1 and 3, a transformers Llama at tp2 and
@@ -52,7 +52,7 @@ $(COMPAT_STAMP): pyproject.toml scripts/setup_compat.sh
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider
+	FXSHARD_TEST_FAST=1 $(COMPAT_PY) -m pytest -q $(FAST) -n 2 --dist loadfile -p no:cacheprovider
 	$(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_DISTRIBUTED)
 
 # The real peers in a third environment, .venv-peers (`make setup`'s .venv is not touched): torchtitan, Megatron-Core

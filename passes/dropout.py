@@ -89,7 +89,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             _check_rows(node, x, rows, ctx)
         placement = spec(node).placement
         if isinstance(placement, Shard) and layout.tp > 1:
-            if placement.sizes or placement.blocks > 1 and placement.replicas:
+            if placement.general:  # unequal blocks, or parts several ranks hold alike
                 raise RandomnessError(f"{node_fqn(node) or 'model'}: dropout on a value split in unequal or "
                                       f"replicated packed blocks ({placement}) has no layout-invariant mask yet; "
                                       "use the dropout after the packed value is split into its parts")
@@ -107,7 +107,7 @@ def dropout_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 def _shard(node: fx.Node, placement: Shard, tp: int, what: str) -> RankValue:
     """Which slice of the global tensor each tp rank holds: ``(dim, index, parts[, blocks])``, None for all of it."""
-    if placement.sizes or placement.blocks > 1 and placement.replicas:
+    if placement.general:  # unequal blocks, or parts several ranks hold alike
         raise RandomnessError(f"{node_fqn(node) or 'model'}: {what} on a value split in unequal or replicated packed "
                               f"blocks ({placement}) has no layout-invariant values yet; use it after the packed value "
                               "is split into its parts")

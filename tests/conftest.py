@@ -15,23 +15,6 @@ if os.environ.get("FXSHARD_START_METHOD") != "spawn":
     os.environ.setdefault("FXSHARD_WORKERS", "fork")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """Files whose tests start processes first, the most such tests first, then the files with the most tests; each
-    file's tests stay together and in order.  ``-n 2 --dist loadfile --no-loadscope-reorder`` hands the workers
-    whole files in this order: the long files start early and the short ones fill in at the end.  xdist's own order
-    (most tests first) gave the files of one or two long end-to-end tests (test_board, test_multinode, the swap
-    signals) last, and one worker finished the run alone."""
-    heavy: dict = {}
-    count: dict = {}
-    for item in items:
-        weight = any(item.get_closest_marker(m) for m in ("distributed", "e2e", "slow"))
-        heavy[item.path] = heavy.get(item.path, 0) + weight
-        count[item.path] = count.get(item.path, 0) + 1
-    first = {path: i for i, path in enumerate(heavy)}
-    items.sort(key=lambda item: (-heavy[item.path], -count[item.path], first[item.path]))
-
-
 @pytest.fixture
 def samples():
     return ROOT / "samples"

@@ -79,9 +79,10 @@ CASES = {  # id -> (model file, layout)
 }
 COMPILED = {"llama-padded-cp2-compile"}
 # make test's representatives: each mode with tp (allgather with sp), a pipeline, ZeRO 3, a bidirectional
-# encoder, absolute positions, packed documents over the ring; make test-matrix runs every case
+# encoder, packed documents over the ring; make test-matrix runs every case.  Left to it with its siblings here:
+# gpt2-cp2 (a model beside Llama: bert-mlm-cp2, whose positions are absolute too)
 KEEP = ("llama-padded-cp2-tp2-sp", "llama-padded-cp2-tp2-ring", "llama-padded-cp2-tp2-a2a",
-        "llama-cp2-pp2-1f1b", "llama-padded-cp2-dp2-zero3", "bert-mlm-cp2", "gpt2-cp2", "packed-llama-cp2-ring",
+        "llama-cp2-pp2-1f1b", "llama-padded-cp2-dp2-zero3", "bert-mlm-cp2", "packed-llama-cp2-ring",
         "qwen3moe-cp2-dp2-ep2")
 
 

@@ -64,11 +64,14 @@ CASES = {  # id -> (model file, layout, optimizer settings[, plan])
     # Phimoe samples its experts with exponential_ and rand_like over the batch's flattened tokens
     "phimoe-dp2": (MODELS / "hf_phimoe.py", Layout(dp=2, zero=1), OptimConfig()),
     "phimoe-pp2": (MODELS / "hf_phimoe.py", Layout(pp=2), OptimConfig()),
+    # under --sp the router's tokens are split in one block per row (S(0)x4): each rank draws its parts of every
+    # block (refused before: a check meant for unequal or shared blocks read a method as true)
+    "phimoe-tp2-sp": (MODELS / "hf_phimoe.py", Layout(tp=2, sp=True), OptimConfig()),
 }
-# make test's representatives: every silent row-mixing case, each random-op model at dp and pp, tp with split draws,
-# accumulation; make test-matrix runs every case
+# make test's representatives: every silent row-mixing case, each random-op model at dp or pp, tp with split draws,
+# accumulation, Phimoe's router under --sp (its pp2 sibling: random-ops-pp2); make test-matrix runs every case
 KEEP = (*(f"{m.replace('_', '-')}-dp2" for m in CORPUS), "rows-tiled-heads-pp2", "rows-tiled-odd-dp2", "mae-pp2",
-        "random-ops-pp2", "random-ops-tp2-split", "random-ops-dp2-accum2", "drop-path-cp2", "phimoe-pp2")
+        "random-ops-pp2", "random-ops-tp2-split", "random-ops-dp2-accum2", "drop-path-cp2", "phimoe-tp2-sp")
 
 
 def _train_one(out: str, optim: OptimConfig):
