@@ -152,7 +152,10 @@ def test_schedules_weight_decay_accumulation_and_eval_match_one_device(trained, 
     assert lrs == pytest.approx([OPTIM.lr * f for f in (0.5, 1.0, 0.775, 0.325)])  # warmup (s+1)/2, cosine to 0.1
 
 
+# make test-matrix's (one spawn of 4 ranks): a run resumed from its data position, bit for bit in the same layout
+# and resharded, is tests/train/test_resume_killed.py's through the command line
 @pytest.mark.distributed
+@pytest.mark.matrix
 def test_a_resumed_run_continues_with_the_next_batch(trained, resumed):
     uninterrupted = case_result(trained["found"], "uninterrupted")[0][0]
     assert len(uninterrupted) == LAST
@@ -165,6 +168,7 @@ def test_a_resumed_run_continues_with_the_next_batch(trained, resumed):
 
 
 @pytest.mark.distributed
+@pytest.mark.matrix
 def test_a_checkpoint_without_a_data_position_resumes_with_a_note(trained, resumed):
     losses, _, lines = case_result(resumed, "old-format")[0]
     assert any("records no data position" in line and "past 7 batches (7 steps of 1)" in line for line in lines), lines
