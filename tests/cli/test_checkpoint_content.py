@@ -72,17 +72,19 @@ def test_a_resume_given_other_data_is_refused_unless_allowed(trained, tmp_path):
     ids = np.fromfile(root / "a.bin", dtype=np.uint16)
     ids[100] = (ids[100] + 1) % 256  # one token of another file of the same size
     ids.tofile(tmp_path / "b.bin")
-    said = _refused(_fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume", "--data", tmp_path / "b.bin"))
+    # --no-check: the static check of the program is another test's (seconds each); these refusals read the data
+    said = _refused(_fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume", "--data", tmp_path / "b.bin",
+                             "--no-check"))
     assert "resumed with other data than it trained on: the token file is another" in said
     assert "pass --allow-data-change" in said
     said = _refused(_fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume", "--data", root / "a.bin",
-                             "--data-seed", 7))
+                             "--data-seed", 7, "--no-check"))
     assert "--data-seed 7 (saved: 0)" in said
     said = _refused(_fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume", "--data", root / "a.bin",
-                             "--no-shuffle"))
+                             "--no-shuffle", "--no-check"))
     assert "--shuffle False (saved: True)" in said
     run = _fxshard("run", out, "--steps", 3, "--checkpoint", ckpt, "--resume", "--save-every", 1, "--data",
-                   root / "a.bin", "--data-seed", 7, "--no-shuffle", "--allow-data-change")
+                   root / "a.bin", "--data-seed", 7, "--no-shuffle", "--allow-data-change", "--no-check")
     assert run.returncode == 0, run.stdout + run.stderr
     state = json.loads((ckpt / "step-00000003" / "index.json").read_text())["trainer"]["data"]
     assert state["seed"] == 7 and state["shuffle"] is False and state["position"] == 12  # the flags were honoured
