@@ -35,6 +35,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import threading
 import time
@@ -242,7 +243,7 @@ class _Stage:
         self._note({"out": out.name, "state": "writing"})
 
     def _note(self, note: dict) -> None:
-        data = json.dumps(note | {"pid": os.getpid()}).encode()
+        data = json.dumps(note | {"pid": os.getpid()} | _machine()).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
         os.fsync(self.fd)
@@ -307,54 +308,90 @@ def _stop_here(point: str) -> None:
 
 def recover_interrupted(out: Path, kind: FolderKind) -> list[str]:
     """Finish or undo the swap of a write into ``out`` that was killed (its journal's lock is free), and warn
-    what was done; the messages.  A write still running (its lock held) is refused, never touched."""
+    what was done; the messages.  A write still running (its lock held) is refused, never touched; the lock is
+    held through each recovery, so two compiles recovering at once do it once."""
     out = Path(out).resolve()
     messages = []
     if os.path.lexists(out / JOURNAL):
-        note = _claim(out / JOURNAL, out, kind)
-        messages.append(_finish_swapped(out, note, kind))
+        with _claimed(out / JOURNAL, out, kind) as note:
+            if note is not None:
+                messages.append(_finish_swapped(out, note, kind))
     pattern = f".{glob.escape(out.name)}.fxshard-new-*"
     for sibling in sorted(out.parent.glob(pattern)):
         if not os.path.lexists(sibling / JOURNAL):
-            messages.append(f"{sibling}: left by a {kind.verb} that an earlier fxshard did not finish; it may "
-                            f"hold your files: move them into {out}, then delete it")
+            if sibling.exists():
+                messages.append(f"{sibling}: left by a {kind.verb} that an earlier fxshard did not finish; it may "
+                                f"hold your files: move them into {out}, then delete it")
             continue
-        note = _claim(sibling / JOURNAL, out, kind)
-        old = _named_sibling(out, note.get("old"))
-        if note.get("state") == "swapping" and not out.exists() and old is not None and old.is_dir():
-            os.rename(sibling, out)  # killed between the two renames of a swap without exchange: complete it
-            messages.append(_finish_swapped(out, note, kind))
-            continue
-        shutil.rmtree(sibling)
-        messages.append(f"removed {sibling.name}: the staging folder of a {kind.verb} killed before it "
-                        f"replaced {out}; {out} is as it was")
+        with _claimed(sibling / JOURNAL, out, kind) as note:
+            if note is None:  # another compile recovered it while this one waited
+                continue
+            old = _named_sibling(out, note.get("old"))
+            if note.get("state") == "swapping" and not out.exists() and old is not None and old.is_dir():
+                os.rename(sibling, out)  # killed between the two renames of a swap without exchange: complete it
+                messages.append(_finish_swapped(out, note, kind))
+                continue
+            shutil.rmtree(sibling)
+            messages.append(f"removed {sibling.name}: the staging folder of a {kind.verb} killed before it "
+                            f"replaced {out}; {out} is as it was")
     for message in messages:
         warn(message)
     return messages
 
 
-def _claim(journal: Path, out: Path, kind: FolderKind) -> dict:
-    """The journal of a dead write (its lock taken for the recovery), or a refusal while its writer lives."""
-    fd = open_no_follow(journal, os.O_RDWR, what="a swap's journal")
+@contextlib.contextmanager
+def _claimed(journal: Path, out: Path, kind: FolderKind):
+    """The journal of a dead write, its lock held for the recovery (None: another compile recovered it first), or
+    a refusal while its writer lives."""
     try:
-        if _locked(fd):  # released when fd closes, below
-            return _read(fd)
-        pid = _read(fd).get("pid", "unknown")
-        if not (isinstance(pid, int) and _ended(pid)):
-            raise OutputFolderError(f"{out}: another fxshard (pid {pid}) is writing this {kind.noun} now; wait for "
-                                    f"it to finish, or choose another {kind.flag}")
-        # its writer has ended, yet the lock is held: by a copy of the descriptor in a process the writer started
-        # (a child between its fork and its exec lets go within milliseconds)
-        deadline = time.monotonic() + INHERITED_WAIT_S
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            if _locked(fd):
-                return _read(fd)
-        raise OutputFolderError(f"{out}: the fxshard (pid {pid}) that was writing this {kind.noun} has ended, but a "
-                                f"process it started still holds its journal {journal} open ({INHERITED_WAIT_S:g} s "
-                                f"waited; `fuser {journal}` names it): end that process, then run again")
+        fd = open_no_follow(journal, os.O_RDWR, what="a swap's journal")
+    except FileNotFoundError:  # recovered (and removed) by another compile since it was listed
+        yield None
+        return
+    try:
+        if not _locked(fd):
+            _wait_for_dead_writer(fd, journal, out, kind)
+        try:  # a compile that recovered it while this one waited has removed it
+            same = os.path.samestat(os.fstat(fd), os.stat(journal, follow_symlinks=False))
+        except FileNotFoundError:
+            same = False
+        yield _read(fd) if same else None
     finally:
         os.close(fd)
+
+
+def _wait_for_dead_writer(fd: int, journal: Path, out: Path, kind: FolderKind) -> None:
+    """The lock of a journal whose writer has ended, once the processes that still hold it let go (a child between
+    its fork and its exec, a compile recovering it); a refusal while the writer lives, or after a few seconds."""
+    note = _read(fd)
+    pid = note.get("pid", "unknown")
+    if not (isinstance(pid, int) and _this_machine(note) and _ended(pid)):
+        where = f" on {note['host']}" if isinstance(note.get("host"), str) and not _this_machine(note) else ""
+        raise OutputFolderError(f"{out}: another fxshard (pid {pid}{where}) is writing this {kind.noun} now; wait "
+                                f"for it to finish, or choose another {kind.flag}")
+    deadline = time.monotonic() + INHERITED_WAIT_S
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        if _locked(fd):
+            return
+    raise OutputFolderError(f"{out}: the fxshard (pid {pid}) that was writing this {kind.noun} has ended, but a "
+                            f"process it started still holds its journal {journal} open ({INHERITED_WAIT_S:g} s "
+                            f"waited; `fuser {journal}` names it): end that process, then run again")
+
+
+def _machine() -> dict:
+    """Where a pid means this process's numbering: the host, and the pid namespace (containers share a volume)."""
+    found = {"host": socket.gethostname()}
+    with contextlib.suppress(OSError):
+        found["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+    return found
+
+
+def _this_machine(note: dict) -> bool:
+    """Whether a journal's writer ran where its pid is this process's to look up (a journal without the fields:
+    yes)."""
+    here = _machine()
+    return all(note.get(k, v) == v for k, v in here.items())
 
 
 def _locked(fd: int) -> bool:

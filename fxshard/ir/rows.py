@@ -131,6 +131,17 @@ def _rows(gm: fx.GraphModule, user_inputs) -> int:
                  and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()), 0)
 
 
+def _split_rows(pairing: Pairing, user_inputs) -> int:
+    """The batch's rows: the leading size of a user input that has twice as many at twice the rows (not a
+    ``position_ids`` of ``[1, S]``, the same in both captures); 0 where none has."""
+    for one, node in pairing.twin.items():
+        a, b = one.meta.get("val"), node.meta.get("val")
+        if one.op == "placeholder" and one.name in user_inputs and isinstance(a, torch.Tensor) and \
+                isinstance(b, torch.Tensor) and a.dim() and b.dim() and _int(b.shape[0]) == 2 * _int(a.shape[0]):
+            return int(a.shape[0])
+    return 0
+
+
 def guard_only(gm: fx.GraphModule) -> set[fx.Node]:
     """The nodes of ``gm`` whose value reaches nothing but runtime assertions (``aten._assert_scalar``): the reads
     capture specialized on the example batch (:mod:`fxshard.capture.specialize`), checked against it, never
@@ -146,7 +157,7 @@ def guard_only(gm: fx.GraphModule) -> set[fx.Node]:
 class _Walk:
     def __init__(self, pairing: Pairing, user_inputs, handled, exempt, where: str):
         self.one_of = {node: one for one, node in pairing.twin.items()}
-        self.rows = _rows(next(iter(pairing.twin)).graph.owning_module, user_inputs) if pairing.twin else 0
+        self.rows = _split_rows(pairing, user_inputs)
         self.user_inputs, self.handled, self.exempt, self.where = user_inputs, handled, exempt, where
         self.place: dict[fx.Node, object] = {}
         self.mixing: dict[str, str] = {}

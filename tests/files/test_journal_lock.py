@@ -99,3 +99,59 @@ def test_a_dead_writers_journal_a_child_keeps_is_refused_naming_the_journal(tmp_
         assert (tmp_path / stage / JOURNAL).exists()  # nothing touched
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_two_compiles_recovering_at_once_recover_once(tmp_path):
+    """The lock is held through a recovery: the second compile finds the journal gone once it gets the lock."""
+    import threading
+    import warnings
+
+    out = tmp_path / "o"
+    stage, _ = _dead_writer(out, child_s=1.0)  # both recoveries wait for the child, then race for the lock
+    said: list = []
+    failed: list = []
+
+    def recover():
+        try:
+            said.append(recover_interrupted(out, PROGRAM))
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            failed.append(e)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FxshardWarning)
+        threads = [threading.Thread(target=recover) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert failed == []
+    assert sorted(len(m) for m in said) == [0, 1] and any(f"removed {stage}" in m[0] for m in said if m), said
+    assert not (tmp_path / stage).exists()
+
+
+_OTHER_HOST = """
+import json, os, sys, time
+from pathlib import Path
+from fxshard.files.staged import _Stage
+stage = _Stage(Path(sys.argv[1]))
+note = json.dumps({"out": "o", "state": "writing", "pid": 999999999, "host": "another-host"}).encode()
+os.ftruncate(stage.fd, 0)
+os.pwrite(stage.fd, note, 0)
+print(stage.path.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_writer_on_another_host_is_named_so_and_not_waited_for(tmp_path):
+    """A journal on a shared volume whose writer ran elsewhere: its pid is not this machine's to look up."""
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-c", _OTHER_HOST, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        stage = proc.stdout.readline().strip()
+        start = time.monotonic()
+        with pytest.raises(OutputFolderError, match=r"another fxshard \(pid 999999999 on another-host\) is writing"):
+            recover_interrupted(out, PROGRAM)
+        assert time.monotonic() - start < 1.0 and (tmp_path / stage / JOURNAL).exists()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -245,3 +245,25 @@ def test_a_mean_over_a_masked_selection_is_not_averaged_over_the_parts(tmp_path)
     with pytest.raises(LayoutError, match=r"model: masked_select \(aten.masked_select.default, sel.py:\d+\) is "
                                           r"computed on the whole batch under --dp 2 and fails at its size"):
         compile_program(tmp_path / "sel.py", Layout(dp=2))
+
+
+def test_a_table_tiled_across_the_rows_is_found_beside_an_input_of_one_row():
+    """The rows are counted on an input the batch splits, not the first input (a ``position_ids`` of ``[1, S]``
+    counted one row, and every repeat count was a multiple of it)."""
+    class Tiled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, H))
+
+        def forward(self, pos, h):
+            slots = self.w.repeat(3 * h.shape[0] // 2, 1).view(h.shape[0], 3, H)  # odd rows start at w[1]
+            return (h + slots[:, :1] + pos.unsqueeze(-1)).mean()
+
+    def inputs(b):
+        return torch.arange(S).unsqueeze(0).float(), torch.randn(b, S, H)
+
+    one, two = (export(Tiled(), inputs(b), strict=False) for b in (B, 2 * B))
+    users = {s.arg.name for s in one.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    rows = batch_rows(one.graph_module, two.graph_module, users, "model.py")
+    assert any("aten.repeat.default" in f and "mixes the rows of the batch" in f for f in rows.mixing.values()), \
+        rows.mixing
