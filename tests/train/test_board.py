@@ -67,7 +67,11 @@ def test_run_refuses_a_tensorboard_file_before_it_launches(tmp_path):
     assert done.returncode == 2 and "is a file; --tensorboard names a folder" in done.stderr
 
 
+# make test-matrix's (a tp2 run of 4 steps with evaluation, then one device's): what the board draws from the
+# records is this file's first test, the global gradient norm against one device's
+# tests/test_expert_parallel.py::test_global_gradient_norm_counts_each_expert_gradient_once
 @pytest.mark.e2e
+@pytest.mark.matrix
 def test_run_writes_what_the_metrics_record_and_the_gradient_norm_is_one_devices(tmp_path, corpus):
     root, _ = corpus
     out, metrics, board = tmp_path / "out", tmp_path / "m.jsonl", tmp_path / "tb"

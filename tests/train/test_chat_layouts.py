@@ -95,6 +95,9 @@ def test_chat_training_matches_one_device(trained, chat_corpus, case):
     assert abs(got[STEPS] - evals[STEPS]) <= REL * abs(evals[STEPS]), f"{case} eval: {got} vs {evals}"
 
 
+# make test-matrix's: a resume under another layout is tests/test_checkpoint.py's (make test), chat training at each
+# layout this file's chat-tp2
+@pytest.mark.matrix
 def test_saved_at_dp2_and_resumed_at_tp2_mid_run_continues_the_losses(tmp_path, chat_corpus):
     root, _ = chat_corpus
     dp2, tp2 = tmp_path / "dp2", tmp_path / "tp2"
