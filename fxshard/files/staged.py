@@ -45,6 +45,7 @@ from pathlib import Path
 
 from fxshard.errors import OutputFolderError, warn
 from fxshard.files import libc
+from fxshard.files.owned import _alive
 from fxshard.files.single import open_no_follow
 
 JOURNAL = ".fxshard-swap"  # in the staging folder: travels with it through the exchange
@@ -404,12 +405,8 @@ def _locked(fd: int) -> bool:
 
 def _ended(pid: int) -> bool:
     """Whether process ``pid`` has ended (a zombie has: its files are closed; only its exit status waits)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not _alive(pid):
         return True
-    except PermissionError:
-        return False
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except (OSError, IndexError):
