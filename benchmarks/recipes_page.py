@@ -189,9 +189,10 @@ def _layer_terms(mega) -> list[str]:
               "input TE's fused RMSNorm keeps.",
               "- **column-parallel inputs**: the q/k/v and gate/up linears keep their input's sequence-parallel "
               "shard (2h a token each, over tp) and all-gather it again in backward (`rt.linears_regathered`), as "
-              "Megatron does. Not yet under `--fp8`: the fp8 pass replaces those linears before the regather is "
-              "fused, so an fp8 program keeps the gathered input (tp times the shard); the rows marked \"matmuls in "
-              "fp8\" are priced as the bf16 program keeps its activations.",
+              "Megatron does; under `--fp8` likewise (`rt.fp8_linears_regathered`, which casts the gathered input "
+              "again in backward as torchao casts the input it saved), so an fp8 program keeps what the bf16 one "
+              "keeps, layer by layer (`tests/cost/test_fp8_cost.py`), and the rows marked \"matmuls in fp8\" are "
+              "priced with the bf16 program's activations.",
               "- **attention**: SDPA keeps q, k, v, its output (o_proj's input: the same storage) and the "
               "logsumexp; k and v at the kv heads (`enable_gqa`, as Megatron's flash attention keeps them), where "
               "the formula counts K and V at h.",

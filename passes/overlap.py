@@ -21,6 +21,14 @@ computes (Megatron-LM's way under sequence parallelism; the plan counts the seco
     gather_to = rt.gather_to(mul_1, self.tp, dim=1)
     linears_regathered = rt.linears_regathered(gather_to, self.tp, shard=mul_1, dim=1, weights=(wq, wk, wv), ...)
 
+Under ``--fp8`` (passes/fp8.py, which runs first) the column-parallel linears are
+``rt.fp8_linear_tp(..., split="out")``; those reading an sp ``gather_to``, all of one recipe, become one
+``rt.fp8_linears_regathered``, which keeps the shard likewise and all-reduces the amaxes of all its products at once,
+forward and backward (a ``copy_to``'s fp8 linears stay unfused: they keep the one input they share either way)::
+
+    fp8_linears_regathered = rt.fp8_linears_regathered(gather_to, self.tp, shard=mul_1, dim=1, weights=(wq, wk, wv),
+                                                       biases=(None, None, None), recipe="tensorwise")
+
 A linear qualifies when it takes the ``copy_to`` as its input and runs in the same generated class (the same
 pipeline stage, and the same block submodule or outside every block: :mod:`fxshard.ir.blocks`), with weights
 and biases that class's own parameters.  The pass runs unless ``--no-overlap``, and not under the zero-bubble
@@ -39,6 +47,7 @@ from fxshard.ir.blocks import Body, block_units, bodies, held_state, unit_of
 from fxshard.ir.context import CompileContext, Group, spec, update_spec
 from fxshard.ir.layout import TP
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import fp8 as rt_fp8
 
 aten = torch.ops.aten
 
@@ -61,8 +70,11 @@ def _fusible(body: Body) -> dict[fx.Node, list[fx.Node]]:
         if not (node.target is rtc.copy_to or _sp_gather(node)) or not node.users or node in body.apart:
             continue
         cls = where.get(node)
-        if all(u in position and u not in body.apart and where.get(u) is cls and _linear_of(u, node, held[cls])
-               for u in node.users):
+        if not all(u in position and u not in body.apart and where.get(u) is cls for u in node.users):
+            continue
+        recipes = {_fp8_of(u, node, held[cls]) for u in node.users}  # under --sp, fp8 linears of one recipe
+        if all(_linear_of(u, node, held[cls]) for u in node.users) or (
+                node.target is rtc.gather_to and len(recipes) == 1 and None not in recipes):
             found[node] = sorted(node.users, key=position.__getitem__)
     return found
 
@@ -79,22 +91,40 @@ def _linear_of(user: fx.Node, x: fx.Node, state: set[fx.Node]) -> bool:
             and user.args[0] is x and all(a in state for a in user.args[1:] if a is not None))
 
 
+def _fp8_of(user: fx.Node, x: fx.Node, state: set[fx.Node]) -> str | None:
+    """The recipe of ``user`` where it is ``fp8_linear_tp(x, tp, weight=, bias=, split="out")`` (passes/fp8.py: a
+    column-parallel fp8 linear) with weight and bias among ``state``, else None."""
+    if user.op != "call_function" or user.target is not rt_fp8.fp8_linear_tp or user.args[0] is not x:
+        return None
+    kw = user.kwargs
+    if kw.get("split") != "out" or not all(a in state for a in (kw["weight"], kw.get("bias")) if a is not None):
+        return None
+    return kw["recipe"]
+
+
 def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
     """Read ``node``'s linears through one fused op, each linear its output: a copy_to is replaced by one
     ``rt.copy_to_linears``; an sp gather_to stays, its linears one ``rt.linears_regathered`` beside it, which keeps
     the gather's input (the sp shard) for backward rather than its output."""
     x, group = node.args
-    weights = tuple(n.args[1] for n in linears)
-    biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
-    if node.target is rtc.copy_to:
-        collective, args, first = "copy_to_linears", (x, group), {}
-        name, where = node.name.replace("copy_to", collective, 1), gm.graph.inserting_before(node)
+    recipe = linears[0].kwargs["recipe"] if linears[0].target is rt_fp8.fp8_linear_tp else None
+    if recipe is None:
+        weights = tuple(n.args[1] for n in linears)
+        biases = tuple(n.args[2] if len(n.args) > 2 else None for n in linears)
     else:
-        collective, args, first = "linears_regathered", (node, group), {"shard": x, "dim": node.kwargs["dim"]}
-        name, where = collective, gm.graph.inserting_after(node)
+        weights, biases = (tuple(n.kwargs[k] for n in linears) for k in ("weight", "bias"))
+    last = {"recipe": recipe} if recipe is not None else {}
+    if node.target is rtc.copy_to:
+        function, args, first = rtc.copy_to_linears, (x, group), {}
+        name, where = node.name.replace("copy_to", "copy_to_linears", 1), gm.graph.inserting_before(node)
+    else:
+        function = rt_fp8.fp8_linears_regathered if recipe is not None else rtc.linears_regathered
+        args, first = (node, group), {"shard": x, "dim": node.kwargs["dim"]}
+        name, where = function.__name__, gm.graph.inserting_after(node)
+    collective = function.__name__
     with where:
-        fused = gm.graph.create_node("call_function", getattr(rtc, collective), args,
-                                     first | {"weights": weights, "biases": biases}, name=name)
+        fused = gm.graph.create_node("call_function", function, args,
+                                     first | {"weights": weights, "biases": biases} | last, name=name)
     fused.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
     fused.meta["val"] = tuple(n.meta["val"] for n in linears)
     fused.meta["fxshard"] = dataclasses.replace(spec(node), collective=collective,
@@ -102,6 +132,6 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
     for i, linear in enumerate(linears):  # in place: each keeps its name, position and facts
         linear.target = operator.getitem
         linear.args, linear.kwargs = (fused, i), {}
-        update_spec(linear, inputs=())  # as for any getitem: it reads no tensor (a tuple)
+        update_spec(linear, inputs=(), collective=None)  # as for any getitem: it reads no tensor (a tuple)
     if node.target is rtc.copy_to:
         gm.graph.erase_node(node)

@@ -3,6 +3,8 @@ changes that keep less with the same values (docs/plan-check-verify.md, "saved f
 
 - ``regather``: under ``--sp`` the column-parallel linears keep the sp shard of their input and gather it again in
   backward (``rt.linears_regathered``), not the gathered input (``--no-overlap`` keeps it);
+- ``regather_fp8``: the same under ``--dtype fp8``, whose column-parallel linears are fp8 products
+  (``rt.fp8_linears_regathered``; the output head stays bf16, ``rt.linears_regathered``);
 - ``silu_mul``: SwiGLU's ``silu(gate) * up`` keeps gate and up, not ``silu(gate)`` (``rt.silu_mul``);
 - ``rms_normalize``: RMSNorm's fp32 part keeps its bf16 input, not the fp32 copy and rsqrt (``rt.rms_normalize``);
 - ``gqa``: attention keeps k and v at the kv heads (SDPA's ``enable_gqa``), not repeated to the query heads.
@@ -31,20 +33,27 @@ from fxshard.ir.context import Layout, spec
 from fxshard.ir.placement import local_shape
 from fxshard.runtime import activations as rta
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import fp8 as rt_fp8
 from fxshard.testing import matrix, measure_on_rank, selected_cases
 from fxshard.train.optim import OptimConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "samples" / "llama.py"  # 4 layers, hidden 64, ffn 128, 8 heads, 4 kv heads
 SP = Layout(tp=2, sp=True, dtype="bf16")
+FP8_SP = Layout(tp=2, sp=True, dtype="fp8")
 STEPS = 3
+
+
+def _base(change: str) -> str:
+    """The program a change is measured in: ``all`` (SP), or ``all_fp8`` (FP8_SP) for the fp8 regather."""
+    return "all_fp8" if change == "regather_fp8" else "all"
 
 
 @contextlib.contextmanager
 def _without(change: str):
     """The compiler without one of the changes: the program before it."""
-    if change == "regather":
-        yield Layout(tp=2, sp=True, dtype="bf16", overlap=False)
+    if change in ("regather", "regather_fp8"):
+        yield Layout(tp=2, sp=True, dtype="fp8" if change == "regather_fp8" else "bf16", overlap=False)
         return
     from fxshard.passes import saved_activations  # the rewrites' table, patched for the comparison alone
 
@@ -63,6 +72,11 @@ def _regather(gm) -> int:  # each fused node's gathered input, less its shard
     return sum(_local_bytes(n.args[0]) // 2 for n in gm.graph.nodes if n.target is rtc.linears_regathered)
 
 
+def _regather_fp8(gm) -> int:  # the same, of the fp8 linears and of the bf16 head's
+    fp8 = sum(_local_bytes(n.args[0]) // 2 for n in gm.graph.nodes if n.target is rt_fp8.fp8_linears_regathered)
+    return fp8 + _regather(gm) if fp8 else 0
+
+
 def _silu_mul(gm) -> int:  # silu(gate): the size of the product
     return sum(_local_bytes(n) for n in gm.graph.nodes if n.target is rta.silu_mul)
 
@@ -77,8 +91,10 @@ def _gqa(gm) -> int:  # k and v at the query heads, less k and v at the kv heads
                for n in gm.graph.nodes if n.kwargs.get("enable_gqa") for kv in n.args[1:3])
 
 
-CHANGES = {"regather": _regather, "silu_mul": _silu_mul, "rms_normalize": _rms_normalize, "gqa": _gqa}
-KEEP = ("regather", "rms_normalize")  # make test's (the collective one, a bf16 one); make test-matrix runs all
+CHANGES = {"regather": _regather, "regather_fp8": _regather_fp8, "silu_mul": _silu_mul,
+           "rms_normalize": _rms_normalize, "gqa": _gqa}
+# make test's (the collective ones, bf16 and fp8, and a bf16 op); make test-matrix runs all
+KEEP = ("regather", "regather_fp8", "rms_normalize")
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +102,10 @@ def measured(tmp_path_factory, request):
     """Per variant (all changes, and each selected change left out): the compile, the plan's saved bytes of pp rank 0
     and the measured saved bytes of one microbatch on each rank."""
     compiled, plans = {}, {}
-    for name in ("all", *selected_cases(request, CHANGES, "measured")):
-        with _without(name) if name != "all" else contextlib.nullcontext(SP) as layout:
+    changes = selected_cases(request, CHANGES, "measured")
+    for name in (*sorted({_base(c) for c in changes}), *changes):
+        base = {"all": SP, "all_fp8": FP8_SP}.get(name)
+        with _without(name) if base is None else contextlib.nullcontext(base) as layout:
             compiled[name] = compile_model(LLAMA, layout, out=tmp_path_factory.mktemp(name))
             plans[name] = plan_costs(LLAMA, layout).ranks[0]["saved"].value
     per_rank = spawn(measure_on_rank, 2, {name: str(r.out) for name, r in compiled.items()}, 2, timeout=600)
@@ -98,15 +116,15 @@ def measured(tmp_path_factory, request):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", matrix(CHANGES, KEEP))
 def test_each_change_keeps_what_the_graph_says_as_measured_and_as_planned(measured, case):
-    change = case
+    change, base = case, _base(case)
     compiled, plans, per_rank = measured
-    drop = CHANGES[change](compiled["all"].gm)
+    drop = CHANGES[change](compiled[base].gm)
     assert drop > 0 and CHANGES[change](compiled[change].gm) == 0
-    assert plans[change] - plans["all"] == drop
+    assert plans[change] - plans[base] == drop
     for rank, found in enumerate(per_rank):
-        assert found[change]["saved"] - found["all"]["saved"] == drop, rank
+        assert found[change]["saved"] - found[base]["saved"] == drop, rank
         # the plan's figure is the measured one, but for 8 bytes (a scalar) in every program, not of these changes
-        for name in ("all", change):
+        for name in (base, change):
             assert abs(found[name]["saved"] - plans[name]) <= 8, (rank, name, found[name]["saved"], plans[name])
 
 

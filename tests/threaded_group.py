@@ -74,9 +74,10 @@ class _Transport:
         return _Done() if async_op else None
 
     @staticmethod
-    def all_gather(parts, x, group=None):
+    def all_gather(parts, x, group=None, async_op=False):
         for part, value in zip(parts, group.exchange(x.clone()), strict=True):
             part.copy_(value)
+        return _Done() if async_op else None
 
     @staticmethod
     def reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=None):
@@ -96,13 +97,14 @@ class _Transport:
 @contextmanager
 def _threaded_transport():
     import fxshard.runtime.collectives as collectives
+    import fxshard.runtime.fp8 as fp8  # fp8_linears_regathered's all-gather
 
-    before = collectives.dist
-    collectives.dist = _Transport
+    before = collectives.dist, fp8.dist
+    collectives.dist = fp8.dist = _Transport
     try:
         yield
     finally:
-        collectives.dist = before
+        collectives.dist, fp8.dist = before
 
 
 def run_cases(fn, world: int, items: list[tuple[str, tuple]]) -> dict:

@@ -30,7 +30,7 @@ import torch
 from fxshard import runtime
 from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import CheckError
-from fxshard.ir.comm import KINDS, SUM_TIED_GRADS
+from fxshard.ir.comm import FUSED_NAMES, KINDS, SUM_TIED_GRADS, amax_weights
 from fxshard.ir.layout import CP, DP, EP, PP, TP
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
@@ -187,19 +187,20 @@ class Recorder:
         autograd reaches it (charged to this line), and return the local value it makes."""
         site = self._site()
         buffer = _buffer_of(kind, x, kwargs)
-        if kind.forward:
-            self._note(kind.forward, group, buffer("forward") if buffer else x, "forward", kind.name, site)
+        for op, amaxes in kind.ops("forward"):
+            self._note(op, group, buffer("forward") if amaxes else x, "forward", kind.name, site)
         size = group.size if isinstance(group, FakeGroup) else 1
 
         def note(g):
-            self._note(kind.backward, group, buffer("backward") if buffer else g, "backward", kind.name, site)
+            for op, amaxes in kind.ops("backward"):
+                self._note(op, group, buffer("backward") if amaxes else g, "backward", kind.name, site)
 
-        if kind.backward and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
+        if kind.ops("backward") and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
         if kind.name == "sum_replicas":  # several tensors, one all-reduce of their replicated parts' slots
             return _NoteOnce.apply(note, _slot_elements(x, kwargs.get("layouts", ())), *x)
         y = kind.fake(x, size, **kwargs)
-        if kind.backward:
+        if kind.ops("backward"):
             y = _OnGrad.apply(y, note)
         return y
 
@@ -214,16 +215,15 @@ class Recorder:
 
 
 # whose backward collective is noted on the input
-_SEVERAL_OUTPUTS = ("copy_to_linears", "linears_regathered", "ring_attention_step")
+_SEVERAL_OUTPUTS = (*FUSED_NAMES, "ring_attention_step")
 
 
 def _buffer_of(kind, x, kwargs):
-    """``direction -> the buffer`` of a kind whose buffer is neither its input nor its output (fp8_linear_tp's
-    amaxes: float32), else None."""
+    """``direction -> the buffer`` of an fp8 kind's amax all-reduce (float32), else None."""
     if kind.buffer is None:
         return None
-    weight = tuple(kwargs["weight"].shape)
-    return lambda direction: x.new_empty((int(kind.buffer(x.numel(), weight, kwargs, direction)),),
+    weights = [tuple(w.shape) for w in amax_weights(kwargs)]
+    return lambda direction: x.new_empty((int(kind.buffer(x.numel(), weights, kwargs, direction)),),
                                          dtype=torch.float32)
 
 
@@ -400,7 +400,7 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
 
 
 # rt.<call> -> [(backend operation, direction), ...] of every call that communicates, as the source reads
-_COMMUNICATES = {k.name: [(op, d) for d, op in (("forward", k.forward), ("backward", k.backward)) if op]
+_COMMUNICATES = {k.name: [(op, d) for d in ("forward", "backward") for op, _ in k.ops(d)]
                  for k in KINDS.values() if k.communicates} | {SUM_TIED_GRADS: [("all_reduce", "after backward")]}
 
 
@@ -427,14 +427,20 @@ class _Scan:
                              ) from None
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             result.tensors[name] = (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        calls = self.calls(self.function("forward", cls_name), "forward", cls_name)
-        result.forward = [c for c in calls if c.direction == "forward"]
-        result.backward = [c for c in reversed(calls) if c.direction == "backward"]
+        per_call = self.per_call(self.function("forward", cls_name), "forward", cls_name)
+        result.forward = [c for ops in per_call for c in ops if c.direction == "forward"]
+        # backward reaches the calls in reverse; one call's own operations keep their order (an fp8 call's amaxes
+        # before its gather)
+        result.backward = [c for ops in reversed(per_call) for c in ops if c.direction == "backward"]
         trace.classes[cls_name] = result
 
     def calls(self, fn: ast.FunctionDef | None, scope: str, cls: str | None = None) -> list[Collective]:
         """The collectives ``fn`` issues, in source order; a call of a block submodule (``self.model_layers_2(...)``,
         built in ``cls``'s ``__init__``) issues its class's, there."""
+        return [c for ops in self.per_call(fn, scope, cls) for c in ops]
+
+    def per_call(self, fn: ast.FunctionDef | None, scope: str, cls: str | None = None) -> list[list[Collective]]:
+        """:meth:`calls`, the operations of each ``rt.*`` call in a list of their own."""
         if fn is None:
             raise CheckError(f"{self.file}: has no function {'forward' if scope == 'forward' else 'sync_tied_grads'}")
         subs = self._submodules(cls) if cls is not None else {}
@@ -446,16 +452,16 @@ class _Scan:
         for call in sorted(found, key=lambda n: (n.lineno, n.col_offset)):
             if call.func.value.id == "self":
                 sub = subs[call.func.attr]
-                out += self.calls(self.function("forward", sub), scope, sub)
+                out += self.per_call(self.function("forward", sub), scope, sub)
                 continue
             group = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "group"),
                                                                    None)
             m = _ASSIGNED.match(self.lines[call.lineno - 1])
             value = m.group(1) if m else ""
             shape, dtype = self._shape(call, value)
-            for kind, direction in _COMMUNICATES[call.func.attr]:
-                out.append(Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
-                                      self.file, call.lineno, cls or ""))
+            out.append([Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
+                                   self.file, call.lineno, cls or "")
+                        for kind, direction in _COMMUNICATES[call.func.attr]])
         return out
 
     def _submodules(self, cls: str) -> dict[str, str]:

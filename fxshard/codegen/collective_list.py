@@ -52,7 +52,8 @@ def _body_entries(body: Body, ctx: CompileContext) -> list[CollectiveEntry]:
         entries.append(CollectiveEntry(
             op=kind.name, group=next(a.axis for a in node.args if isinstance(a, Group)),
             value=names.get(node, node.name),
-            shape=shape, dtype=str(val.dtype).removeprefix("torch."), backward=kind.backward,
+            shape=shape, dtype=str(val.dtype).removeprefix("torch."),
+            backward=" + ".join(op for op, _ in kind.ops("backward")) or None,
             outputs_only=node in skipped,
             stage=body.stage))
     return entries

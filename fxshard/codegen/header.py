@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from fxshard.codegen.lines import replica_elements, short_dtype
 from fxshard.codegen.manifest import CollectiveEntry
-from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
+from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input
 from fxshard.ir.context import CompileContext, Group, spec
 from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.layout import CP, DP, EDP, EP, PP, TP, Coords, Layout
@@ -179,11 +179,9 @@ def _counts(collectives: Sequence[CollectiveEntry]) -> tuple[str, str]:
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     for c in collectives:
-        forward = KINDS[c.op].forward
-        if forward:
-            fwd[forward] = fwd.get(forward, 0) + 1
-        if c.backward:
-            bwd[c.backward] = bwd.get(c.backward, 0) + 1
+        for direction, counts in (("forward", fwd), ("backward", bwd)):
+            for op, _ in KINDS[c.op].ops(direction):
+                counts[op] = counts.get(op, 0) + 1
     return (", ".join(f"{n} {k}" for k, n in sorted(fwd.items())) or "none",
             ", ".join(f"{n} {k}" for k, n in sorted(bwd.items())) or "none")
 
@@ -220,20 +218,21 @@ def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1, cp: int = 1) -> li
     ranks = {EP: ep, DP: dp, CP: cp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
     out = []
     for direction in ("forward", "backward"):
-        op = getattr(kind, direction)
-        if op and kind.buffer is not None:  # fp8_linear_tp: its amaxes, float32
-            x, w = node.args[0], node.kwargs["weight"]
-            elements = kind.buffer(math.prod(local_shape(tuple(x.meta["val"].shape), spec(x).placement, tp)),
-                                   local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp), node.kwargs,
-                                   direction)
-            out.append(_Issue(direction, op, (int(elements),), torch.float32, ranks))
-        elif op and kind.name == "sum_replicas":
-            out.append(_Issue(direction, op, (replica_elements(node, tp),), node.args[0][0].meta["val"].dtype, ranks))
-        elif op:
-            whole = node.args[0] if buffer_is_input(kind, direction) else node
-            val = whole.meta["val"]
-            out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
-                              val.dtype, ranks))
+        for op, amaxes in kind.ops(direction):
+            if amaxes:  # an fp8 call's amaxes, float32
+                x = node.args[0]
+                elements = kind.buffer(math.prod(local_shape(tuple(x.meta["val"].shape), spec(x).placement, tp)),
+                                       [local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp)
+                                        for w in amax_weights(node.kwargs)], node.kwargs, direction)
+                out.append(_Issue(direction, op, (int(elements),), torch.float32, ranks))
+            elif kind.name == "sum_replicas":
+                out.append(_Issue(direction, op, (replica_elements(node, tp),), node.args[0][0].meta["val"].dtype,
+                                  ranks))
+            else:
+                whole = node.args[0] if buffer_is_input(kind, direction) else node
+                val = whole.meta["val"]
+                out.append(_Issue(direction, op, tuple(local_shape(tuple(val.shape), spec(whole).placement, tp)),
+                                  val.dtype, ranks))
     return out
 
 

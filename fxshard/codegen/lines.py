@@ -20,7 +20,7 @@ import torch.fx as fx
 from fxshard.graph import NOT_MODEL as _NOT_MODEL
 from fxshard.graph import model_line
 from fxshard.ir.blocks import BlockUnit
-from fxshard.ir.comm import kind_of
+from fxshard.ir.comm import FUSED_LINEARS, FUSED_NAMES, kind_of
 from fxshard.ir.context import CompileContext, Group, RankValue, spec
 from fxshard.ir.layout import CP, DP, PP, TP
 from fxshard.ir.placement import Partial, Replicate, Shard, local_shape
@@ -79,8 +79,7 @@ def base_name(node: fx.Node) -> str:
     target = node.target
     if target is rt_collectives.copy_to_linears:
         return "copy_to"
-    if target is operator.getitem and getattr(node.args[0], "target", None) in (rt_collectives.copy_to_linears,
-                                                                                rt_collectives.linears_regathered):
+    if target is operator.getitem and getattr(node.args[0], "target", None) in FUSED_LINEARS:
         return "linear"
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__.split(".")[-1]
@@ -140,7 +139,7 @@ def line_note(node: fx.Node, tp: int) -> str:
     s = spec(node)
     value = value_text(node, tp)
     p = s.placement
-    if s.collective in ("copy_to_linears", "linears_regathered"):  # its input's value; the linears' after the arrow
+    if s.collective in FUSED_NAMES:  # its input's value; the linears' after the arrow
         return f"{value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
     if s.collective == "sum_replicas":  # a layer's weights: their splits, each part summed over its ranks in backward
         return f"({', '.join(map(str, p))})"

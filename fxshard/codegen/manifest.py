@@ -185,7 +185,7 @@ class CollectiveEntry:
     value: str  # the variable the line assigns
     shape: tuple[int, ...]  # its input as this rank holds it
     dtype: str
-    backward: str | None  # what its backward issues
+    backward: str | None  # what its backward issues ("all_reduce + all_gather": in that order)
     outputs_only: bool = False  # only returning the model's other outputs needs it (training skips it)
     stage: int | None = None  # the pipeline stage whose class holds the line
 

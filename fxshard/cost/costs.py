@@ -37,7 +37,7 @@ from fxshard.errors import LayoutError, NeedsRealWeights, OptionError
 from fxshard.graph import largest_shape, loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.blocks import block_units
-from fxshard.ir.comm import KINDS, WIRE, buffer_is_input
+from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks, under
 from fxshard.ir.layout import CP, EDP, EP, TP, Coords, Layout
@@ -595,7 +595,7 @@ def _all_to_all_bytes(tensors, numel, layout: Layout) -> sympy.Expr:
         kind = KINDS.get(spec(n).collective)
         if kind is None or not any(isinstance(a, Group) and a.axis == EP for a in n.args):
             continue
-        times = sum(1 for op in (kind.forward, kind.backward) if op == "all_to_all")
+        times = sum(1 for d in ("forward", "backward") for op, _ in kind.ops(d) if op == "all_to_all")
         total += times * numel(n.args[0]) * n.args[0].meta["val"].element_size()
     return sympy.nsimplify(WIRE["all_to_all"](layout.ep)) * total
 
@@ -610,7 +610,7 @@ def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
         if kind is None or not any(isinstance(a, Group) and a.axis == CP for a in n.args):
             continue
         for direction in ("forward", "backward"):
-            op = getattr(kind, direction)
+            op = getattr(kind, direction)  # cp's kinds: one operation a direction, none of them fp8's
             if op is None:
                 continue
             whole = n.args[0] if buffer_is_input(kind, direction) or op == "send_recv" else n
@@ -628,15 +628,14 @@ def _tp_elements(collectives, numel, tp: int) -> dict[str, sympy.Expr]:
         if kind is None or any(isinstance(a, Group) and a.axis != TP for a in n.args):  # ep: its own row
             continue
         for direction in ("forward", "backward"):
-            op = getattr(kind, direction)
-            if op and kind.buffer is not None:  # fp8_linear_tp: its amaxes (float32; counted as elements here)
-                w = n.kwargs["weight"]
-                moved[op] = moved.get(op, sympy.Integer(0)) + sympy.nsimplify(kind.buffer(
-                    numel(n.args[0]), local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp),
-                    n.kwargs, direction))
-            elif op:
-                whole = numel(n.args[0]) if buffer_is_input(kind, direction) else numel(n)
-                moved[op] = moved.get(op, sympy.Integer(0)) + whole
+            for op, amaxes in kind.ops(direction):
+                if amaxes:  # an fp8 call's amaxes (float32; counted as elements here)
+                    moved[op] = moved.get(op, sympy.Integer(0)) + sympy.nsimplify(kind.buffer(
+                        numel(n.args[0]), [local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp)
+                                           for w in amax_weights(n.kwargs)], n.kwargs, direction))
+                else:
+                    whole = numel(n.args[0]) if buffer_is_input(kind, direction) else numel(n)
+                    moved[op] = moved.get(op, sympy.Integer(0)) + whole
     return moved
 
 

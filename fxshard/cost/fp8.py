@@ -40,23 +40,36 @@ def _weight(node: fx.Node) -> fx.Node:
 def fp8_costs(node: fx.Node, dims) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
     """(forward FLOPs, bytes the product reads and writes, bytes the casts read and write, bytes of the one-byte
     copies) of an fp8 linear ``node``, on ``dims`` (node -> its local symbolic shape)."""
-    x, w = node.args[0], _weight(node)
+    return fp8_product_costs(node.args[0], _weight(node), node, dims)
+
+
+def fp8_product_costs(x: fx.Node, w: fx.Node, out: fx.Node, dims, input_cast: bool = True
+                      ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
+    """:func:`fp8_costs` of the product of ``x`` and ``w`` into ``out``; ``input_cast`` False: ``x``'s cast is
+    another product's (``rt.fp8_linears_regathered`` casts the input its linears share once)."""
     size = x.meta["val"].element_size()
     x_n, w_n = _numel(dims(x)), _numel(dims(w))
-    out_n = _numel(dims(node))
+    cast_n = x_n + w_n if input_cast else w_n
+    out_n = _numel(dims(out))
     flops = 2 * out_n * dims(x)[-1]
-    mm = x_n + w_n + out_n * node.meta["val"].element_size()
-    casts = (2 * size + 1) * (x_n + w_n)
+    mm = x_n + w_n + out_n * out.meta["val"].element_size()
+    casts = (2 * size + 1) * cast_n
     return flops, mm, casts, x_n + w_n
 
 
 def amax_bytes(node: fx.Node, dims, direction: str) -> sympy.Expr:
-    """Bytes of the amaxes ``fp8_linear_tp`` all-reduces in ``direction`` (float32 values)."""
-    x, w = node.args[0], _weight(node)
-    out_features, in_features = dims(w)
+    """Bytes of the amaxes ``fp8_linear_tp`` (or ``fp8_linears_regathered``) all-reduces in ``direction`` (float32
+    values)."""
+    x = node.args[0]
+    recipe = node.kwargs.get("recipe", "tensorwise")
+    if "weights" in node.kwargs:
+        shapes = [dims(w) for w in node.kwargs["weights"]]
+        rows = _numel(dims(x)) / shapes[0][1]
+        return 4 * sympy.sympify(rt_fp8.fp8_amax_elements(recipe, rows, shapes, direction))
+    out_features, in_features = dims(_weight(node))
     rows = _numel(dims(x)) / in_features
-    return 4 * sympy.sympify(rt_fp8.amax_elements(node.kwargs.get("recipe", "tensorwise"), rows, in_features,
-                                                  out_features, direction, node.kwargs.get("split", "in")))
+    return 4 * sympy.sympify(rt_fp8.amax_elements(recipe, rows, in_features, out_features, direction,
+                                                  node.kwargs.get("split", "in")))
 
 
 def _numel(shape) -> sympy.Expr:

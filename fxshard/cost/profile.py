@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symbolic_shapes, _traces
-from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs
+from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs, fp8_product_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
 from fxshard.ir.comm import FUSED_LINEARS, KINDS, buffer_is_input
@@ -48,6 +48,7 @@ from fxshard.ir.layout import TP, Coords, Layout
 from fxshard.ir.placement import Shard
 from fxshard.ir.sharding import argument
 from fxshard.runtime import activations as rta
+from fxshard.runtime import fp8 as rt_fp8
 
 b, T = _b, sympy.Symbol("T", positive=True, integer=True)
 aten = torch.ops.aten
@@ -296,6 +297,17 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
     kind = KINDS.get(spec(node).collective)
     if kind is not None and kind.communicates:
         _collectives(node, kind, piece, dims)
+    if node.target is rt_fp8.fp8_linears_regathered:  # each product as an fp8 linear's; the input cast once
+        x = node.args[0]
+        for i, (u, w) in enumerate(zip(sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)),
+                                              key=lambda u: u.args[1]), node.kwargs["weights"], strict=False)):
+            flops, mm, casts, copies = fp8_product_costs(x, w, u, dims, input_cast=i == 0)
+            _add_op(piece, "fp8", flops, mm)
+            piece.traffic += casts
+            piece.kernels += CAST_KERNELS if i == 0 else CAST_KERNELS // 2
+            _note_value(piece, u, dims)
+            piece.largest += [copies] if copies not in piece.largest else []
+        return
     if node.target in FUSED_LINEARS:
         x = node.args[0]
         for u, w in zip(sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)),
@@ -400,21 +412,19 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
     groups = [a for a in node.args if isinstance(a, Group)] + [a for a in node.kwargs.values() if isinstance(a, Group)]
     axis = groups[0].axis if groups else TP
     for direction in ("forward", "backward"):
-        op = getattr(kind, direction)
-        if not op:
-            continue
-        if kind.buffer is not None:  # fp8_linear_tp: its amaxes
-            piece.comms.append(Comm(op, axis, direction, amax_bytes(node, dims, direction), sympy.Integer(0)))
-            continue
-        buffer = node.args[0] if buffer_is_input(kind, direction) else node
-        if not isinstance(buffer.meta.get("val"), torch.Tensor):
-            buffer = node.args[0]
-        overlap = sympy.Integer(0)
-        if node.target in FUSED_LINEARS and direction == "backward":  # beside the input gradient's matmuls
-            x = node.args[0]
-            overlap = sum((2 * _numel(dims(u)) * dims(x)[-1] for u in node.users
-                           if isinstance(u.meta.get("val"), torch.Tensor)), sympy.Integer(0))
-        piece.comms.append(Comm(op, axis, direction, _nbytes(buffer, dims), overlap))
+        for op, amaxes in kind.ops(direction):
+            if amaxes:  # an fp8 call's amaxes
+                piece.comms.append(Comm(op, axis, direction, amax_bytes(node, dims, direction), sympy.Integer(0)))
+                continue
+            buffer = node.args[0] if buffer_is_input(kind, direction) else node
+            if not isinstance(buffer.meta.get("val"), torch.Tensor):
+                buffer = node.args[0]
+            overlap = sympy.Integer(0)
+            if node.target in FUSED_LINEARS and direction == "backward":  # beside the input gradient's matmuls
+                x = node.args[0]
+                overlap = sum((2 * _numel(dims(u)) * dims(x)[-1] for u in node.users
+                               if isinstance(u.meta.get("val"), torch.Tensor)), sympy.Integer(0))
+            piece.comms.append(Comm(op, axis, direction, _nbytes(buffer, dims), overlap))
 
 
 def _cost_state(gm, ctx, nodes, piece_of, pieces, dims, profile: ModelProfile, structure: str) -> None:

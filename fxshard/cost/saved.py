@@ -50,6 +50,7 @@ from fxshard.ir.comm import kind_of
 from fxshard.ir.fake import argument_values, fake_mode, fake_value
 from fxshard.ir.layout import Coords
 from fxshard.runtime import collectives as rtc
+from fxshard.runtime import fp8 as rt_fp8
 from fxshard.runtime.recompute import KEEP_OF_MODE, SAVED_OPS, recompute, watching_kept
 
 
@@ -212,6 +213,10 @@ def _run_node(node: fx.Node, arg, coords, ctx):
         weights, biases = (tuple(arg(a) for a in node.kwargs[k]) for k in ("weights", "biases"))
         return rtc._LinearsRegathered.apply(arg(node.args[0]), arg(node.kwargs["shard"]), None, node.kwargs["dim"],
                                             None, len(weights), *weights, *biases)
+    if kind is not None and kind.name == "fp8_linears_regathered":  # the runtime's call, with no group: forward only
+        weights, biases = (tuple(arg(a) for a in node.kwargs[k]) for k in ("weights", "biases"))
+        return rt_fp8.fp8_linears_regathered(arg(node.args[0]), None, arg(node.kwargs["shard"]), node.kwargs["dim"],
+                                             weights, biases, node.kwargs["recipe"])
     return fake_value(node, arg, coords, ctx)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from fxshard.graph import loss_cone
+from fxshard.ir.comm import FUSED_LINEARS, REGATHERED
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.stages import StageSpec, pipeline_stages
 from fxshard.runtime import collectives as rtc
@@ -115,10 +116,10 @@ def _reads(node: fx.Node) -> list[fx.Node]:
     class and in the manifest."""
     if node.target is rtc.copy_to_linears:
         return [node.args[0]]
-    if node.target is rtc.linears_regathered:  # the gathered input, and the shard it keeps for backward
+    if node.target in REGATHERED:  # the gathered input, and the shard it keeps for backward
         return [node.args[0], node.kwargs["shard"]]
     fused = node.args[0] if node.target is operator.getitem else None
-    if isinstance(fused, fx.Node) and fused.target in (rtc.copy_to_linears, rtc.linears_regathered):
+    if isinstance(fused, fx.Node) and fused.target in FUSED_LINEARS:
         i = node.args[1]
         return [a for a in (fused, fused.kwargs["weights"][i], fused.kwargs["biases"][i]) if a is not None]
     return node.all_input_nodes

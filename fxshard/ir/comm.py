@@ -10,7 +10,7 @@ experts) is one entry::
     >>> KINDS["copy_to"].backward, KINDS["all_reduce"].forward
     ('all_reduce', 'all_reduce')
     >>> [k.name for k in communicating("backward")][:6], KINDS["ring_attention_step"].forward
-    (['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to', 'sum_replicas'], 'send_recv')
+    (['copy_to', 'copy_to_linears', 'scatter', 'reduce_scatter', 'gather_to', 'linears_regathered'], 'send_recv')
 """
 
 from __future__ import annotations
@@ -52,17 +52,30 @@ class CollectiveKind:
     fake: Callable[..., torch.Tensor]
     grouped: bool = True  # takes a process group (``shard`` does not: it keeps a part, no communication)
     outputs: tuple[str, ...] = ()  # a kind returning several values: their names in a rank file (``attn_out``, ...)
-    # a kind whose whole buffer is neither its input nor its output: (input elements, local weight shape, keyword
-    # arguments, direction) -> the float32 elements it moves (fp8_linear_tp: its amaxes)
+    # fp8 kinds: the directions in which the call all-reduces (MAX) the amaxes of its products, before its own
+    # operation (``forward``/``backward``, if any); ``buffer``: (input elements, the local [out, in] shape of each
+    # weight, keyword arguments, direction) -> the float32 elements of that all-reduce
+    amaxes: tuple[str, ...] = ()
     buffer: Callable[..., object] | None = None
 
     @property
     def name(self) -> str:
         return self.function.__name__
 
+    def ops(self, direction: str) -> tuple[tuple[str, bool], ...]:
+        """``(backend operation, whether its buffer is the fp8 amaxes)`` of each operation a call issues in
+        ``direction``, in the order it issues them::
+
+            >>> KINDS["fp8_linears_regathered"].ops("backward")
+            (('all_reduce', True), ('all_gather', False))
+        """
+        amax = (("all_reduce", True),) if direction in self.amaxes else ()
+        op = getattr(self, direction)
+        return amax + (((op, False),) if op else ())
+
     @property
     def communicates(self) -> bool:
-        return self.forward is not None or self.backward is not None
+        return bool(self.ops("forward") or self.ops("backward"))
 
 
 def _gathered(x: torch.Tensor, size: int, dim: int, blocks: int = 1, sizes=(), replicas=()) -> torch.Tensor:
@@ -114,10 +127,23 @@ def _fp8_linear(x: torch.Tensor, size: int, weight=None, bias=None, **_) -> torc
     return torch.nn.functional.linear(x, weight, bias)  # the shape, and the gradients' path for fxshard check
 
 
-def _amaxes(x_elements, weight_shape, kwargs: dict, direction: str):
-    out_features, in_features = weight_shape
-    return rfp8.amax_elements(kwargs.get("recipe", "tensorwise"), x_elements / in_features, in_features,
-                              out_features, direction, kwargs.get("split", "in"))
+def _fp8_regathered(x: torch.Tensor, size: int, shard=None, dim: int = 1, weights: tuple = (), biases: tuple = (),
+                    recipe: str = "tensorwise") -> tuple[torch.Tensor, ...]:
+    return _linears(x, size, weights, biases)  # the shapes, and the gradients' path for fxshard check
+
+
+def amax_weights(kwargs: dict) -> tuple:
+    """The weights of an fp8 kind's call, from its keyword arguments (``weight=``, or a fused call's ``weights=``)."""
+    return tuple(kwargs["weights"]) if "weights" in kwargs else (kwargs["weight"],)
+
+
+def _amaxes(x_elements, weight_shapes, kwargs: dict, direction: str):
+    recipe = kwargs.get("recipe", "tensorwise")
+    rows = x_elements / weight_shapes[0][1]
+    if "weights" in kwargs:  # fp8_linears_regathered
+        return rfp8.fp8_amax_elements(recipe, rows, weight_shapes, direction)
+    (out_features, in_features), = weight_shapes
+    return rfp8.amax_elements(recipe, rows, in_features, out_features, direction, kwargs.get("split", "in"))
 
 
 def _rows(x: torch.Tensor, size: int, **_) -> torch.Tensor:
@@ -179,7 +205,10 @@ def _to_seq(x, size, head_dim=1, seq_dim=2, balanced=True):
 
 # the fused ops whose outputs are column-parallel linears read by index (passes/overlap.py): their weights and biases
 # in ``weights=`` and ``biases=``
-FUSED_LINEARS = (rtc.copy_to_linears, rtc.linears_regathered)
+FUSED_LINEARS = (rtc.copy_to_linears, rtc.linears_regathered, rfp8.fp8_linears_regathered)
+FUSED_NAMES = tuple(f.__name__ for f in FUSED_LINEARS)
+# those of them that keep the sp shard of their input for backward and gather it again there
+REGATHERED = (rtc.linears_regathered, rfp8.fp8_linears_regathered)
 
 KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
     CollectiveKind(rtc.copy_to, None, "all_reduce",
@@ -213,10 +242,16 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    "R -> S(d): keeps this rank's part of a value without gradient (no communication)", _part,
                    grouped=False),
     # fp8 linears whose weight tp splits (passes/fp8.py): each scale the whole tensor's
-    CollectiveKind(rfp8.fp8_linear_tp, "all_reduce", "all_reduce",
+    CollectiveKind(rfp8.fp8_linear_tp, None, None,
                    "fp8 linear (casts and scales, torchao's recipe) of a weight split over tp: its amaxes all-reduced "
                    "with MAX, forward (input, weight) and backward (gradient), a few float32 values each",
-                   _fp8_linear, buffer=_amaxes),
+                   _fp8_linear, amaxes=("forward", "backward"), buffer=_amaxes),
+    # passes/overlap.py under --sp and --fp8: rt.linears_regathered of column-parallel fp8 linears
+    CollectiveKind(rfp8.fp8_linears_regathered, None, "all_gather",
+                   "R: the column-parallel fp8 linears that read a gather_to's output, fused: their amaxes all-reduced "
+                   "with MAX in one buffer each way; they keep its sp shard for backward (1/tp of the bytes) and "
+                   "all-gather it again there, while the input gradient computes", _fp8_regathered,
+                   amaxes=("forward", "backward"), buffer=_amaxes),
     # parts several tp ranks hold alike (key/value heads fewer than tp, a Mamba-2 mixer's B and C under fewer groups)
     CollectiveKind(rtc.sum_replicas, None, "all_reduce",
                    "S(d)/g weights (g parts over tp ranks): identity forward; backward sums the gradients of each part "
@@ -282,7 +317,7 @@ def kind_of(target) -> CollectiveKind | None:
 
 def communicating(direction: str) -> list[CollectiveKind]:
     """The kinds that issue a backend operation in ``direction`` (``forward`` or ``backward``)."""
-    return [k for k in KINDS.values() if getattr(k, direction) is not None]
+    return [k for k in KINDS.values() if k.ops(direction)]
 
 
 def buffer_is_input(kind: CollectiveKind, direction: str) -> bool:

@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from fxshard.graph import loss_cone
 from fxshard.ir.blocks import block_units, bodies, held_state, unit_of
+from fxshard.ir.comm import FUSED_NAMES
 from fxshard.ir.context import CompileContext, spec
 from fxshard.ir.cut import under
 from fxshard.ir.layout import Layout
@@ -219,7 +220,7 @@ def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
         where, held = unit_of(units), held_state(body, units)
         members = set(body.nodes) - body.apart
         for node in body.nodes:
-            if spec(node).collective not in ("copy_to_linears", "linears_regathered"):
+            if spec(node).collective not in FUSED_NAMES:
                 continue
             cls = where.get(node)
             odd = next((u for u in node.users if u.target is not operator.getitem or u not in members
@@ -234,8 +235,8 @@ def _unfused(gm: fx.GraphModule, ctx: CompileContext) -> str | None:
 
 
 OVERLAPPED = Fact("copy_to fused with its column-parallel linears (under --sp, the linears reading a gather_to): "
-                  "each rt.copy_to_linears and rt.linears_regathered read by index in its own class, which holds its "
-                  "weights and biases", _unfused)
+                  "each rt.copy_to_linears and rt.(fp8_)linears_regathered read by index in its own class, which "
+                  "holds its weights and biases", _unfused)
 
 
 # ---------------------------------------------------------------- what the passes before the placements leave

@@ -156,10 +156,16 @@ def rank_modules(source: str, group_size: int = 1) -> list[ModuleLines]:
             shape = tuple(int(d) for d in m.group(3).split(",") if d.strip())
             out_bytes = math.prod(shape) * _DTYPE_BYTES[m.group(4)]
             modules[-1].collectives.append(CallSite(
-                number, kind.name, m.group(1), shape, m.group(4), kind.forward, kind.backward,
+                number, kind.name, m.group(1), shape, m.group(4), _said(kind, "forward"), _said(kind, "backward"),
                 _buffer(kind.forward, "forward", out_bytes, group_size),
                 _buffer(kind.backward, "backward", out_bytes, group_size)))
     return modules
+
+
+def _said(kind, direction: str) -> str | None:
+    """What a call issues in ``direction``, as the report says it: ``all_reduce (amaxes) + all_gather``; the
+    bytes beside it are the data operation's (an fp8 call's amaxes are a few float32 values)."""
+    return " + ".join(f"{op} (amaxes)" if amaxes else op for op, amaxes in kind.ops(direction)) or None
 
 
 def _buffer(op: str | None, direction: str, out_bytes: int, n: int) -> int:

@@ -32,7 +32,7 @@ from fxshard.runtime.context_parallel import (
 from fxshard.runtime.data_parallel import ddp, fully_shard
 from fxshard.runtime.draws import draw
 from fxshard.runtime.experts import all_to_all_combine, all_to_all_dispatch, exchange_counts, expert_offsets
-from fxshard.runtime.fp8 import fp8_linear, fp8_linear_tp
+from fxshard.runtime.fp8 import fp8_linear, fp8_linear_tp, fp8_linears_regathered
 from fxshard.runtime.functions import TENSOR, autograd_function
 from fxshard.runtime.loss import token_mean
 from fxshard.runtime.pipeline import sum_tied_grads
@@ -52,4 +52,4 @@ __all__ = ["all_gather", "all_reduce", "batch_mean", "copy_to", "copy_to_linears
            "cp_causal_attention", "cp_causal_mask", "cp_leave", "ring_attention_step", "ring_attention_last",
            "merge_attention",
            "seq_to_heads", "heads_to_seq", "batch_stats",
-           "batch_norm_from_stats", "fp8_linear", "fp8_linear_tp"]
+           "batch_norm_from_stats", "fp8_linear", "fp8_linear_tp", "fp8_linears_regathered"]

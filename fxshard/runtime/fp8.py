@@ -194,6 +194,79 @@ class _Fp8Matmul(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+_FORWARD = "all_reduce max (fp8 amaxes of fp8_linears_regathered)"
+_BACKWARD = "all_reduce max (fp8 amaxes of fp8_linears_regathered, backward)"
+_REGATHER = ("all_gather (backward of fp8_linears_regathered: their input again, overlapped with the input "
+             "gradient)")
+
+
+class _Fp8LinearsRegathered(torch.autograd.Function):
+    """The column-parallel fp8 linears reading ``gathered``, the sp all-gather of ``shard`` over ``group`` along
+    ``dim``: :class:`_Fp8Matmul` at ``split="out"`` for each weight, kept as
+    :class:`fxshard.runtime.collectives._LinearsRegathered` keeps its linears.  Forward: the input's amax and the
+    weights' (tensorwise) in one all-reduce, the input cast once, each product.  Saved: ``shard`` (1/tp of the input)
+    and the weights.  Backward: the gradients' amaxes (rowwise: and the weights' per input feature) in one
+    all-reduce; the all-gather of ``shard`` started; the input gradient computed while it runs; then each weight's
+    gradient from the input gathered again, cast with forward's scale (tensorwise) or its own per feature
+    (rowwise), as torchao casts the saved input.  The same operations on the same values as the unfused
+    ``fp8_linear_tp`` calls: equal bit for bit.  ``group`` None: forward only, no amax reduced (the cost model's
+    trace of what it saves)."""
+
+    @staticmethod
+    def forward(ctx, gathered, shard, recipe: Recipe, group, dim, site, n, *weights):
+        flat = gathered.reshape(-1, gathered.shape[-1])
+        wts = [w.t() for w in weights]
+        amax_x = _amax(flat, -1 if recipe.rowwise else None)
+        amax_ws = [_amax(wt, 0 if recipe.rowwise else None) for wt in wts]
+        if group is not None and recipe.rowwise:  # the weights' per output feature: each rank's own (split "out")
+            (amax_x,) = _reduced([amax_x], group, _FORWARD, site)
+        elif group is not None:
+            amax_x, *amax_ws = _reduced([amax_x, *amax_ws], group, _FORWARD, site)
+        sx = _scale(amax_x, E4M3, recipe.pow2)
+        sws = [_scale(a, E4M3, recipe.pow2) for a in amax_ws]
+        ctx.recipe, ctx.group, ctx.dim, ctx.site, ctx.scales = recipe, group, dim, site, (sx, sws)
+        ctx.save_for_backward(shard, *weights)
+        x8 = _cast(flat, sx, E4M3)
+        return tuple(_mm(x8, sx, _cast(wt, sw, E4M3), sw, flat.dtype, fast_accum=True)
+                     .reshape(*gathered.shape[:-1], wt.shape[1]) for wt, sw in zip(wts, sws, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        shard, *weights = ctx.saved_tensors
+        r, n = ctx.recipe, len(weights)
+        flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+        wts = [w.t() for w in weights]
+        amaxes = [_amax(g, -1 if r.rowwise else None) for g in flat]
+        if r.rowwise:  # the weights again, per input feature: the output features they span are split
+            amaxes += [_amax(wt, -1) for wt in wts]
+        amaxes = _reduced(amaxes, ctx.group, _BACKWARD, ctx.site)
+        sgs = [_scale(a, r.grad_dtype, r.pow2) for a in amaxes[:n]]
+        sws = [_scale(a, E4M3, r.pow2) for a in amaxes[n:]] if r.rowwise else ctx.scales[1]
+        parts = [torch.empty_like(shard, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(ctx.group))]
+        with guarded(_REGATHER, ctx.group, shard, ctx.site):
+            work = dist.all_gather(parts, shard.contiguous(), group=ctx.group, async_op=True)  # start
+            # the input gradient, summed as autograd sums what the linears send it: the last linear's first
+            dx = None
+            for g, sg, wt, sw in reversed(list(zip(flat, sgs, wts, sws, strict=True))):
+                part = _mm(_cast(g, sg, r.grad_dtype), sg, _cast(wt, sw, E4M3).t(), sw.t(), g.dtype, fast_accum=False)
+                dx = part if dx is None else dx + part
+            work.wait()
+        x = torch.cat(parts, dim=ctx.dim)
+        xf = x.reshape(-1, x.shape[-1])
+        sx = _scale(_amax(xf, 0), E4M3, r.pow2) if r.rowwise else ctx.scales[0]  # per input feature, over tokens
+        dws = []
+        for i, (g, sg) in enumerate(zip(flat, sgs, strict=True)):
+            if not ctx.needs_input_grad[7 + i]:
+                dws.append(None)
+                continue
+            if r.rowwise:  # per output feature, over the tokens (never split by tp)
+                sg = _scale(_amax(g, 0), r.grad_dtype, r.pow2)
+            dws.append(_mm(_cast(g, sg, r.grad_dtype).t(), sg.t(), _cast(xf, sx, E4M3), sx, g.dtype,
+                           fast_accum=False))
+        return dx.reshape(x.shape), None, None, None, None, None, None, *dws
+
+
 def _linear(x: torch.Tensor, group, weight: torch.Tensor, bias, recipe: str, split) -> torch.Tensor:
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
@@ -218,6 +291,39 @@ def fp8_linear_tp(x: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tens
     dimension): the amaxes all-reduced with MAX over ``group`` forward and backward, so every scale is the one
     the whole tensor has on one device."""
     return _linear(x, group, weight, bias, recipe, split)
+
+
+def fp8_linears_regathered(x: torch.Tensor, group, shard: torch.Tensor, dim: int, weights: tuple, biases: tuple,
+                           recipe: str = "tensorwise") -> tuple[torch.Tensor, ...]:
+    """``fp8_linear_tp(x, group, weights[i], biases[i], recipe, "out")`` for each i, where ``x`` is ``gather_to(shard,
+    group, dim)`` (sequence parallelism's column-parallel input): saving ``shard`` for backward rather than ``x`` and
+    all-gathering it again there, as :func:`fxshard.runtime.collectives.linears_regathered` does for the linears it
+    fuses (1/tp of the bytes); the amaxes of all the products in one all-reduce each way.  Under torch.compile, the
+    ``fp8_linear_tp`` calls, for the compiler to choose what it saves."""
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    if torch.compiler.is_compiling():
+        return tuple(_linear(x, group, w, b, recipe, "out") for w, b in zip(weights, biases, strict=True))
+    site = None if group is None else _site()
+    outs = _Fp8LinearsRegathered.apply(x, shard, RECIPES[recipe], group, dim, site, len(weights), *weights)
+    return tuple(out + b.to(out.dtype) if b is not None else out for out, b in zip(outs, biases, strict=True))
+
+
+def fp8_amax_elements(recipe: str, rows, weights: list[tuple[int, int]], direction: str) -> int:
+    """The float32 values one :func:`fp8_linears_regathered` call all-reduces (MAX) in ``direction``, its ``weights``
+    (local ``[out, in]`` shapes) reading ``rows`` tokens: tensorwise, the input's amax and each weight's forward, each
+    gradient's backward; rowwise, each token's forward (the weights' per output feature are each rank's own), each
+    gradient's per token and each weight's per input feature backward::
+
+        >>> qkv = [(16, 32)] * 3
+        >>> fp8_amax_elements("tensorwise", 64, qkv, "forward"), fp8_amax_elements("rowwise", 64, qkv, "backward")
+        (4, 288)
+    """
+    if not RECIPES[recipe].rowwise:
+        return 1 + len(weights) if direction == "forward" else len(weights)
+    if direction == "forward":
+        return rows
+    return len(weights) * rows + sum(w[1] for w in weights)
 
 
 def fp8_reference(model: torch.nn.Module, recipe: str) -> list[str]:

@@ -42,3 +42,26 @@ def test_without_overlap_the_list_has_the_copy_to_the_graph_keeps(samples):
 
 def _communicating(gm):
     return [n for n in gm.graph.nodes if spec(n).collective and KINDS[n.target.__name__].communicates]
+
+
+def test_fp8_linears_under_sp_fuse_and_both_traces_list_amaxes_then_the_gather(samples, tmp_path):
+    """Under --sp and --fp8 the column-parallel fp8 linears reading a gather_to are one rt.fp8_linears_regathered:
+    backward it all-reduces their gradients' amaxes, then all-gathers the shard again.  The manifest says so, and
+    fxshard check's two readings of the file (run on meta tensors, and scanned without running) list the same
+    operations in the same order."""
+    from fxshard.check.rank_trace import trace_rank
+
+    layout = Layout(tp=2, sp=True, fp8="tensorwise")
+    result = compile_model(samples / "llama.py", layout, out=tmp_path / "out")
+    entry = result.manifest.ranks[0]
+    fused = [c for c in entry.collectives if c.op == "fp8_linears_regathered"]
+    assert len(fused) == 8 and all(c.backward == "all_reduce + all_gather" for c in fused)  # q/k/v, gate/up x 4
+    source = result.sources[entry.file]
+    ran, scanned = (trace_rank(source, entry.file, result.manifest, entry, run=run) for run in (True, False))
+    for name, cls in ran.classes.items():
+        for direction in ("forward", "backward"):
+            want = [(c.kind, c.call, c.line) for c in getattr(cls, direction)]
+            assert want == [(c.kind, c.call, c.line) for c in getattr(scanned.classes[name], direction)], name
+    ops = [c.kind for c in ran.classes["RankModule"].backward if c.call == "fp8_linears_regathered"]
+    assert ops == ["all_reduce", "all_gather"] * 8
+    assert check_output(tmp_path / "out").traced

@@ -60,3 +60,17 @@ def test_a_profile_without_an_fp8_peak_runs_its_products_at_bf16s():
     cpu, h100 = load_hardware("cpu-gloo"), load_hardware("h100")
     assert "fp8" not in cpu.peak_flops and cpu.fp8_peak() == cpu.peak("bf16")
     assert h100.fp8_peak() == 1979e12 and h100.peak("fp8") == h100.peak("bf16")
+
+
+@pytest.mark.slow
+def test_under_sp_an_fp8_layer_keeps_what_a_bf16_layer_keeps(profiles):
+    """The q/k/v and gate/up fp8 linears read a gather_to under --sp: fused (``rt.fp8_linears_regathered``) they keep
+    its shard, as the bf16 linears do, so the fp8 rows of the recipes page are priced with the program fp8 runs.
+    Their amaxes: one all-reduce for q/k/v (the input's and three weights', 16 bytes) and one for gate/up (12)."""
+    fp8, bf16 = (profiles[d].pieces("sp")["block0"] for d in ("fp8", "bf16"))
+    for mode, kept in bf16.saved.items():
+        assert sympy.simplify(fp8.saved[mode] - kept) == 0, mode
+    amaxes = [c for c in fp8.comms if c not in bf16.comms]  # the norms' replicated weights: 128 bytes, both
+    # forward: q/k/v 16, gate/up 12, o and down 8 each; backward: q/k/v 12, gate/up 8, o and down 4 each
+    assert sorted(float(c.nbytes) for c in amaxes) == [4.0, 4.0, 8.0, 8.0, 8.0, 12.0, 12.0, 16.0]
+    assert all(c.op == "all_reduce" for c in amaxes)

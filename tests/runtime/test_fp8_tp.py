@@ -69,3 +69,39 @@ def test_fp8_linear_tp_is_the_one_device_linear(monkeypatch, recipe, split):
         assert torch.equal(torch.cat([rank0[1], rank1[1]], dim=-1), x.grad)
         assert torch.equal(torch.cat([rank0[2], rank1[2]], dim=-1), w.grad)
         close((rank0[0], rank1[0]), y)
+
+
+BATCH, SEQ, LINEARS = 2, 12, 3  # a [2, 12, 64] input, the sp shards [2, 6, 64]: three column-parallel linears read it
+
+
+def _fused_or_not(group, recipe: str, fused: bool):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, SEQ, IN, generator=g) * torch.linspace(0.1, 20, IN)
+    ws = [torch.randn(OUT, IN, generator=g) * torch.logspace(-3, 3, OUT)[:, None] for _ in range(LINEARS)]
+    bs = [torch.randn(OUT, generator=g) for _ in range(LINEARS)]
+    grads = [torch.randn(BATCH, SEQ, OUT, generator=g) * 1e-2 for _ in range(LINEARS)]
+    r = group.rank()
+    ws = [w.chunk(2)[r].clone().requires_grad_() for w in ws]  # column-parallel: this rank's output features
+    bs = [b.chunk(2)[r].clone().requires_grad_() for b in bs]
+    grads = [t.chunk(2, dim=-1)[r] for t in grads]
+    gathered = x.clone().requires_grad_()  # gather_to's output; its input, the sp shard, is this rank's tokens
+    if fused:
+        ys = rt_fp8.fp8_linears_regathered(gathered, group, x.chunk(2, dim=1)[r].clone(), 1, tuple(ws), tuple(bs),
+                                           recipe)
+    else:
+        ys = [rt_fp8.fp8_linear_tp(gathered, group, w, b, recipe, "out") for w, b in zip(ws, bs, strict=True)]
+    torch.autograd.backward(list(ys), grads)
+    return [y.detach() for y in ys], gathered.grad, [w.grad for w in ws], [b.grad for b in bs]
+
+
+@pytest.mark.parametrize("recipe", list(rt_fp8.RECIPES))
+def test_fp8_linears_regathered_is_the_unfused_linears_bit_for_bit(monkeypatch, recipe):
+    """Under --sp the overlap pass fuses the fp8 linears reading a gather_to into one ``rt.fp8_linears_regathered``,
+    which keeps the shard and gathers it again in backward: every output and gradient on every rank equals the
+    unfused ``fp8_linear_tp`` calls', bit for bit (the same casts of the same values, the same sums)."""
+    monkeypatch.setattr(rt_fp8, "_reduced", _threaded_max)
+    found = run_cases(_fused_or_not, 2, [("fused", (recipe, True)), ("unfused", (recipe, False))])
+    for rank in range(2):
+        fused, unfused = found["fused"][rank], found["unfused"][rank]
+        for a, b in zip(torch.utils._pytree.tree_leaves(fused), torch.utils._pytree.tree_leaves(unfused), strict=True):
+            assert torch.equal(a, b), (recipe, rank)
