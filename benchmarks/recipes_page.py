@@ -191,8 +191,10 @@ def _layer_terms(mega) -> list[str]:
               "shard (2h a token each, over tp) and all-gather it again in backward (`rt.linears_regathered`), as "
               "Megatron does; under `--fp8` likewise (`rt.fp8_linears_regathered`, which casts the gathered input "
               "again in backward as torchao casts the input it saved), so an fp8 program keeps what the bf16 one "
-              "keeps, layer by layer (`tests/cost/test_fp8_cost.py`), and the rows marked \"matmuls in fp8\" are "
-              "priced with the bf16 program's activations.",
+              "keeps, layer by layer (`tests/cost/test_fp8_cost.py`). The rows marked \"matmuls in fp8\" are priced "
+              "with the program `--dtype fp8` compiles (`benchmarks/auto_recipes.py`): its fp8 linears at the fp8 "
+              "peak, their casts as the runtime runs them (the input q/k/v or gate/up share cast once each way, the "
+              "output gradient twice in backward, the head in bf16), their amax all-reduces, and what they keep.",
               "- **attention**: SDPA keeps q, k, v, its output (o_proj's input: the same storage) and the "
               "logsumexp; k and v at the kv heads (`enable_gqa`, as Megatron's flash attention keeps them), where "
               "the formula counts K and V at h.",

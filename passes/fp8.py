@@ -11,10 +11,14 @@ all-reduced with MAX over tp, forward and backward, so each scale is the whole t
                                 recipe="tensorwise", split="out")
     linear_4 = rt.fp8_linear(gelu, self.proj_weight, None, recipe="tensorwise")
 
-It runs after the collectives pass (the placements are final) and before the overlap pass, which then leaves these
-linears and their ``copy_to`` unfused.  Refused, naming the module: a split weight whose parts several ranks hold
-alike (key/value heads fewer than tp: each rank's gradient of such a part is partial, so its amax is not the whole
-gradient's), and a linear whose input tp splits along its tokens.
+It runs after the collectives pass (the placements are final) and before the overlap pass, which fuses the
+column-parallel ones reading an sp ``gather_to`` into ``rt.fp8_linears_regathered`` and leaves the others and their
+``copy_to`` unfused.  A whole weight reading sequence parallelism's shard of the tokens (MLA's down-projections under
+``--sp``) is ``split="rows"``: its amaxes over the tokens are all-reduced, each token's is its rank's own, and its
+weight's ``copy_to`` sums the partial weight gradients as for a bf16 linear.  Refused, naming the module: a split
+weight whose parts several ranks hold alike (key/value heads fewer than tp: each rank's gradient of such a part is
+partial, so its amax is not the whole gradient's), and a linear whose input tp splits along its tokens as well as its
+weight.
 """
 
 from __future__ import annotations
@@ -59,10 +63,13 @@ def _split(node: fx.Node, x: fx.Node, weight: fx.Node, fqn: str, tp: int) -> str
     """Which dimension of the weight tp splits: ``"out"`` (column-parallel), ``"in"`` (row-parallel), None."""
     w, xp = spec(weight).placement, spec(x).placement
     if tp == 1 or not isinstance(w, Shard):
-        if isinstance(xp, Shard) and tp > 1:
-            raise ShardingError(f"{fqn}: an fp8 linear whose input is split along dimension {xp.dim} over tp (its "
-                                "tokens): its scales would need every rank's amax over the tokens; replicate this "
-                                "module in the plan, or train without --fp8")
+        if isinstance(xp, Shard) and tp > 1:  # the weight whole, its input's tokens split: sp's shard (MLA's q_a_proj)
+            rank = len(x.meta["val"].shape)
+            if xp.general or xp.blocks > 1 or xp.dim % rank == rank - 1:
+                raise ShardingError(f"{fqn}: an fp8 linear whose input is split over tp as {xp} and whose weight is "
+                                    "whole: its scales would need amaxes fxshard does not gather; replicate its input "
+                                    "in the plan, or train without --fp8")
+            return "rows"
         return None
     if w.general:
         raise ShardingError(f"{fqn}: fp8 on a weight whose parts several tp ranks hold alike ({w}): each rank's "

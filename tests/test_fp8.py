@@ -28,6 +28,7 @@ from fxshard.train.optim import OptimConfig
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA, GPT = ROOT / "samples" / "llama.py", ROOT / "samples" / "gpt.py"
 LORA = ROOT / "tests" / "models" / "lora_llama.py"
+DEEPSEEK = ROOT / "zoo" / "models" / "deepseek_v3.py"  # MLA: q_a_proj, whole, reads sp's shard of the tokens
 STEPS = 3
 T, R = "tensorwise", "rowwise"
 
@@ -42,6 +43,8 @@ CASES = {
     "llama-tp2-pp2-dp2-zero1": (LLAMA, Layout(tp=2, pp=2, dp=2, zero=1, fp8=T)),  # world 8: all three axes at once
     "llama-tp2-rowwise": (LLAMA, Layout(tp=2, fp8=R)),
     "llama-tp2-sp-rowwise": (LLAMA, Layout(tp=2, sp=True, fp8=R)),
+    "deepseek-tp2-sp": (DEEPSEEK, Layout(tp=2, sp=True, fp8=T)),
+    "deepseek-tp2-sp-rowwise": (DEEPSEEK, Layout(tp=2, sp=True, fp8=R)),
     "llama-pp2-rowwise": (LLAMA, Layout(pp=2, fp8=R)),
     "llama-tp2-recompute-full": (LLAMA, Layout(tp=2, recompute="full", fp8=T)),
     "llama-pp2-recompute-selective": (LLAMA, Layout(pp=2, recompute="selective", fp8=T)),
@@ -49,8 +52,9 @@ CASES = {
     "gpt-tp2-bf16": (GPT, Layout(tp=2, dtype="fp8")),
     "gpt-dp2-zero3-bf16": (GPT, Layout(dp=2, zero=3, dtype="fp8")),
 }
-# make test's representatives: tp (scales over the group), pp x dp (scales per microbatch), rowwise under sp
-KEEP = ("llama-tp2", "llama-pp2-dp2-zero3", "llama-tp2-sp-rowwise")
+# make test's representatives: tp (scales over the group), pp x dp (scales per microbatch), rowwise under sp, MLA under
+# sp (a whole weight reading the tokens' shard: split="rows")
+KEEP = ("llama-tp2", "llama-pp2-dp2-zero3", "llama-tp2-sp-rowwise", "deepseek-tp2-sp")
 
 
 @pytest.fixture(scope="module")

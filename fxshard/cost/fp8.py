@@ -7,9 +7,11 @@
   op class ``fp8`` of :mod:`fxshard.cost.timemodel`), reading one-byte operands and writing the output at the
   compute dtype;
 - the casts around it, memory-bound: each operand's amax (one read of the high-precision tensor) and its scaled
-  cast (one more read, a one-byte write): ``2·x + x/s`` bytes for an operand of ``x`` bytes at ``s`` bytes per
-  element, two kernels each.  Backward casts the output gradient, and the input and weight again (torchao saves
-  the high-precision ones): the time model's backward, twice the forward's memory traffic, covers them.
+  cast (one more read, a one-byte write): ``(2·s + 1)`` bytes per element at ``s`` bytes, two kernels each.
+  Backward casts, as the runtime (and torchao) does: the output gradient twice (for the input gradient and for the
+  weight gradient), and the input and weight again (torchao saves the high-precision ones).  The time model charges
+  the two at the memory bandwidth, forward's in forward and backward's in backward (``Piece.casts``,
+  ``Piece.casts_bwd``), not as the other ops' traffic: selective recompute does not run them again.
 - under tp, the amaxes ``fp8_linear_tp`` all-reduces with MAX: a few float32 values
   (:func:`fxshard.runtime.fp8.amax_elements`), 4 bytes each.
 
@@ -17,7 +19,7 @@ Memory: torchao's recipe saves the high-precision input and weight for backward,
 saved bytes do not change (the plan's trace runs the call itself: :mod:`fxshard.cost.saved`); the one-byte copies
 live only during the call: a candidate of the transient::
 
-    flops, mm_bytes, cast_bytes, copies = fp8_costs(node, dims)
+    flops, mm_bytes, cast_bytes, backward_cast_bytes, copies = fp8_costs(node, dims)
 """
 
 from __future__ import annotations
@@ -37,24 +39,24 @@ def _weight(node: fx.Node) -> fx.Node:
     return node.kwargs["weight"] if "weight" in node.kwargs else node.args[1]
 
 
-def fp8_costs(node: fx.Node, dims) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
-    """(forward FLOPs, bytes the product reads and writes, bytes the casts read and write, bytes of the one-byte
-    copies) of an fp8 linear ``node``, on ``dims`` (node -> its local symbolic shape)."""
+def fp8_costs(node: fx.Node, dims) -> tuple[sympy.Expr, ...]:
+    """(forward FLOPs, bytes the product reads and writes, bytes forward's casts read and write, bytes backward's
+    casts read and write, bytes of the one-byte copies) of an fp8 linear ``node``, on ``dims`` (node -> its local
+    symbolic shape)."""
     return fp8_product_costs(node.args[0], _weight(node), node, dims)
 
 
-def fp8_product_costs(x: fx.Node, w: fx.Node, out: fx.Node, dims, input_cast: bool = True
-                      ) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]:
-    """:func:`fp8_costs` of the product of ``x`` and ``w`` into ``out``; ``input_cast`` False: ``x``'s cast is
-    another product's (``rt.fp8_linears_regathered`` casts the input its linears share once)."""
+def fp8_product_costs(x: fx.Node, w: fx.Node, out: fx.Node, dims, input_cast: bool = True) -> tuple[sympy.Expr, ...]:
+    """:func:`fp8_costs` of the product of ``x`` and ``w`` into ``out``; ``input_cast`` False: ``x``'s casts are
+    another product's (``rt.fp8_linears_regathered`` casts the input its linears share once each way)."""
     size = x.meta["val"].element_size()
     x_n, w_n = _numel(dims(x)), _numel(dims(w))
-    cast_n = x_n + w_n if input_cast else w_n
+    inputs = x_n + w_n if input_cast else w_n
     out_n = _numel(dims(out))
     flops = 2 * out_n * dims(x)[-1]
     mm = x_n + w_n + out_n * out.meta["val"].element_size()
-    casts = (2 * size + 1) * cast_n
-    return flops, mm, casts, x_n + w_n
+    casts, casts_bwd = (2 * size + 1) * inputs, (2 * size + 1) * (inputs + 2 * out_n)
+    return flops, mm, casts, casts_bwd, x_n + w_n
 
 
 def amax_bytes(node: fx.Node, dims, direction: str) -> sympy.Expr:

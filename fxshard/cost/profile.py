@@ -84,6 +84,10 @@ class Piece:
     ops: list[tuple] = field(default_factory=list)
     traffic: sympy.Expr = sympy.Integer(0)  # bytes read + written by the other ops
     kernels: int = 0
+    # an fp8 linear's casts (fxshard.cost.fp8), bytes read + written: forward's (input, weight), backward's (the
+    # output gradient twice, the input and weight again); memory-bound, and not run again by selective recompute
+    casts: sympy.Expr = sympy.Integer(0)
+    casts_bwd: sympy.Expr = sympy.Integer(0)
     # what backward runs again of the ops fxshard.runtime.activations keeps less for (their forward ops, memory-bound)
     redo_traffic: sympy.Expr = sympy.Integer(0)
     redo_kernels: int = 0
@@ -301,9 +305,10 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
         x = node.args[0]
         for i, (u, w) in enumerate(zip(sorted((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)),
                                               key=lambda u: u.args[1]), node.kwargs["weights"], strict=False)):
-            flops, mm, casts, copies = fp8_product_costs(x, w, u, dims, input_cast=i == 0)
+            flops, mm, casts, casts_bwd, copies = fp8_product_costs(x, w, u, dims, input_cast=i == 0)
             _add_op(piece, "fp8", flops, mm)
-            piece.traffic += casts
+            piece.casts += casts
+            piece.casts_bwd += casts_bwd
             piece.kernels += CAST_KERNELS if i == 0 else CAST_KERNELS // 2
             _note_value(piece, u, dims)
             piece.largest += [copies] if copies not in piece.largest else []
@@ -325,9 +330,10 @@ def _cost_node(node: fx.Node, piece: Piece, dims) -> None:
         _note_value(piece, node, dims)
         return
     if node.target in FP8_TARGETS:  # --dtype fp8: the product at the fp8 peak, the casts memory-bound
-        flops, mm, casts, copies = fp8_costs(node, dims)
+        flops, mm, casts, casts_bwd, copies = fp8_costs(node, dims)
         _add_op(piece, "fp8", flops, mm)
-        piece.traffic += casts
+        piece.casts += casts
+        piece.casts_bwd += casts_bwd
         piece.kernels += CAST_KERNELS
         _note_value(piece, node, dims)
         piece.largest += [copies] if copies not in piece.largest else []
@@ -489,7 +495,7 @@ def _average(piece: Piece, n: int) -> None:
     piece.saved = {k: sympy.expand(v / n) for k, v in piece.saved.items()}
     piece.comms = piece.comms[:len(piece.comms) // n]
     piece.ops = piece.ops[:len(piece.ops) // n]
-    for name in ("traffic", "redo_traffic", "params", "frozen", "experts", "dispatched", "kv"):
+    for name in ("traffic", "casts", "casts_bwd", "redo_traffic", "params", "frozen", "experts", "dispatched", "kv"):
         setattr(piece, name, sympy.expand(getattr(piece, name) / n))
     piece.kernels //= n
     piece.redo_kernels //= n

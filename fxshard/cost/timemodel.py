@@ -153,10 +153,12 @@ class Evaluator:
                  for c in BACKWARD}
         t_mem = k * (values["traffic"] / (hw.memory_bandwidth * eff["memory"]) + values["kernels"] * hw.kernel_overhead)
         t_cast = k * fp8_cast_seconds(ops, hw) if self.fp8 else 0.0  # forward's casts, and backward's again
-        fwd = sum(t_ops.values()) + t_mem + t_cast
+        rate = hw.memory_bandwidth * eff["memory"]  # a compiled fp8 linear's casts, each way (fxshard.cost.fp8)
+        t_cast_fwd, t_cast_bwd = t_cast + k * values["casts"] / rate, t_cast + k * values["casts_bwd"] / rate
+        fwd = sum(t_ops.values()) + t_mem + t_cast_fwd
         t_redo = k * (values["redo_traffic"] / (hw.memory_bandwidth * eff["memory"])
                       + values["redo_kernels"] * hw.kernel_overhead)  # fxshard.runtime.activations' ops again
-        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem + t_cast + t_redo
+        bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem + t_cast_bwd + t_redo
         tp_fwd = tp_bwd = 0.0
         for op, axis, direction, nbytes, overlap in values["comms"]:
             if axis != "tp" or tp == 1:
@@ -247,6 +249,7 @@ def _compile(piece: Piece):
     """The piece's expressions as one function of (b, S, T) per part: all of it, and its S**2 part (which grows with
     the whole sequence, not the local one, under cp: queries local, keys whole)."""
     exprs = {"traffic": piece.traffic, "kernels": sympy.Integer(piece.kernels), "params": piece.params,
+             "casts": piece.casts, "casts_bwd": piece.casts_bwd,
              "redo_traffic": piece.redo_traffic, "redo_kernels": sympy.Integer(piece.redo_kernels),
              "frozen": piece.frozen,             "experts": piece.experts, "tied": piece.tied,
              "boundary": piece.boundary,

@@ -11,12 +11,17 @@ against torchao's ``Float8Linear`` on one device), written here because the runt
 tensor subclass does not capture with ``torch.export`` (torch 2.13: "Unable to cast NotImplemented to Tensor").
 
 Under tensor parallelism a scale must be the one the whole tensor has on one device: where the linear's weight is
-split (``split="out"``: column-parallel, ``"in"``: row-parallel) the amaxes that span the split dimension are
-all-reduced with MAX over the tp group, once in forward and once in backward, each one small buffer
-(:func:`amax_elements`); a rowwise amax per feature of features tp splits is each rank's own, and is not::
+split (``split="out"``: column-parallel, ``"in"``: row-parallel), or its input's tokens are (``"rows"``: a linear
+tp leaves whole reading sequence parallelism's shard, such as MLA's down-projections), the amaxes that span the split
+dimension are all-reduced with MAX over the tp group, once in forward and once in backward, each one small buffer
+(:func:`amax_elements`); a rowwise amax per feature of features tp splits, or per token of tokens it splits, is each
+rank's own, and is not::
 
     y = fp8_linear(x, w, b, "tensorwise")                          # one device, or a linear tp does not split
     y = fp8_linear_tp(x, groups["tp"], w, b, "tensorwise", "in")   # row-parallel: partial sums, global scales
+
+Under sequence parallelism the column-parallel linears that read one gathered input are one
+:func:`fp8_linears_regathered` call, which keeps the shard for backward (passes/overlap.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from fxshard.runtime.guard import guarded
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # torchao's: no division by zero for an all-zero tensor
-SPLITS = (None, "in", "out")  # which dimension of the weight the tp group splits
+SPLITS = (None, "in", "out", "rows")  # which dimension of the weight the tp group splits; rows: the input's tokens
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,20 @@ def amax_elements(recipe: str, rows, in_features: int, out_features: int, direct
     input's and the weight's amax forward, the gradient's backward; rowwise, each token's amax (of the input forward,
     of the gradient backward), and the weight's per output feature forward where tp splits its input features
     (``split="in"``), per input feature backward where tp splits its output features (``"out"``), the amaxes that
-    span the split; a per-feature amax of features tp splits is each rank's own::
+    span the split; a per-feature amax of features tp splits is each rank's own.  Tokens split (``"rows"``,
+    rowwise): forward the weight's per output feature (the same on every rank: one all-reduce a direction, as every
+    call), backward the weight gradient's amaxes over the tokens, the output gradient's per output feature and the
+    input's per input feature::
 
         >>> amax_elements("tensorwise", 64, 32, 16, "forward"), amax_elements("rowwise", 64, 32, 16, "backward", "out")
         (2, 96)
+        >>> [amax_elements("rowwise", 64, 32, 16, direction, "rows") for direction in ("forward", "backward")]
+        [16, 48]
     """
     if not RECIPES[recipe].rowwise:
         return 2 if direction == "forward" else 1
+    if split == "rows":
+        return out_features if direction == "forward" else out_features + in_features
     if direction == "forward":
         return rows + (out_features if split == "in" else 0)
     return rows + (in_features if split == "out" else 0)
@@ -154,6 +166,9 @@ class _Fp8Matmul(torch.autograd.Function):
         amax_x, amax_w = _amax(x, -1 if recipe.rowwise else None), _amax(wt, 0 if recipe.rowwise else None)
         if group is not None and (split == "in" or not recipe.rowwise):  # every amax spans the split
             amax_x, amax_w = _reduced([amax_x, amax_w], group, "all_reduce max (fp8 amax of fp8_linear_tp)", site)
+        elif group is not None and split == "rows":  # rowwise, tokens split: each token's amax is its rank's own;
+            # the weight is whole, its amaxes the same on every rank (reduced all the same: the call's one op)
+            (amax_w,) = _reduced([amax_w], group, "all_reduce max (fp8 amax of fp8_linear_tp)", site)
         elif group is not None:  # rowwise, output features split: the weight's are each rank's own; x is whole
             (amax_x,) = _reduced([amax_x], group, "all_reduce max (fp8 amax of fp8_linear_tp)", site)
         sx, sw = _scale(amax_x, E4M3, recipe.pow2), _scale(amax_w, E4M3, recipe.pow2)
@@ -166,7 +181,12 @@ class _Fp8Matmul(torch.autograd.Function):
         r = ctx.recipe
         wt = w.t()
         amax_g = _amax(grad, -1 if r.rowwise else None)
-        if r.rowwise:  # the weight again, per input feature (torchao's weight_for_grad_input cast)
+        over_tokens = None  # rowwise: the weight gradient's amaxes over the tokens, where tp splits them
+        if r.rowwise and ctx.split == "rows":  # each token's amaxes and the whole weight's are this rank's own
+            sg, sw = _scale(amax_g, r.grad_dtype, r.pow2), _scale(_amax(wt, -1), E4M3, r.pow2)
+            over_tokens = _reduced([_amax(grad, 0), _amax(x, 0)], ctx.group,
+                                   "all_reduce max (fp8 amax of fp8_linear_tp, backward)", ctx.site)
+        elif r.rowwise:  # the weight again, per input feature (torchao's weight_for_grad_input cast)
             amaxes = [amax_g, _amax(wt, -1)]
             spanning = amaxes if ctx.split == "out" else amaxes[:1]  # input features split: each rank's own
             if ctx.group is not None:
@@ -184,9 +204,10 @@ class _Fp8Matmul(torch.autograd.Function):
             wt8 = _cast(wt, sw, E4M3)
             dx = _mm(_cast(grad, sg, r.grad_dtype), sg, wt8.t(), sw.t(), grad.dtype, fast_accum=False)
         if ctx.needs_input_grad[1]:
-            if r.rowwise:  # per output feature and per input feature, over the tokens (never split by tp)
-                sg = _scale(_amax(grad, 0), r.grad_dtype, r.pow2)
-                sx = _scale(_amax(x, 0), E4M3, r.pow2)
+            if r.rowwise:  # per output feature and per input feature, over the tokens (all ranks' under "rows")
+                amax_gt, amax_xt = over_tokens if over_tokens is not None else (_amax(grad, 0), _amax(x, 0))
+                sg = _scale(amax_gt, r.grad_dtype, r.pow2)
+                sx = _scale(amax_xt, E4M3, r.pow2)
             else:
                 sx = ctx.scales[0]
             g8t = _cast(grad, sg, r.grad_dtype).t()
@@ -255,6 +276,7 @@ class _Fp8LinearsRegathered(torch.autograd.Function):
         x = torch.cat(parts, dim=ctx.dim)
         xf = x.reshape(-1, x.shape[-1])
         sx = _scale(_amax(xf, 0), E4M3, r.pow2) if r.rowwise else ctx.scales[0]  # per input feature, over tokens
+        x8 = _cast(xf, sx, E4M3)  # once for every weight gradient (the same scale)
         dws = []
         for i, (g, sg) in enumerate(zip(flat, sgs, strict=True)):
             if not ctx.needs_input_grad[7 + i]:
@@ -262,8 +284,7 @@ class _Fp8LinearsRegathered(torch.autograd.Function):
                 continue
             if r.rowwise:  # per output feature, over the tokens (never split by tp)
                 sg = _scale(_amax(g, 0), r.grad_dtype, r.pow2)
-            dws.append(_mm(_cast(g, sg, r.grad_dtype).t(), sg.t(), _cast(xf, sx, E4M3), sx, g.dtype,
-                           fast_accum=False))
+            dws.append(_mm(_cast(g, sg, r.grad_dtype).t(), sg.t(), x8, sx, g.dtype, fast_accum=False))
         return dx.reshape(x.shape), None, None, None, None, None, None, *dws
 
 
@@ -271,7 +292,7 @@ def _linear(x: torch.Tensor, group, weight: torch.Tensor, bias, recipe: str, spl
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
     if split not in SPLITS:
-        raise ValueError(f"fp8_linear_tp split {split!r}: expected 'in' or 'out'")
+        raise ValueError(f"fp8_linear_tp split {split!r}: expected 'in', 'out' or 'rows'")
     flat = x.reshape(-1, x.shape[-1])
     out = _Fp8Matmul.apply(flat, weight, RECIPES[recipe], group, split,
                            None if group is None or torch.compiler.is_compiling() else _site())
@@ -288,8 +309,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def fp8_linear_tp(x: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   recipe: str = "tensorwise", split: str = "out") -> torch.Tensor:
     """:func:`fp8_linear` on a linear whose weight ``group`` splits (``split``: its ``"out"`` or ``"in"``
-    dimension): the amaxes all-reduced with MAX over ``group`` forward and backward, so every scale is the one
-    the whole tensor has on one device."""
+    dimension), or whose input's tokens it splits (``"rows"``, the weight whole): the amaxes all-reduced with MAX over
+    ``group`` forward and backward, so every scale is the one the whole tensor has on one device."""
     return _linear(x, group, weight, bias, recipe, split)
 
 

@@ -34,8 +34,15 @@ def test_the_linears_move_to_the_fp8_class_with_the_same_flops(profiles):
     block = _flops(profiles["fp8"].pieces("tp1")["block0"])
     assert block["fp8"] > 0 and block.get("matmul", 0) == 0  # every linear of a block: q, k, v, o, gate, up, down
     assert _flops(profiles["fp8"].pieces("tp1")["after"])["matmul"] > 0  # the head: bf16 (torchtitan's filter)
-    casts = profiles["fp8"].pieces("tp1")["block0"].traffic - profiles["bf16"].pieces("tp1")["block0"].traffic
-    assert float(casts.subs(AT)) > 0
+    fp8, bf16 = (profiles[d].pieces("tp1")["block0"] for d in ("fp8", "bf16"))
+    assert float(fp8.traffic.subs(AT)) == float(bf16.traffic.subs(AT)) and bf16.casts == bf16.casts_bwd == 0
+    # casts, (2·2 + 1) bytes an element of bf16 (--dtype fp8): forward the inputs and weights; backward those again
+    # and each output gradient twice.  Seven linears of hidden 64 (q 64, k and v 32, o 64; gate and up 128, down 64 out)
+    outputs = 64 + 32 + 32 + 64 + 128 + 128 + 64  # features out of q, k, v, o, gate, up, down
+    tokens, weights = 2 * 16, 64 * (outputs - 64) + 128 * 64
+    inputs = tokens * (6 * 64 + 128) + weights
+    assert float(fp8.casts.subs(AT)) == 5 * inputs
+    assert float(fp8.casts_bwd.subs(AT)) == 5 * (inputs + 2 * tokens * outputs)
 
 
 @pytest.mark.slow

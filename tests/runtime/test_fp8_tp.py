@@ -28,7 +28,11 @@ def _inputs():
     # features 1e6 apart, so a scale from another rank's feature would push this one's into e4m3's subnormals
     w = torch.randn(OUT, IN, generator=g) * torch.logspace(-3, 3, OUT)[:, None] * torch.logspace(-3, 3, IN)
     grad = torch.randn(TOKENS, OUT, generator=g) * 1e-2
-    return x, w, grad
+    # the two halves of the tokens 1e6 apart likewise, the input large where the gradient is small: under "rows" (tp
+    # splits the tokens) the weight gradient's scales are over all of them, so each half's small values underflow,
+    # as on one device; a scale over one rank's half alone keeps them, and their products are the largest
+    apart = torch.cat([torch.full((TOKENS // 2, 1), 1e-3), torch.full((TOKENS - TOKENS // 2, 1), 1e3)])
+    return x / apart, w, grad * apart
 
 
 def _rank(group, recipe: str, split: str):
@@ -36,6 +40,8 @@ def _rank(group, recipe: str, split: str):
     r = group.rank()
     if split == "out":
         x, w, grad = x.clone(), w.chunk(2)[r].clone(), grad.chunk(2, dim=-1)[r].clone()
+    elif split == "rows":  # sequence parallelism's shard into a linear tp leaves whole
+        x, w, grad = x.chunk(2)[r].clone(), w.clone(), grad.chunk(2)[r].clone()
     else:
         x, w = x.chunk(2, dim=-1)[r].clone(), w.chunk(2, dim=-1)[r].clone()
     x.requires_grad_()
@@ -46,7 +52,7 @@ def _rank(group, recipe: str, split: str):
 
 
 @pytest.mark.parametrize("recipe", list(rt_fp8.RECIPES))
-@pytest.mark.parametrize("split", ["out", "in"])
+@pytest.mark.parametrize("split", ["out", "in", "rows"])
 def test_fp8_linear_tp_is_the_one_device_linear(monkeypatch, recipe, split):
     monkeypatch.setattr(rt_fp8, "_reduced", _threaded_max)
     x, w, grad = _inputs()
@@ -65,6 +71,10 @@ def test_fp8_linear_tp_is_the_one_device_linear(monkeypatch, recipe, split):
         assert torch.equal(torch.cat([rank0[0], rank1[0]], dim=-1), y)
         assert torch.equal(torch.cat([rank0[2], rank1[2]]), w.grad)
         close((rank0[1], rank1[1]), x.grad)
+    elif split == "rows":  # tokens split: output and input-gradient rows whole; the weight gradient a partial sum
+        assert torch.equal(torch.cat([rank0[0], rank1[0]]), y)
+        assert torch.equal(torch.cat([rank0[1], rank1[1]]), x.grad)
+        close((rank0[2], rank1[2]), w.grad)
     else:  # row-parallel: input-gradient and weight columns whole; the output a partial sum
         assert torch.equal(torch.cat([rank0[1], rank1[1]], dim=-1), x.grad)
         assert torch.equal(torch.cat([rank0[2], rank1[2]], dim=-1), w.grad)
