@@ -141,7 +141,7 @@ def run_part(part: str, settings: dict, work: Path, quick: bool, device: str = "
     if part == "cp":
         return context_parallel.run(work, settings["cp_rounds"], settings["cp_warmup"], quick)
     if part == "peers":
-        return peers.run(work, quick)
+        return peers.run(work, quick, settings.get("peer_layouts"))
     if part == "single":
         return single.run(settings["single_size"], work, settings["single_rounds"], settings["single_warmup"], device)
     assert part == "compile"
@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", choices=PARTS + ALONE, action="append", help="run only this part (repeatable); "
                         "the other parts' results in latest.json are kept; single runs only when named, into "
                         "results/single-DEVICE.*")
+    parser.add_argument("--layout", choices=list(peers.LAYOUTS), action="append",
+                        help="--only peers: run only this layout (repeatable); the results file keeps the others' "
+                             "from the run that measured them")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and markdown results")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the tp part on NCCL (results/nccl.*; the other parts are CPU measurements), or "
@@ -214,13 +217,16 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{' '.join(set(args.only) - set(GPU_PARTS))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    if args.layout and alone != ["peers"]:
+        parser.error("--layout chooses the layouts of --only peers")
     parts = alone or (["tp"] if args.device == "cuda" else [p for p in PARTS if p in (args.only or PARTS)])
-    settings = plan(args.quick, args.device)
+    settings = plan(args.quick, args.device) | ({"peer_layouts": args.layout} if args.layout else {})
     name = ("quick" if args.quick else "latest") if args.device == "cpu" else ("quick-nccl" if args.quick else "nccl")
     if alone:
         name = ("quick-" if args.quick else "") + f"{alone[0]}-{args.device}"
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "") + \
-        (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or [])
+        (" --device cuda" if args.device == "cuda" else "") + "".join(f" --only {p}" for p in args.only or []) + \
+        "".join(f" --layout {name}" for name in args.layout or [])
     results: dict = {"command": command, "environment": environment(BACKEND_OF[args.device]), "settings": settings}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fxshard-bench-") as work:
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["elapsed_s"] = round(time.perf_counter() - start, 1)
     if args.only and not args.quick and args.device == "cpu" and not alone:
         results = merged_with_earlier(results, args.out, parts)
+    if args.layout and (args.out / f"{name}.json").exists():
+        results = peers.with_earlier_layouts(results, json.loads((args.out / f"{name}.json").read_text()))
     markdown = render(results)
     json_path, md_path = write_results(results, markdown, args.out, name)
     print(f"\n{markdown}\n\nwrote {json_path} and {md_path}")

@@ -92,3 +92,22 @@ def test_peers_train_the_same_losses_at_tp2(tmp_path, monkeypatch):
     assert len(ours) == 2
     for tool in ("torchtitan", "Megatron-Core"):
         assert result["losses"][tool] == pytest.approx(ours, rel=1e-5), tool
+
+
+def test_a_rerun_layout_replaces_its_own_and_keeps_the_others_with_their_run():
+    """``--only peers --layout dp2-replicated``: the file keeps every other layout, each naming the run that measured
+    it, in the layouts' order."""
+    from benchmarks.peers.bench import with_earlier_layouts
+
+    earlier = {"command": "python -m benchmarks.run --only peers", "environment": {"date": "2026-12-02 04:30:13 UTC"},
+               "peers": {"size": "small",
+                         "layouts": [{"layout": n, "old": True} for n in ("tp2", "dp2", "pp2", "tp2dp2")]}}
+    results = {"command": "python -m benchmarks.run --only peers --layout dp2-replicated",
+               "peers": {"size": "small", "layouts": [{"layout": "dp2-replicated", "old": False}]}}
+    merged = with_earlier_layouts(results, earlier)["peers"]
+    assert [r["layout"] for r in merged["layouts"]] == ["tp2", "dp2", "dp2-replicated", "pp2", "tp2dp2"]
+    assert merged["size"] == "small" and not merged["layouts"][2]["old"] and "measured" not in merged["layouts"][2]
+    assert all(r["measured"] == {"command": earlier["command"], "date": "2026-12-02 04:30:13 UTC"}
+               for r in merged["layouts"] if r["layout"] != "dp2-replicated")
+    with pytest.raises(SystemExit, match="FXSHARD_PEERS_SIZE=small, this run toy"):
+        with_earlier_layouts({**results, "peers": {**results["peers"], "size": "toy"}}, earlier)

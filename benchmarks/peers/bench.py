@@ -1,5 +1,6 @@
 """``python -m benchmarks.run --only peers``: fxshard against torchtitan and Megatron-Core on the same Llama, the
-same initial weights and the same global batch, at tp2, dp2 (ZeRO 3 / FSDP2), pp2 (1F1B) and tp2·dp2.
+same initial weights and the same global batch, at tp2, dp2 (ZeRO 3 / FSDP2), dp2-replicated (every tool DDP-like: the
+like-for-like dp row), pp2 (1F1B) and tp2·dp2.
 
 Per layout, one set of gloo processes holds every tool and trains them in interleaved rounds
 (:func:`benchmarks.common.interleave`); step time is reported as each tool's ratio to fxshard's in the same round.
@@ -90,7 +91,13 @@ def not_here(tool: str, layout: PeerLayout) -> str | None:
 def notes(layout: PeerLayout, ran: list[str], backend: str) -> dict[str, str]:
     """How each tool that ran splits the layout's dp work, where the tools differ."""
     out = {}
-    if layout.dp > 1:
+    if layout.dp > 1 and not layout.sharded:  # like for like: every tool all-reduces whole gradients
+        out["fxshard"] = "--zero 0 (gradients all-reduced in buckets during backward, nothing sharded)"
+        out["torchtitan"] = ("FSDP2 on a replicate mesh (`data_parallel_replicate_degree`), its way to replicate: "
+                             "parameters whole, gradients all-reduced")
+        out["Megatron-Core"] = "its DistributedDataParallel (gradients all-reduced, no sharding)"
+        out["DeepSpeed"] = "ZeRO stage 0 (its DDP)"
+    elif layout.dp > 1:
         out["fxshard"] = "--zero 3 (parameters, gradients and optimizer state sharded over dp)"
         out["torchtitan"] = "FSDP2 (fully_shard per block and the whole model), as its recipe"
         if "Megatron-Core" in ran:
@@ -233,6 +240,22 @@ def run(work: Path, quick: bool, layouts: list[str] | None = None, compiled: boo
     return {"size": os.environ[SIZE_VARIABLE], "shape": size(), "missing": missing, "layouts": results}
 
 
+def with_earlier_layouts(results: dict, earlier: dict) -> dict:
+    """``results`` of a run of some layouts (``--layout``), with the other layouts of the ``earlier`` results file
+    kept, each saying which run measured it (its command and date), in :data:`LAYOUTS` order."""
+    if earlier["peers"].get("size", results["peers"].get("size")) != results["peers"].get("size"):
+        raise SystemExit(f"the earlier results measured FXSHARD_PEERS_SIZE={earlier['peers']['size']}, this run "
+                         f"{results['peers']['size']}: rerun every layout (no --layout), or set the same size")
+    ran = {r["layout"] for r in results["peers"]["layouts"]}
+    kept = {r["layout"]: r | {"measured": r.get("measured") or {"command": earlier["command"],
+                                                                  "date": earlier["environment"]["date"]}}
+            for r in earlier["peers"]["layouts"] if r["layout"] not in ran}
+    layouts = {r["layout"]: r for r in results["peers"]["layouts"]} | kept
+    out = dict(results)
+    out["peers"] = dict(results["peers"], layouts=[layouts[n] for n in LAYOUTS if n in layouts])
+    return out
+
+
 # ---------------------------------------------------------------- the results page
 
 
@@ -260,6 +283,8 @@ def layout_markdown(r: dict) -> str:
         rows.append([tool, _ms(s), f"{ratio['median']:.3f} [{ratio['p25']:.3f}, {ratio['p75']:.3f}]" if ratio else "",
                      f"{s['cpu_median_ms']:.1f}", peak, mem.get("above_base_mib", ""), loss, diff])
     head = [f"### {r['layout']} ({r['world']} ranks; {r['warmup']} warm-up + {r['rounds']} timed rounds)"]
+    if r.get("measured"):
+        head.append(f"Measured by `{r['measured']['command']}`, {r['measured']['date']} (not rerun since).")
     if rows:
         head.append(markdown_table(["tool", "step ms, median [p25, p75]", "÷ fxshard's step, same round",
                                     "CPU ms per step (all ranks)", "peak MiB per rank", "above baseline MiB",
@@ -283,22 +308,39 @@ def layout_markdown(r: dict) -> str:
 
 
 def behind(r: dict, peer: str) -> str:
-    """Where fxshard's step goes against ``peer``'s, from the profiled step of each (rank 0)."""
+    """Where fxshard's step goes against ``peer``'s, from the profiled step of each (rank 0), and what differs in
+    the comparison itself: the rounds' spread, the matmuls each dispatched, dp work sharded against not."""
     ours, theirs = r.get("profiles", {}).get("fxshard"), r.get("profiles", {}).get(peer)
     if not ours or not theirs:
         return f"Behind {peer}; no profile of this run to say where."
     heavy = "; ".join(f"{n} ×{c} {ms:.1f} ms" for n, c, ms in ours["top"][:3])
-    return (f"Behind {peer}: in the profiled step fxshard dispatched {ours['ops']} aten ops ({ours['self_ms']:.1f} ms "
+    text = (f"Behind {peer}: in the profiled step fxshard dispatched {ours['ops']} aten ops ({ours['self_ms']:.1f} ms "
             f"of self CPU time on rank 0) against {theirs['ops']} ({theirs['self_ms']:.1f} ms); fxshard's heaviest: "
-            f"{heavy}." + (_UNSHARDED if peer == "Megatron-Core" and "distributed optimizer refuses"
-                           in r.get("notes", {}).get(peer, "") else ""))
+            f"{heavy}.")
+    ratio = r["ratio_to_fxshard"][peer]
+    if ratio["p25"] < 1 < ratio["p75"]:
+        text += (f" Within the rounds' spread: {peer}'s step over fxshard's is {ratio['p25']:.2f} to "
+                 f"{ratio['p75']:.2f} between the quartiles of the rounds.")
+    mm = {t: next((c for n, c, _ in p["top"] if n == "aten::mm"), None) for t, p in (("fxshard", ours), (peer, theirs))}
+    if peer == "Megatron-Core" and mm["fxshard"] and mm[peer] and mm[peer] < mm["fxshard"]:
+        text += (f" fxshard runs {mm['fxshard']} matrix products to Megatron-Core's {mm[peer]}: Megatron's layer spec "
+                 "fuses q, k and v into one linear and gate and up into another, where fxshard runs the unmodified "
+                 "model's own linears, each its own kernel (on 2 CPU cores at this size a product is mostly "
+                 "dispatch).")
+    if peer == "Megatron-Core" and "distributed optimizer refuses" in r.get("notes", {}).get(peer, ""):
+        sharded = {t: q["median"] for t, q in r["ratio_to_fxshard"].items()
+                   if t not in ("fxshard", peer) and not t.startswith("fxshard")}
+        text += _UNSHARDED + (f" Against the other sharded tools here fxshard is "
+                              f"{'ahead' if all(v >= 1 for v in sharded.values()) else 'not always ahead'} ("
+                              + ", ".join(f"{t} {v:.2f}" for t, v in sharded.items()) + f"); the like-for-like row "
+                              f"is {r['layout']}-replicated, where every tool replicates." if sharded else "")
+    return text
 
 
 _UNSHARDED = (" Not like for like: Megatron-Core's dp here all-reduces whole gradients and shards nothing (its note "
-              "below), while fxshard's ZeRO 3 all-gathers each block's parameters before use and reduce-scatters "
-              "its gradients (FSDP::all_gather, FSDP::post_backward_reduce in its profile), as torchtitan's FSDP2 "
-              "does. Against the other sharded tools at this layout fxshard is ahead; Megatron-Core's sharded "
-              "recipe (its distributed optimizer) runs only on a GPU.")
+              "below; its sharded recipe, the distributed optimizer, runs only on a GPU), while fxshard's ZeRO 3 "
+              "all-gathers each block's parameters before use and reduce-scatters its gradients "
+              "(FSDP::all_gather, FSDP::post_backward_reduce in its profile), as torchtitan's FSDP2 does.")
 
 
 def markdown(results: dict) -> str:

@@ -3,7 +3,7 @@
 A layout is one world of gloo (or NCCL) processes that every tool trains in turn; a :class:`Peer` is one tool's
 model, optimizer and step on this rank::
 
-    LAYOUTS["tp2"]                     # PeerLayout(name='tp2', tp=2, pp=1, dp=1, microbatches=1)
+    LAYOUTS["tp2"]                     # PeerLayout(name='tp2', tp=2, pp=1, dp=1, sharded=True)
     peer.step()                        # forward, backward, gradient norm, AdamW: the loss (None off the last stage)
 """
 
@@ -24,6 +24,7 @@ class PeerLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    sharded: bool = True  # dp: parameters, gradients and optimizer state sharded (ZeRO 3, FSDP2), or replicated (DDP)
 
     @property
     def world(self) -> int:
@@ -35,7 +36,9 @@ class PeerLayout:
 
 
 LAYOUTS = {layout.name: layout for layout in (
-    PeerLayout("tp2", tp=2), PeerLayout("dp2", dp=2), PeerLayout("pp2", pp=2), PeerLayout("tp2dp2", tp=2, dp=2))}
+    PeerLayout("tp2", tp=2), PeerLayout("dp2", dp=2), PeerLayout("dp2-replicated", dp=2, sharded=False),
+    PeerLayout("pp2", pp=2), PeerLayout("tp2dp2", tp=2, dp=2),
+    PeerLayout("tp2dp2-replicated", tp=2, dp=2, sharded=False))}
 
 
 @dataclass

@@ -19,10 +19,12 @@ MODEL_FILE = Path(__file__).resolve().parent.parent / "models" / "peer_llama.py"
 
 
 def fxshard_layout(layout: PeerLayout, dtype: str = "fp32"):
-    """fxshard's ``Layout`` for a peers layout: dp as ZeRO 3 (FSDP2, as torchtitan shards), pp as 1F1B."""
+    """fxshard's ``Layout`` for a peers layout: dp as ZeRO 3 (FSDP2, as torchtitan shards), or replicated (ZeRO 0:
+    gradients all-reduced, as DDP), pp as 1F1B."""
     from fxshard.ir.layout import Layout
 
-    return Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=3 if layout.dp > 1 else 0, schedule="1f1b",
+    zero = 3 if layout.dp > 1 and layout.sharded else 0
+    return Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=zero, schedule="1f1b",
                   microbatches=MICROBATCHES if layout.pp > 1 else None, dtype=dtype)
 
 

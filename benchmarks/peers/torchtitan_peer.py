@@ -54,8 +54,10 @@ def _model_config(shape: dict):
 def _configs(layout: PeerLayout, shape: dict, compile: bool, bf16: bool = False):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 
+    shard, replicate = (layout.dp, 1) if layout.sharded else (1, layout.dp)  # FSDP2, or its DDP (replicate)
     parallelism = ParallelismConfig(
-        data_parallel_shard_degree=layout.dp, tensor_parallel_degree=layout.tp, enable_sequence_parallel=False,
+        data_parallel_shard_degree=shard, data_parallel_replicate_degree=replicate, tensor_parallel_degree=layout.tp,
+        enable_sequence_parallel=False,
         pipeline_parallel_degree=layout.pp, pipeline_parallel_schedule="1F1B", spmd_backend="partial_dtensor",
         pipeline_parallel_microbatch_size=shape["batch"] // layout.dp // layout.microbatches,
         pipeline_parallel_first_stage_less_layers=0, pipeline_parallel_last_stage_less_layers=0)
@@ -75,7 +77,8 @@ def _build(layout: PeerLayout, shape: dict, hf_state: dict, device: torch.device
 
     set_spmd_backend("partial_dtensor")  # as its trainer does from the config: DTensor on the model-parallel axes
     parallelism, training, compile_config = _configs(layout, shape, compile, bf16)
-    dims = ParallelDims(dp_replicate=1, dp_shard=layout.dp, cp=1, tp=layout.tp, pp=layout.pp, ep=1,
+    shard, replicate = (layout.dp, 1) if layout.sharded else (1, layout.dp)
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, cp=1, tp=layout.tp, pp=layout.pp, ep=1,
                         world_size=layout.world, spmd_backend="partial_dtensor")
     config = _model_config(shape)
     config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
@@ -116,7 +119,8 @@ def torchtitan_peer(layout: PeerLayout, hf_state: dict, batch: dict, shape: dict
     params = [p for part in parts for p in part.parameters()]
     pp_mesh = dims.get_mesh("pp") if layout.pp > 1 else None
     optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, foreach=True)
-    dp_rank = dims.get_mesh("fsdp").get_local_rank() if layout.dp > 1 else 0
+    dp_mesh = dims.get_mesh("fsdp" if layout.sharded else "dp_replicate") if layout.dp > 1 else None
+    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
     ids = local_rows(batch["input_ids"], dp_rank, layout.dp).to(device)
     inputs = ids  # next-token targets; the last position has none (ignored), as Hugging Face's shifted labels
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)
@@ -146,7 +150,7 @@ def torchtitan_peer(layout: PeerLayout, hf_state: dict, batch: dict, shape: dict
             return None
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
         if layout.dp > 1:  # each dp rank's sum over its tokens / the global count: the global mean is their sum
-            dist.all_reduce(loss, group=dims.get_mesh("fsdp").get_group())
+            dist.all_reduce(loss, group=dp_mesh.get_group())
         return float(loss)
 
     return Peer(step=step, reports_loss=last)
