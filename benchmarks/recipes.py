@@ -80,7 +80,9 @@ RECIPES = [
                               preset="LLAMA31_405B_PRETRAIN_CONFIG_H100_FP8_CS_V1"),
         "as the 70B; cp is costed analytically (keys and values all-gathered, fxshard's cp_mode allgather, where "
         "Megatron runs its ring (p2p) attention); 126 layers over 64 virtual stages: fxshard's balance also gives "
-        "the first and last stage one layer",
+        "the first and last stage one layer; FP8: fxshard's compile refuses `--fp8` with `--cp` (a tensorwise "
+        "scale over the tokens would need every cp rank's amax, which it does not gather), so this row prices a "
+        "program fxshard does not compile today, and its own choice below is searched without cp",
         megatron=True),
     Recipe(
         "deepseek-v3", "benchmarks/models/deepseek_v3.py", 1024, 4096, 8192,
@@ -109,7 +111,11 @@ RECIPES = [
         "selective recompute runs the MoE layer's dispatch and combine again (a third of the ep term), where "
         "Megatron recomputes MLA's up-projections and the MLPs only; the other ops run unfused at the memory "
         "bandwidth (the compute split), the tp collectives block; no multi-token-prediction module in "
-        "transformers' model (Megatron's run computes one more: this favours fxshard)",
+        "transformers' model (Megatron's run computes one more: this favours fxshard); FP8: fxshard's compile "
+        "refuses `--fp8` with `--ep` (its fp8 linears beside expert parallelism are not yet trained against one "
+        "device), so this row prices a program fxshard does not compile today: the fp8 program's attention, dense "
+        "and shared-expert linears (MLA's down-projections as `split='rows'`) beside routed experts whose grouped "
+        "products stay bf16, as torchao's recipe leaves them",
         megatron=True),
     Recipe(
         "llama3-8b", "benchmarks/models/llama3_8b.py", 8, 8192, 16,

@@ -57,9 +57,12 @@ def search(profile: ModelProfile, hw: Hardware, gpus: int, setting: Setting, dty
     """The fitting layouts of ``gpus`` devices, best predicted step first; refusals say why none divides or fits."""
     started, cpu = time.perf_counter(), time.process_time()
     ev = evaluator or Evaluator(profile, hw, dtype)
-    candidates = list(layouts(profile, gpus, setting, ev.dtype))
+    # an fp8 search proposes --dtype fp8 layouts: the compile command it prints is fp8's, and the layouts fp8
+    # refuses (--ep, --cp: Layout says why) are not among them
+    at = "fp8" if "fp8" in (dtype, profile.dtype) else ev.dtype
+    candidates = list(layouts(profile, gpus, setting, at))
     if not candidates:
-        raise LayoutError(_nothing_divides(profile, gpus, setting, ev.dtype))
+        raise LayoutError(_nothing_divides(profile, gpus, setting, at))
     fitting, closest = [], None
     for base in candidates:
         fit, over = _least_recompute(ev, base, setting)
