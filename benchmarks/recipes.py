@@ -111,11 +111,10 @@ RECIPES = [
         "selective recompute runs the MoE layer's dispatch and combine again (a third of the ep term), where "
         "Megatron recomputes MLA's up-projections and the MLPs only; the other ops run unfused at the memory "
         "bandwidth (the compute split), the tp collectives block; no multi-token-prediction module in "
-        "transformers' model (Megatron's run computes one more: this favours fxshard); FP8: fxshard's compile "
-        "refuses `--fp8` with `--ep` (its fp8 linears beside expert parallelism are not yet trained against one "
-        "device), so this row prices a program fxshard does not compile today: the fp8 program's attention, dense "
-        "and shared-expert linears (MLA's down-projections as `split='rows'`) beside routed experts whose grouped "
-        "products stay bf16, as torchao's recipe leaves them",
+        "transformers' model (Megatron's run computes one more: this favours fxshard); FP8: fxshard's fp8 "
+        "program has the attention, dense and shared-expert linears in fp8 (MLA's down-projections as "
+        "`split='rows'`) beside routed experts whose grouped products stay bf16, as torchao's recipe leaves them, "
+        "where Megatron's blockwise FP8 covers the experts too",
         megatron=True),
     Recipe(
         "llama3-8b", "benchmarks/models/llama3_8b.py", 8, 8192, 16,

@@ -58,7 +58,7 @@ def search(profile: ModelProfile, hw: Hardware, gpus: int, setting: Setting, dty
     started, cpu = time.perf_counter(), time.process_time()
     ev = evaluator or Evaluator(profile, hw, dtype)
     # an fp8 search proposes --dtype fp8 layouts: the compile command it prints is fp8's, and the layouts fp8
-    # refuses (--ep, --cp: Layout says why) are not among them
+    # refuses (--cp: Layout says why) are not among them
     at = "fp8" if "fp8" in (dtype, profile.dtype) else ev.dtype
     candidates = list(layouts(profile, gpus, setting, at))
     if not candidates:
