@@ -72,10 +72,10 @@ def hub_names(model, names, shapes: dict[str, tuple[int, ...]]) -> dict[str, str
 
 def hub_sources(model, name: str) -> list[str]:
     """The checkpoint name patterns transformers' table builds model tensor ``name`` from (none if it is read as
-    itself): what a message about a missing tensor can offer besides its own name.
+    itself): what a message about a missing tensor can offer besides its own name::
 
-    >>> hub_sources(qwen3_moe, "model.layers.1.mlp.experts.gate_up_proj")
-    ['mlp.experts.*.gate_proj.weight', 'mlp.experts.*.up_proj.weight']
+        hub_sources(qwen3_moe, "model.layers.1.mlp.experts.gate_up_proj")
+        # ['mlp.experts.*.gate_proj.weight', 'mlp.experts.*.up_proj.weight']
     """
     from transformers.core_model_loading import WeightConverter
 

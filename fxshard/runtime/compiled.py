@@ -36,9 +36,9 @@ def compile_module(module: torch.nn.Module, regional: bool = False, cpu_matmul: 
     """Compile ``module``'s forward (a generated ``RankModule`` or pipeline stage) in place; return it.
     ``regional``: one graph per repeated block class, and the module's forward broken at the block calls.
     ``cpu_matmul``: the kernel of the graphs' fp32 CPU matrix products, one of
-    :data:`fxshard.runtime.matmul.CPU_MATMULS`.
+    :data:`fxshard.runtime.matmul.CPU_MATMULS`::
 
-    >>> compile_module(code.RankModule(groups, device))   # first call compiles, later calls reuse
+        compile_module(code.RankModule(groups, device))   # first call compiles, later calls reuse
     """
     options = inductor_options(cpu_matmul)
     for child in module.children() if regional else ():

@@ -389,9 +389,9 @@ def _runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def finish_param_sync(opt) -> None:
     """Wait for ``opt``'s parameter all-gathers still in flight (ZeRO 1 with overlapped gathers), before anything but
-    the next forward reads the parameters; a no-op for an optimizer that leaves nothing in flight.
+    the next forward reads the parameters; a no-op for an optimizer that leaves nothing in flight::
 
-    >>> finish_param_sync(run.opt)   # then save a checkpoint, or read the trained parameters
+        finish_param_sync(run.opt)   # then save a checkpoint, or read the trained parameters
     """
     wait = getattr(opt, "finish_param_sync", None)
     if wait is not None:

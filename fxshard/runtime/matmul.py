@@ -122,10 +122,9 @@ def takes_onednn(m, k, n, min_multiply_adds: int | None = None) -> bool:
 
 def rewrite_products(graph: torch.fx.Graph, min_multiply_adds: int) -> int:
     """Make each fp32 CPU ``mm`` and linear ``addmm`` of an ATen ``graph`` that :func:`takes_onednn` a call of
-    :func:`onednn_mm`, counted under :data:`COUNTER`; return how many.
+    :func:`onednn_mm`, counted under :data:`COUNTER`; return how many::
 
-    >>> rewrite_products(gm.graph, MIN_MULTIPLY_ADDS)   # in inductor's post-grad pass
-    9
+        rewrite_products(gm.graph, MIN_MULTIPLY_ADDS)   # in inductor's post-grad pass: 9
     """
     from torch._dynamo.utils import counters
 
@@ -153,10 +152,9 @@ def rewrite_products(graph: torch.fx.Graph, min_multiply_adds: int) -> int:
 
 
 def onednn_products() -> int:
-    """How many matrix products of the graphs this process compiled (or took from inductor's cache) run on oneDNN.
+    """How many matrix products of the graphs this process compiled (or took from inductor's cache) run on oneDNN::
 
-    >>> onednn_products()   # after a compiled step of the medium benchmark GPT at tp=2
-    75
+        onednn_products()   # after a compiled step of the medium benchmark GPT at tp=2: 75
     """
     from torch._dynamo.utils import counters
 
