@@ -50,6 +50,9 @@ CASES = {
     "deepseek-tp2-sp-dp2-ep2": (DEEPSEEK, Layout(tp=2, sp=True, dp=2, ep=2, fp8=T)),
     "llama-pp2-rowwise": (LLAMA, Layout(pp=2, fp8=R)),
     "llama-tp2-recompute-full": (LLAMA, Layout(tp=2, recompute="full", fp8=T)),
+    # the fused fp8 linears under sp, run again by recompute, and across a pipeline cut
+    "llama-tp2-sp-recompute-selective": (LLAMA, Layout(tp=2, sp=True, recompute="selective", fp8=T)),
+    "llama-tp2-pp2-sp-recompute-full": (LLAMA, Layout(tp=2, pp=2, sp=True, recompute="full", fp8=T)),
     "llama-pp2-recompute-selective": (LLAMA, Layout(pp=2, recompute="selective", fp8=T)),
     "lora-tp2": (LORA, Layout(tp=2, fp8=T, lora=4, lora_alpha=8, lora_targets="q_proj,v_proj,o_proj,down_proj")),
     "gpt-tp2-bf16": (GPT, Layout(tp=2, dtype="fp8")),
