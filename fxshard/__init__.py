@@ -25,10 +25,11 @@ def __getattr__(name: str):
 
 def compile(model_file, out=None, *, plan=None, seed: int = 0, weights=None, meta: bool = False, seq=None,
             batch=None, task=None, trust_remote_code: bool = False, **layout):
-    """Compile a model file, or a Hugging Face folder, for a layout and write the per-rank program to ``out``::
+    """Compile a model file, or a Hugging Face folder, for a layout and write the per-rank program to ``out``.
 
-        result = fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)
-        result.files, result.ctx.layout.world_size   # (['rank_pp0_tp0.py', 'rank_pp0_tp1.py'], 2)
+    >>> result = fxshard.compile("samples/gpt.py", "out/gpt-tp2", tp=2)
+    >>> result.files, result.ctx.layout.world_size
+    (['rank_pp0_tp0.py', 'rank_pp0_tp1.py'], 2)
 
     A Hugging Face folder (one ``save_pretrained`` wrote) is compiled as it is:
     ``fxshard.compile("qwen-hf", "out/qwen", tp=2, seq=1024, batch=8, lora=16)``.
