@@ -8,6 +8,7 @@ FSDP2's shard padding, and at ZeRO 1 the imbalance of assigning whole tensors to
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -163,8 +164,33 @@ def test_measured_saved_bytes_match_the_plan(saved_measured, case):
         assert 0.9 <= ratio <= 1.1, f"{model} {layout} rank {rank}: measured {sample['saved']} saved bytes, plan " \
                                     f"{row['saved'].value:.0f}"
         # the peak is an estimate (transient: twice the largest forward value, plus under recompute the block
-        # whose forward backward runs again), and its CPU measurement moves from run to run at the same commit:
-        # llama pp2 rank 1 read 1.30-1.37 and llama tp2-full rank 0 1.11-1.38 in successive runs on this 2-core
-        # machine, where saved bytes read 1.000 every time; a bound of 1.5 catches a plan off by a block
-        assert 0.75 <= sample["peak"] / row["peak"].value <= 1.5, (model, layout, rank, sample["peak"],
-                                                                   row["peak"].value)
+        # whose forward backward runs again): every case read 0.83-1.07 of the plan in two runs of all 26, the
+        # ranks of one case within 0.03 of each other (gloo's threads free buffers at their own pace)
+        assert 0.75 <= sample["peak"] / row["peak"].value <= 1.25, (model, layout, rank, sample["peak"],
+                                                                    row["peak"].value)
+
+
+def test_cpu_peak_counts_only_the_measured_block():
+    """The CPU peak is what the block allocates on top of what is alive at its start, whatever earlier profiles
+    in the process allocated: the profiler's own running total carries those (here 4 MB freed while no profile
+    ran), and a spawn that measured several cases read up to 1.6 times the plan for its last case."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fxshard.train.memory import MemoryProbe, storage_bytes
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+        left = torch.zeros(1_000_000)
+    del left  # freed while no profile runs: the allocator's total still counts it
+    probe = MemoryProbe([torch.nn.Linear(4, 4)])
+    kept = torch.ones(250_000)  # alive at the start: in the baseline
+    gc.collect()
+    base = storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    with probe.measured_step(torch.device("cpu")):
+        a = torch.zeros(500_000)  # 2 MB
+        b = torch.zeros(250_000)  # 1 MB: 3 MB at once
+        del a, b
+        c = torch.zeros(600_000)  # 2.4 MB alone afterwards
+        del c
+    assert probe.sample["peak"] - base == 3_000_000, (probe.sample["peak"], base)
+    assert kept.numel() == 250_000

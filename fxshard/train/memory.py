@@ -109,9 +109,10 @@ class MemoryProbe:
         """Measure the saved bytes of each module's first forward and the peak of allocated bytes in this block.
 
         CUDA: ``torch.cuda.max_memory_allocated``.  CPU: the bytes of every tensor storage alive at the start
-        (model state, batches) plus the most bytes allocated and not yet freed during the block, from the
-        allocation events of torch's profiler (``profile_memory``), whose running total counts what the block
-        allocates.  Storages held outside Python at the start (DDP's gradient buckets) are not in the baseline."""
+        (model state, batches) plus the most bytes allocated in the block and not yet freed, summed here from the
+        allocation events of torch's profiler (``profile_memory``, :func:`_block_peak`).  Storages held outside
+        Python at the start (DDP's gradient buckets) are not in the baseline; one freed during the block stays
+        counted (the profiler reports such a free only when an earlier profile saw the allocation)."""
         self._watch = {id(m): None for m in self.modules}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -126,7 +127,7 @@ class MemoryProbe:
         base = storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             yield
-        self.sample["peak"] = base + max([0, *_running_totals(prof)])
+        self.sample["peak"] = base + _block_peak(prof)
 
     def _params(self) -> int:
         return storage_bytes(t for m in self.modules for t in held_parameters(m))
@@ -197,17 +198,31 @@ class SavedTensors:
         return total
 
 
-def _running_totals(prof) -> list[int]:
-    """The allocator's running total of bytes allocated during profiling, at each CPU allocation event."""
+def _block_peak(prof) -> int:
+    """The most bytes allocated during profiling and not yet freed, at any allocation event.
+
+    Summed from each CPU event's own size in time order, counting a free only of a block allocated in this
+    profile: the allocator's own running total (``total_allocated``) is process-wide and carries what earlier
+    profiles allocated and the process freed while no profile ran, so in a process that measured other runs
+    before (one spawn, several cases) it read up to 1.6 times the plan where a fresh process read 1.1."""
     from torch._C._profiler import _EventType
 
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
         if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            out.append(e.extra_fields.total_allocated)
-    return out
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
+    live: dict[int, int] = {}
+    total = peak = 0
+    for _, size, ptr in sorted(events, key=lambda ev: ev[0]):
+        if size > 0:
+            live[ptr] = size
+            total += size
+            peak = max(peak, total)
+        elif ptr in live:
+            total -= live.pop(ptr)
+    return peak
 
 
 def report_rows(samples: list[dict], layout, plan: dict | str | None = None) -> list[dict]:
