@@ -80,9 +80,8 @@ RECIPES = [
                               preset="LLAMA31_405B_PRETRAIN_CONFIG_H100_FP8_CS_V1"),
         "as the 70B; cp is costed analytically (keys and values all-gathered, fxshard's cp_mode allgather, where "
         "Megatron runs its ring (p2p) attention); 126 layers over 64 virtual stages: fxshard's balance also gives "
-        "the first and last stage one layer; FP8: fxshard's compile refuses `--fp8` with `--cp` (a tensorwise "
-        "scale over the tokens would need every cp rank's amax, which it does not gather), so this row prices a "
-        "program fxshard does not compile today, and its own choice below is searched without cp",
+        "the first and last stage one layer; FP8: fxshard compiles it (tensorwise, each fp8 linear's amaxes "
+        "all-reduced over cp x tp: tests/test_fp8.py trains tp2 sp cp2 as one device)",
         megatron=True),
     Recipe(
         "deepseek-v3", "benchmarks/models/deepseek_v3.py", 1024, 4096, 8192,

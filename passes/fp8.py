@@ -18,7 +18,8 @@ column-parallel ones reading an sp ``gather_to`` into ``rt.fp8_linears_regathere
 weight's ``copy_to`` sums the partial weight gradients as for a bf16 linear.  Refused, naming the module: a split
 weight whose parts several ranks hold alike (key/value heads fewer than tp: each rank's gradient of such a part is
 partial, so its amax is not the whole gradient's), and a linear whose input tp splits along its tokens as well as its
-weight.
+weight.  Under ``--cp`` (tensorwise only: fxshard.ir.layout) every fp8 linear reads cp's share of the tokens, so
+each is ``rt.fp8_linear_tp`` over ``self.cp``, or ``self.cp_tp`` with tp (:func:`amax_group`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxshard.errors import ShardingError
-from fxshard.ir.context import TP, CompileContext, Group, spec, update_spec
+from fxshard.ir.context import CP, CPTP, TP, CompileContext, Group, spec, update_spec
 from fxshard.ir.placement import Shard
 from fxshard.runtime import fp8 as rt_fp8
 
@@ -46,17 +47,28 @@ def fp8_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         x, weight, bias = (*node.args, None)[:3]
         split = _split(node, x, weight, fqn, ctx.layout.tp)
+        if ctx.layout.cp > 1:  # every linear reads cp's share of the tokens: a tensorwise amax spans cp too
+            split = split or "rows"
         if split is None:
             node.target, node.args = rt_fp8.fp8_linear, (x, weight, bias)
         else:
             # weight and bias by keyword: a collective kind's fake and the checks' recorder read them so
-            node.target, node.args = rt_fp8.fp8_linear_tp, (x, Group(TP))
+            node.target, node.args = rt_fp8.fp8_linear_tp, (x, amax_group(ctx.layout))
             node.kwargs = {"weight": weight, "bias": bias, "recipe": recipe, "split": split}
             update_spec(node, collective="fp8_linear_tp")
             continue
         node.kwargs = {"recipe": recipe}
     gm.recompile()
     return gm
+
+
+def amax_group(layout) -> Group:
+    """The group an fp8 linear's amaxes are all-reduced over: tp; under ``--cp`` its tokens are split over cp as
+    well, so cp (``cp_tp`` with tp: the weight's amaxes are the same on every cp rank, the tokens' the same on every
+    tp rank a column-parallel linear's input is whole on, so one MAX over both is each tensor's whole amax)."""
+    if layout.cp > 1:
+        return Group(CPTP) if layout.tp > 1 else Group(CP)
+    return Group(TP)
 
 
 def _split(node: fx.Node, x: fx.Node, weight: fx.Node, fqn: str, tp: int) -> str | None:

@@ -29,6 +29,9 @@ forward and backward (a ``copy_to``'s fp8 linears stay unfused: they keep the on
     fp8_linears_regathered = rt.fp8_linears_regathered(gather_to, self.tp, shard=mul_1, dim=1, weights=(wq, wk, wv),
                                                        biases=(None, None, None), recipe="tensorwise")
 
+Under ``--cp`` the amaxes span cp's tokens too: the fused call all-reduces them over ``amax_group=self.cp_tp`` and
+gathers over ``self.tp``.
+
 A linear qualifies when it takes the ``copy_to`` as its input and runs in the same generated class (the same
 pipeline stage, and the same block submodule or outside every block: :mod:`fxshard.ir.blocks`), with weights
 and biases that class's own parameters.  The pass runs unless ``--no-overlap``, and not under the zero-bubble
@@ -114,6 +117,9 @@ def _fuse(gm: fx.GraphModule, node: fx.Node, linears: list[fx.Node]) -> None:
     else:
         weights, biases = (tuple(n.kwargs[k] for n in linears) for k in ("weight", "bias"))
     last = {"recipe": recipe} if recipe is not None else {}
+    amaxes = linears[0].args[1] if recipe is not None else None  # passes/fp8.py's amax group: tp, or cp_tp
+    if amaxes is not None and amaxes != group:
+        last["amax_group"] = amaxes
     if node.target is rtc.copy_to:
         function, args, first = rtc.copy_to_linears, (x, group), {}
         name, where = node.name.replace("copy_to", "copy_to_linears", 1), gm.graph.inserting_before(node)

@@ -55,12 +55,18 @@ CASES = {
     "llama-tp2-pp2-sp-recompute-full": (LLAMA, Layout(tp=2, pp=2, sp=True, recompute="full", fp8=T)),
     "llama-pp2-recompute-selective": (LLAMA, Layout(pp=2, recompute="selective", fp8=T)),
     "lora-tp2": (LORA, Layout(tp=2, fp8=T, lora=4, lora_alpha=8, lora_targets="q_proj,v_proj,o_proj,down_proj")),
+    # --cp: every linear reads cp's share of the tokens, its amaxes all-reduced over cp (cp x tp with tp: the fused
+    # linears under sp gather over tp and reduce their amaxes over cp x tp); llama3.1-405b's recipe is fp8 at cp2
+    "llama-cp2": (LLAMA, Layout(cp=2, fp8=T)),
+    "llama-tp2-sp-cp2": (LLAMA, Layout(tp=2, sp=True, cp=2, fp8=T)),
+    "llama-tp2-cp2-ring-bf16": (LLAMA, Layout(tp=2, cp=2, cp_mode="ring", dtype="fp8")),
     "gpt-tp2-bf16": (GPT, Layout(tp=2, dtype="fp8")),
     "gpt-dp2-zero3-bf16": (GPT, Layout(dp=2, zero=3, dtype="fp8")),
 }
 # make test's representatives: tp (scales over the group), pp x dp (scales per microbatch), rowwise under sp, MLA under
-# sp (a whole weight reading the tokens' shard: split="rows"), experts over ep beside fp8 linears
-KEEP = ("llama-tp2", "llama-pp2-dp2-zero3", "llama-tp2-sp-rowwise", "deepseek-tp2-sp", "mixtral-dp2-ep2")
+# sp (a whole weight reading the tokens' shard: split="rows"), experts over ep beside fp8 linears, cp alone and with tp
+KEEP = ("llama-tp2", "llama-pp2-dp2-zero3", "llama-tp2-sp-rowwise", "deepseek-tp2-sp", "mixtral-dp2-ep2", "llama-cp2",
+        "llama-tp2-sp-cp2")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,7 @@ def test_fp8_trains_as_the_same_recipe_on_one_device(trained, case):
 
 @pytest.mark.parametrize("flags, words", [
     (dict(fp8="blockwise"), ["--fp8", "tensorwise, rowwise", "blockwise"]),
-    (dict(cp=2, dtype="fp8"), ["--cp 2", "amax", "drop --cp"]),
+    (dict(cp=2, fp8="rowwise"), ["--cp 2", "rowwise", "amaxes", "--fp8 tensorwise", "drop --cp"]),
 ])
 def test_what_fp8_refuses_is_named_with_its_fix(flags, words):
     with pytest.raises(LayoutError) as e:

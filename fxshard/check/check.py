@@ -28,7 +28,7 @@ from fxshard.codegen import rank_file_name
 from fxshard.codegen.manifest import Manifest, RankEntry, edited_files, read_manifest, refuse_edited
 from fxshard.errors import CheckError
 from fxshard.ir.comm import SUM_TIED_GRADS, communicating
-from fxshard.ir.layout import EP, MESH_AXES, PP, TP, Coords
+from fxshard.ir.layout import CPTP, EP, MESH_AXES, PP, TP, Coords
 from fxshard.ir.placement import Shard, local_shape
 
 RECOMPILE = "Recompile with `fxshard compile` instead of editing generated files."
@@ -309,6 +309,13 @@ def _check_groups(manifest: Manifest, layout, traces: dict[str, RankTrace], sour
         label = _group_label(layout, TP, lambda d, t, p=p: layout.rank_of(dp=d, pp=p, tp=t), layout.tp)
         for cls in traces[members[0].file].classes:
             problems += _compare(label, cls, TP, members, _class_phases(cls), traces, sources, report)
+    for p in range(layout.pp if layout.size(CPTP) > max(layout.tp, layout.cp) and layout.fp8_recipe else 0):
+        # fp8 amaxes under --cp, over cp x tp; every cp rank runs its tp coordinate's file
+        members = [entries[(p, t)] for t in range(layout.tp)]
+        label = _group_label(layout, CPTP, lambda d, i, p=p: layout.rank_of(
+            dp=d, pp=p, cp=i // layout.tp, tp=i % layout.tp), layout.size(CPTP))
+        for cls in traces[members[0].file].classes:
+            problems += _compare(label, cls, CPTP, members, _class_phases(cls), traces, sources, report)
     for p in range(layout.pp if layout.ep > 1 else 0):  # the ep groups: their ranks' token exchanges, in order
         for t in range(layout.tp):
             members = [e for e in manifest.ranks if (e.coords.pp, e.coords.tp) == (p, t)]  # one per ep rank

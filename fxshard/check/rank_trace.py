@@ -30,8 +30,8 @@ import torch
 from fxshard import runtime
 from fxshard.codegen.manifest import Manifest, RankEntry
 from fxshard.errors import CheckError
-from fxshard.ir.comm import FUSED_NAMES, KINDS, SUM_TIED_GRADS, amax_weights
-from fxshard.ir.layout import CP, DP, EP, PP, TP
+from fxshard.ir.comm import FUSED_NAMES, KINDS, SUM_TIED_GRADS, amax_weights, op_group
+from fxshard.ir.layout import CP, CPTP, DP, EP, PP, TP
 
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*=")
 
@@ -187,13 +187,14 @@ class Recorder:
         autograd reaches it (charged to this line), and return the local value it makes."""
         site = self._site()
         buffer = _buffer_of(kind, x, kwargs)
+        over = {amaxes: op_group((x, group), kwargs, amaxes) for amaxes in (True, False)}  # fp8 under --cp: cp_tp
         for op, amaxes in kind.ops("forward"):
-            self._note(op, group, buffer("forward") if amaxes else x, "forward", kind.name, site)
+            self._note(op, over[amaxes], buffer("forward") if amaxes else x, "forward", kind.name, site)
         size = group.size if isinstance(group, FakeGroup) else 1
 
         def note(g):
             for op, amaxes in kind.ops("backward"):
-                self._note(op, group, buffer("backward") if amaxes else g, "backward", kind.name, site)
+                self._note(op, over[amaxes], buffer("backward") if amaxes else g, "backward", kind.name, site)
 
         if kind.ops("backward") and kind.name in _SEVERAL_OUTPUTS:  # noted on its input's gradient
             return kind.fake(_OnGrad.apply(x, note), size, **kwargs)
@@ -363,6 +364,7 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
     groups = {axis: FakeGroup(axis, lay.size(axis), coords[axis]) for axis in (TP, PP, DP)}
     groups[EP] = FakeGroup(EP, lay.ep, coords.ep or 0)
     groups[CP] = FakeGroup(CP, lay.cp, coords.cp or 0)
+    groups[CPTP] = FakeGroup(CPTP, lay.size(CPTP), (coords.cp or 0) * lay.tp + coords.tp)
     pipe = manifest.pipeline
     if pipe is None:
         inputs = [_meta(i.microbatch_shape, i.dtype, False) if i.is_tensor else None for i in manifest.inputs]
@@ -400,8 +402,8 @@ def trace_rank(source: str, file: str, manifest: Manifest, entry: RankEntry, run
 
 
 # rt.<call> -> [(backend operation, direction), ...] of every call that communicates, as the source reads
-_COMMUNICATES = {k.name: [(op, d) for d in ("forward", "backward") for op, _ in k.ops(d)]
-                 for k in KINDS.values() if k.communicates} | {SUM_TIED_GRADS: [("all_reduce", "after backward")]}
+_COMMUNICATES = {k.name: [(op, d, amaxes) for d in ("forward", "backward") for op, amaxes in k.ops(d)]
+                 for k in KINDS.values() if k.communicates} | {SUM_TIED_GRADS: [("all_reduce", "after backward", False)]}
 
 
 class _Scan:
@@ -454,14 +456,13 @@ class _Scan:
                 sub = subs[call.func.attr]
                 out += self.per_call(self.function("forward", sub), scope, sub)
                 continue
-            group = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "group"),
-                                                                   None)
+            keywords = {k.arg: k.value for k in call.keywords}
             m = _ASSIGNED.match(self.lines[call.lineno - 1])
             value = m.group(1) if m else ""
             shape, dtype = self._shape(call, value)
-            out.append([Collective(kind, _group_name(group), shape, dtype, direction, call.func.attr, value,
-                                   self.file, call.lineno, cls or "")
-                        for kind, direction in _COMMUNICATES[call.func.attr]])
+            out.append([Collective(kind, _group_name(op_group(call.args, keywords, amaxes)), shape, dtype, direction,
+                                   call.func.attr, value, self.file, call.lineno, cls or "")
+                        for kind, direction, amaxes in _COMMUNICATES[call.func.attr]])
         return out
 
     def _submodules(self, cls: str) -> dict[str, str]:

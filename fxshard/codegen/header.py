@@ -19,10 +19,10 @@ import torch.fx as fx
 
 from fxshard.codegen.lines import replica_elements, short_dtype
 from fxshard.codegen.manifest import CollectiveEntry
-from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input
+from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input, op_group
 from fxshard.ir.context import CompileContext, Group, spec
 from fxshard.ir.cut import find_blocks, under
-from fxshard.ir.layout import CP, DP, EDP, EP, PP, TP, Coords, Layout
+from fxshard.ir.layout import CP, CPTP, DP, EDP, EP, PP, TP, Coords, Layout
 from fxshard.ir.placement import local_shape
 from fxshard.units import human_bytes
 
@@ -132,7 +132,9 @@ def data_parallel_lines(ctx: CompileContext, global_ranks, attrs: dict[str, str]
     elif zero == 0:
         body = ["return rt.ddp(module, dp_mesh)"]
         if layout.mixed:
-            doc.append(f"    mixed precision: {layout.dtype} parameters and gradients; the optimizer keeps fp32 master "
+            fp8 = " (the linears' products in float8)" if layout.fp8_recipe else ""
+            low = "bf16" if layout.dtype == "fp8" else layout.dtype  # --dtype fp8: bf16 with float8 products
+            doc.append(f"    mixed precision: {low} parameters and gradients{fp8}; the optimizer keeps fp32 master "
                        "weights")
     else:
         dtype = f", param_dtype=torch.{str(layout.compute_dtype).removeprefix('torch.')}" if layout.mixed else ""
@@ -214,11 +216,13 @@ class _Issue:
 
 def _issues(node: fx.Node, tp: int, ep: int = 1, dp: int = 1, cp: int = 1) -> list[_Issue]:
     kind = KINDS[node.target.__name__]
-    axis = next((a.axis for a in node.args if isinstance(a, Group)), TP)
-    ranks = {EP: ep, DP: dp, CP: cp}.get(axis, 0)  # rt.batch_mean goes over dp (passes/router_loss.py)
     out = []
     for direction in ("forward", "backward"):
         for op, amaxes in kind.ops(direction):
+            group = op_group(node.args, node.kwargs, amaxes)
+            axis = group.axis if isinstance(group, Group) else TP
+            # rt.batch_mean goes over dp (passes/router_loss.py); fp8 amaxes under --cp over cp (x tp)
+            ranks = {EP: ep, DP: dp, CP: cp, CPTP: cp * tp}.get(axis, 0)
             if amaxes:  # an fp8 call's amaxes, float32
                 x = node.args[0]
                 elements = kind.buffer(math.prod(local_shape(tuple(x.meta["val"].shape), spec(x).placement, tp)),
@@ -322,4 +326,4 @@ def class_axes(gm: fx.GraphModule, layout: Layout) -> list[str]:
     keeps this dp rank's rows of a whole-batch value without communicating)."""
     used = {a.axis for n in gm.graph.nodes for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
             if isinstance(a, Group)}
-    return [axis for axis in (TP, EP, CP, DP) if axis == TP or axis in used or (axis == EP and layout.ep > 1)]
+    return [axis for axis in (TP, EP, CP, CPTP, DP) if axis == TP or axis in used or (axis == EP and layout.ep > 1)]

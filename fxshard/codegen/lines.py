@@ -143,7 +143,8 @@ def line_note(node: fx.Node, tp: int) -> str:
         return f"{value_text(node.args[0], tp)} {spec(node.args[0]).placement} -> ({', '.join(map(str, p))})"
     if s.collective == "sum_replicas":  # a layer's weights: their splits, each part summed over its ranks in backward
         return f"({', '.join(map(str, p))})"
-    if s.collective and any(isinstance(a, Group) and a.axis == CP for a in node.args):  # over cp: its placements there
+    if (s.collective and s.collective != "fp8_linear_tp"  # an fp8 linear under --cp: its tp placements
+            and any(isinstance(a, Group) and a.axis == CP for a in node.args)):  # over cp: its placements there
         return f"{value} cp {_short(spec(node.args[0]).seq)} -> {_short(s.seq)}".strip()
     if s.collective:
         src = spec(node.args[0]).placement

@@ -37,10 +37,10 @@ from fxshard.errors import LayoutError, NeedsRealWeights, OptionError
 from fxshard.graph import largest_shape, loss_cone
 from fxshard.ir.autograd import requires_grad
 from fxshard.ir.blocks import block_units
-from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input
+from fxshard.ir.comm import KINDS, WIRE, amax_weights, buffer_is_input, op_group
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks, under
-from fxshard.ir.layout import CP, EDP, EP, TP, Coords, Layout
+from fxshard.ir.layout import CP, CPTP, EDP, EP, TP, Coords, Layout
 from fxshard.ir.placement import Shard, local_shape
 from fxshard.ir.stages import pipeline_stages
 from fxshard.units import human_bytes
@@ -607,7 +607,9 @@ def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
     total = sympy.Integer(0)
     for n in nodes:
         kind = KINDS.get(spec(n).collective)
-        if kind is None or not any(isinstance(a, Group) and a.axis == CP for a in n.args):
+        if kind is not None and kind.amaxes:  # fp8 linears under --cp: their amaxes over cp (x tp), float32
+            total += _cp_amax_bytes(n, kind, numel, layout)
+        if kind is None or not any(isinstance(a, Group) and a.axis == CP for a in n.args) or kind.amaxes:
             continue
         for direction in ("forward", "backward"):
             op = getattr(kind, direction)  # cp's kinds: one operation a direction, none of them fp8's
@@ -619,16 +621,32 @@ def _cp_bytes(nodes, numel, layout: Layout) -> sympy.Expr:
     return total
 
 
+def _cp_amax_bytes(n: fx.Node, kind, numel, layout: Layout) -> sympy.Expr:
+    """The bytes an fp8 call's amax all-reduces over cp (``cp``, or ``cp_tp`` with tp) send from a rank."""
+    total = sympy.Integer(0)
+    for direction in kind.amaxes:
+        group = op_group(n.args, n.kwargs, True)
+        if not isinstance(group, Group) or group.axis not in (CP, CPTP):
+            continue
+        elements = kind.buffer(numel(n.args[0]), [local_shape(tuple(w.meta["val"].shape), spec(w).placement, layout.tp)
+                                                  for w in amax_weights(n.kwargs)], n.kwargs, direction)
+        total += sympy.nsimplify(WIRE["all_reduce"](layout.size(group.axis))) * 4 * sympy.nsimplify(elements)
+    return total
+
+
 def _tp_elements(collectives, numel, tp: int) -> dict[str, sympy.Expr]:
     """Elements of the whole buffers the tp collectives of one microbatch move, by backend operation, forward
     and backward (:mod:`fxshard.ir.comm`): a reduction's input, a gather's output."""
     moved: dict[str, sympy.Expr] = {}
     for n in collectives:
         kind = KINDS.get(spec(n).collective)
-        if kind is None or any(isinstance(a, Group) and a.axis != TP for a in n.args):  # ep: its own row
+        if kind is None:
             continue
         for direction in ("forward", "backward"):
             for op, amaxes in kind.ops(direction):
+                group = op_group(n.args, n.kwargs, amaxes)
+                if isinstance(group, Group) and group.axis != TP:  # ep, cp: their own rows
+                    continue
                 if amaxes:  # an fp8 call's amaxes (float32; counted as elements here)
                     moved[op] = moved.get(op, sympy.Integer(0)) + sympy.nsimplify(kind.buffer(
                         numel(n.args[0]), [local_shape(tuple(w.meta["val"].shape), spec(w).placement, tp)

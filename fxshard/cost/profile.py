@@ -40,7 +40,7 @@ from fxshard.cost.costs import RECOMPUTE_ORDER, S, _b, _capture_second, _symboli
 from fxshard.cost.fp8 import CAST_KERNELS, FP8_TARGETS, amax_bytes, fp8_costs, fp8_product_costs
 from fxshard.errors import LayoutError, ShardingError
 from fxshard.graph import loss_cone
-from fxshard.ir.comm import FUSED_LINEARS, KINDS, buffer_is_input
+from fxshard.ir.comm import FUSED_LINEARS, KINDS, buffer_is_input, op_group
 from fxshard.ir.context import Group, spec
 from fxshard.ir.cut import find_blocks
 from fxshard.ir.experts import grouped_mm_ops, weight_param
@@ -71,6 +71,7 @@ class Comm:
     direction: str
     nbytes: sympy.Expr
     overlap: sympy.Expr = sympy.Integer(0)
+    amaxes: bool = False  # an fp8 call's amaxes: under --cp all-reduced over cp x tp (the time model prices so)
 
 
 @dataclass
@@ -419,8 +420,10 @@ def _collectives(node: fx.Node, kind, piece: Piece, dims) -> None:
     axis = groups[0].axis if groups else TP
     for direction in ("forward", "backward"):
         for op, amaxes in kind.ops(direction):
-            if amaxes:  # an fp8 call's amaxes
-                piece.comms.append(Comm(op, axis, direction, amax_bytes(node, dims, direction), sympy.Integer(0)))
+            if amaxes:  # an fp8 call's amaxes (under --cp over cp x tp: the time model prices them so)
+                group = op_group(node.args, node.kwargs, True)
+                piece.comms.append(Comm(op, group.axis if isinstance(group, Group) else axis, direction,
+                                        amax_bytes(node, dims, direction), sympy.Integer(0), amaxes=True))
                 continue
             buffer = node.args[0] if buffer_is_input(kind, direction) else node
             if not isinstance(buffer.meta.get("val"), torch.Tensor):

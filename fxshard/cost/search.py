@@ -57,8 +57,8 @@ def search(profile: ModelProfile, hw: Hardware, gpus: int, setting: Setting, dty
     """The fitting layouts of ``gpus`` devices, best predicted step first; refusals say why none divides or fits."""
     started, cpu = time.perf_counter(), time.process_time()
     ev = evaluator or Evaluator(profile, hw, dtype)
-    # an fp8 search proposes --dtype fp8 layouts: the compile command it prints is fp8's, and the layouts fp8
-    # refuses (--cp: Layout says why) are not among them
+    # an fp8 search proposes --dtype fp8 layouts: the compile command it prints is fp8's, and a layout fp8 refuses
+    # (Layout says why) is not among them; under --cp its amaxes go over cp x tp (the time model prices them)
     at = "fp8" if "fp8" in (dtype, profile.dtype) else ev.dtype
     candidates = list(layouts(profile, gpus, setting, at))
     if not candidates:

@@ -144,7 +144,8 @@ class Evaluator:
         self.piece = functools.lru_cache(maxsize=None)(self._piece)
         self.stage_split = functools.lru_cache(maxsize=None)(self._stage_split)
 
-    def _piece(self, structure: str, name: str, rows: int, seq: int, tp: int, cp: int, spread: int) -> PieceCost:
+    def _piece(self, structure: str, name: str, rows: int, seq: int, tp: int, cp: int, spread: int,
+               spread_cptp: int = 1) -> PieceCost:
         values = _values(self._fns[(structure, name)], rows, seq, tp, cp)
         hw, eff = self.hw, self.hw.efficiency
         ops = values["ops"]
@@ -160,10 +161,18 @@ class Evaluator:
                       + values["redo_kernels"] * hw.kernel_overhead)  # fxshard.runtime.activations' ops again
         bwd = sum(BACKWARD[c] * t for c, t in t_ops.items()) + 2 * t_mem + t_cast_bwd + t_redo
         tp_fwd = tp_bwd = 0.0
-        for op, axis, direction, nbytes, overlap in values["comms"]:
-            if axis != "tp" or tp == 1:
+        comms = list(values["comms"])
+        if cp > 1 and tp == 1 and not self.fp8:  # --cp: each fp8 linear's amaxes all-reduced over cp (tensorwise:
+            # the input's and the weight's forward, the gradient's backward), which a tp=1 profile has no call for
+            comms += [("all_reduce", "cp", d, n, 0.0, True) for c, *_ in ops if c == "fp8"
+                      for d, n in (("forward", 8), ("backward", 4))]
+        for op, axis, direction, nbytes, overlap, amaxes in comms:
+            if amaxes and cp > 1:  # --cp: the amaxes span cp's tokens, over cp x tp (counted with tp's exposure)
+                t = hw.collective_seconds(op, nbytes, tp * cp, spread_cptp)
+            elif axis != "tp" or tp == 1:
                 continue
-            t = hw.collective_seconds(op, nbytes, tp, spread)
+            else:
+                t = hw.collective_seconds(op, nbytes, tp, spread)
             if direction == "forward":
                 tp_fwd += t
             else:
@@ -265,7 +274,8 @@ def _compile(piece: Piece):
     square = [e.coeff(S, 2) * S**2 if e.is_polynomial(S) else sympy.Integer(0) for e in full]
     f_all = sympy.lambdify((b, S, T), full, "math")
     f_sq = sympy.lambdify((b, S, T), square, "math")
-    return keys, f_all, f_sq, [(op[0], op[3]) for op in ops], [(c.op, c.axis, c.direction) for c in piece.comms]
+    return keys, f_all, f_sq, [(op[0], op[3]) for op in ops], [(c.op, c.axis, c.direction, c.amaxes)
+                                                                for c in piece.comms]
 
 
 def _values(fns, rows: int, seq: int, tp: int, cp: int) -> dict:
@@ -279,13 +289,16 @@ def _values(fns, rows: int, seq: int, tp: int, cp: int) -> dict:
     out["saved"] = {k.split(":")[1]: v[k] for k in keys if k.startswith("saved:")}
     out["largest"] = max(v[k] for k in keys if k.startswith("largest:"))
     out["ops"] = [(c, v[f"op{i}:f"], v[f"op{i}:b"], causal) for i, (c, causal) in enumerate(op_classes)]
-    out["comms"] = [(*c, v[f"comm{i}"], v[f"overlap{i}"]) for i, c in enumerate(comms)]
+    out["comms"] = [(*c[:3], v[f"comm{i}"], v[f"overlap{i}"], c[3]) for i, c in enumerate(comms)]
     return out
 
 
 def spread(layout: Layout, axis: str, gpus_per_node: int) -> int:
-    """How many nodes one group along ``axis`` spans (mesh order dp, cp, pp, tp; ep: consecutive dp ranks)."""
+    """How many nodes one group along ``axis`` spans (mesh order dp, cp, pp, tp; ep: consecutive dp ranks; cp_tp:
+    the cp and tp ranks of one dp and pp coordinate)."""
     cp = getattr(layout, "cp", 1)
+    if axis == "cp_tp":
+        return len({(c * layout.tp * layout.pp + t) // gpus_per_node for c in range(cp) for t in range(layout.tp)})
     stride = {"tp": 1, "pp": layout.tp, "cp": layout.tp * layout.pp, "dp": layout.tp * layout.pp * cp,
               "ep": layout.tp * layout.pp * cp}[axis]
     size = {"tp": layout.tp, "pp": layout.pp, "cp": cp, "dp": layout.dp, "ep": layout.ep}[axis]
@@ -299,8 +312,8 @@ def _prepared(ev: Evaluator, layout: Layout, setting: Setting, accumulate: int =
     rows = setting.global_batch // (layout.dp * m)
     structure = "tp1" if layout.tp == 1 else ("sp" if layout.sp else "tp")
     stages = ev.stage_split(layout.num_stages) if layout.pp > 1 else (_whole(ev.profile),)
-    spread_tp = spread(layout, "tp", setting.gpus_per_node)
-    cost = {name: ev.piece(structure, name, rows, setting.seq, layout.tp, cp, spread_tp)
+    spread_tp, spread_cptp = (spread(layout, axis, setting.gpus_per_node) for axis in ("tp", "cp_tp"))
+    cost = {name: ev.piece(structure, name, rows, setting.seq, layout.tp, cp, spread_tp, spread_cptp)
             for name in {n for st in stages for n, _ in st}}
     return m, rows, stages, cost
 

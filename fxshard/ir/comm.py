@@ -128,8 +128,17 @@ def _fp8_linear(x: torch.Tensor, size: int, weight=None, bias=None, **_) -> torc
 
 
 def _fp8_regathered(x: torch.Tensor, size: int, shard=None, dim: int = 1, weights: tuple = (), biases: tuple = (),
-                    recipe: str = "tensorwise") -> tuple[torch.Tensor, ...]:
+                    recipe: str = "tensorwise", amax_group=None) -> tuple[torch.Tensor, ...]:
     return _linears(x, size, weights, biases)  # the shapes, and the gradients' path for fxshard check
+
+
+def op_group(args, kwargs: dict, amaxes: bool):
+    """The process group one operation of a call goes over (a ``Group`` of the graph, a rank file's group, or its
+    syntax): an fp8 call's amax all-reduce over ``amax_group=`` where the call has one (the fused fp8 linears under
+    ``--cp``: amaxes over cp and tp, the gather over tp), every other operation over the call's group argument."""
+    if amaxes and kwargs.get("amax_group") is not None:
+        return kwargs["amax_group"]
+    return args[1] if len(args) > 1 else kwargs.get("group")
 
 
 def amax_weights(kwargs: dict) -> tuple:
@@ -243,13 +252,14 @@ KINDS: dict[str, CollectiveKind] = {k.name: k for k in (
                    grouped=False),
     # fp8 linears whose weight tp splits (passes/fp8.py): each scale the whole tensor's
     CollectiveKind(rfp8.fp8_linear_tp, None, None,
-                   "fp8 linear (casts and scales, torchao's recipe) of a weight split over tp: its amaxes all-reduced "
-                   "with MAX, forward (input, weight) and backward (gradient), a few float32 values each",
+                   "fp8 linear (casts and scales, torchao's recipe) of a weight split over tp (or of tokens split over "
+                   "cp): its amaxes all-reduced with MAX over its group, forward (input, weight) and backward "
+                   "(gradient), a few float32 values each",
                    _fp8_linear, amaxes=("forward", "backward"), buffer=_amaxes),
     # passes/overlap.py under --sp and --fp8: rt.linears_regathered of column-parallel fp8 linears
     CollectiveKind(rfp8.fp8_linears_regathered, None, "all_gather",
                    "R: the column-parallel fp8 linears that read a gather_to's output, fused: their amaxes all-reduced "
-                   "with MAX in one buffer each way; they keep its sp shard for backward (1/tp of the bytes) and "
+                   "with MAX in one buffer each way (over amax_group where given: cp x tp); they keep its sp shard for backward (1/tp of the bytes) and "
                    "all-gather it again there, while the input gradient computes", _fp8_regathered,
                    amaxes=("forward", "backward"), buffer=_amaxes),
     # parts several tp ranks hold alike (key/value heads fewer than tp, a Mamba-2 mixer's B and C under fewer groups)

@@ -17,6 +17,7 @@ from fxshard.capture.program import Program
 from fxshard.ir.cut import CutPlan
 from fxshard.ir.layout import (  # noqa: F401  (the layout's names, for the passes' one import)
     CP,
+    CPTP,
     DP,
     DPCP,
     DTYPES,

@@ -29,6 +29,7 @@ INTERLEAVED = ("interleaved-1f1b", "zero-bubble")  # schedules that take several
 DP, CP, PP, TP = "dp", "cp", "pp", "tp"  # the mesh axes, by name
 MESH_AXES = (DP, CP, PP, TP)  # outermost first: a tp group is consecutive ranks; cp only when --cp > 1 (mesh_axes)
 DPCP = "dp_cp"  # dp and cp flattened: the ranks that hold the same parameters and average their gradients (--cp)
+CPTP = "cp_tp"  # cp and tp flattened (--cp and --tp with fp8): an fp8 linear's amaxes span its tokens (cp) and weight (tp)
 # --cp-mode: how attention exchanges keys and values (passes/context_parallel.py)
 CP_MODES = ("allgather", "ring", "a2a")
 # expert parallelism is carved out of dp (Megatron-Core, torchtitan): dp coordinate d is ep rank d % ep of the ep
@@ -210,10 +211,11 @@ class Layout:
         """``--fp8`` and ``--dtype fp8`` (their module: fxshard/runtime/fp8.py)."""
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise LayoutError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
-        if self.fp8_recipe is not None and self.cp > 1:
-            raise LayoutError(f"--cp {self.cp} with fp8 linears: a tensorwise or rowwise scale over the tokens would "
-                              "need every cp rank's amax, which fxshard does not gather; drop --cp, or train in "
-                              "--dtype bf16")
+        if self.fp8_recipe == "rowwise" and self.cp > 1:
+            raise LayoutError(f"--cp {self.cp} with --fp8 rowwise: its scales per feature over the tokens would need "
+                              "each cp rank's amaxes all-reduced apart from its scales per token, which stay its own; "
+                              "fxshard reduces one amax buffer per call over cp, which is tensorwise's; use --fp8 "
+                              "tensorwise (--dtype fp8), or drop --cp")
 
     def _check_lora(self) -> None:
         """``--lora R`` and the flags that only mean something with it (their module: fxshard/capture/lora.py)."""
@@ -284,9 +286,11 @@ class Layout:
 
     def size(self, axis: str) -> int:
         """The number of ranks along mesh ``axis`` (``edp``: the ranks holding the same experts, dp/ep of them times cp
-        under ``--cp``; ``dp_cp``: dp times cp)."""
+        under ``--cp``; ``dp_cp``: dp times cp; ``cp_tp``: cp times tp)."""
         if axis == EDP:
             return self.dp // self.ep * self.cp
+        if axis == CPTP:
+            return self.cp * self.tp
         return self.dp * self.cp if axis == DPCP else getattr(self, axis)
 
     def ep_rank(self, dp_rank: int) -> int:
@@ -328,6 +332,8 @@ class Layout:
         meshes = {axis: mesh[axis] for axis in self.mesh_axes}
         if self.cp > 1:  # torchtitan's dp_shard_cp: the ranks that average gradients and shard ZeRO state
             meshes[DPCP] = mesh[DP, CP]._flatten(DPCP)
+        if self.cp > 1 and self.tp > 1 and self.fp8_recipe is not None:  # fp8 amaxes over the tokens and the weight
+            meshes[CPTP] = mesh[CP, TP]._flatten(CPTP)
         if self.ep > 1 and self.cp > 1:  # the same experts on every cp rank: edp spans the dp/ep groups and cp
             experts = mesh._unflatten(0, (self.dp // self.ep, self.ep), ("edp_dp", EP))
             meshes |= {EP: experts[EP], EDP: experts["edp_dp", CP]._flatten(EDP)}
@@ -423,9 +429,9 @@ class Layout:
 
 class ProcessGroups(Mapping):
     """The process groups of one rank's program by name (:meth:`Layout.process_groups`): each mesh axis, ``ep`` and
-    ``edp`` under ``--ep``, ``cp`` and ``dp_cp`` under ``--cp``, ``tied:<fqn>`` under pipeline parallelism.  A rank
-    file's ``RankModule(groups, device)`` reads it as a mapping; :meth:`mesh_of` gives the 1-D ``DeviceMesh`` of an axis
-    (FSDP2 shards over dp's)."""
+    ``edp`` under ``--ep``, ``cp`` and ``dp_cp`` under ``--cp`` (and ``cp_tp`` with ``--tp`` and fp8), ``tied:<fqn>``
+    under pipeline parallelism.  A rank file's ``RankModule(groups, device)`` reads it as a mapping; :meth:`mesh_of`
+    gives the 1-D ``DeviceMesh`` of an axis (FSDP2 shards over dp's)."""
 
     def __init__(self, meshes: dict, groups: dict):
         self._meshes, self._groups = meshes, groups

@@ -234,18 +234,20 @@ class _Fp8LinearsRegathered(torch.autograd.Function):
     trace of what it saves)."""
 
     @staticmethod
-    def forward(ctx, gathered, shard, recipe: Recipe, group, dim, site, n, *weights):
+    def forward(ctx, gathered, shard, recipe: Recipe, groups, dim, site, n, *weights):
+        group, amax_group = groups  # the gather's (tp) and the amaxes' (tp; cp_tp under --cp)
         flat = gathered.reshape(-1, gathered.shape[-1])
         wts = [w.t() for w in weights]
         amax_x = _amax(flat, -1 if recipe.rowwise else None)
         amax_ws = [_amax(wt, 0 if recipe.rowwise else None) for wt in wts]
-        if group is not None and recipe.rowwise:  # the weights' per output feature: each rank's own (split "out")
-            (amax_x,) = _reduced([amax_x], group, _FORWARD, site)
-        elif group is not None:
-            amax_x, *amax_ws = _reduced([amax_x, *amax_ws], group, _FORWARD, site)
+        if amax_group is not None and recipe.rowwise:  # the weights' per output feature: each rank's own ("out")
+            (amax_x,) = _reduced([amax_x], amax_group, _FORWARD, site)
+        elif amax_group is not None:
+            amax_x, *amax_ws = _reduced([amax_x, *amax_ws], amax_group, _FORWARD, site)
         sx = _scale(amax_x, E4M3, recipe.pow2)
         sws = [_scale(a, E4M3, recipe.pow2) for a in amax_ws]
-        ctx.recipe, ctx.group, ctx.dim, ctx.site, ctx.scales = recipe, group, dim, site, (sx, sws)
+        ctx.recipe, ctx.group, ctx.amax_group, ctx.dim, ctx.site = recipe, group, amax_group, dim, site
+        ctx.scales = (sx, sws)
         ctx.save_for_backward(shard, *weights)
         x8 = _cast(flat, sx, E4M3)
         return tuple(_mm(x8, sx, _cast(wt, sw, E4M3), sw, flat.dtype, fast_accum=True)
@@ -260,7 +262,7 @@ class _Fp8LinearsRegathered(torch.autograd.Function):
         amaxes = [_amax(g, -1 if r.rowwise else None) for g in flat]
         if r.rowwise:  # the weights again, per input feature: the output features they span are split
             amaxes += [_amax(wt, -1) for wt in wts]
-        amaxes = _reduced(amaxes, ctx.group, _BACKWARD, ctx.site)
+        amaxes = _reduced(amaxes, ctx.amax_group, _BACKWARD, ctx.site)
         sgs = [_scale(a, r.grad_dtype, r.pow2) for a in amaxes[:n]]
         sws = [_scale(a, E4M3, r.pow2) for a in amaxes[n:]] if r.rowwise else ctx.scales[1]
         parts = [torch.empty_like(shard, memory_format=torch.contiguous_format)
@@ -315,18 +317,24 @@ def fp8_linear_tp(x: torch.Tensor, group, weight: torch.Tensor, bias: torch.Tens
 
 
 def fp8_linears_regathered(x: torch.Tensor, group, shard: torch.Tensor, dim: int, weights: tuple, biases: tuple,
-                           recipe: str = "tensorwise") -> tuple[torch.Tensor, ...]:
-    """``fp8_linear_tp(x, group, weights[i], biases[i], recipe, "out")`` for each i, where ``x`` is ``gather_to(shard,
-    group, dim)`` (sequence parallelism's column-parallel input): saving ``shard`` for backward rather than ``x`` and
-    all-gathering it again there, as :func:`fxshard.runtime.collectives.linears_regathered` does for the linears it
-    fuses (1/tp of the bytes); the amaxes of all the products in one all-reduce each way.  Under torch.compile, the
+                           recipe: str = "tensorwise", amax_group=None) -> tuple[torch.Tensor, ...]:
+    """``fp8_linear_tp(x, amax_group, weights[i], biases[i], recipe, "out")`` for each i, where ``x`` is
+    ``gather_to(shard, group, dim)`` (sequence parallelism's column-parallel input): saving ``shard`` for backward
+    rather than ``x`` and all-gathering it again there, as :func:`fxshard.runtime.collectives.linears_regathered` does
+    for the linears it fuses (1/tp of the bytes); the amaxes of all the products in one all-reduce each way, over
+    ``amax_group`` (default ``group``; under ``--cp`` the cp and tp ranks, tensorwise).  Under torch.compile, the
     ``fp8_linear_tp`` calls, for the compiler to choose what it saves."""
     if recipe not in RECIPES:
         raise ValueError(f"fp8 recipe {recipe!r}: expected one of {', '.join(RECIPES)}")
+    amax_group = group if amax_group is None else amax_group
+    if amax_group is not group and RECIPES[recipe].rowwise:
+        raise ValueError("fp8_linears_regathered: rowwise scales per token are each tp group's own; an amax_group "
+                         "beyond the gather's group is tensorwise's")
     if torch.compiler.is_compiling():
-        return tuple(_linear(x, group, w, b, recipe, "out") for w, b in zip(weights, biases, strict=True))
+        return tuple(_linear(x, amax_group, w, b, recipe, "out") for w, b in zip(weights, biases, strict=True))
     site = None if group is None else _site()
-    outs = _Fp8LinearsRegathered.apply(x, shard, RECIPES[recipe], group, dim, site, len(weights), *weights)
+    outs = _Fp8LinearsRegathered.apply(x, shard, RECIPES[recipe], (group, amax_group), dim, site, len(weights),
+                                       *weights)
     return tuple(out + b.to(out.dtype) if b is not None else out for out, b in zip(outs, biases, strict=True))
 
 

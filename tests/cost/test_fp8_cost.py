@@ -84,9 +84,10 @@ def test_under_sp_an_fp8_layer_keeps_what_a_bf16_layer_keeps(profiles):
 
 
 @pytest.mark.slow
-def test_an_fp8_search_proposes_fp8_layouts_and_none_fp8_refuses(profiles):
+def test_an_fp8_search_proposes_fp8_layouts_with_cp(profiles):
     """``plan --auto --dtype fp8``: the layouts are --dtype fp8 ones, so the command it prints compiles fp8 (it
-    printed --dtype bf16), and none holds --cp, which --fp8 refuses (Layout says why)."""
+    printed --dtype bf16); they hold --cp too, whose amaxes go over cp x tp (llama3.1-405b's published recipe is fp8
+    at cp2)."""
     from fxshard.cost.auto import compile_command
     from fxshard.cost.search import layouts, search
     from fxshard.cost.timemodel import Setting
@@ -95,5 +96,18 @@ def test_an_fp8_search_proposes_fp8_layouts_and_none_fp8_refuses(profiles):
     best = search(profiles["fp8"], h100, 8, Setting(32, 16, 8), "fp8", top=1).ranked[0]
     assert best.layout.fp8_recipe == "tensorwise" and "--dtype fp8" in compile_command(MODEL, best)
     every = list(layouts(profiles["fp8"], 8, Setting(32, 16, 8), "fp8"))
-    assert every and all(c.layout.cp == 1 for c in every)
-    assert any(c.layout.cp > 1 for c in layouts(profiles["bf16"], 8, Setting(32, 16, 8), "bf16"))
+    assert every and all(c.layout.fp8_recipe == "tensorwise" for c in every)
+    assert any(c.layout.cp > 1 and c.layout.tp > 1 for c in every)
+
+
+@pytest.mark.slow
+def test_under_cp_each_fp8_linear_all_reduces_its_amaxes_over_cp(profiles):
+    """At tp=1 the profile's fp8 linears communicate nothing; under --cp each all-reduces its input's and weight's
+    amax forward (8 bytes) and its gradient's backward (4) over cp, which the time model adds to the layer (with
+    tp's exposed communication: blocking, and nothing to overlap)."""
+    hw = load_hardware("h100")
+    ev = Evaluator(profiles["fp8"], hw)
+    alone, cp = (ev.piece("tp1", "block0", 2, 16, 1, c, 1, 1) for c in (1, 2))
+    assert alone.tp_fwd == alone.tp_bwd == 0
+    assert cp.tp_fwd == pytest.approx(7 * hw.collective_seconds("all_reduce", 8, 2, 1))
+    assert cp.tp_bwd == pytest.approx(7 * hw.collective_seconds("all_reduce", 4, 2, 1))

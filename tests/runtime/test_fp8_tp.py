@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from threaded_group import run_cases
+from threaded_group import ThreadedGroup, run_cases
 
 from fxshard.runtime import fp8 as rt_fp8
+from fxshard.testing import case_result
 
 TOKENS, IN, OUT = 24, 64, 32
 
@@ -115,3 +116,64 @@ def test_fp8_linears_regathered_is_the_unfused_linears_bit_for_bit(monkeypatch, 
         fused, unfused = found["fused"][rank], found["unfused"][rank]
         for a, b in zip(torch.utils._pytree.tree_leaves(fused), torch.utils._pytree.tree_leaves(unfused), strict=True):
             assert torch.equal(a, b), (recipe, rank)
+
+
+class _SubGroup(ThreadedGroup):
+    """Some ranks of a threaded world (a tp group inside cp x tp): its own barrier, ranks numbered among ``members``."""
+
+    def __init__(self, members: list[int]):
+        super().__init__(len(members))
+        self.members, self.parent = members, None
+
+    def rank(self) -> int:
+        return self.members.index(self.parent.rank())
+
+
+CP, TP = 2, 2  # mesh (cp, tp), tp innermost: rank r is cp r // 2, tp r % 2
+
+
+def _cp_tp_rank(world, tp_groups, recipe: str, amaxes_over_cp: bool):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(BATCH, SEQ, IN, generator=g) * torch.linspace(0.1, 20, IN)
+    x[:, SEQ // CP:] *= 1e3  # the second cp rank's tokens far larger: a scale over one cp rank's tokens is not one device's
+    ws = [torch.randn(OUT, IN, generator=g) * torch.logspace(-3, 3, OUT)[:, None] for _ in range(LINEARS)]
+    grads = [torch.randn(BATCH, SEQ, OUT, generator=g) * 1e-2 for _ in range(LINEARS)]
+    c, t = divmod(world.rank(), TP)
+    tp = tp_groups[c]
+    tp.parent = world
+    mine = x.chunk(CP, dim=1)[c]  # this cp rank's tokens
+    ws = [w.chunk(TP)[t].clone().requires_grad_() for w in ws]  # column-parallel: this tp rank's output features
+    grads = [gr.chunk(CP, dim=1)[c].chunk(TP, dim=-1)[t] for gr in grads]
+    gathered = mine.clone().requires_grad_()  # gather_to's output over tp; its input, tp's sp shard of cp's tokens
+    ys = rt_fp8.fp8_linears_regathered(gathered, tp, mine.chunk(TP, dim=1)[t].clone(), 1, tuple(ws),
+                                       (None,) * LINEARS, recipe, amax_group=world if amaxes_over_cp else tp)
+    torch.autograd.backward(list(ys), grads)
+    return [y.detach() for y in ys], [w.grad for w in ws]
+
+
+def test_fp8_linears_regathered_under_cp_scale_over_every_cp_and_tp_rank(monkeypatch):
+    """Under ``--cp`` with ``--tp --sp`` (llama3.1-405b's recipe) the fused fp8 linears gather over tp and all-reduce
+    their amaxes over cp x tp: each output (this cp rank's tokens, this tp rank's features) equals one device's bit
+    for bit, and each weight gradient's cp parts sum to one device's.  Amaxes over tp alone (the cp ranks' own
+    tokens) fail it."""
+    monkeypatch.setattr(rt_fp8, "_reduced", _threaded_max)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(BATCH, SEQ, IN, generator=g) * torch.linspace(0.1, 20, IN)
+    x[:, SEQ // CP:] *= 1e3
+    ws = [torch.randn(OUT, IN, generator=g) * torch.logspace(-3, 3, OUT)[:, None] for _ in range(LINEARS)]
+    grads = [torch.randn(BATCH, SEQ, OUT, generator=g) * 1e-2 for _ in range(LINEARS)]
+    ws = [w.requires_grad_() for w in ws]
+    ys = [rt_fp8.fp8_linear(x, w, None, "tensorwise") for w in ws]
+    torch.autograd.backward(ys, grads)
+    for over_cp in (True, False):
+        tp_groups = [_SubGroup([c * TP + t for t in range(TP)]) for c in range(CP)]
+        ranks = case_result(run_cases(_cp_tp_rank, CP * TP, [("case", (tp_groups, "tensorwise", over_cp))]), "case")
+        outputs_equal = all(torch.equal(ranks[c * TP + t][0][i], ys[i].chunk(CP, dim=1)[c].chunk(TP, dim=-1)[t])
+                            for c in range(CP) for t in range(TP) for i in range(LINEARS))
+        assert outputs_equal == over_cp, over_cp
+        if over_cp:
+            for t in range(TP):
+                for i in range(LINEARS):
+                    whole = ws[i].grad.chunk(TP)[t]
+                    torch.testing.assert_close(ranks[t][1][i] + ranks[TP + t][1][i], whole, rtol=0,
+                                               atol=4 * 2.0**-22 * float(whole.abs().max()))
