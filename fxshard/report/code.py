@@ -121,7 +121,7 @@ class ModuleLines:
 def rank_modules(source: str, group_size: int = 1) -> list[ModuleLines]:
     """The modules of a rank file in the file's order, each with its collective calls (``group_size``: the size
     of the tp group, for the gathered buffers)."""
-    from fxshard.ir.comm import KINDS
+    from fxshard.ir.comm import KINDS, REGATHERED
 
     modules: list[ModuleLines] = []
     cls, prefix, instances = "", "", 1
@@ -158,7 +158,7 @@ def rank_modules(source: str, group_size: int = 1) -> list[ModuleLines]:
             modules[-1].collectives.append(CallSite(
                 number, kind.name, m.group(1), shape, m.group(4), _said(kind, "forward"), _said(kind, "backward"),
                 _buffer(kind.forward, "forward", out_bytes, group_size),
-                _buffer(kind.backward, "backward", out_bytes, group_size)))
+                _buffer(kind.backward, "backward", out_bytes, group_size, kind.function in REGATHERED)))
     return modules
 
 
@@ -168,13 +168,16 @@ def _said(kind, direction: str) -> str | None:
     return " + ".join(f"{op} (amaxes)" if amaxes else op for op, amaxes in kind.ops(direction)) or None
 
 
-def _buffer(op: str | None, direction: str, out_bytes: int, n: int) -> int:
+def _buffer(op: str | None, direction: str, out_bytes: int, n: int, regathered: bool = False) -> int:
     """Bytes of the whole buffer of an operation, from the call's local output: a backward gather collects the
     gradient of a split output (n parts), a forward reduce-scatter reduces n parts' worth; otherwise the output
-    is the buffer (a gather's output is whole, a reduction's output is its input's shape)."""
+    is the buffer (a gather's output is whole, a reduction's output is its input's shape).  ``regathered``: the
+    fused linears that gather their sp shard again in backward, whose line states the gathered input, already
+    whole."""
     if op is None:
         return 0
-    grows = (op == "all_gather" and direction == "backward") or (op == "reduce_scatter" and direction == "forward")
+    grows = ((op == "all_gather" and direction == "backward" and not regathered)
+             or (op == "reduce_scatter" and direction == "forward"))
     return out_bytes * n if grows else out_bytes
 
 

@@ -142,3 +142,18 @@ def test_report_to_a_path_it_cannot_write_is_one_clear_line(out, tmp_path):
     for to, found in ((tmp_path / "nope" / "x.html", "found no folder"), (tmp_path, "found a folder")):
         result = CliRunner().invoke(app, ["report", str(out), "--to", str(to)])
         assert result.exit_code != 0 and found in result.output and "Traceback" not in result.output, result.output
+
+
+def test_fused_linears_under_sp_report_the_gathered_input_once(tmp_path):
+    """Under --sp the linears reading a gather_to keep its shard and gather it again in backward: that all-gather's
+    whole buffer is the gathered input, the bytes the gather_to before it moves forward (its line states them; the
+    report once multiplied them by tp)."""
+    compile_model(LLAMA, Layout(tp=2, sp=True), out=tmp_path)
+    mods = report_data(tmp_path, model=LLAMA).modules["rank_pp0_tp0.py"]
+    calls = [c for m in mods for c in m.collectives]
+    fused = [i for i, c in enumerate(calls) if c.op == "linears_regathered"]
+    assert fused
+    for i in fused:
+        gather = calls[i - 1]
+        assert gather.op == "gather_to" and gather.shape == calls[i].shape, (gather, calls[i])
+        assert calls[i].backward == "all_gather" and calls[i].backward_bytes == gather.forward_bytes > 0
