@@ -28,7 +28,6 @@ rank.  ``fxshard check`` runs them with a stand-in group that has ``rank`` and `
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.distributed as dist
@@ -48,13 +47,27 @@ def _size(group) -> int:
     return size if isinstance(size, int) else dist.get_world_size(group)
 
 
-@functools.lru_cache(maxsize=64)
+_ORDERS: dict[tuple[int, int, bool], torch.Tensor] = {}
+
+
 def _order(length: int, parts: int, balanced: bool) -> torch.Tensor:
+    """The cp order's positions (:func:`load_balanced_order`), kept per size only when made as a real tensor: one made
+    under a fake-tensor or meta trace (the compile's plan and checks run these functions on fake tensors) is that
+    trace's, and cached it would reach a later run in the same process, or a worker forked from it (a run after
+    ``fxshard.compile`` in one session: its cp forward read a fake tensor, and under --compile it crashed)."""
+    key = (length, parts, balanced)
+    order = _ORDERS.get(key) if isinstance(length, int) else None
+    if order is not None:
+        return order
     if not balanced:
-        return torch.arange(length)
-    chunk = length // (2 * parts)
-    starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in starts])
+        order = torch.arange(length)
+    else:
+        chunk = length // (2 * parts)
+        starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
+        order = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in starts])
+    if isinstance(length, int) and type(order) is torch.Tensor and not order.is_meta and len(_ORDERS) < 64:
+        _ORDERS[key] = order
+    return order
 
 
 def load_balanced_order(length: int, parts: int, balanced: bool = True) -> torch.Tensor:

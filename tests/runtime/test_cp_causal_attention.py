@@ -44,3 +44,18 @@ def test_blocks_merged_by_log_sum_exp_are_causal_attention(parts):
         total = total + (out * grad[:, :, mine]).sum()
     for got, ref in zip(torch.autograd.grad(total, (q, k, v)), want_grads, strict=True):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cp_order_made_under_a_fake_trace_is_not_kept_for_real_runs():
+    """The compile's plan and checks run cp's functions on fake tensors; the order they make there must not be what a
+    later run in the same process (or a worker forked from it) reads: it was, and ``fxshard verify --cp 2`` with
+    forked workers failed (a data-dependent error eager, SIGSEGV under --compile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxshard.runtime import context_parallel as rcp
+
+    with FakeTensorMode():
+        fake = rcp.load_balanced_order(28, 2)
+    assert type(fake) is not torch.Tensor
+    real = rcp.load_balanced_order(28, 2)
+    assert type(real) is torch.Tensor and real.tolist() == [*range(7), *range(21, 28), *range(7, 21)]
