@@ -60,6 +60,7 @@ CASES = {
     "llama-cp2": (LLAMA, Layout(cp=2, fp8=T)),
     "llama-tp2-sp-cp2": (LLAMA, Layout(tp=2, sp=True, cp=2, fp8=T)),
     "llama-tp2-cp2-ring-bf16": (LLAMA, Layout(tp=2, cp=2, cp_mode="ring", dtype="fp8")),
+    "mixtral-dp2-ep2-cp2": (MIXTRAL, Layout(dp=2, ep=2, cp=2, fp8=T)),  # world 8: experts over ep, attention over cp
     "gpt-tp2-bf16": (GPT, Layout(tp=2, dtype="fp8")),
     "gpt-dp2-zero3-bf16": (GPT, Layout(dp=2, zero=3, dtype="fp8")),
 }
