@@ -18,8 +18,9 @@ column-parallel ones reading an sp ``gather_to`` into ``rt.fp8_linears_regathere
 weight's ``copy_to`` sums the partial weight gradients as for a bf16 linear.  Refused, naming the module: a split
 weight whose parts several ranks hold alike (key/value heads fewer than tp: each rank's gradient of such a part is
 partial, so its amax is not the whole gradient's), and a linear whose input tp splits along its tokens as well as its
-weight.  Under ``--cp`` (tensorwise only: fxshard.ir.layout) every fp8 linear reads cp's share of the tokens, so
-each is ``rt.fp8_linear_tp`` over ``self.cp``, or ``self.cp_tp`` with tp (:func:`amax_group`).
+weight.  Under ``--cp`` every fp8 linear reads cp's share of the tokens, so each is ``rt.fp8_linear_tp`` over
+``self.cp`` (``split="rows"`` where tp leaves the weight whole), or ``self.cp_tp`` with tp, tensorwise only
+(fxshard.ir.layout refuses rowwise at cp and tp; :func:`amax_group`).
 """
 
 from __future__ import annotations

@@ -211,11 +211,11 @@ class Layout:
         """``--fp8`` and ``--dtype fp8`` (their module: fxshard/runtime/fp8.py)."""
         if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
             raise LayoutError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
-        if self.fp8_recipe == "rowwise" and self.cp > 1:
-            raise LayoutError(f"--cp {self.cp} with --fp8 rowwise: its scales per feature over the tokens would need "
-                              "each cp rank's amaxes all-reduced apart from its scales per token, which stay its own; "
-                              "fxshard reduces one amax buffer per call over cp, which is tensorwise's; use --fp8 "
-                              "tensorwise (--dtype fp8), or drop --cp")
+        if self.fp8_recipe == "rowwise" and self.cp > 1 and self.tp > 1:
+            raise LayoutError(f"--cp {self.cp} --tp {self.tp} with --fp8 rowwise: its scales per token need amaxes over "
+                              "tp alone and its scales per feature over the tokens amaxes over cp as well, two "
+                              "reductions where an fp8 call makes one; use --fp8 tensorwise (--dtype fp8), --tp 1, or "
+                              "drop --cp")
 
     def _check_lora(self) -> None:
         """``--lora R`` and the flags that only mean something with it (their module: fxshard/capture/lora.py)."""
