@@ -54,6 +54,10 @@ CASES: dict[str, tuple[Path | None, list[str]]] = {
     "llama-cp2": (LLAMA, ["--cp", "2"]),  # context parallelism (docs/context-parallel.md): allgather K/V
     "llama-cp2-ring": (LLAMA, ["--cp", "2", "--cp-mode", "ring"]),  # send/recv around the cp ring
     "llama-cp2-tp2-a2a": (LLAMA, ["--cp", "2", "--tp", "2", "--cp-mode", "a2a"]),  # Ulysses all-to-alls
+    # float8 products (torch._scaled_mm: compute capability 8.9+), the same recipe on one device (docs/fp8.md): the
+    # amaxes all-reduced over tp, and over cp x tp with the fused sp linears
+    "llama-tp2-sp-fp8": (LLAMA, ["--tp", "2", "--sp", "--fp8", "tensorwise"]),
+    "llama-cp2-tp2-sp-fp8": (LLAMA, ["--cp", "2", "--tp", "2", "--sp", "--fp8", "tensorwise"]),
     "llama-tp2-weights": (None, ["--tp", "2"]),  # a Hugging Face folder, --weights: see _weights_case
 }
 NEEDS_FIELD: dict[str, str] = {}  # a case that waits for a Layout field (none now: --cp has landed)
